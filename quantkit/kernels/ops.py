@@ -1,0 +1,77 @@
+"""The one entry point from modules into kernels.
+
+Modules call these functions with an explicit ``backend`` chosen once (at conversion or load):
+``"triton"`` runs the Triton kernels (registered torch.library custom ops, so they trace under
+torch.compile and capture in CUDA graphs), ``"torch"`` runs the pure-torch twins in
+``reference.py``. Nothing here sniffs devices per call or catches exceptions to fall back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantkit.kernels import reference
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """Turn ``"auto"`` into a concrete backend for ``device``; validate explicit choices."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    device = torch.device(device)
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend == "triton" and not triton_available():
+        raise ValueError("backend='triton' needs the triton package; install it or use backend='torch'")
+    return backend
+
+
+def _triton_ops():
+    # Imported on first use so that the torch path never pays for (or needs) Triton.
+    from quantkit.kernels import triton_ops
+
+    return triton_ops
+
+
+def scaled_mm(a, w, a_scale, w_scale, bias=None, activation="none", out_dtype=torch.bfloat16, backend="torch"):
+    """GEMM + dequantization + bias + activation; see ``reference.scaled_mm`` for the math."""
+    if backend == "triton":
+        return _triton_ops().scaled_mm(a, w, a_scale, w_scale, bias, activation, out_dtype)
+    return reference.scaled_mm(a, w, a_scale, w_scale, bias, activation, out_dtype)
+
+
+def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype=torch.bfloat16, backend="torch"):
+    """``act(gate) * up`` from one GEMM over the stacked [gate; up] weight."""
+    if backend == "triton":
+        return _triton_ops().gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation, out_dtype)
+    return reference.gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation, out_dtype)
+
+
+def quantize_per_token(x, dtype, backend="torch"):
+    """(M, K) float -> (q (M, K), scale (M,) fp32), symmetric, one scale per row."""
+    if backend == "triton":
+        return _triton_ops().quantize_per_token(x, dtype)
+    return reference.quantize_per_token(x, dtype)
+
+
+def quantize_per_tensor(x, scale, dtype, backend="torch"):
+    """(M, K) float -> (M, K) quantized with one static fp32 scale."""
+    if backend == "triton":
+        return _triton_ops().quantize_per_tensor(x, scale, dtype)
+    return reference.quantize_per_tensor(x, scale, dtype)
+
+
+def rms_norm_quant_per_token(x, weight, eps, dtype, residual=None, offset=0.0, backend="torch"):
+    """RMSNorm (+ residual add, + Gemma's 1 + w) fused with per-token quantization."""
+    if backend == "triton":
+        return _triton_ops().rms_norm_quant_per_token(x, weight, eps, dtype, residual, offset)
+    return reference.rms_norm_quant_per_token(x, weight, eps, dtype, residual, offset)

@@ -1,0 +1,196 @@
+"""Pure-torch twins of quantkit's kernels.
+
+Every Triton kernel in this package has a function here that computes the same thing, written
+for clarity rather than speed. They are the CPU path of the library and the oracle of the tests.
+
+Conventions shared with the kernels:
+- INT8 is symmetric in [-127, 127] (never -128, so negation is exact); FP8 is e4m3fn, max 448.
+- Scales are float32 and multiply the quantized value back: ``x ~= q * scale``.
+- INT8 products accumulate exactly in int32; FP8 products accumulate in float32.
+- The epilogue runs in float32: ``act(acc * a_scale[:, None] * w_scale[None, :] + bias)``,
+  then casts once to the output dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+INT8_MAX = 127.0
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# A scale is never smaller than this: an all-zero row quantizes to zeros instead of NaN.
+MIN_SCALE = 1e-12
+
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+ACTIVATIONS = ("none", "relu", "silu", "gelu", "gelu_tanh")
+
+
+def qmax_of(dtype: torch.dtype) -> float:
+    """Largest representable magnitude of a quantized dtype."""
+    if dtype == torch.int8:
+        return INT8_MAX
+    if dtype == torch.float8_e4m3fn:
+        return FP8_MAX
+    raise ValueError(f"quantized dtype {dtype} is not supported; use torch.int8 or torch.float8_e4m3fn")
+
+
+def cast_to_quantized(x_scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round an already-scaled float tensor onto the quantized grid (saturating)."""
+    qmax = qmax_of(dtype)
+    x_scaled = x_scaled.float().clamp(-qmax, qmax)
+    if dtype == torch.int8:
+        return torch.round(x_scaled).to(torch.int8)
+    return x_scaled.to(torch.float8_e4m3fn)
+
+
+def quantize_per_channel(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel quantization of an (N, K) weight -> (q (N, K), scale (N,) fp32)."""
+    amax = weight.detach().float().abs().amax(dim=1)
+    scale = (amax / qmax_of(dtype)).clamp_min(MIN_SCALE)
+    return cast_to_quantized(weight.float() / scale[:, None], dtype), scale
+
+
+def quantize_per_token(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric per-row quantization of an (M, K) activation -> (q (M, K), scale (M,) fp32)."""
+    amax = x.float().abs().amax(dim=-1)
+    scale = (amax / qmax_of(dtype)).clamp_min(MIN_SCALE)
+    return cast_to_quantized(x.float() / scale[:, None], dtype), scale
+
+
+def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Static quantization with one precomputed scale (a 1-element fp32 tensor)."""
+    return cast_to_quantized(x.float() / scale.float().reshape(()), dtype)
+
+
+def apply_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "none":
+        return x
+    if activation == "relu":
+        return torch.relu(x)
+    if activation == "silu":
+        return F.silu(x)
+    if activation == "gelu":
+        return F.gelu(x)
+    if activation == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    raise ValueError(f"activation={activation!r} is not supported; choose one of {ACTIVATIONS}")
+
+
+def int8_matmul_exact(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(M, K) int8 @ (N, K)^T int8 -> (M, N) int32, exactly.
+
+    float64 holds every partial sum exactly while K * 127 * 127 < 2**53, i.e. for any K a
+    model has; it is also far faster on CPU than integer matmul.
+    """
+    K = a.shape[-1]
+    if K * INT8_MAX * INT8_MAX >= 2**31:
+        raise ValueError(f"K={K} overflows an int32 accumulator; split the reduction")
+    return (a.double() @ w.double().t()).to(torch.int32)
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str = "none",
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``act((a @ w.T) * a_scale[:, None] * w_scale[None, :] + bias)`` in float32, cast to out_dtype.
+
+    a: (M, K) int8 or float8_e4m3fn; w: (N, K) same dtype; a_scale: (M,) or (1,)/() fp32;
+    w_scale: (N,) or (1,)/() fp32; bias: (N,) or None.
+    """
+    if a.dtype == torch.int8:
+        acc = int8_matmul_exact(a, w).float()
+    else:
+        acc = a.float() @ w.float().t()
+    out = acc * a_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)
+    if bias is not None:
+        out = out + bias.float()
+    return apply_activation(out, activation).to(out_dtype)
+
+
+def gated_scaled_mm(
+    a: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    activation: str = "silu",
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Gated MLP front half: ``act(a @ gate.T) * (a @ up.T)`` with [gate; up] stacked along N.
+
+    w_gate_up: (2 * N, K), rows [0, N) the gate and [N, 2N) the up projection; w_scale: (2 * N,).
+    Returns (M, N).
+    """
+    full = scaled_mm(a, w_gate_up, a_scale, w_scale, None, "none", torch.float32)
+    gate, up = full.chunk(2, dim=-1)
+    return (apply_activation(gate, activation) * up).to(out_dtype)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm in float32 with an optional residual added first; ``offset=1`` is Gemma's (1 + w).
+
+    Returns (normed in x.dtype, new residual = x + residual in x.dtype, or None without residual).
+    """
+    if residual is not None:
+        x = (x.float() + residual.float()).to(x.dtype)
+        new_residual = x
+    else:
+        new_residual = None
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (offset + weight.float())).to(x.dtype), new_residual
+
+
+def rms_norm_quant_per_token(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    dtype: torch.dtype,
+    residual: torch.Tensor | None = None,
+    offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """RMSNorm (+ residual) followed by per-token quantization of the normed rows.
+
+    Quantizes the float32 normed values directly (the fused kernel never rounds them to 16 bits).
+    Returns (q (M, K), scale (M,) fp32, new residual or None).
+    """
+    if residual is not None:
+        x = (x.float() + residual.float()).to(x.dtype)
+        new_residual = x
+    else:
+        new_residual = None
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight.float())
+    q, scale = quantize_per_token(normed, dtype)
+    return q, scale, new_residual
+
+
+def fp64_scaled_mm(a, w, a_scale, w_scale, bias=None, activation="none") -> torch.Tensor:
+    """The same quantized math as ``scaled_mm`` carried out in float64: the tests' ground truth."""
+    out = a.double() @ w.double().t()
+    out = out * a_scale.double().reshape(-1, 1) * w_scale.double().reshape(1, -1)
+    if bias is not None:
+        out = out + bias.double()
+    return apply_activation(out, activation)
+
+
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB (higher is better)."""
+    ref = reference.double()
+    noise = (ref - approx.double()).pow(2).sum().item()
+    signal = ref.pow(2).sum().item()
+    if noise == 0:
+        return math.inf
+    return 10.0 * math.log10(signal / noise)
