@@ -1,0 +1,187 @@
+"""What to quantize and how: one frozen, validated dataclass that round-trips to the checkpoint.
+
+``QuantConfig.preset("fp8")`` reads like the CLI flag ``--scheme fp8``. The checkpoint form is the
+compressed-tensors ``quantization_config`` that transformers and vLLM load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+WEIGHT_TYPES = ("int8", "fp8")
+ACTIVATION_MODES = ("dynamic", "static")
+ACTIVATION_OBSERVERS = ("absmax", "percentile", "mse")
+WEIGHT_OBSERVERS = ("absmax", "mse")
+BACKENDS = ("auto", "triton", "torch")
+
+# scheme name -> (weight type, activation mode)
+PRESETS: dict[str, tuple[str, str]] = {
+    "int8": ("int8", "dynamic"),
+    "int8-static": ("int8", "static"),
+    "fp8": ("fp8", "dynamic"),
+    "fp8-static": ("fp8", "static"),
+}
+
+
+class UnknownSchemeError(ValueError):
+    """A scheme name or a checkpoint's quantization_config that this version cannot handle."""
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """A W8A8 recipe.
+
+    Weights are always symmetric per output channel. Activations are quantized per token at run
+    time (``dynamic``) or with one per-tensor scale measured during calibration (``static``).
+    ``ignore`` holds glob patterns over module names (``"lm_head"``, ``"*.mlp.down_proj"``) that
+    stay in 16 bits.
+    """
+
+    weight_type: str = "int8"
+    activations: str = "dynamic"
+    ignore: tuple[str, ...] = ("lm_head",)
+    activation_observer: str = "absmax"
+    percentile: float = 99.99
+    weight_observer: str = "absmax"
+    smoothquant_alpha: float | None = None
+    gptq: bool = False
+    keep_sensitive: int = 0
+    backend: str = "auto"
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.weight_type not in WEIGHT_TYPES:
+            raise UnknownSchemeError(f"weight_type={self.weight_type!r} is not one of {WEIGHT_TYPES}")
+        if self.activations not in ACTIVATION_MODES:
+            raise ValueError(f"activations={self.activations!r} is not one of {ACTIVATION_MODES}")
+        if self.activation_observer not in ACTIVATION_OBSERVERS:
+            raise ValueError(
+                f"activation_observer={self.activation_observer!r} is not one of {ACTIVATION_OBSERVERS}"
+            )
+        if self.weight_observer not in WEIGHT_OBSERVERS:
+            raise ValueError(f"weight_observer={self.weight_observer!r} is not one of {WEIGHT_OBSERVERS}")
+        if not 0.0 < self.percentile <= 100.0:
+            raise ValueError(f"percentile={self.percentile} must be in (0, 100]")
+        if self.smoothquant_alpha is not None and not 0.0 <= self.smoothquant_alpha <= 1.0:
+            raise ValueError(f"smoothquant_alpha={self.smoothquant_alpha} must be in [0, 1]")
+        if self.gptq and self.weight_type != "int8":
+            raise ValueError("gptq=True is implemented for int8 weights only; use weight_type='int8'")
+        if self.keep_sensitive < 0:
+            raise ValueError(f"keep_sensitive={self.keep_sensitive} must be >= 0")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is not one of {BACKENDS}")
+        if isinstance(self.ignore, (str, list)):
+            object.__setattr__(self, "ignore", (self.ignore,) if isinstance(self.ignore, str) else tuple(self.ignore))
+
+    @classmethod
+    def preset(cls, scheme: str, **overrides: Any) -> "QuantConfig":
+        """The named recipe (``int8``, ``int8-static``, ``fp8``, ``fp8-static``) with optional overrides."""
+        if scheme not in PRESETS:
+            raise UnknownSchemeError(f"unknown scheme {scheme!r}; choose one of {', '.join(PRESETS)}")
+        weight_type, activations = PRESETS[scheme]
+        return cls(weight_type=weight_type, activations=activations, name=scheme, **overrides)
+
+    def replace(self, **changes: Any) -> "QuantConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def is_static(self) -> bool:
+        return self.activations == "static"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.int8 if self.weight_type == "int8" else torch.float8_e4m3fn
+
+    def is_ignored(self, module_name: str) -> bool:
+        """True if ``module_name`` matches an ignore pattern (exactly, as a glob, or by its last part)."""
+        leaf = module_name.rsplit(".", 1)[-1]
+        return any(fnmatch.fnmatchcase(module_name, p) or fnmatch.fnmatchcase(leaf, p) for p in self.ignore)
+
+    # --- the checkpoint's compressed-tensors quantization_config -------------------------------
+
+    def to_quantization_config(self, extra_ignore: tuple[str, ...] = ()) -> dict[str, Any]:
+        """The ``quantization_config`` entry of config.json (compressed-tensors layout).
+
+        ``extra_ignore`` lists concrete module names kept in 16 bits (e.g. sensitive layers).
+        """
+        kind = "int" if self.weight_type == "int8" else "float"
+        if self.is_static:
+            input_activations = {"num_bits": 8, "type": kind, "strategy": "tensor", "dynamic": False, "symmetric": True}
+        else:
+            input_activations = {"num_bits": 8, "type": kind, "strategy": "token", "dynamic": True, "symmetric": True}
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "int-quantized" if kind == "int" else "float-quantized",
+            "quantization_status": "compressed",
+            "ignore": list(self.ignore) + [n for n in extra_ignore if n not in self.ignore],
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 8, "type": kind, "strategy": "channel", "symmetric": True, "dynamic": False},
+                    "input_activations": input_activations,
+                }
+            },
+            # quantkit's own record of the recipe; other loaders ignore unknown keys.
+            "quantkit": {
+                "scheme": self.name,
+                "activation_observer": self.activation_observer,
+                "percentile": self.percentile,
+                "weight_observer": self.weight_observer,
+                "smoothquant_alpha": self.smoothquant_alpha,
+                "gptq": self.gptq,
+                "keep_sensitive": self.keep_sensitive,
+            },
+        }
+
+    @classmethod
+    def from_quantization_config(cls, qc: dict[str, Any]) -> "QuantConfig":
+        """Read a checkpoint's ``quantization_config``; refuse anything this version cannot run."""
+        if qc.get("quant_method") != "compressed-tensors":
+            raise UnknownSchemeError(
+                f"quant_method={qc.get('quant_method')!r} is not supported; quantkit loads 'compressed-tensors'"
+            )
+        if qc.get("quantization_status", "compressed") != "compressed":
+            raise UnknownSchemeError(
+                f"quantization_status={qc.get('quantization_status')!r} is not supported; expected 'compressed'"
+            )
+        groups = qc.get("config_groups") or {}
+        if len(groups) != 1:
+            raise UnknownSchemeError(f"{len(groups)} config_groups found; quantkit supports exactly one")
+        group = next(iter(groups.values()))
+        weights, acts = group.get("weights") or {}, group.get("input_activations") or {}
+        kind = weights.get("type")
+        expected_format = {"int": "int-quantized", "float": "float-quantized"}.get(kind)
+        if (
+            expected_format is None
+            or qc.get("format") != expected_format
+            or weights.get("num_bits") != 8
+            or weights.get("strategy") != "channel"
+            or not weights.get("symmetric", False)
+            or acts.get("num_bits") != 8
+            or acts.get("type") != kind
+        ):
+            raise UnknownSchemeError(
+                f"quantization scheme (format={qc.get('format')!r}, weights={weights}, input_activations={acts}) "
+                "is not one this version of quantkit knows; it runs 8-bit symmetric per-channel weights"
+            )
+        if acts.get("strategy") == "token" and acts.get("dynamic") is True:
+            activations = "dynamic"
+        elif acts.get("strategy") == "tensor" and acts.get("dynamic") is False:
+            activations = "static"
+        else:
+            raise UnknownSchemeError(f"input_activations={acts} is not supported; use per-token dynamic or per-tensor static")
+        extra = qc.get("quantkit") or {}
+        fields = {f.name for f in dataclasses.fields(cls)}
+        recipe = {k: v for k, v in extra.items() if k in fields and k != "scheme"}
+        return cls(
+            weight_type="int8" if kind == "int" else "fp8",
+            activations=activations,
+            ignore=tuple(qc.get("ignore") or ()),
+            name=extra.get("scheme", "custom"),
+            **recipe,
+        )
