@@ -1,0 +1,395 @@
+"""INT8 / FP8 scaled GEMM on tensor cores with a fused dequant + bias + activation epilogue.
+
+    out[m, n] = act(acc[m, n] * a_scale[m] * w_scale[n] + bias[n])      (fp32, then cast once)
+    acc       = sum_k a[m, k] * w[n, k]      int32 for INT8 (exact), fp32 for FP8 e4m3fn
+
+``a`` is the (M, K) quantized activation, ``w`` the (N, K) weight exactly as a checkpoint stores
+it (K contiguous: the "transposed B" layout Hopper's FP8 tensor cores want), so no copy is made.
+
+The gated variant reads a stacked [gate; up] weight of 2N rows and has each program compute the
+gate tile of columns [n0, n0 + BLOCK_N) *and* the matching up tile (rows N + n0 ...), sharing
+the A tile loaded once per K step; the epilogue writes act(gate) * up, N columns, once.
+
+Layers: ``_scaled_mm_kernel`` (@triton.jit) -> ``scaled_mm`` / ``gated_scaled_mm`` launchers
+(validate, allocate, grid) -> registered ops in ``triton_ops.py``. The torch twin is
+``reference.scaled_mm``.
+
+Tuning: autotuned over a few configs per M bucket (key N, K, M_BUCKET) on the GPU; decode sizes
+(M <= 16) get GEMV-like configs (a 16-row tile, narrow N tiles, long K tiles, deep pipelines) so
+that enough programs stream the weight to saturate memory bandwidth. Under the interpreter one
+fixed config is used (autotune with several configs fails there; cost is per program).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantkit.kernels.quant import cast_for_store, is_interpreted
+from quantkit.kernels.reference import ACTIVATIONS, INT8_MAX, QUANT_DTYPES
+
+ACTIVATION_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}  # none=0 relu=1 silu=2 gelu=3 gelu_tanh=4
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Rows of a and w must start on 16-byte boundaries for wide loads (and the tensor-core paths
+# of cuBLAS/_scaled_mm have the same rule); with 1-byte elements that is K % 16 == 0.
+K_ALIGNMENT = 16
+# Largest K whose INT8 dot products cannot overflow an int32 accumulator.
+MAX_INT8_K = (2**31 - 1) // int(INT8_MAX * INT8_MAX)
+
+
+@triton.jit
+def apply_activation(x, ACTIVATION: tl.constexpr):
+    """fp32 activation; codes follow reference.ACTIVATIONS (none, relu, silu, gelu, gelu_tanh)."""
+    if ACTIVATION == 1:
+        x = tl.maximum(x, 0.0)
+    elif ACTIVATION == 2:
+        x = x * tl.sigmoid(x)
+    elif ACTIVATION == 3:
+        x = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+    elif ACTIVATION == 4:
+        # tanh(y) = 2 * sigmoid(2y) - 1: no libdevice tanh (absent under the interpreter), and
+        # sigmoid saturates cleanly to 0/1 for large |y| instead of producing inf/inf.
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        x = 0.5 * x * (2.0 * tl.sigmoid(2.0 * inner))
+    return x
+
+
+@triton.jit
+def _scaled_mm_kernel(
+    a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr,
+    M, N, K, M_BUCKET,
+    stride_am, stride_wn, stride_om,
+    IS_INT8: tl.constexpr,
+    A_PER_TOKEN: tl.constexpr,
+    W_PER_CHANNEL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
+    RAW_ACC: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Grouped program order: GROUP_M row-tiles walk the N tiles together, so the weight tiles
+    # they share are still in L2 when the next row-tile needs them.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    group_id = pid // pids_per_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % pids_per_group) % group_size_m)
+    pid_n = (pid % pids_per_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows past M / N are wrapped onto valid rows instead of masked: the loads stay unmasked
+    # (vectorized) and the extra results are simply not stored.
+    rows_a = offs_m % M
+    rows_w = offs_n % N
+    a_ptrs = a_ptr + rows_a.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    # Loaded as a (BLOCK_K, BLOCK_N) tile of the (N, K) weight: K-contiguous B for tl.dot.
+    w_ptrs = w_ptr + rows_w.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    if GATED:
+        w_up_ptrs = w_ptrs + N * stride_wn
+
+    if IS_INT8:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        if GATED:
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if GATED:
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    for k_start in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_mask = offs_k < K - k_start
+            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+        acc = tl.dot(a, w, acc)
+        if GATED:
+            if EVEN_K:
+                w_up = tl.load(w_up_ptrs)
+            else:
+                w_up = tl.load(w_up_ptrs, mask=k_mask[:, None], other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up)
+            w_up_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if RAW_ACC:
+        # Test hook: the int32 accumulator itself, to compare exactly with an integer matmul.
+        tl.store(out_ptrs, acc, mask=out_mask)
+        return
+
+    # Epilogue in fp32, in the reference's order: (acc * a_scale) * w_scale + bias.
+    if A_PER_TOKEN:
+        a_scale = tl.load(a_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
+    else:
+        a_scale = tl.load(a_scale_ptr)
+    if W_PER_CHANNEL:
+        w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+        if GATED:
+            w_scale_up = tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0)[None, :]
+    else:
+        w_scale = tl.load(w_scale_ptr)
+        if GATED:
+            w_scale_up = w_scale
+    out = acc.to(tl.float32) * a_scale * w_scale
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = apply_activation(out, ACTIVATION)
+    if GATED:
+        out = out * (acc_up.to(tl.float32) * a_scale * w_scale_up)
+    tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs
+# ----------------------------------------------------------------------------------------------
+
+
+def _cfg(bm, bn, bk, warps, stages, group_m=8):
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m}, num_warps=warps, num_stages=stages
+    )
+
+
+# Decode (M <= 16): bandwidth-bound on the weight. A 16-row tile wastes no MMA rows worth
+# mentioning; narrow N tiles and long K tiles give 64..512 programs, each with several
+# K-steps of weight in flight, so the whole chip streams the weight.
+SMALL_M_CONFIGS = [
+    _cfg(16, 32, 256, 4, 4),
+    _cfg(16, 32, 512, 4, 4),
+    _cfg(16, 64, 256, 4, 4),
+    _cfg(16, 64, 512, 4, 3),
+    _cfg(16, 128, 256, 4, 4),
+    _cfg(16, 16, 512, 4, 4),
+]
+# 17 <= M <= 128: still mostly weight-bound; tiles that cover M in one or two row-tiles.
+MEDIUM_M_CONFIGS = [
+    _cfg(32, 64, 256, 4, 4),
+    _cfg(64, 64, 256, 4, 4),
+    _cfg(64, 128, 128, 4, 4),
+    _cfg(64, 128, 256, 4, 3),
+    _cfg(128, 128, 128, 8, 4),
+    _cfg(64, 256, 128, 8, 3),
+]
+# M > 128: compute-bound; large wgmma tiles, 3-4 stage pipelines.
+LARGE_M_CONFIGS = [
+    _cfg(128, 256, 128, 8, 3),
+    _cfg(256, 128, 128, 8, 3),
+    _cfg(128, 128, 128, 8, 4),
+    _cfg(128, 128, 128, 4, 4),
+    _cfg(128, 256, 64, 8, 4),
+    _cfg(128, 64, 128, 4, 4),
+]
+
+
+def m_bucket(M: int) -> int:
+    """Autotune key for M: a new batch size retunes only when it crosses a power of two."""
+    return triton.next_power_of_2(max(1, min(M, 4096)))
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    M = named_args["M"]
+    gated = named_args.get("GATED", kwargs.get("GATED", False))
+    family = SMALL_M_CONFIGS if M <= 16 else MEDIUM_M_CONFIGS if M <= 128 else LARGE_M_CONFIGS
+    wanted = {id(c) for c in family}
+    pool = [c for c in configs if id(c) in wanted]
+    if gated:
+        # Two accumulators: keep the tile's registers (and shared memory) in budget.
+        pool = [c for c in pool if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128] or pool[:1]
+    return pool
+
+
+def _even_k(args):
+    return args["K"] % args["BLOCK_K"] == 0
+
+
+_scaled_mm_autotuned = triton.autotune(
+    configs=SMALL_M_CONFIGS + MEDIUM_M_CONFIGS + LARGE_M_CONFIGS,
+    key=["N", "K", "M_BUCKET", "IS_INT8", "GATED", "HAS_BIAS", "ACTIVATION"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)(triton.heuristics({"EVEN_K": _even_k})(_scaled_mm_kernel))
+
+# One config under the interpreter: big tiles (cost is per program), K tile 64 so test shapes
+# exercise both the multi-step K loop and the masked K tail.
+INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4}
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation (shapes/dtypes only: shared with the fake implementations)
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_scale(scale: torch.Tensor, name: str, length: int, length_name: str, ref: torch.Tensor) -> bool:
+    """Validate a scale; returns True when it is a vector (one entry per row / channel)."""
+    if scale.dtype != torch.float32:
+        raise ValueError(f"{name}.dtype={scale.dtype}; scales must be float32: pass {name}.float()")
+    if scale.device != ref.device:
+        raise ValueError(f"{name} is on {scale.device} but the operands are on {ref.device}")
+    if scale.numel() == 1:
+        return False
+    if scale.dim() != 1 or scale.shape[0] != length:
+        raise ValueError(
+            f"{name} has shape {tuple(scale.shape)}; expected ({length},) (one per {length_name}) or a single "
+            f"element. A (N, 1) checkpoint scale must be passed as scale.view(-1)"
+        )
+    if scale.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous: pass {name}.contiguous()")
+    return True
+
+
+def check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype, gated=False):
+    """Raise ValueError naming the problem for anything the kernel cannot take; return (M, N_out, K)."""
+    if a.dim() != 2 or w.dim() != 2:
+        raise ValueError(
+            f"a and w must be 2-D, got a {tuple(a.shape)} and w {tuple(w.shape)}; flatten leading dims of a"
+        )
+    if a.dtype not in QUANT_DTYPES:
+        raise ValueError(f"a.dtype={a.dtype}; the GEMM takes int8 or float8_e4m3fn: quantize the activation first")
+    if w.dtype != a.dtype:
+        raise ValueError(f"w.dtype={w.dtype} != a.dtype={a.dtype}; quantize both to the same dtype")
+    M, K = a.shape
+    N_w, K_w = w.shape
+    if K_w != K:
+        raise ValueError(f"K mismatch: a is (M={M}, K={K}) but w is (N={N_w}, K={K_w}); w must be (N, K)")
+    if K % K_ALIGNMENT != 0:
+        raise ValueError(
+            f"K={K} is not a multiple of {K_ALIGNMENT}; pad K with zero columns in both a and w "
+            f"(zeros do not change the product)"
+        )
+    if a.dtype == torch.int8 and K > MAX_INT8_K:
+        raise ValueError(f"K={K} > {MAX_INT8_K} could overflow the int32 accumulator; split the reduction")
+    for name, t in (("a", a), ("w", w)):
+        if t.shape[0] > 1 and t.shape[1] > 0 and (t.stride(1) != 1 or t.stride(0) % K_ALIGNMENT != 0):
+            raise ValueError(
+                f"{name} has strides {t.stride()}; the kernel needs unit stride along K and a row stride "
+                f"that is a multiple of {K_ALIGNMENT}: pass {name}.contiguous()"
+            )
+    if w.device != a.device:
+        raise ValueError(f"w is on {w.device} but a is on {a.device}")
+    if gated:
+        if N_w % 2 != 0:
+            raise ValueError(f"w_gate_up has {N_w} rows; it must stack gate and up, 2 * N rows")
+        N = N_w // 2
+    else:
+        N = N_w
+    _check_scale(a_scale, "a_scale", M, "token (row of a)", a)
+    _check_scale(w_scale, "w_scale", N_w, "output channel (row of w)", a)
+    if bias is not None:
+        if gated:
+            raise ValueError("the gated GEMM takes no bias")
+        if bias.dim() != 1 or bias.shape[0] != N:
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({N},)")
+        if not bias.dtype.is_floating_point:
+            raise ValueError(f"bias.dtype={bias.dtype} must be a float dtype")
+        if bias.device != a.device:
+            raise ValueError(f"bias is on {bias.device} but a is on {a.device}")
+        if N > 1 and bias.stride(0) != 1:
+            raise ValueError("bias must be contiguous: pass bias.contiguous()")
+    if activation not in ACTIVATION_CODES:
+        raise ValueError(f"activation={activation!r} is not supported; choose one of {ACTIVATIONS}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype={out_dtype} is not supported; use torch.bfloat16, torch.float16 or torch.float32")
+    return M, N, K
+
+
+def _is_vector_scale(scale: torch.Tensor, length: int) -> bool:
+    # A 1-element scale is a broadcast scalar even when length == 1 (same result either way).
+    return scale.numel() != 1
+
+
+def _check_runnable(a: torch.Tensor) -> None:
+    if a.device.type != "cuda" and not is_interpreted():
+        raise ValueError(
+            f"the Triton kernels need CUDA tensors (a is on {a.device}); use backend='torch' on CPU "
+            "or set TRITON_INTERPRET=1 before importing quantkit"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _launch(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config=None):
+    M, K = a.shape
+    N = out.shape[1]
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        # Empty reduction: acc is 0 everywhere; let the reference semantics hold without a launch.
+        raise ValueError("K=0: nothing to multiply; the GEMM needs K >= 16")
+    args = (a, w, out, a_scale, w_scale, bias if bias is not None else a_scale,
+            M, N, K, m_bucket(M), a.stride(0), w.stride(0), out.stride(0))
+    flags = dict(
+        IS_INT8=a.dtype == torch.int8,
+        A_PER_TOKEN=_is_vector_scale(a_scale, M),
+        W_PER_CHANNEL=_is_vector_scale(w_scale, w.shape[0]),
+        HAS_BIAS=bias is not None,
+        ACTIVATION=ACTIVATION_CODES[activation],
+        GATED=gated,
+        RAW_ACC=raw_acc,
+    )
+    if is_interpreted() or config is not None:
+        cfg = dict(config or INTERPRETER_CONFIG)
+        num_warps = cfg.pop("num_warps", 4)
+        num_stages = cfg.pop("num_stages", 3)
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+        _scaled_mm_kernel[grid](
+            *args, **flags, INTERPRETED=is_interpreted(), EVEN_K=K % cfg["BLOCK_K"] == 0, **cfg,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+    else:
+        def grid(meta):
+            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+        _scaled_mm_autotuned[grid](*args, **flags, INTERPRETED=False)
+    return out
+
+
+def scaled_mm(a, w, a_scale, w_scale, bias=None, activation="none", out_dtype=torch.bfloat16, config=None):
+    """``act((a @ w.T) * a_scale[:, None] * w_scale[None, :] + bias)`` -> (M, N) out_dtype.
+
+    ``config`` (dict of BLOCK_M/N/K, GROUP_M, num_warps, num_stages) bypasses autotuning; it is
+    for benchmarks and tests.
+    """
+    M, N, _ = check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype)
+    _check_runnable(a)
+    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    return _launch(a, w, a_scale, w_scale, bias, out, activation, gated=False, raw_acc=False, config=config)
+
+
+def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype=torch.bfloat16, config=None):
+    """``act(gate) * up`` for a stacked (2N, K) [gate; up] weight -> (M, N), one GEMM, one write."""
+    M, N, _ = check_scaled_mm_args(a, w_gate_up, a_scale, w_scale, None, activation, out_dtype, gated=True)
+    _check_runnable(a)
+    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    return _launch(a, w_gate_up, a_scale, w_scale, None, out, activation, gated=True, raw_acc=False, config=config)
+
+
+def int8_matmul_accumulator(a, w, config=None):
+    """(M, K) int8 @ (N, K)^T int8 -> the kernel's raw (M, N) int32 accumulator (exactness tests)."""
+    if a.dtype != torch.int8:
+        raise ValueError(f"a.dtype={a.dtype}; the raw accumulator exists for int8 only")
+    ones = torch.ones(1, dtype=torch.float32, device=a.device)
+    M, N, _ = check_scaled_mm_args(a, w, ones, ones, None, "none", torch.float32)
+    _check_runnable(a)
+    out = torch.empty((M, N), dtype=torch.int32, device=a.device)
+    return _launch(a, w, ones, ones, None, out, "none", gated=False, raw_acc=True, config=config)

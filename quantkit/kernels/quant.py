@@ -1,0 +1,357 @@
+"""Activation quantization kernels: per-token dynamic, static per-tensor, RMSNorm fused with
+per-token quantization. Also the rounding helpers the GEMM epilogue shares.
+
+Each kernel has a launcher (validate, allocate, pick the grid) and a torch twin in
+``reference.py`` that defines what it computes; ``triton_ops.py`` registers the launchers as
+torch.library custom ops.
+
+Numerics match the reference bit for bit where the math allows it: the scale is
+``max(amax / qmax, MIN_SCALE)`` and values are *divided* by it with IEEE division
+(``div_rn``: Triton's plain ``/`` is an approximate division on NVIDIA GPUs, which would move
+some values across a rounding boundary), then rounded half-to-even like ``torch.round``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from quantkit.kernels.reference import FP8_MAX, INT8_MAX, MIN_SCALE, QUANT_DTYPES, qmax_of
+
+# A whole row stays in registers up to this many elements (one read of the input); longer rows
+# take two passes (the second mostly hits L2).
+MAX_SINGLE_PASS_K = 16384
+# Chunk width of the two-pass path and the static quantizer.
+CHUNK_K = 4096
+
+FLOAT_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def is_interpreted() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def tl_dtype_of(dtype: torch.dtype):
+    return {
+        torch.float32: tl.float32,
+        torch.float16: tl.float16,
+        torch.bfloat16: tl.bfloat16,
+        torch.int8: tl.int8,
+        torch.float8_e4m3fn: tl.float8e4nv,
+    }[dtype]
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared @triton.jit helpers
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def round_half_even(x):
+    """Round fp32 to the nearest integer, ties to even, for |x| < 2**22.
+
+    Adding and removing 1.5 * 2**23 pushes the fraction bits out of the fp32 mantissa, so the
+    hardware's round-to-nearest-even addition does the rounding. libdevice's rint would do the
+    same on the GPU but does not exist under the interpreter; this works on both.
+    """
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def round_to_e4m3_grid(x):
+    """Round fp32 (already clamped to +-448) onto the float8_e4m3fn grid, ties to even.
+
+    Only needed under the interpreter, whose fp32 -> fp8 cast truncates: after this the cast is
+    exact. e4m3 has 3 mantissa bits and its smallest normal exponent is -6, so the spacing of the
+    grid around x is 2**(max(exponent(x), -6) - 3); scaling by powers of two is exact.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    ulp_exponent = tl.maximum(exponent, -6) - 3
+    to_units = ((127 - ulp_exponent) << 23).to(tl.float32, bitcast=True)
+    from_units = ((127 + ulp_exponent) << 23).to(tl.float32, bitcast=True)
+    return round_half_even(x * to_units) * from_units
+
+
+@triton.jit
+def round_to_bf16_grid(x):
+    """Round fp32 to the nearest bfloat16 value (ties to even), still as fp32.
+
+    The interpreter's fp32 -> bf16 cast truncates; pre-rounding makes it exact. The GPU's cast
+    already rounds to nearest even, so callers use this only when interpreted.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    lsb = (bits >> 16) & 1
+    bits = (bits + 0x7FFF + lsb) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def cast_for_store(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """fp32 -> DTYPE with round-to-nearest-even on the GPU and under the interpreter alike."""
+    if INTERPRETED and DTYPE == tl.bfloat16:
+        x = round_to_bf16_grid(x)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def quantize_with_scale(x, scale, IS_FP8: tl.constexpr, INTERPRETED: tl.constexpr):
+    """fp32 x / scale -> saturated, rounded int8 or float8_e4m3fn (the reference's cast_to_quantized)."""
+    scaled = tl.math.div_rn(x, scale)
+    if IS_FP8:
+        scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
+        if INTERPRETED:
+            scaled = round_to_e4m3_grid(scaled)
+        return scaled.to(tl.float8e4nv)
+    else:
+        scaled = tl.minimum(tl.maximum(scaled, -127.0), 127.0)
+        return round_half_even(scaled).to(tl.int8)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_per_token_kernel(
+    x_ptr, q_ptr, scale_ptr,
+    K, stride_xm, stride_qm,
+    QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr, IS_FP8: tl.constexpr,
+    BLOCK_K: tl.constexpr, SINGLE_PASS: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    q_row = q_ptr + row * stride_qm
+    cols = tl.arange(0, BLOCK_K)
+    if SINGLE_PASS:
+        mask = cols < K
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=0)
+        scale = tl.maximum(tl.math.div_rn(amax, QMAX), MIN_SCALE_C)
+        tl.store(q_row + cols, quantize_with_scale(x, scale, IS_FP8, INTERPRETED), mask=mask)
+    else:
+        running_amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            mask = start + cols < K
+            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            running_amax = tl.maximum(running_amax, tl.abs(x))
+        amax = tl.max(running_amax, axis=0)
+        scale = tl.maximum(tl.math.div_rn(amax, QMAX), MIN_SCALE_C)
+        for start in range(0, K, BLOCK_K):
+            mask = start + cols < K
+            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_row + start + cols, quantize_with_scale(x, scale, IS_FP8, INTERPRETED), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+@triton.jit
+def _quantize_per_tensor_kernel(
+    x_ptr, q_ptr, scale_ptr,
+    K, stride_xm, stride_qm,
+    IS_FP8: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = cols < K
+    scale = tl.load(scale_ptr)
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(q_ptr + row * stride_qm + cols, quantize_with_scale(x, scale, IS_FP8, INTERPRETED), mask=mask)
+
+
+@triton.jit
+def _rms_norm_quant_kernel(
+    x_ptr, residual_ptr, new_residual_ptr, weight_ptr, q_ptr, scale_ptr,
+    K, stride_xm, stride_rm, stride_nrm, stride_qm, eps, offset,
+    QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr, IS_FP8: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        summed = x.to(tl.float32) + tl.load(residual_ptr + row * stride_rm + cols, mask=mask, other=0.0).to(
+            tl.float32
+        )
+        # The residual stream stays in the activation dtype (as in the model), and the norm
+        # reads the rounded sum, exactly as the unfused model would.
+        summed = cast_for_store(summed, x_ptr.dtype.element_ty, INTERPRETED)
+        tl.store(new_residual_ptr + row * stride_nrm + cols, summed, mask=mask)
+        x = summed
+    x = x.to(tl.float32)
+    mean_square = tl.sum(x * x, axis=0) / K
+    rstd = 1.0 / tl.math.sqrt_rn(mean_square + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = x * rstd * (offset + weight)
+    amax = tl.max(tl.abs(normed), axis=0)
+    scale = tl.maximum(tl.math.div_rn(amax, QMAX), MIN_SCALE_C)
+    tl.store(q_ptr + row * stride_qm + cols, quantize_with_scale(normed, scale, IS_FP8, INTERPRETED), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation (shared by the launchers and the ops' fake implementations: shapes and dtypes only)
+# ----------------------------------------------------------------------------------------------
+
+
+def check_quant_dtype(dtype: torch.dtype) -> None:
+    if dtype not in QUANT_DTYPES:
+        raise ValueError(f"dtype={dtype} is not a quantized dtype; use torch.int8 or torch.float8_e4m3fn")
+
+
+def check_activation_input(x: torch.Tensor, name: str = "x") -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (M, K), got shape {tuple(x.shape)}; flatten leading dims first")
+    if x.dtype not in FLOAT_INPUT_DTYPES:
+        raise ValueError(f"{name}.dtype={x.dtype} is not supported; use float32, float16 or bfloat16")
+    if x.shape[1] > 0 and x.stride(1) != 1:
+        raise ValueError(f"{name} has stride {x.stride()} along K; the kernel needs unit stride: pass {name}.contiguous()")
+
+
+def check_rms_norm_args(x, weight, residual) -> None:
+    check_activation_input(x)
+    K = x.shape[1]
+    if weight.dim() != 1 or weight.shape[0] != K:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}; RMSNorm over K={K} needs shape ({K},)")
+    if not weight.dtype.is_floating_point:
+        raise ValueError(f"weight.dtype={weight.dtype} must be a float dtype")
+    if weight.stride(0) != 1 and K > 1:
+        raise ValueError("weight must be contiguous; pass weight.contiguous()")
+    if K > MAX_SINGLE_PASS_K:
+        raise ValueError(f"K={K} > {MAX_SINGLE_PASS_K}: the fused RMSNorm keeps a row in registers; "
+                         "use the unfused norm + quantize_per_token for such rows")
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+        if residual.dtype != x.dtype:
+            raise ValueError(f"residual.dtype={residual.dtype} != x.dtype={x.dtype}; cast one of them")
+        if K > 0 and residual.stride(1) != 1:
+            raise ValueError("residual needs unit stride along K: pass residual.contiguous()")
+    for name, tensor in (("weight", weight), ("residual", residual)):
+        if tensor is not None and tensor.device != x.device:
+            raise ValueError(f"{name} is on {tensor.device} but x is on {x.device}")
+
+
+def _check_runnable(x: torch.Tensor) -> None:
+    if x.device.type != "cuda" and not is_interpreted():
+        raise ValueError(
+            f"the Triton kernels need CUDA tensors (x is on {x.device}); use backend='torch' on CPU "
+            "or set TRITON_INTERPRET=1 before importing quantkit"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _row_warps(block_k: int) -> int:
+    # Enough threads that each holds ~16 elements of the row (wide loads, no register spill).
+    return max(1, min(16, block_k // 512))
+
+
+def quantize_per_token(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) float -> (q (M, K) dtype, scale (M,) fp32); one program per row, one read when K <= 16384."""
+    check_activation_input(x)
+    check_quant_dtype(dtype)
+    _check_runnable(x)
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=dtype, device=x.device)
+    scale = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M == 0:
+        return q, scale
+    if K == 0:
+        return q, scale.fill_(MIN_SCALE)
+    single_pass = K <= MAX_SINGLE_PASS_K
+    block_k = triton.next_power_of_2(K) if single_pass else CHUNK_K
+    _quantize_per_token_kernel[(M,)](
+        x, q, scale, K, x.stride(0), q.stride(0),
+        QMAX=qmax_of(dtype), MIN_SCALE_C=MIN_SCALE, IS_FP8=dtype == torch.float8_e4m3fn,
+        BLOCK_K=block_k, SINGLE_PASS=single_pass, INTERPRETED=is_interpreted(),
+        num_warps=_row_warps(block_k),
+    )
+    return q, scale
+
+
+def check_per_tensor_scale(scale: torch.Tensor, x: torch.Tensor) -> None:
+    if scale.numel() != 1:
+        raise ValueError(f"scale has {scale.numel()} elements; static per-tensor quantization takes one")
+    if scale.dtype != torch.float32:
+        raise ValueError(f"scale.dtype={scale.dtype}; pass a float32 scale (scale.float())")
+    if scale.device != x.device:
+        raise ValueError(f"scale is on {scale.device} but x is on {x.device}")
+
+
+def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(M, K) float -> (M, K) dtype with one static fp32 scale (1 element)."""
+    check_activation_input(x)
+    check_quant_dtype(dtype)
+    check_per_tensor_scale(scale, x)
+    _check_runnable(x)
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=dtype, device=x.device)
+    if M == 0 or K == 0:
+        return q
+    block_k = min(CHUNK_K, triton.next_power_of_2(K))
+    _quantize_per_tensor_kernel[(M, triton.cdiv(K, block_k))](
+        x, q, scale, K, x.stride(0), q.stride(0),
+        IS_FP8=dtype == torch.float8_e4m3fn, BLOCK_K=block_k, INTERPRETED=is_interpreted(),
+        num_warps=_row_warps(block_k),
+    )
+    return q
+
+
+def rms_norm_quant_per_token(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    dtype: torch.dtype,
+    residual: torch.Tensor | None = None,
+    offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """RMSNorm (+ residual added first, + Gemma's offset) fused with per-token quantization.
+
+    Returns (q (M, K), scale (M,) fp32, new residual (x + residual in x.dtype) or None).
+    """
+    check_rms_norm_args(x, weight, residual)
+    check_quant_dtype(dtype)
+    _check_runnable(x)
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=dtype, device=x.device)
+    scale = torch.empty((M,), dtype=torch.float32, device=x.device)
+    new_residual = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+    if M == 0:
+        return q, scale, new_residual
+    if K == 0:
+        return q, scale.fill_(MIN_SCALE), new_residual
+    block_k = triton.next_power_of_2(K)
+    # Unused pointers still need a tensor; x itself is a harmless stand-in.
+    residual_arg = residual if residual is not None else x
+    new_residual_arg = new_residual if new_residual is not None else x
+    _rms_norm_quant_kernel[(M,)](
+        x, residual_arg, new_residual_arg, weight, q, scale,
+        K, x.stride(0), residual_arg.stride(0), new_residual_arg.stride(0), q.stride(0), float(eps), float(offset),
+        QMAX=qmax_of(dtype), MIN_SCALE_C=MIN_SCALE, IS_FP8=dtype == torch.float8_e4m3fn,
+        HAS_RESIDUAL=residual is not None, BLOCK_K=block_k, INTERPRETED=is_interpreted(),
+        num_warps=_row_warps(block_k),
+    )
+    return q, scale, new_residual
+
+
+__all__ = [
+    "FP8_MAX",
+    "INT8_MAX",
+    "quantize_per_token",
+    "quantize_per_tensor",
+    "rms_norm_quant_per_token",
+    "round_half_even",
+    "round_to_e4m3_grid",
+    "round_to_bf16_grid",
+    "cast_for_store",
+    "is_interpreted",
+]

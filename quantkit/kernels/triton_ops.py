@@ -1,0 +1,149 @@
+"""The Triton kernels registered as torch.library custom ops (namespace ``quantkit``).
+
+Registering them makes each launch one opaque node for torch.compile (fullgraph=True works, the
+autotuner and the launcher's Python never get traced) and lets CUDA graphs capture them. The
+fake implementations run the launchers' own shape/dtype validation, so a bad call fails the same
+way while tracing as it does eagerly.
+
+``torch.library.custom_op`` (not ``triton_op``/``wrap_triton``): the latter fails opcheck and
+torch.compile on CPU tensors, which is how the CI runs these kernels under the interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantkit.kernels import gemm, quant
+
+
+# ---------------------------------------------------------------------------------------------- GEMMs
+
+
+@torch.library.custom_op("quantkit::scaled_mm", mutates_args=())
+def _scaled_mm_op(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return gemm.scaled_mm(a, w, a_scale, w_scale, bias, activation, out_dtype)
+
+
+@_scaled_mm_op.register_fake
+def _(a, w, a_scale, w_scale, bias, activation, out_dtype):
+    M, N, _ = gemm.check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype)
+    return a.new_empty((M, N), dtype=out_dtype)
+
+
+@torch.library.custom_op("quantkit::gated_scaled_mm", mutates_args=())
+def _gated_scaled_mm_op(
+    a: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    activation: str,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return gemm.gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation, out_dtype)
+
+
+@_gated_scaled_mm_op.register_fake
+def _(a, w_gate_up, a_scale, w_scale, activation, out_dtype):
+    M, N, _ = gemm.check_scaled_mm_args(a, w_gate_up, a_scale, w_scale, None, activation, out_dtype, gated=True)
+    return a.new_empty((M, N), dtype=out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------- quantization
+
+
+@torch.library.custom_op("quantkit::quantize_per_token", mutates_args=())
+def _quantize_per_token_op(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return quant.quantize_per_token(x, dtype)
+
+
+@_quantize_per_token_op.register_fake
+def _(x, dtype):
+    quant.check_activation_input(x)
+    quant.check_quant_dtype(dtype)
+    M, K = x.shape
+    return x.new_empty((M, K), dtype=dtype), x.new_empty((M,), dtype=torch.float32)
+
+
+@torch.library.custom_op("quantkit::quantize_per_tensor", mutates_args=())
+def _quantize_per_tensor_op(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return quant.quantize_per_tensor(x, scale, dtype)
+
+
+@_quantize_per_tensor_op.register_fake
+def _(x, scale, dtype):
+    quant.check_activation_input(x)
+    quant.check_quant_dtype(dtype)
+    quant.check_per_tensor_scale(scale, x)
+    return x.new_empty(x.shape, dtype=dtype)
+
+
+# Two ops rather than one with an optional output: custom ops cannot return Optional tensors.
+@torch.library.custom_op("quantkit::rms_norm_quant_per_token", mutates_args=())
+def _rms_norm_quant_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype, offset: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale, _ = quant.rms_norm_quant_per_token(x, weight, eps, dtype, None, offset)
+    return q, scale
+
+
+@_rms_norm_quant_op.register_fake
+def _(x, weight, eps, dtype, offset):
+    quant.check_rms_norm_args(x, weight, None)
+    quant.check_quant_dtype(dtype)
+    M, K = x.shape
+    return x.new_empty((M, K), dtype=dtype), x.new_empty((M,), dtype=torch.float32)
+
+
+@torch.library.custom_op("quantkit::add_rms_norm_quant_per_token", mutates_args=())
+def _add_rms_norm_quant_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype, offset: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, scale, new_residual = quant.rms_norm_quant_per_token(x, weight, eps, dtype, residual, offset)
+    return q, scale, new_residual
+
+
+@_add_rms_norm_quant_op.register_fake
+def _(x, residual, weight, eps, dtype, offset):
+    quant.check_rms_norm_args(x, weight, residual)
+    quant.check_quant_dtype(dtype)
+    M, K = x.shape
+    return (
+        x.new_empty((M, K), dtype=dtype),
+        x.new_empty((M,), dtype=torch.float32),
+        x.new_empty((M, K), dtype=x.dtype),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- entry points
+# Same signatures as reference.py's twins; ops.py dispatches here for backend="triton".
+
+
+def scaled_mm(a, w, a_scale, w_scale, bias=None, activation="none", out_dtype=torch.bfloat16):
+    return _scaled_mm_op(a, w, a_scale, w_scale, bias, activation, out_dtype)
+
+
+def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype=torch.bfloat16):
+    return _gated_scaled_mm_op(a, w_gate_up, a_scale, w_scale, activation, out_dtype)
+
+
+def quantize_per_token(x, dtype):
+    return _quantize_per_token_op(x, dtype)
+
+
+def quantize_per_tensor(x, scale, dtype):
+    return _quantize_per_tensor_op(x, scale, dtype)
+
+
+def rms_norm_quant_per_token(x, weight, eps, dtype, residual=None, offset=0.0):
+    if residual is None:
+        q, scale = _rms_norm_quant_op(x, weight, float(eps), dtype, float(offset))
+        return q, scale, None
+    return _add_rms_norm_quant_op(x, residual, weight, float(eps), dtype, float(offset))
