@@ -1,0 +1,92 @@
+"""Rotary position embedding applied to q and k in one launch (rotate-half, HF Llama/Gemma).
+
+For each position the rotation needs cos/sin once; one program takes a block of positions of
+one sequence, loads their cos/sin halves once and walks over every q head and then every k
+head, so cos/sin are read from memory once instead of once per head. The math, per head and
+position, with ``x = [x1, x2]`` split at ``D / 2`` and HF's cos/sin (both halves stored):
+
+    out1 = x1 * cos[:D/2] - x2 * sin[:D/2]
+    out2 = x2 * cos[D/2:] + x1 * sin[D/2:]
+
+in float32, cast once to the input dtype. Inputs may be strided views (HF's (B, H, S, D) after
+a transpose); outputs are new contiguous (B, H, S, D) tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from quantkit.kernels.reference_attention import check_rope_inputs
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _rotate_heads(
+    X, OUT, x_off, o_off, stride_xh, stride_xs, stride_oh, stride_os, n_heads,
+    offs_s, offs_h, s_ok, cos1, cos2, sin1, sin2, HALF: tl.constexpr,
+):
+    for head in range(n_heads):
+        x_ptrs = X + x_off + head * stride_xh + offs_s[:, None] * stride_xs + offs_h[None, :]
+        x1 = tl.load(x_ptrs, mask=s_ok[:, None], other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptrs + HALF, mask=s_ok[:, None], other=0.0).to(tl.float32)
+        o_ptrs = OUT + o_off + head * stride_oh + offs_s[:, None] * stride_os + offs_h[None, :]
+        tl.store(o_ptrs, (x1 * cos1 - x2 * sin1).to(OUT.dtype.element_ty), mask=s_ok[:, None])
+        tl.store(o_ptrs + HALF, (x2 * cos2 + x1 * sin2).to(OUT.dtype.element_ty), mask=s_ok[:, None])
+
+
+@triton.jit
+def _rope_kernel(
+    Q, K, COS, SIN, Q_OUT, K_OUT,
+    stride_qb, stride_qh, stride_qs,
+    stride_kb, stride_kh, stride_ks,
+    stride_cb, stride_cs, stride_sb, stride_ss,
+    stride_qob, stride_qoh, stride_qos,
+    stride_kob, stride_koh, stride_kos,
+    seqlen, n_q_heads, n_kv_heads,
+    HALF: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    batch = tl.program_id(0).to(tl.int64)
+    offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_h = tl.arange(0, HALF)
+    s_ok = offs_s < seqlen
+    cos_ptrs = COS + batch * stride_cb + offs_s[:, None] * stride_cs + offs_h[None, :]
+    sin_ptrs = SIN + batch * stride_sb + offs_s[:, None] * stride_ss + offs_h[None, :]
+    # cos/sin upcast at once: also avoids bf16 arithmetic in the CPU interpreter.
+    cos1 = tl.load(cos_ptrs, mask=s_ok[:, None], other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptrs + HALF, mask=s_ok[:, None], other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptrs, mask=s_ok[:, None], other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptrs + HALF, mask=s_ok[:, None], other=0.0).to(tl.float32)
+    _rotate_heads(Q, Q_OUT, batch * stride_qb, batch * stride_qob, stride_qh, stride_qs, stride_qoh, stride_qos,
+                  n_q_heads, offs_s, offs_h, s_ok, cos1, cos2, sin1, sin2, HALF)
+    _rotate_heads(K, K_OUT, batch * stride_kb, batch * stride_kob, stride_kh, stride_ks, stride_koh, stride_kos,
+                  n_kv_heads, offs_s, offs_h, s_ok, cos1, cos2, sin1, sin2, HALF)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch RoPE on q and k; see ``reference_attention.apply_rope`` for the math."""
+    check_rope_inputs(q, k, cos, sin)
+    batch, n_q_heads, seqlen, head_dim = q.shape
+    n_kv_heads = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if q.numel() == 0:
+        return q_out, k_out
+    block_s = 64 if _INTERPRETED else 16
+    cos_batch_stride = 0 if cos.shape[0] == 1 else cos.stride(0)
+    sin_batch_stride = 0 if sin.shape[0] == 1 else sin.stride(0)
+    _rope_kernel[(batch, triton.cdiv(seqlen, block_s))](
+        q, k, cos, sin, q_out, k_out,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        cos_batch_stride, cos.stride(1), sin_batch_stride, sin.stride(1),
+        q_out.stride(0), q_out.stride(1), q_out.stride(2),
+        k_out.stride(0), k_out.stride(1), k_out.stride(2),
+        seqlen, n_q_heads, n_kv_heads,
+        HALF=head_dim // 2, BLOCK_S=block_s, num_warps=4,
+    )
+    return q_out, k_out
