@@ -255,14 +255,25 @@ def _row_warps(block_k: int) -> int:
     return max(1, min(16, block_k // 512))
 
 
-def quantize_per_token(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) float -> (q (M, K) dtype, scale (M,) fp32); one program per row, one read when K <= 16384."""
+def _output(out, shape, dtype, device, name):
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device or not out.is_contiguous():
+        raise ValueError(f"{name} is {tuple(out.shape)} {out.dtype}; expected a contiguous {tuple(shape)} {dtype} on {device}")
+    return out
+
+
+def quantize_per_token(x: torch.Tensor, dtype: torch.dtype, out=None, out_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) float -> (q (M, K) dtype, scale (M,) fp32); one program per row, one read when K <= 16384.
+
+    ``out`` / ``out_scale`` receive the results when given (tests poison them).
+    """
     check_activation_input(x)
     check_quant_dtype(dtype)
     _check_runnable(x)
     M, K = x.shape
-    q = torch.empty((M, K), dtype=dtype, device=x.device)
-    scale = torch.empty((M,), dtype=torch.float32, device=x.device)
+    q = _output(out, (M, K), dtype, x.device, "out")
+    scale = _output(out_scale, (M,), torch.float32, x.device, "out_scale")
     if M == 0:
         return q, scale
     if K == 0:
@@ -287,14 +298,14 @@ def check_per_tensor_scale(scale: torch.Tensor, x: torch.Tensor) -> None:
         raise ValueError(f"scale is on {scale.device} but x is on {x.device}")
 
 
-def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out=None) -> torch.Tensor:
     """(M, K) float -> (M, K) dtype with one static fp32 scale (1 element)."""
     check_activation_input(x)
     check_quant_dtype(dtype)
     check_per_tensor_scale(scale, x)
     _check_runnable(x)
     M, K = x.shape
-    q = torch.empty((M, K), dtype=dtype, device=x.device)
+    q = _output(out, (M, K), dtype, x.device, "out")
     if M == 0 or K == 0:
         return q
     block_k = min(CHUNK_K, triton.next_power_of_2(K))
@@ -313,6 +324,9 @@ def rms_norm_quant_per_token(
     dtype: torch.dtype,
     residual: torch.Tensor | None = None,
     offset: float = 0.0,
+    out=None,
+    out_scale=None,
+    out_residual=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """RMSNorm (+ residual added first, + Gemma's offset) fused with per-token quantization.
 
@@ -322,9 +336,9 @@ def rms_norm_quant_per_token(
     check_quant_dtype(dtype)
     _check_runnable(x)
     M, K = x.shape
-    q = torch.empty((M, K), dtype=dtype, device=x.device)
-    scale = torch.empty((M,), dtype=torch.float32, device=x.device)
-    new_residual = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+    q = _output(out, (M, K), dtype, x.device, "out")
+    scale = _output(out_scale, (M,), torch.float32, x.device, "out_scale")
+    new_residual = _output(out_residual, (M, K), x.dtype, x.device, "out_residual") if residual is not None else None
     if M == 0:
         return q, scale, new_residual
     if K == 0:
