@@ -1,0 +1,211 @@
+"""Prefill flash attention and split-KV decode attention vs their torch twins and torch SDPA.
+
+Runs under TRITON_INTERPRET=1 on CPU (tests/conftest.py): shapes are small, blocks large.
+fp32 inputs must match the fp32 oracles to ~1e-5; bf16 inputs to the bf16 rounding level.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quantkit.kernels import attention_ops, reference_attention
+
+FP32_TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Every torch.empty / empty_like returns NaNs: an element a kernel forgets to write shows."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(real_empty_like(*a, **kw)))
+
+
+def sdpa_causal(q, k, v, scale, window=None):
+    """torch SDPA in fp32 on (B, H, S, D), bottom-right causal (+ window) as an explicit mask."""
+    n_queries, n_keys = q.shape[-2], k.shape[-2]
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    pos = torch.arange(n_queries)[:, None] + n_keys - n_queries
+    key = torch.arange(n_keys)[None, :]
+    visible = key <= pos
+    if window is not None:
+        visible &= key > pos - window
+    return F.scaled_dot_product_attention(q.float(), k, v, attn_mask=visible, scale=scale)
+
+
+# (seq, head_dim, n_q_heads, n_kv_heads, window): odd lengths, every head_dim, MHA/GQA/MQA.
+PREFILL_CASES = [
+    (1, 64, 4, 2, None),
+    (13, 128, 4, 1, None),
+    (100, 64, 4, 2, None),
+    (257, 64, 2, 1, None),
+    (100, 256, 2, 2, None),
+    (13, 256, 4, 1, 5),
+    (257, 128, 2, 1, 64),
+    (100, 64, 4, 4, 1),
+    (257, 64, 2, 2, 100),
+]
+
+
+@pytest.mark.parametrize(
+    "seq,head_dim,n_q_heads,n_kv_heads,window",
+    PREFILL_CASES,
+    ids=[f"s{s}-d{d}-h{hq}x{hkv}-w{w}" for s, d, hq, hkv, w in PREFILL_CASES],
+)
+def test_prefill_fp32_matches_twin_and_sdpa(seq, head_dim, n_q_heads, n_kv_heads, window, poisoned_empty):
+    torch.manual_seed(seq * head_dim + n_q_heads)
+    q = torch.randn(2, n_q_heads, seq, head_dim)
+    k = torch.randn(2, n_kv_heads, seq, head_dim)
+    v = torch.randn(2, n_kv_heads, seq, head_dim)
+    scale = 1.0 / math.sqrt(head_dim) * 1.7  # not the default, so a dropped scale shows
+    out = attention_ops.flash_attention(q, k, v, scale, window, backend="triton")
+    twin = attention_ops.flash_attention(q, k, v, scale, window, backend="torch")
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, twin, **FP32_TOL)
+    torch.testing.assert_close(out, sdpa_causal(q, k, v, scale, window), **FP32_TOL)
+    if window is None:
+        group = n_q_heads // n_kv_heads
+        plain = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=True, scale=scale
+        )
+        torch.testing.assert_close(out, plain, **FP32_TOL)
+
+
+def test_prefill_bf16_strided_views_continue_a_cache():
+    """bf16, HF's (B, S, H, D) -> transpose views, and more keys than queries (cached prefix)."""
+    torch.manual_seed(1)
+    q = torch.randn(2, 37, 4, 128).bfloat16().transpose(1, 2)
+    k = torch.randn(2, 100, 2, 128).bfloat16().transpose(1, 2)
+    v = torch.randn(2, 100, 2, 128).bfloat16().transpose(1, 2)
+    out = attention_ops.flash_attention(q, k, v, 0.1, None, backend="triton")
+    assert out.dtype == torch.bfloat16
+    ref = sdpa_causal(q, k, v, 0.1)
+    assert rel_err(out, ref) < 1e-2
+    # the window variant, with the queries at the end of the keys
+    out_w = attention_ops.flash_attention(q, k, v, 0.1, 20, backend="triton")
+    assert rel_err(out_w, sdpa_causal(q, k, v, 0.1, 20)) < 1e-2
+
+
+def test_prefill_packed_sequences_match_per_sequence_sdpa(poisoned_empty):
+    torch.manual_seed(2)
+    lens_q = [1, 70, 13, 33]
+    lens_k = [1, 70, 20, 33]  # the third sequence continues a 7-token prefix
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(lens_q), 4, 64)
+    k = torch.randn(sum(lens_k), 1, 64)
+    v = torch.randn(sum(lens_k), 1, 64)
+    for window in (None, 9):
+        out = attention_ops.flash_attention(q, k, v, 0.2, window, cu_q, cu_k, max(lens_q), backend="triton")
+        twin = attention_ops.flash_attention(q, k, v, 0.2, window, cu_q, cu_k, backend="torch")
+        torch.testing.assert_close(out, twin, **FP32_TOL)
+        for b in range(len(lens_q)):
+            sl_q = slice(cu_q[b], cu_q[b + 1])
+            sl_k = slice(cu_k[b], cu_k[b + 1])
+            ref = sdpa_causal(q[sl_q].transpose(0, 1)[None], k[sl_k].transpose(0, 1)[None],
+                              v[sl_k].transpose(0, 1)[None], 0.2, window)
+            torch.testing.assert_close(out[sl_q], ref[0].transpose(0, 1), **FP32_TOL)
+
+
+DECODE_CASES = [
+    (64, 8, 2, None),
+    (128, 4, 1, None),
+    (256, 2, 1, None),
+    (128, 8, 8, 50),
+    (64, 4, 1, 1),
+]
+
+
+@pytest.mark.parametrize(
+    "head_dim,n_q_heads,n_kv_heads,window",
+    DECODE_CASES,
+    ids=[f"d{d}-h{hq}x{hkv}-w{w}" for d, hq, hkv, w in DECODE_CASES],
+)
+def test_decode_matches_twin_and_sdpa(head_dim, n_q_heads, n_kv_heads, window, poisoned_empty):
+    torch.manual_seed(head_dim + n_q_heads)
+    capacity = 300
+    lengths = [1, 13, 257, 300]
+    q = torch.randn(len(lengths), n_q_heads, head_dim)
+    k_cache = torch.randn(len(lengths), n_kv_heads, capacity, head_dim)
+    v_cache = torch.randn(len(lengths), n_kv_heads, capacity, head_dim)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    out = attention_ops.decode_attention(q, k_cache, v_cache, seqlens, 0.15, window, backend="triton")
+    twin = attention_ops.decode_attention(q, k_cache, v_cache, seqlens, 0.15, window, backend="torch")
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, twin, **FP32_TOL)
+    for b, length in enumerate(lengths):
+        ref = sdpa_causal(q[b][None, :, None], k_cache[b : b + 1, :, :length], v_cache[b : b + 1, :, :length], 0.15, window)
+        torch.testing.assert_close(out[b], ref[0, :, 0], **FP32_TOL)
+
+
+def test_decode_bf16_with_max_seqlen_and_empty_sequence():
+    torch.manual_seed(3)
+    q = torch.randn(3, 8, 128).bfloat16()
+    k_cache = torch.randn(3, 2, 200, 128).bfloat16()
+    v_cache = torch.randn(3, 2, 200, 128).bfloat16()
+    seqlens = torch.tensor([0, 64, 150], dtype=torch.int32)
+    out = attention_ops.decode_attention(q, k_cache, v_cache, seqlens, 0.09, max_seqlen=150, backend="triton")
+    ref = reference_attention.decode_attention(q.float(), k_cache.float(), v_cache.float(), seqlens, 0.09)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))  # no keys: defined as zeros
+    assert rel_err(out[1:], ref[1:]) < 1e-2
+
+
+def test_custom_ops_pass_opcheck():
+    torch.manual_seed(4)
+    q, k, v = torch.randn(1, 2, 5, 64), torch.randn(1, 1, 5, 64), torch.randn(1, 1, 5, 64)
+    torch.library.opcheck(torch.ops.quantkit.flash_attention.default, (q, k, v, 0.125, None, None, None, None),
+                          test_utils=("test_schema", "test_faketensor"))
+    seqlens = torch.tensor([3], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.quantkit.decode_attention.default,
+                          (q[:, :, 0], k, v, seqlens, 0.125, None, None), test_utils=("test_schema", "test_faketensor"))
+
+
+def _qkv(q_shape, kv_shape, dtype=torch.float32):
+    return torch.randn(q_shape, dtype=dtype), torch.randn(kv_shape, dtype=dtype), torch.randn(kv_shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_prefill_bad_input_raises_before_launch(backend):
+    cases = [
+        (_qkv((1, 2, 8, 96), (1, 2, 8, 96)), {}, "head_dim=96"),
+        (_qkv((1, 3, 8, 64), (1, 2, 8, 64)), {}, "multiple of n_kv_heads"),
+        (_qkv((1, 2, 9, 64), (1, 2, 8, 64)), {}, "fewer keys"),
+        (_qkv((1, 2, 8, 64), (1, 2, 8, 64)), {"window": 0}, "window"),
+        (_qkv((10, 2, 64), (10, 2, 64)), {"cu_seqlens_q": torch.tensor([0, 10]), "cu_seqlens_k": torch.tensor([0, 10])}, "int32"),
+    ]
+    for (q, k, v), kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            attention_ops.flash_attention(q, k, v, 0.1, backend=backend, **kwargs)
+    q, k, v = _qkv((1, 2, 8, 64), (1, 2, 8, 64))
+    with pytest.raises(ValueError, match="dtypes differ"):
+        attention_ops.flash_attention(q, k.half(), v, 0.1, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_decode_bad_input_raises_before_launch(backend):
+    q = torch.randn(2, 4, 64)
+    cache = torch.randn(2, 2, 16, 64)
+    seqlens = torch.tensor([3, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="capacity 16"):
+        attention_ops.decode_attention(q, cache, cache, seqlens, 0.1, max_seqlen=17, backend=backend)
+    with pytest.raises(ValueError, match="int32"):
+        attention_ops.decode_attention(q, cache, cache, seqlens.long(), 0.1, backend=backend)
+    with pytest.raises(ValueError, match="head_dim=32"):
+        attention_ops.decode_attention(torch.randn(2, 4, 32), torch.randn(2, 2, 16, 32), torch.randn(2, 2, 16, 32),
+                                       seqlens, 0.1, backend=backend)
+    with pytest.raises(ValueError, match="backend"):
+        attention_ops.decode_attention(q, cache, cache, seqlens, 0.1, backend="auto")

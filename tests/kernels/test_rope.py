@@ -1,0 +1,76 @@
+"""RoPE kernel vs its twin and transformers' own apply_rotary_pos_emb (Llama convention)."""
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from quantkit.kernels import attention_ops
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Every torch.empty / empty_like returns NaNs: an element a kernel forgets to write shows."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(real_empty_like(*a, **kw)))
+
+
+def hf_cos_sin(batch: int, seq: int, head_dim: int, base: float = 10000.0):
+    """cos/sin as HF's rotary embedding builds them: both halves repeated, random positions."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    positions = torch.randint(0, 4096, (batch, seq)).float()
+    freqs = positions[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+CASES = [(1, 64, 4, 2), (13, 128, 4, 1), (100, 256, 2, 2), (257, 64, 8, 1)]
+
+
+@pytest.mark.parametrize("seq,head_dim,n_q_heads,n_kv_heads", CASES, ids=[f"s{s}-d{d}-h{q}x{k}" for s, d, q, k in CASES])
+def test_rope_fp32_matches_hf_and_twin(seq, head_dim, n_q_heads, n_kv_heads, poisoned_empty):
+    torch.manual_seed(seq + head_dim)
+    q = torch.randn(2, n_q_heads, seq, head_dim)
+    k = torch.randn(2, n_kv_heads, seq, head_dim)
+    cos, sin = hf_cos_sin(2, seq, head_dim)
+    q_out, k_out = attention_ops.apply_rope(q, k, cos, sin, backend="triton")
+    q_hf, k_hf = apply_rotary_pos_emb(q, k, cos, sin)
+    q_twin, k_twin = attention_ops.apply_rope(q, k, cos, sin, backend="torch")
+    torch.testing.assert_close(q_out, q_hf, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_out, k_hf, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(q_out, q_twin, rtol=0, atol=0)
+    torch.testing.assert_close(k_out, k_twin, rtol=0, atol=0)
+
+
+def test_rope_bf16_strided_views_and_shared_positions():
+    """HF hands over transposed (B, S, H, D) views; cos/sin with batch 1 broadcast."""
+    torch.manual_seed(5)
+    q = torch.randn(3, 13, 4, 128).bfloat16().transpose(1, 2)
+    k = torch.randn(3, 13, 2, 128).bfloat16().transpose(1, 2)
+    cos, sin = hf_cos_sin(1, 13, 128)
+    q_out, k_out = attention_ops.apply_rope(q, k, cos.bfloat16(), sin.bfloat16(), backend="triton")
+    q_ref, k_ref = apply_rotary_pos_emb(q.float(), k.float(), cos.bfloat16().float(), sin.bfloat16().float())
+    assert q_out.dtype == torch.bfloat16 and q_out.is_contiguous()
+    # one bf16 rounding of O(1) values: 2**-8 relative
+    torch.testing.assert_close(q_out.float(), q_ref, rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(k_out.float(), k_ref, rtol=8e-3, atol=8e-3)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_rope_bad_input_raises(backend):
+    q, k = torch.randn(1, 2, 5, 64), torch.randn(1, 1, 5, 64)
+    cos, sin = hf_cos_sin(1, 5, 64)
+    with pytest.raises(ValueError, match="cos must be"):
+        attention_ops.apply_rope(q, k, cos[:, :4], sin, backend=backend)
+    with pytest.raises(ValueError, match="does not match q"):
+        attention_ops.apply_rope(q, k[:, :, :4], cos, sin, backend=backend)
+    with pytest.raises(ValueError, match="power of two"):
+        attention_ops.apply_rope(q[..., :48], k[..., :48], cos[..., :48], sin[..., :48], backend=backend)
+    with pytest.raises(ValueError, match="dtype"):
+        attention_ops.apply_rope(q.to(torch.float64), k, cos, sin, backend=backend)
