@@ -1,0 +1,190 @@
+"""SmoothQuant is an exact identity in floating point and really flattens activation outliers."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
+
+from quantkit.calibration.smoothquant import find_smoothing_groups, smooth_model, smoothing_scales
+from quantkit.kernels.reference import quantize_per_tensor, qmax_of
+
+VOCAB = 257
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models: OpenMP spin-up costs more than the work when cores are shared.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _llama():
+    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    for name, p in model.named_parameters():
+        if p.dim() == 1:  # norms start at 1: make them non-trivial so a wrong fold shows
+            p.data.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def _gemma3():
+    config = Gemma3TextConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, sliding_window=8,
+                              layer_types=["sliding_attention", "full_attention"])
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    for name, p in model.named_parameters():
+        if p.dim() == 1:  # Gemma norms are (1 + w) with w = 0 at init
+            p.data.normal_(0.0, 0.4)
+    return model.eval()
+
+
+MODELS = [pytest.param(_llama, id="llama"), pytest.param(_gemma3, id="gemma3")]
+
+
+def _blocks(n=5, seq=23, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(3, VOCAB, (n, seq), generator=g)
+    blocks[:, 0] = 2  # BOS
+    return blocks
+
+
+def _with_outliers(model):
+    # Real LLMs have a few huge activation channels; give the input norms some.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.input_layernorm, getattr(layer, "post_attention_layernorm", None)):
+                if norm is not None:
+                    norm.weight[[3, 41]] = 30.0
+    return model
+
+
+@pytest.mark.parametrize("make_model", MODELS)
+def test_logits_unchanged(make_model):
+    torch.manual_seed(0)
+    model = make_model()
+    blocks = _blocks()
+    with torch.no_grad():
+        before = model(input_ids=blocks).logits
+    weights_before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    report = smooth_model(model, blocks, alpha=0.5, batch_size=2, progress=False)
+    with torch.no_grad():
+        after = model(input_ids=blocks).logits
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5 * float(before.abs().max()))
+    # The mechanism must have found every exact group of each decoder layer ...
+    found = {(g["producer"].split(".", 2)[-1], tuple(c.rsplit(".", 1)[-1] for c in g["consumers"])) for g in report["groups"]}
+    mlp_norm = "post_attention_layernorm" if "llama" in type(model).__name__.lower() else "pre_feedforward_layernorm"
+    for i in range(2):
+        assert (f"{i}.input_layernorm", ("k_proj", "q_proj", "v_proj")) in found
+        assert (f"{i}.{mlp_norm}", ("gate_proj", "up_proj")) in found
+        assert (f"{i}.self_attn.v_proj", ("o_proj",)) in found
+        assert (f"{i}.mlp.up_proj", ("down_proj",)) in found
+    assert len(report["groups"]) == 8
+    # ... and really rescaled them (an identity that changes nothing proves nothing).
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, weights_before[n])]
+    assert any("o_proj" in n for n in changed) and any("input_layernorm" in n for n in changed)
+    assert report["probe_relative_change"] < 1e-5
+
+
+def test_gqa_channel_map_repeats_kv_heads():
+    model = _llama()  # 4 query heads over 2 kv heads, head_dim 16
+    groups, _ = find_smoothing_groups(model, _blocks(1, 17))
+    (vo,) = [g for g in groups if g.producer.endswith("0.self_attn.v_proj")]
+    head_dim, n_rep = 16, 2
+    expected = torch.tensor([((c // head_dim) // n_rep) * head_dim + c % head_dim for c in range(64)])
+    assert torch.equal(vo.channel_maps[0], expected)
+
+
+@pytest.mark.parametrize("make_model", MODELS)
+def test_outliers_flattened_and_static_int8_error_drops(make_model):
+    torch.manual_seed(1)
+    model = _with_outliers(make_model())
+    blocks = _blocks(6, 31, seed=1)
+    q_proj = model.model.layers[1].self_attn.q_proj
+
+    def static_int8_error():
+        seen = {}
+        handle = q_proj.register_forward_pre_hook(lambda _m, args: seen.setdefault("x", args[0].detach().clone()))
+        with torch.no_grad():
+            model.model(input_ids=blocks)
+        handle.remove()
+        x = seen["x"].reshape(-1, 64)
+        scale = (x.abs().max() / qmax_of(torch.int8)).reshape(1)
+        x_q = quantize_per_tensor(x, scale, torch.int8).float() * scale
+        weight = q_proj.weight.detach()
+        y, y_q = x @ weight.t(), x_q @ weight.t()
+        return float((y - y_q).norm() / y.norm()), float(x.abs().amax(0).max() / x.abs().amax(0).median())
+
+    error_before, spread_before = static_int8_error()
+    report = smooth_model(model, blocks, alpha=0.5, batch_size=3, progress=False)
+    error_after, spread_after = static_int8_error()
+    assert spread_after < 0.3 * spread_before
+    assert error_after < 0.5 * error_before
+    (entry,) = [g for g in report["groups"] if g["producer"] == "model.layers.1.input_layernorm"]
+    assert {o["channel"] for o in entry["outlier_channels"]["top"]} >= {3, 41}
+
+
+class _ToyModel(nn.Module):
+    """Embedding -> LayerNorm -> Linear -> ReLU -> Linear, optionally with the norm output also added back."""
+
+    def __init__(self, residual: bool):
+        super().__init__()
+        self.residual = residual
+        self.embed = nn.Embedding(VOCAB, 24)
+        self.norm = nn.LayerNorm(24)
+        self.fc1 = nn.Linear(24, 24)
+        self.fc2 = nn.Linear(24, 11)
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 2.0)
+            self.norm.bias.uniform_(-1.0, 1.0)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, input_ids, use_cache=False):
+        h = self.norm(self.embed(input_ids))
+        h = torch.relu(self.fc1(h)) + (h if self.residual else 0.0)
+        return self.fc2(h)
+
+
+def test_layernorm_with_bias_is_folded_exactly():
+    torch.manual_seed(2)
+    model = _ToyModel(residual=False).eval()
+    blocks = _blocks(4, 9)
+    with torch.no_grad():
+        before = model(blocks)
+    report = smooth_model(model, blocks, alpha=0.7, progress=False, probe_tokens=9)
+    # ReLU is positively homogeneous, so fc1 -> relu -> fc2 is an exact pair too: the probe finds it.
+    assert [g["producer"] for g in report["groups"]] == ["norm", "fc1"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(blocks), before, rtol=1e-5, atol=1e-5)
+
+
+def test_norm_that_also_feeds_a_residual_is_skipped():
+    torch.manual_seed(3)
+    model = _ToyModel(residual=True).eval()
+    blocks = _blocks(4, 9)
+    with torch.no_grad():
+        before = model(blocks)
+    report = smooth_model(model, blocks, alpha=0.5, progress=False, probe_tokens=9)
+    assert report["groups"] == []
+    assert any(s["module"] == "norm" and "not exact" in s["reason"] for s in report["skipped"])
+    with torch.no_grad():
+        torch.testing.assert_close(model(blocks), before, rtol=0, atol=0)
+
+
+def test_scales_formula():
+    act = torch.tensor([4.0, 0.0, 9.0])
+    weight = torch.tensor([1.0, 2.0, 4.0])
+    s = smoothing_scales(act, weight, alpha=0.5)
+    torch.testing.assert_close(s, torch.tensor([2.0, 1.0, 1.5], dtype=torch.float64))
+
+
+def test_bad_arguments():
+    model = _ToyModel(residual=False)
+    with pytest.raises(ValueError, match="alpha"):
+        smooth_model(model, _blocks(), alpha=1.5, progress=False)
+    with pytest.raises(ValueError, match="blocks"):
+        smooth_model(model, torch.randn(2, 5), progress=False)
