@@ -1,0 +1,51 @@
+"""Check the attention / RoPE / norm kernels on the GPU, then benchmark attention vs SDPA.
+
+    PYTHONPATH=. python benchmarks/attention.py [--out benchmarks/results] [--no-checks] [--sweep]
+
+Writes attention_checks.json, attention.csv/json/png under --out (same code as
+``quantkit bench attention``). ``--sweep`` first times candidate prefill tile configs.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from quantkit.bench.attention import bench_prefill, run_attention_benchmark, run_attention_checks  # noqa: E402
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates for head_dim 128 on Hopper.
+SWEEP_CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    parser.add_argument("--no-checks", action="store_true")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="prefill 4k/16k, decode 1k/32k only")
+    args = parser.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if not args.no_checks:
+        checks = run_attention_checks()
+        Path(args.out, "attention_checks.json").write_text(json.dumps(checks, indent=1, default=str))
+    if args.sweep:
+        sweep = []
+        for config in SWEEP_CONFIGS:
+            for seq in (4096, 16384):
+                try:
+                    row = bench_prefill(seq, block_config=config)
+                except Exception as exc:  # a config that does not compile (shared memory) is skipped
+                    print(f"sweep {config} S={seq}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                    continue
+                sweep.append(row)
+                print(f"sweep {config} S={seq}: {row['quantkit_tflops']:.1f} TFLOP/s ratio {row['ratio']:.3f}", flush=True)
+        Path(args.out, "attention_sweep.json").write_text(json.dumps(sweep, indent=1, default=str))
+    kwargs = dict(prefill_seqs=(4096, 16384), decode_lengths=(1024, 32768)) if args.quick else {}
+    run_attention_benchmark(out_dir=args.out, **kwargs)
+
+
+if __name__ == "__main__":
+    main()
