@@ -1,0 +1,190 @@
+"""Error-compensated INT8 weight rounding (GPTQ, Frantar et al. 2022) from calibration activations.
+
+Round-to-nearest quantizes each weight independently. GPTQ rounds the input columns one at a
+time and pushes each column's rounding error onto the columns not yet rounded, weighted by the
+inverse Hessian ``H = 2 X^T X / n`` of the layer's inputs, so that the *output* ``X W^T`` moves as
+little as possible. The per-channel scale is fixed up front (absmax or the MSE clip search), so
+the result drops into the same (q int8, scale per channel) layout as round-to-nearest.
+
+Memory bound: one K x K float32 Hessian per layer being calibrated (``4 K^2`` bytes; layers that
+read the same input tensor, e.g. q/k/v, share one), plus one calibration batch in flight. Pass
+``layer_names`` in groups (e.g. one decoder block at a time) to bound it on large models.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from quantkit.calibration.smoothquant import check_blocks, forward_backbone
+from quantkit.calibration.weights import search_weight_clip
+from quantkit.kernels.reference import MIN_SCALE, cast_to_quantized, qmax_of
+
+
+class HessianAccumulator:
+    """Running ``2 X^T X / n`` over every token of the inputs seen (float32, float64 would double memory)."""
+
+    def __init__(self, in_features: int, device: torch.device):
+        self.hessian = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+        self.n_tokens = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        n = x.shape[0]
+        if n == 0:
+            return
+        # Running mean keeps the magnitudes bounded whatever the token count.
+        total = self.n_tokens + n
+        self.hessian.mul_(self.n_tokens / total)
+        self.hessian.addmm_(x.t(), x, alpha=2.0 / total)
+        self.n_tokens = total
+
+
+@torch.no_grad()
+def collect_hessians(
+    model: nn.Module, blocks: torch.Tensor, layer_names: list[str], batch_size: int = 4, progress: bool = True
+) -> dict[str, HessianAccumulator]:
+    """One Hessian per named Linear; layers fed the very same input tensor share one accumulator."""
+    check_blocks(blocks)
+    modules = dict(model.named_modules())
+    missing = [n for n in layer_names if not isinstance(modules.get(n), nn.Linear)]
+    if missing:
+        raise ValueError(f"not nn.Linear layers of this model: {missing[:5]}")
+    accumulators: dict[str, HessianAccumulator] = {}
+    # Within one forward, inputs are matched by storage identity; the tensors stay referenced in
+    # ``seen`` until the batch ends so an address cannot be reused by another tensor.
+    seen: dict[tuple, tuple[str, torch.Tensor]] = {}
+    leader_of: dict[str, str] = {}
+
+    def hook(name):
+        def fn(_m, args):
+            x = args[0]
+            key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype)
+            if name not in leader_of:  # first batch: decide who shares with whom
+                leader = seen[key][0] if key in seen else name
+                leader_of[name] = leader
+                if leader == name:
+                    accumulators[name] = HessianAccumulator(x.shape[-1], x.device)
+            seen.setdefault(key, (name, x))
+            if leader_of[name] == name:
+                accumulators[name].update(x)
+        return fn
+
+    handles = [modules[n].register_forward_pre_hook(hook(n)) for n in layer_names]
+    try:
+        starts = range(0, blocks.shape[0], batch_size)
+        for start in tqdm(starts, desc="gptq statistics", unit="batch", disable=not progress, leave=False):
+            forward_backbone(model, blocks[start : start + batch_size], batch_size, progress=False)
+            seen.clear()
+    finally:
+        for h in handles:
+            h.remove()
+    not_run = [n for n in layer_names if n not in leader_of]
+    if not_run:
+        raise RuntimeError(f"layers never ran during calibration (not in the backbone?): {not_run[:5]}")
+    return {n: accumulators[leader_of[n]] for n in layer_names}
+
+
+@torch.no_grad()
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype = torch.int8,
+    block_size: int = 128,
+    damp: float = 0.01,
+    act_order: bool = True,
+) -> torch.Tensor:
+    """Quantize ``weight`` (N, K) column by column with error feedback; returns q (N, K) of ``dtype``.
+
+    hessian: (K, K) ``2 X^T X / n``; scale: (N,) fixed per-channel scale (``amax / qmax``).
+    damp: fraction of the mean diagonal added to it, which keeps the Cholesky factorization
+    stable when inputs are (nearly) collinear. act_order: round the columns with the largest
+    input energy first, while the most unrounded columns remain to absorb their error.
+    """
+    if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]) or scale.shape != (weight.shape[0],):
+        raise ValueError(
+            f"shapes do not match: weight {tuple(weight.shape)}, hessian {tuple(hessian.shape)}, scale {tuple(scale.shape)}"
+        )
+    if block_size < 1 or damp < 0:
+        raise ValueError(f"block_size={block_size} must be >= 1 and damp={damp} >= 0")
+    qmax = qmax_of(dtype)
+    W = weight.detach().float().clone()
+    H = hessian.detach().float().clone()
+    s = scale.detach().float().clamp_min(MIN_SCALE).to(W.device)[:, None]
+    K = W.shape[1]
+    # Columns that never saw a non-zero input cannot affect the output: zero them and give them a
+    # unit diagonal so H stays positive definite.
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(K, device=W.device)
+    W, H = W[:, perm], H[perm][:, perm]
+    H.diagonal().add_(damp * torch.mean(torch.diag(H)))
+    # Upper Cholesky factor of H^-1: row i holds the update coefficients of column i onto the
+    # columns after it (the OBS update, done once instead of re-inverting per column).
+    L = torch.linalg.cholesky(H.double())
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True).float()
+    Q = torch.zeros_like(W)
+    for i1 in range(0, K, block_size):
+        i2 = min(i1 + block_size, K)
+        W1 = W[:, i1:i2].clone()
+        E1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            w = W1[:, i]
+            q = cast_to_quantized(w[:, None] / s, dtype).float()
+            Q[:, i1 + i] = q[:, 0]
+            err = (w - q[:, 0] * s[:, 0]) / Hinv1[i, i]
+            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
+            E1[:, i] = err
+        # Lazy batch update: the columns after this block receive the whole block's error at once.
+        W[:, i2:] -= E1 @ Hinv[i1:i2, i2:]
+    inverse = torch.argsort(perm)
+    Q = Q[:, inverse].clamp(-qmax, qmax)
+    return cast_to_quantized(Q, dtype)
+
+
+@torch.no_grad()
+def gptq_quantize_weights(
+    model: nn.Module,
+    blocks: torch.Tensor,
+    layer_names: list[str],
+    dtype: torch.dtype = torch.int8,
+    block_size: int = 128,
+    damp: float = 0.01,
+    progress: bool = True,
+    weight_observer: str = "absmax",
+    batch_size: int = 4,
+    act_order: bool = True,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """GPTQ-quantize the named Linears of ``model`` (weights are not modified).
+
+    Returns ``{name: (q_weight int8 (N, K), weight_scale float32 (N,))}`` with
+    ``q_weight * weight_scale[:, None] ~= weight``, ready for ``QuantLinear.from_linear(...,
+    quantized_weight=...)``. weight_observer: "absmax" (scale from the row max) or "mse" (clip
+    search of ``weights.search_weight_clip``, weighted by the inputs' mean square).
+    Statistics come from the unquantized model (all layers at once): the memory bound is in the
+    module docstring.
+    """
+    if dtype != torch.int8:
+        raise ValueError(f"GPTQ is implemented for int8 weights; got {dtype} (FP8 rounds relative, RTN is enough)")
+    if weight_observer not in ("absmax", "mse"):
+        raise ValueError(f"weight_observer={weight_observer!r} must be 'absmax' or 'mse'")
+    if not layer_names:
+        return {}
+    modules = dict(model.named_modules())
+    hessians = collect_hessians(model, blocks, list(layer_names), batch_size, progress)
+    result = {}
+    for name in tqdm(layer_names, desc="gptq", unit="layer", disable=not progress, leave=False):
+        weight = modules[name].weight.detach()
+        H = hessians[name].hessian
+        if weight_observer == "mse":
+            amax = search_weight_clip(weight, dtype, column_weight=torch.diag(H).clamp_min(0))
+        else:
+            amax = weight.float().abs().amax(dim=1)
+        scale = (amax.float() / qmax_of(dtype)).clamp_min(MIN_SCALE)
+        q = gptq_quantize(weight, H.to(weight.device), scale, dtype, block_size, damp, act_order)
+        result[name] = (q, scale)
+    return result
