@@ -1,0 +1,90 @@
+"""quantkit's attention kernels behind transformers' own extension point, ``AttentionInterface``.
+
+    from quantkit.models.fast_attention import register_quantkit_attention
+    name = register_quantkit_attention(backend="triton")      # once, at load time
+    model.set_attn_implementation(name)                       # or config._attn_implementation
+
+Any HF model whose attention layers call ``ALL_ATTENTION_FUNCTIONS.get_interface(...)`` (Llama,
+Mistral, Qwen2, Gemma-3, ...) then runs its attention through ``attention_ops``; no modeling code
+is forked. What the function takes, as HF hands it over after RoPE and the cache update:
+query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D), ``scaling``, ``sliding_window`` (Gemma-3's local
+layers pass it per layer; others pass none or set ``module.sliding_window``).
+
+- Sq > 1 (prefill, or a chunk continuing a DynamicCache): causal flash attention, bottom-right
+  aligned (query i at position i + Sk - Sq), GQA without repeating K/V.
+- Sq == 1 (decode over a DynamicCache): split-KV decode attention over all Sk keys.
+- Masks: the mask function registered under the same name is transformers' FlashAttention one:
+  it returns ``None`` unless the batch is padded (or a StaticCache is longer than the valid
+  keys). A mask therefore means padding, which these kernels do not take: the function raises
+  a ValueError naming the fix instead of silently computing something else.
+- Unsupported head_dim, softcap, dropout or non-causal layers raise ValueError as well.
+
+The backend is resolved once, at registration ("auto" -> Triton on CUDA, else the torch twins).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+from quantkit.kernels import attention_ops
+from quantkit.kernels.ops import resolve_backend
+
+ATTENTION_NAME = "quantkit"
+
+
+def _attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    backend: str,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    if attention_mask is not None:
+        raise ValueError(
+            "quantkit attention got an attention mask, i.e. a padded batch or a StaticCache longer than its "
+            "valid keys; these kernels take unpadded batches over a DynamicCache. Drop the padding (one "
+            "sequence, or equal lengths) or use attn_implementation='sdpa' for this call."
+        )
+    if softcap is not None:
+        raise ValueError(f"quantkit attention has no logit softcap (got softcap={softcap}); use 'eager'")
+    if dropout:
+        raise ValueError(f"quantkit attention is inference-only (got dropout={dropout}); call model.eval()")
+    if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
+        raise ValueError("quantkit attention is causal-only; this layer is bidirectional")
+    if sliding_window is None:
+        sliding_window = getattr(module, "sliding_window", None)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if query.shape[2] == 1:
+        batch, key_len = key.shape[0], key.shape[2]
+        seqlens = torch.full((batch,), key_len, dtype=torch.int32, device=key.device)
+        out = attention_ops.decode_attention(
+            query[:, :, 0], key, value, seqlens, scale, sliding_window, max_seqlen=key_len, backend=backend
+        )[:, :, None]
+    else:
+        out = attention_ops.flash_attention(query, key, value, scale, sliding_window, backend=backend)
+    # HF's attention functions return (B, S, H, D); the caller reshapes to (B, S, H * D).
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_quantkit_attention(backend: str = "auto", device: torch.device | str = "cuda") -> str:
+    """Register the "quantkit" attention (+ its mask function) and return the name to select.
+
+    ``backend`` is resolved once here for ``device``; registering again replaces the function.
+    """
+    resolved = resolve_backend(backend, device if backend == "auto" else "cpu")
+
+    def quantkit_attention(module, query, key, value, attention_mask, **kwargs):
+        return _attention_forward(module, query, key, value, attention_mask, resolved, **kwargs)
+
+    AttentionInterface.register(ATTENTION_NAME, quantkit_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, flash_attention_mask)
+    return ATTENTION_NAME

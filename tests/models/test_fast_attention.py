@@ -1,0 +1,57 @@
+"""The "quantkit" AttentionInterface function gives the same logits and greedy tokens as sdpa.
+
+Tiny random Llama (GQA) and Gemma-3 (MQA, query_pre_attn_scalar scale, sliding-window local layers) models in
+fp32 on CPU; the Triton backend runs under the interpreter (tests/conftest.py).
+"""
+
+import pytest
+import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+from quantkit.models.fast_attention import register_quantkit_attention
+
+
+def tiny_llama():
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(config)
+
+
+def tiny_gemma3():
+    config = Gemma3TextConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=48,
+        max_position_embeddings=256,
+    )
+    return Gemma3ForCausalLM(config)
+
+
+@pytest.mark.parametrize("make_model", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_logits_and_greedy_tokens_match_sdpa(make_model, backend):
+    torch.manual_seed(0)
+    model = make_model().eval()
+    input_ids = torch.randint(0, 128, (2, 13))
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        want = model(input_ids).logits
+        want_tokens = model.generate(input_ids, max_new_tokens=4, do_sample=False)
+    model.set_attn_implementation(register_quantkit_attention(backend=backend))
+    with torch.no_grad():
+        got = model(input_ids).logits
+        got_tokens = model.generate(input_ids, max_new_tokens=4, do_sample=False)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got_tokens, want_tokens)
+
+
+def test_padded_batch_is_refused():
+    model = tiny_llama().eval()
+    model.set_attn_implementation(register_quantkit_attention(backend="torch"))
+    input_ids = torch.randint(0, 128, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, :2] = 0
+    with pytest.raises(ValueError, match="padded batch"), torch.no_grad():
+        model(input_ids, attention_mask=mask)
