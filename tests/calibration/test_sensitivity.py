@@ -1,0 +1,81 @@
+"""Per-layer sensitivity ranking finds the layer that was made fragile on purpose."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from quantkit.calibration.sensitivity import fake_quantized, most_sensitive, rank_layers, target_layers
+from quantkit.config import QuantConfig
+
+VOCAB = 211
+FRAGILE = "model.layers.1.self_attn.o_proj"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        # Make the model's predictions sharp (init weights give near-uniform logits) ...
+        model.lm_head.weight.mul_(30.0)
+        # ... and one layer fragile: a huge weight column on an input channel that is always zero
+        # (the v_proj row feeding it is zeroed) does nothing in floating point but sets every
+        # row's scale, so the layer's useful weights all round to a grid ~100x too coarse.
+        modules = dict(model.named_modules())
+        modules["model.layers.1.self_attn.v_proj"].weight[5] = 0.0
+        modules[FRAGILE].weight[:, 5] = 5.0
+    return model
+
+
+def _blocks():
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.randint(3, VOCAB, (3, 21), generator=g)
+    blocks[:, 0] = 2
+    return blocks
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int8-static"])
+@pytest.mark.parametrize("method", ["kl", "layer_error"])
+def test_fragile_layer_ranks_first(model, scheme, method):
+    config = QuantConfig.preset(scheme)
+    ranking = rank_layers(model, _blocks(), config, n_blocks=3, batch_size=2, method=method, progress=False)
+    names = [n for n, _ in ranking]
+    assert set(names) == set(target_layers(model, config)) and "lm_head" not in names
+    assert names[0] == FRAGILE, ranking[:3]
+    scores = [s for _, s in ranking]
+    assert scores == sorted(scores, reverse=True) and min(scores) >= 0.0
+    assert ranking[0][1] > 3 * ranking[1][1]
+    assert most_sensitive(ranking, 2) == names[:2]
+    assert most_sensitive(ranking, 0) == []
+
+
+def test_fake_quantization_is_undone(model):
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    blocks = _blocks()
+    with torch.no_grad():
+        reference = model(input_ids=blocks).logits
+        with fake_quantized(dict(model.named_modules())[FRAGILE], QuantConfig.preset("int8")):
+            changed = model(input_ids=blocks).logits
+        restored = model(input_ids=blocks).logits
+    assert not torch.allclose(changed, reference, atol=1e-3)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    torch.testing.assert_close(restored, reference, rtol=0, atol=0)
+
+
+def test_bad_arguments(model):
+    with pytest.raises(ValueError, match="method"):
+        rank_layers(model, _blocks(), QuantConfig(), method="ppl", progress=False)
+    with pytest.raises(ValueError, match="not quantized"):
+        rank_layers(model, _blocks(), QuantConfig(), layer_names=["lm_head"], progress=False)
+    with pytest.raises(ValueError, match="n=-1"):
+        most_sensitive([("a", 1.0)], -1)
