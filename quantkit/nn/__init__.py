@@ -1,0 +1,3 @@
+from quantkit.nn.linear import QuantLinear
+
+__all__ = ["QuantLinear"]

@@ -1,0 +1,95 @@
+"""The public Python API: quantize a model, save it, load it, measure it."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from quantkit.calibration.calibrate import collect_input_ranges
+from quantkit.calibration.data import calibration_blocks, load_texts, tokenize_stream
+from quantkit.config import QuantConfig
+from quantkit.convert import ConversionReport, convert_model, target_linears
+from quantkit.eval.perplexity import PerplexityResult, evaluate_perplexity
+from quantkit.kernels.ops import resolve_backend
+
+logger = logging.getLogger(__name__)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def context_length(model: nn.Module) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+def prepare_calibration_data(tokenizer, dataset: str, num_samples: int = 64, seq_len: int = 512,
+                             model: nn.Module | None = None) -> torch.Tensor:
+    """(num_samples, seq_len) token blocks from the calibration split of ``dataset``."""
+    if model is not None:
+        limit = context_length(model)
+        if limit is not None and seq_len > limit:
+            raise ValueError(f"seq_len={seq_len} is larger than the model's context of {limit} tokens; "
+                             f"use --seq-len {limit} or less")
+    return calibration_blocks(tokenizer, load_texts(dataset, "calibration"), num_samples, seq_len)
+
+
+def prepare_evaluation_tokens(tokenizer, dataset: str, max_tokens: int | None = None) -> torch.Tensor:
+    """The held-out evaluation split of ``dataset`` as one token stream (optionally truncated)."""
+    return tokenize_stream(tokenizer, load_texts(dataset, "evaluation"), max_tokens)
+
+
+@torch.no_grad()
+def quantize(
+    model: nn.Module,
+    config: QuantConfig,
+    calibration_data: torch.Tensor | None = None,
+    progress: bool = True,
+) -> nn.Module:
+    """Quantize ``model`` in place to W8A8 as ``config`` says and return it.
+
+    calibration_data: (n, seq_len) token ids; needed for static activations (and for the
+    calibration recipes), unused for plain dynamic schemes.
+    """
+    needs_data = config.is_static or config.smoothquant_alpha is not None or config.gptq or config.keep_sensitive
+    if needs_data and calibration_data is None:
+        raise ValueError(f"scheme {config.name!r} needs calibration data; pass token blocks "
+                         "(quantkit.prepare_calibration_data)")
+    backend = resolve_backend(config.backend, _model_device(model))
+    targets = target_linears(model, config)
+    input_amax = None
+    if config.is_static:
+        input_amax = collect_input_ranges(
+            model, targets, calibration_data, config.activation_observer, config.percentile, progress=progress
+        )
+    report: ConversionReport = convert_model(model, config, backend, input_amax=input_amax)
+    logger.info("%s (backend=%s)", report, backend)
+    model.quantkit_config = config
+    model.quantkit_report = report
+    return model
+
+
+@dataclass(frozen=True)
+class Comparison:
+    baseline: PerplexityResult
+    quantized: PerplexityResult
+
+    @property
+    def delta_percent(self) -> float:
+        return 100.0 * (self.quantized.perplexity / self.baseline.perplexity - 1.0)
+
+    def to_dict(self) -> dict:
+        return {"baseline": asdict(self.baseline), "quantized": asdict(self.quantized), "delta_percent": self.delta_percent}
+
+
+def compare_perplexity(baseline: nn.Module, quantized: nn.Module, tokens: torch.Tensor, window: int = 1024,
+                       stride: int | None = None, bos_token_id: int | None = None,
+                       progress: bool = True) -> Comparison:
+    """Perplexity of both models on the same tokens with the same windows."""
+    return Comparison(
+        baseline=evaluate_perplexity(baseline, tokens, window, stride, bos_token_id, progress, "baseline perplexity"),
+        quantized=evaluate_perplexity(quantized, tokens, window, stride, bos_token_id, progress, "quantized perplexity"),
+    )

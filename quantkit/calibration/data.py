@@ -1,0 +1,147 @@
+"""Text for calibration and evaluation, as `datasets` Datasets, and their token blocks.
+
+A dataset is split by document into a calibration part and an evaluation part that never share
+a document: every fourth document (index % 4 == 3) is held out for evaluation. The same rule
+applies to every source, so `quantkit quantize --dataset X` and `quantkit eval --dataset X`
+never see each other's text.
+"""
+
+from __future__ import annotations
+
+import bz2
+from pathlib import Path
+
+import datasets
+import torch
+from transformers import PreTrainedTokenizerBase
+
+BUNDLED_DATASET = "wikipedia-excerpt"
+SPLITS = ("calibration", "evaluation")
+EVAL_EVERY = 4
+_GENSIM_WIKI = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+# Articles shorter than this after markup removal are redirects or stubs.
+_MIN_ARTICLE_CHARS = 500
+
+
+class DatasetError(ValueError):
+    """The dataset cannot provide what was asked; the message names the fix."""
+
+
+def _bundled_wikipedia() -> datasets.Dataset:
+    try:
+        from gensim.corpora.wikicorpus import extract_pages, filter_wiki
+        from gensim.test.utils import datapath
+    except ImportError as exc:
+        raise DatasetError(
+            f"the bundled dataset {BUNDLED_DATASET!r} needs gensim: pip install 'quantkit[demo]'"
+        ) from exc
+    texts, titles = [], []
+    with bz2.open(datapath(_GENSIM_WIKI), "rb") as handle:
+        for title, markup, _page_id in extract_pages(handle):
+            text = _clean_wiki(filter_wiki(markup))
+            if len(text) >= _MIN_ARTICLE_CHARS:
+                texts.append(text)
+                titles.append(title)
+    return datasets.Dataset.from_dict({"title": titles, "text": texts})
+
+
+def _clean_wiki(text: str) -> str:
+    # filter_wiki leaves runs of blank lines and indentation from removed templates.
+    lines = [line.strip() for line in text.splitlines()]
+    paragraphs, current = [], []
+    for line in lines:
+        if line:
+            current.append(line)
+        elif current:
+            paragraphs.append(" ".join(current))
+            current = []
+    if current:
+        paragraphs.append(" ".join(current))
+    return "\n\n".join(paragraphs)
+
+
+def _load_documents(source: str) -> datasets.Dataset:
+    if source == BUNDLED_DATASET:
+        return _bundled_wikipedia()
+    path = Path(source).expanduser()
+    if path.exists():
+        files = sorted(str(p) for p in path.rglob("*.txt")) if path.is_dir() else [str(path)]
+        if not files:
+            raise DatasetError(f"directory {source!r} has no .txt files")
+        # One document per file, so the calibration/evaluation split never cuts a file in two.
+        return datasets.Dataset.from_dict({"text": [Path(f).read_text(encoding="utf-8") for f in files]})
+    if source.startswith((".", "/", "~")) or source.endswith(".txt"):
+        raise DatasetError(f"dataset path {source!r} does not exist; pass a text file, a folder of .txt files, "
+                           f"a Hugging Face dataset name, or {BUNDLED_DATASET!r}")
+    name, _, config = source.partition(":")
+    try:
+        loaded = datasets.load_dataset(name, config or None, split="train")
+    except Exception as exc:  # datasets raises many unrelated types for "not found / offline"
+        raise DatasetError(f"cannot load dataset {source!r}: {str(exc).splitlines()[0]}") from exc
+    if "text" not in loaded.column_names:
+        raise DatasetError(f"dataset {source!r} has no 'text' column (columns: {loaded.column_names})")
+    return loaded
+
+
+def load_texts(source: str, split: str) -> list[str]:
+    """The non-empty documents of ``source`` that belong to ``split`` ("calibration" or "evaluation").
+
+    source: the bundled Wikipedia excerpt, a .txt file or folder of them, or a Hugging Face dataset
+    name (``name`` or ``name:config``) with a ``text`` column.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not one of {SPLITS}")
+    docs = _load_documents(source)
+    held_out = split == "evaluation"
+    texts = [
+        text
+        for index, text in enumerate(docs["text"])
+        if ((index % EVAL_EVERY) == EVAL_EVERY - 1) == held_out and text and text.strip()
+    ]
+    if not texts:
+        raise DatasetError(f"dataset {source!r} yields no text for the {split} split; it needs at least "
+                           f"{EVAL_EVERY} non-empty documents")
+    return texts
+
+
+def tokenize_stream(tokenizer: PreTrainedTokenizerBase, texts: list[str], max_tokens: int | None = None) -> torch.Tensor:
+    """All documents as one 1-D token stream: BOS once at the start, documents joined by blank lines."""
+    ids: list[int] = []
+    if tokenizer.bos_token_id is not None:
+        ids.append(tokenizer.bos_token_id)
+    for text in texts:
+        ids.extend(tokenizer(text + "\n\n", add_special_tokens=False)["input_ids"])
+        if max_tokens is not None and len(ids) >= max_tokens:
+            break
+    return torch.tensor(ids[:max_tokens] if max_tokens is not None else ids, dtype=torch.long)
+
+
+def calibration_blocks(
+    tokenizer: PreTrainedTokenizerBase,
+    texts: list[str],
+    num_samples: int,
+    seq_len: int,
+) -> torch.Tensor:
+    """(num_samples, seq_len) token blocks cut from the calibration stream, each starting with BOS.
+
+    Every block starts with BOS because models see BOS first at inference; without it some
+    (Gemma among them) put attention-sink outliers on whatever token comes first.
+    """
+    if num_samples < 1 or seq_len < 2:
+        raise DatasetError(f"num_samples={num_samples} and seq_len={seq_len} must be >= 1 and >= 2")
+    bos = tokenizer.bos_token_id
+    body = seq_len - 1 if bos is not None else seq_len
+    stream = tokenize_stream(tokenizer, texts, max_tokens=num_samples * body + 1)
+    if bos is not None:
+        stream = stream[1:]
+    available = stream.numel() // body
+    if available < 1:
+        raise DatasetError(
+            f"the calibration text has {stream.numel()} tokens, fewer than one block of seq_len={seq_len}; "
+            "use a smaller --seq-len or more text"
+        )
+    n = min(num_samples, available)
+    blocks = stream[: n * body].reshape(n, body)
+    if bos is not None:
+        blocks = torch.cat([torch.full((n, 1), bos, dtype=torch.long), blocks], dim=1)
+    return blocks

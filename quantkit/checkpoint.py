@@ -1,0 +1,195 @@
+"""Saving and loading quantized checkpoints in the compressed-tensors layout.
+
+A checkpoint is a Hugging Face model directory: config.json with a ``quantization_config``,
+safetensors shards holding ``*.weight`` (int8 / float8_e4m3fn), ``*.weight_scale`` and, for
+static activations, ``*.input_scale``, plus the tokenizer. transformers (with the
+compressed-tensors package) and vLLM load it as it is; ``quantkit.load`` rebuilds QuantLinears.
+
+Writes are atomic: everything goes to a hidden staging directory beside the target, which is
+renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from quantkit.config import QuantConfig
+from quantkit.convert import build_empty_quantized
+from quantkit.kernels.ops import resolve_backend
+from quantkit.models.loading import default_dtype
+from quantkit.nn import QuantLinear
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+MAX_SHARD_BYTES = 4 * 1024**3
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing, incomplete or inconsistent; the message says which file."""
+
+
+def _unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict without aliases: tied weights (lm_head = embed_tokens) are stored once."""
+    seen: set[tuple[int, int]] = set()
+    unique = {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        unique[name] = tensor.detach().contiguous().cpu()
+    return unique
+
+
+def _shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    shards, current, size = [], {}, 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > MAX_SHARD_BYTES:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = tensor
+        size += nbytes
+    shards.append(current)
+    return shards
+
+
+def _prepare_target(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not overwrite:
+        raise CheckpointError(f"output directory {str(out_dir)!r} already exists; pass --overwrite to replace it")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+
+
+def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite: bool = False) -> Path:
+    """Write a quantized model (from ``quantkit.quantize``) as a compressed-tensors checkpoint."""
+    config: QuantConfig | None = getattr(model, "quantkit_config", None)
+    if config is None or not any(isinstance(m, QuantLinear) for m in model.modules()):
+        raise CheckpointError("the model is not quantized; run quantkit.quantize(model, config, data) first")
+    out_dir = Path(out_dir)
+    _prepare_target(out_dir, overwrite)
+    config_dict = model.config.to_dict()
+    config_dict["quantization_config"] = config.to_quantization_config(getattr(model, "quantkit_kept", ()))
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+    try:
+        shards = _shards(_unique_state_dict(model))
+        if len(shards) == 1:
+            save_file(shards[0], str(staging / SAFE_WEIGHTS), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for index, shard in enumerate(shards, start=1):
+                filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(staging / filename), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, filename))
+            total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
+            (staging / SAFE_INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (staging / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True))
+        generation_config = getattr(model, "generation_config", None)
+        if generation_config is not None:
+            generation_config.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def _shard_files(ckpt: Path) -> list[Path]:
+    index = ckpt / SAFE_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({exc})") from exc
+        files = [ckpt / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = [ckpt / SAFE_WEIGHTS]
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint shard {str(file)!r} is missing; the checkpoint is incomplete")
+    return files
+
+
+def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():
+                    tensors[key] = handle.get_tensor(key)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"checkpoint shard {str(file)!r} is truncated or corrupt ({exc})") from exc
+    return tensors
+
+
+def read_quant_config(ckpt_dir: str | os.PathLike) -> QuantConfig:
+    """The QuantConfig recorded in a checkpoint's config.json."""
+    config_file = Path(ckpt_dir) / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{str(ckpt_dir)!r} is not a checkpoint directory: config.json is missing")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_file} is not valid JSON ({exc})") from exc
+    if "quantization_config" not in raw:
+        raise CheckpointError(f"{str(ckpt_dir)!r} has no quantization_config; it is not a quantized checkpoint")
+    return QuantConfig.from_quantization_config(raw["quantization_config"])
+
+
+@torch.no_grad()
+def load(
+    ckpt_dir: str | os.PathLike,
+    device: torch.device | str | None = None,
+    backend: str = "auto",
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Rebuild a quantized model from a checkpoint written by ``save`` (or any compatible writer).
+
+    device: default CUDA when available, else CPU. backend: "auto" picks the Triton kernels on
+    CUDA and the torch reference elsewhere. Every tensor is checked against the model's shapes
+    and dtypes before anything is copied.
+    """
+    ckpt = Path(ckpt_dir)
+    config = read_quant_config(ckpt)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or default_dtype(device)
+    backend = resolve_backend(backend, device)
+    files = _shard_files(ckpt)
+    hf_config = AutoConfig.from_pretrained(str(ckpt))
+    if hasattr(hf_config, "quantization_config"):
+        del hf_config.quantization_config  # quantkit builds the quantized modules itself
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    build_empty_quantized(model, config, backend, dtype)
+    tensors = _read_tensors(files)
+    expected = _unique_state_dict(model)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        detail = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match its config: {detail}")
+    state = model.state_dict()
+    for name, tensor in tensors.items():
+        target = state[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise CheckpointError(
+                f"{name} has shape {tuple(tensor.shape)} in the checkpoint but the model needs {tuple(target.shape)}"
+            )
+        quantized = target.dtype in (torch.int8, torch.float8_e4m3fn)
+        if quantized and tensor.dtype != target.dtype:
+            raise CheckpointError(f"{name} is {tensor.dtype} in the checkpoint but the scheme needs {target.dtype}")
+        target.copy_(tensor)
+    model.tie_weights()
+    model.quantkit_config = config
+    return model.to(device).eval()

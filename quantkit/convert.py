@@ -1,0 +1,105 @@
+"""Module rewriting: every target nn.Linear of a model becomes a QuantLinear.
+
+Knows models and modules, not kernels: the numerics live in QuantLinear and below.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from quantkit.config import QuantConfig
+from quantkit.nn import QuantLinear
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ConversionReport:
+    converted: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return f"converted {len(self.converted)} Linear layers, kept {len(self.skipped)} in 16 bits"
+
+
+def target_linears(model: nn.Module, config: QuantConfig, extra_ignore: tuple[str, ...] = ()) -> dict[str, nn.Linear]:
+    """Name -> module for every nn.Linear that ``config`` quantizes."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and not config.is_ignored(name) and name not in extra_ignore
+    }
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+@torch.no_grad()
+def convert_model(
+    model: nn.Module,
+    config: QuantConfig,
+    backend: str,
+    input_amax: dict[str, torch.Tensor] | None = None,
+    weight_amax: dict[str, torch.Tensor] | None = None,
+    quantized_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    extra_ignore: tuple[str, ...] = (),
+) -> ConversionReport:
+    """Swap target Linears for QuantLinears in place.
+
+    input_amax: calibrated input clipping per layer name; required when ``config.is_static``.
+    weight_amax / quantized_weights: optional per-layer results of a clipping search or GPTQ.
+    backend: a concrete backend ("triton" or "torch"), already resolved for the model's device.
+    """
+    report = ConversionReport()
+    targets = target_linears(model, config, extra_ignore)
+    if config.is_static:
+        missing = [name for name in targets if input_amax is None or name not in input_amax]
+        if missing:
+            raise ValueError(
+                f"static activations need calibrated input ranges, missing for {len(missing)} layers "
+                f"(first: {missing[0]}); run calibration first"
+            )
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and name not in targets:
+            report.skipped.append(name)
+    for name, linear in targets.items():
+        quantized = QuantLinear.from_linear(
+            linear,
+            config.torch_dtype,
+            input_amax=input_amax[name] if config.is_static else None,
+            weight_amax=(weight_amax or {}).get(name),
+            quantized_weight=(quantized_weights or {}).get(name),
+            backend=backend,
+        )
+        _set_submodule(model, name, quantized)
+        report.converted.append(name)
+    if not report.converted:
+        raise ValueError("no nn.Linear layer matched; check the ignore patterns of the QuantConfig")
+    logger.info("%s", report)
+    return report
+
+
+def build_empty_quantized(model: nn.Module, config: QuantConfig, backend: str, dtype: torch.dtype) -> list[str]:
+    """Swap target Linears for uninitialised QuantLinears (the loader fills them from a checkpoint)."""
+    names = []
+    for name, linear in target_linears(model, config).items():
+        module = QuantLinear(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            config.torch_dtype,
+            static_input=config.is_static,
+            dtype=dtype,
+            backend=backend,
+            device=linear.weight.device,
+        )
+        _set_submodule(model, name, module)
+        names.append(name)
+    return names

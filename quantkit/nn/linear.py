@@ -1,0 +1,123 @@
+"""QuantLinear: an nn.Linear whose weight is stored in 8 bits and whose input is quantized too.
+
+Buffers are named and shaped as the compressed-tensors checkpoint stores them, so the module's
+state_dict *is* the checkpoint: ``weight`` (N, K) int8 / float8_e4m3fn, ``weight_scale`` (N, 1)
+fp32, ``input_scale`` (1,) fp32 for static activations, ``bias`` (N,) in the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quantkit.kernels import ops
+from quantkit.kernels.reference import ACTIVATIONS, qmax_of, quantize_per_channel, cast_to_quantized
+
+
+class QuantLinear(nn.Module):
+    """y = act(dequant(quant(x) @ W_q^T) + b) in one kernel call."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        quant_dtype: torch.dtype,
+        static_input: bool,
+        dtype: torch.dtype = torch.float32,
+        backend: str = "torch",
+        activation: str = "none",
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}")
+        qmax_of(quant_dtype)  # validates the dtype
+        self.in_features = in_features
+        self.out_features = out_features
+        self.quant_dtype = quant_dtype
+        self.static_input = static_input
+        self.backend = backend
+        self.activation = activation
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=quant_dtype, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, 1, dtype=torch.float32, device=device))
+        if static_input:
+            self.register_buffer("input_scale", torch.ones(1, dtype=torch.float32, device=device))
+        else:
+            self.input_scale = None
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
+        else:
+            self.bias = None
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        quant_dtype: torch.dtype,
+        input_amax: torch.Tensor | None = None,
+        weight_amax: torch.Tensor | None = None,
+        quantized_weight: tuple[torch.Tensor, torch.Tensor] | None = None,
+        backend: str = "torch",
+    ) -> "QuantLinear":
+        """Quantize ``linear`` once.
+
+        input_amax: the calibrated clipping value of the input (static activations), else None.
+        weight_amax: per-channel clipping values (N,) from a clipping search, else the row absmax.
+        quantized_weight: an already quantized (q (N, K), scale (N,)) pair, e.g. from GPTQ.
+        """
+        weight = linear.weight.detach()
+        module = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            quant_dtype,
+            static_input=input_amax is not None,
+            dtype=weight.dtype,
+            backend=backend,
+            device=weight.device,
+        )
+        if quantized_weight is not None:
+            q, scale = quantized_weight
+        elif weight_amax is not None:
+            scale = (weight_amax.float().to(weight.device) / qmax_of(quant_dtype)).clamp_min(1e-12)
+            q = cast_to_quantized(weight.float() / scale[:, None], quant_dtype)
+        else:
+            q, scale = quantize_per_channel(weight, quant_dtype)
+        module.weight.copy_(q)
+        module.weight_scale.copy_(scale.reshape(-1, 1))
+        if input_amax is not None:
+            module.input_scale.copy_((input_amax.float() / qmax_of(quant_dtype)).clamp_min(1e-12).reshape(1))
+        if linear.bias is not None:
+            module.bias.copy_(linear.bias.detach())
+        return module
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight.float() * self.weight_scale.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        leading = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features)
+        if self.static_input:
+            a_scale = self.input_scale
+            q = ops.quantize_per_tensor(x2d, a_scale, self.quant_dtype, backend=self.backend)
+        else:
+            q, a_scale = ops.quantize_per_token(x2d, self.quant_dtype, backend=self.backend)
+        out = ops.scaled_mm(
+            q,
+            self.weight,
+            a_scale,
+            self.weight_scale.view(-1),
+            self.bias,
+            self.activation,
+            x.dtype,
+            backend=self.backend,
+        )
+        return out.reshape(*leading, self.out_features)
+
+    def extra_repr(self) -> str:
+        mode = "static" if self.static_input else "dynamic per-token"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"weight={self.quant_dtype}, input={mode}, backend={self.backend}"
+        )
