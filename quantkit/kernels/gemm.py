@@ -58,7 +58,9 @@ def apply_activation(x, ACTIVATION: tl.constexpr):
     return x
 
 
-@triton.jit
+# M is not specialized (divisibility by 16, == 1): rows are wrapped, not aligned, so it would only
+# multiply the compiled variants per batch size.
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _scaled_mm_kernel(
     a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr,
     M, N, K, M_BUCKET,
@@ -119,13 +121,13 @@ def _scaled_mm_kernel(
             k_mask = offs_k < K - k_start
             a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-        acc = tl.dot(a, w, acc)
+        acc = tl.dot(a, w, acc, out_dtype=acc.dtype)
         if GATED:
             if EVEN_K:
                 w_up = tl.load(w_up_ptrs)
             else:
                 w_up = tl.load(w_up_ptrs, mask=k_mask[:, None], other=0.0)
-            acc_up = tl.dot(a, w_up, acc_up)
+            acc_up = tl.dot(a, w_up, acc_up, out_dtype=acc_up.dtype)
             w_up_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K

@@ -36,6 +36,13 @@ def qmax_of(dtype: torch.dtype) -> float:
     raise ValueError(f"quantized dtype {dtype} is not supported; use torch.int8 or torch.float8_e4m3fn")
 
 
+def _qmax_tensor(dtype: torch.dtype, device) -> torch.Tensor:
+    # Divide by a tensor, not a Python float: on CUDA, torch turns division by a Python scalar
+    # into multiplication by its reciprocal, which differs from true division in the last bit
+    # and would make this twin disagree with itself (and the kernels) between CPU and GPU.
+    return torch.tensor(qmax_of(dtype), dtype=torch.float32, device=device)
+
+
 def cast_to_quantized(x_scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Round an already-scaled float tensor onto the quantized grid (saturating)."""
     qmax = qmax_of(dtype)
@@ -48,14 +55,14 @@ def cast_to_quantized(x_scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 def quantize_per_channel(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel quantization of an (N, K) weight -> (q (N, K), scale (N,) fp32)."""
     amax = weight.detach().float().abs().amax(dim=1)
-    scale = (amax / qmax_of(dtype)).clamp_min(MIN_SCALE)
+    scale = (amax / _qmax_tensor(dtype, amax.device)).clamp_min(MIN_SCALE)
     return cast_to_quantized(weight.float() / scale[:, None], dtype), scale
 
 
 def quantize_per_token(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic symmetric per-row quantization of an (M, K) activation -> (q (M, K), scale (M,) fp32)."""
     amax = x.float().abs().amax(dim=-1)
-    scale = (amax / qmax_of(dtype)).clamp_min(MIN_SCALE)
+    scale = (amax / _qmax_tensor(dtype, amax.device)).clamp_min(MIN_SCALE)
     return cast_to_quantized(x.float() / scale[:, None], dtype), scale
 
 

@@ -1,0 +1,215 @@
+"""Triton scaled GEMMs (runs under TRITON_INTERPRET=1 on CPU) against reference.py and float64.
+
+Outputs are poisoned with NaN (or a sentinel for int32) before each launch, so an element the
+kernel forgot to write fails the test. INT8 accumulators are compared exactly.
+"""
+
+import random
+
+import pytest
+import torch
+
+from quantkit.kernels import gemm, reference
+
+QDTYPES = [pytest.param(torch.int8, id="int8"), pytest.param(torch.float8_e4m3fn, id="fp8")]
+# M in {1, 13, 128, 257}; K a multiple of 16 but not of the interpreter's 64-wide K tile (80, 208)
+# as well as a multiple of it (128); N not a multiple of the 64-wide N tile.
+SHAPES = [(1, 64, 128), (13, 70, 80), (128, 96, 208), (257, 40, 64)]
+
+
+def _operands(M, N, K, dtype, seed, n_weight_rows=None):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen) * 2
+    w_float = torch.randn(n_weight_rows or N, K, generator=gen)
+    a, a_scale = reference.quantize_per_token(x, dtype)
+    w, w_scale = reference.quantize_per_channel(w_float, dtype)
+    bias = torch.randn(N, generator=gen)
+    return a, a_scale, w, w_scale, bias
+
+
+def _poisoned(M, N, dtype):
+    return torch.full((M, N), float("nan"), dtype=dtype)
+
+
+def _rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+# bf16 keeps 8 significant bits: one rounding is at most 2**-9 relative; fp16 2**-12.
+ULP_RTOL = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 1e-6}
+
+
+def _assert_matches_reference(out, ref, out_dtype):
+    """Same math in the same order: equal up to one rounding of the output dtype (plus a few
+    fp32 ulps from the activation's transcendental functions)."""
+    assert not out.isnan().any(), "unwritten (NaN-poisoned) output elements"
+    torch.testing.assert_close(out.float(), ref.float(), rtol=ULP_RTOL[out_dtype], atol=1e-5)
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES, ids=[f"M{m}_N{n}_K{k}" for m, n, k in SHAPES])
+def test_int8_accumulator_is_exact(M, N, K):
+    a, _, w, _, _ = _operands(M, N, K, torch.int8, seed=M + K)
+    out = torch.full((M, N), -123456, dtype=torch.int32)
+    acc = gemm.int8_matmul_accumulator(a, w, out=out)
+    assert acc.data_ptr() == out.data_ptr()
+    assert torch.equal(acc, reference.int8_matmul_exact(a, w))
+
+
+def test_int8_accumulator_exact_at_saturation():
+    # Every product is 127 * 127 or -127 * 127: the largest sums an int8 GEMM can produce.
+    K = 1024
+    a = torch.full((3, K), 127, dtype=torch.int8)
+    a[1] = -127
+    w = torch.full((17, K), 127, dtype=torch.int8)
+    acc = gemm.int8_matmul_accumulator(a, w)
+    assert torch.equal(acc, reference.int8_matmul_exact(a, w))
+    assert acc[0, 0].item() == 127 * 127 * K
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("M,N,K", SHAPES, ids=[f"M{m}_N{n}_K{k}" for m, n, k in SHAPES])
+def test_scaled_mm_matches_reference_and_fp64(dtype, M, N, K):
+    a, a_scale, w, w_scale, bias = _operands(M, N, K, dtype, seed=7 * M + K)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        out = gemm.scaled_mm(a, w, a_scale, w_scale, bias, "silu", out_dtype, out=_poisoned(M, N, out_dtype))
+        _assert_matches_reference(out, reference.scaled_mm(a, w, a_scale, w_scale, bias, "silu", out_dtype), out_dtype)
+        exact = reference.fp64_scaled_mm(a, w, a_scale, w_scale, bias, "silu")
+        assert _rel_err(out, exact) < (4e-3 if out_dtype == torch.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("activation", reference.ACTIVATIONS)
+@pytest.mark.parametrize("has_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("scalar_scales", [False, True], ids=["vector_scales", "scalar_scales"])
+def test_every_epilogue(dtype, activation, has_bias, scalar_scales):
+    M, N, K = 13, 70, 80
+    a, a_scale, w, w_scale, bias = _operands(M, N, K, dtype, seed=3)
+    if scalar_scales:
+        a_scale, w_scale = a_scale[:1].clone(), w_scale.amax().reshape(1)
+    b = bias if has_bias else None
+    out = gemm.scaled_mm(a, w, a_scale, w_scale, b, activation, torch.float32, out=_poisoned(M, N, torch.float32))
+    ref = reference.scaled_mm(a, w, a_scale, w_scale, b, activation, torch.float32)
+    _assert_matches_reference(out, ref, torch.float32)
+    assert _rel_err(out, reference.fp64_scaled_mm(a, w, a_scale, w_scale, b, activation)) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_fp16_output(dtype):
+    M, N, K = 13, 70, 80
+    a, a_scale, w, w_scale, bias = _operands(M, N, K, dtype, seed=11)
+    out = gemm.scaled_mm(a, w, a_scale, w_scale, bias * 0.01, "gelu_tanh", torch.float16,
+                         out=_poisoned(M, N, torch.float16))
+    ref = reference.scaled_mm(a, w, a_scale, w_scale, bias * 0.01, "gelu_tanh", torch.float16)
+    _assert_matches_reference(out, ref, torch.float16)
+
+
+def test_int8_with_unit_scales_is_the_exact_accumulator():
+    M, N, K = 13, 70, 208
+    a, _, w, _, _ = _operands(M, N, K, torch.int8, seed=5)
+    ones_m, ones_n = torch.ones(M), torch.ones(N)
+    out = gemm.scaled_mm(a, w, ones_m, ones_n, None, "none", torch.float32)
+    # |acc| < 2**24 here, so the fp32 output holds the int32 accumulator exactly.
+    assert torch.equal(out, reference.int8_matmul_exact(a, w).float())
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
+@pytest.mark.parametrize("M", [1, 13, 257])
+def test_gated_scaled_mm(dtype, activation, M):
+    N, K = 70, 80
+    a, a_scale, w, w_scale, _ = _operands(M, N, K, dtype, seed=M, n_weight_rows=2 * N)
+    out = gemm.gated_scaled_mm(a, w, a_scale, w_scale, activation, torch.float32, out=_poisoned(M, N, torch.float32))
+    ref = reference.gated_scaled_mm(a, w, a_scale, w_scale, activation, torch.float32)
+    _assert_matches_reference(out, ref, torch.float32)
+    # And against two independent GEMMs in float64.
+    gate = reference.fp64_scaled_mm(a, w[:N], a_scale, w_scale[:N], None, activation)
+    up = reference.fp64_scaled_mm(a, w[N:], a_scale, w_scale[N:])
+    assert _rel_err(out, gate * up) < 1e-6
+
+
+def test_gated_pairs_gate_with_its_own_up_rows():
+    # A weight whose up half is the identity pattern exposes any gate/up row mismatch.
+    M, N, K = 5, 64, 64
+    a = torch.randint(-127, 128, (M, K), dtype=torch.int8)
+    gate = torch.randint(-127, 128, (N, K), dtype=torch.int8)
+    up = torch.zeros(N, K, dtype=torch.int8)
+    up[torch.arange(N), torch.arange(N) % K] = 1
+    w = torch.cat([gate, up])
+    ones = torch.ones(1)
+    out = gemm.gated_scaled_mm(a, w, ones, ones, "relu", torch.float32)
+    expected = torch.relu(reference.int8_matmul_exact(a, gate).float()) * a[:, torch.arange(N) % K].float()
+    assert torch.equal(out, expected)
+
+
+def test_fuzz_random_shapes_and_flags():
+    """>= 200 seeded random combinations of shape, dtype, scales, bias, activation, gating, out dtype."""
+    rng = random.Random(1234)
+    for case in range(200):
+        dtype = rng.choice([torch.int8, torch.float8_e4m3fn])
+        M = rng.choice([1, 2, 3, 5, 13, 16, 17, 31, 64, 65, 100])
+        N = rng.choice([1, 3, 16, 33, 64, 65, 100])
+        K = 16 * rng.randint(1, 12)
+        gated = rng.random() < 0.25
+        activation = rng.choice(reference.ACTIVATIONS)
+        has_bias = not gated and rng.random() < 0.5
+        out_dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+        a, a_scale, w, w_scale, bias = _operands(M, N, K, dtype, seed=case, n_weight_rows=2 * N if gated else N)
+        if rng.random() < 0.3:
+            a_scale = a_scale[:1].clone()
+        if rng.random() < 0.3:
+            w_scale = w_scale[:1].clone()
+        bias = bias * 0.1 if has_bias else None
+        ctx = f"case {case}: {dtype} M={M} N={N} K={K} gated={gated} act={activation} bias={has_bias} {out_dtype}"
+        if gated:
+            out = gemm.gated_scaled_mm(a, w, a_scale, w_scale, activation, out_dtype, out=_poisoned(M, N, out_dtype))
+            ref = reference.gated_scaled_mm(a, w, a_scale, w_scale, activation, torch.float64 if False else torch.float32)
+        else:
+            out = gemm.scaled_mm(a, w, a_scale, w_scale, bias, activation, out_dtype, out=_poisoned(M, N, out_dtype))
+            ref = reference.scaled_mm(a, w, a_scale, w_scale, bias, activation, torch.float32)
+        assert not out.isnan().any(), ctx
+        # ref is fp32; the kernel's one extra rounding is to out_dtype.
+        torch.testing.assert_close(out.float(), ref, rtol=ULP_RTOL[out_dtype], atol=1e-3 if out_dtype == torch.float16 else 1e-5,
+                                   msg=lambda m: f"{ctx}\n{m}")
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def _valid(dtype=torch.int8, M=4, N=32, K=64):
+    a, a_scale, w, w_scale, bias = _operands(M, N, K, dtype, seed=0)
+    return a, w, a_scale, w_scale, bias
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda a, w, sa, sw, b: (a.float(), w, sa, sw, b), "a.dtype"),
+        (lambda a, w, sa, sw, b: (a, w.to(torch.float8_e4m3fn), sa, sw, b), "w.dtype"),
+        (lambda a, w, sa, sw, b: (a, w[:, :48].contiguous(), sa, sw, b), "K mismatch"),
+        (lambda a, w, sa, sw, b: (a[:, :40].contiguous(), w[:, :40].contiguous(), sa, sw, b), "multiple of 16"),
+        (lambda a, w, sa, sw, b: (a.t().contiguous().t(), w, sa, sw, b), "strides"),
+        (lambda a, w, sa, sw, b: (a, w, sa[:3], sw, b), "a_scale has shape"),
+        (lambda a, w, sa, sw, b: (a, w, sa, sw.view(-1, 1), b), r"scale.view\(-1\)"),
+        (lambda a, w, sa, sw, b: (a, w, sa.double(), sw, b), "float32"),
+        (lambda a, w, sa, sw, b: (a, w, sa, sw, b[:5]), "bias has shape"),
+        (lambda a, w, sa, sw, b: (a[None], w, sa, sw, b), "2-D"),
+    ],
+    ids=["a_float", "w_dtype", "k_mismatch", "k_alignment", "non_contiguous", "a_scale_shape", "w_scale_2d",
+         "scale_dtype", "bias_shape", "3d_input"],
+)
+def test_bad_input_raises_clear_value_error(mutate, match):
+    args = mutate(*_valid())
+    with pytest.raises(ValueError, match=match):
+        gemm.scaled_mm(*args, activation="none", out_dtype=torch.bfloat16)
+
+
+def test_bad_activation_out_dtype_and_gated_rows():
+    a, w, sa, sw, b = _valid()
+    with pytest.raises(ValueError, match="activation='swish'"):
+        gemm.scaled_mm(a, w, sa, sw, b, "swish", torch.bfloat16)
+    with pytest.raises(ValueError, match="out_dtype"):
+        gemm.scaled_mm(a, w, sa, sw, b, "none", torch.int8)
+    with pytest.raises(ValueError, match="2 \\* N rows"):
+        gemm.gated_scaled_mm(a, w[:31].contiguous(), sa, sw[:31].contiguous(), "silu", torch.bfloat16)
+    with pytest.raises(ValueError, match="out is"):
+        gemm.scaled_mm(a, w, sa, sw, b, "none", torch.bfloat16, out=torch.empty(4, 31, dtype=torch.bfloat16))
