@@ -36,7 +36,7 @@ from quantkit.kernels.reference_attention import check_decode_inputs, check_pref
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
 # Running max starts finite so that fully masked rows give exp2(-inf - m) = 0, never NaN.
-_M_INIT = -1.0e30
+_M_INIT = tl.constexpr(-1.0e30)
 
 
 # ---------------------------------------------------------------------------------------------
