@@ -1,0 +1,248 @@
+"""The `quantkit` command line: quantize, eval, demo, bench.
+
+Talks only to the public API (``quantkit`` and ``quantkit.bench``). Every failure a user can cause
+becomes one line on stderr and a non-zero exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(
+    help="W8A8 (INT8 / FP8) quantization of Hugging Face causal LMs on Triton kernels.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+bench_app = typer.Typer(help="Kernel and end-to-end benchmarks (need a CUDA GPU).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+DEFAULT_DATASET = "wikipedia-excerpt"
+
+
+def fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=1)
+
+
+def user_errors(func):
+    """Turn the library's input errors into a one-line message and exit code 1."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        import quantkit
+
+        try:
+            return func(*args, **kwargs)
+        except (ValueError, FileNotFoundError, quantkit.CheckpointError) as exc:
+            fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        except KeyboardInterrupt:
+            fail("interrupted")
+
+    return wrapper
+
+
+def _device(device: Optional[str]) -> str:
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        fail(f"--device {device} was asked for but no CUDA GPU is available; use --device cpu")
+    return device
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    """Write JSON atomically: a reader never sees half a report."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
+        json.dump(payload, handle, indent=2)
+        tmp = handle.name
+    os.replace(tmp, path)
+
+
+def _print_table(rows: list[dict]) -> None:
+    header = f"{'scheme':<14}{'baseline PPL':>14}{'quantized PPL':>15}{'delta':>9}{'tokens':>9}{'layers':>8}"
+    typer.echo(header)
+    typer.echo("-" * len(header))
+    for row in rows:
+        typer.echo(
+            f"{row['scheme']:<14}{row['baseline_ppl']:>14.3f}{row['quantized_ppl']:>15.3f}"
+            f"{row['delta_percent']:>+8.2f}%{row['tokens']:>9}{row.get('layers', ''):>8}"
+        )
+
+
+@app.command()
+@user_errors
+def quantize(
+    model: str = typer.Argument(..., help="HF model directory, hub id, .gguf file, or 'gemma3-270m' (bundled)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Directory to write the quantized checkpoint to."),
+    scheme: str = typer.Option("fp8", help="int8 | int8-static | fp8 | fp8-static"),
+    dataset: str = typer.Option(DEFAULT_DATASET, help="Calibration text: HF dataset name[:config], .txt file/folder, or 'wikipedia-excerpt'."),
+    num_samples: int = typer.Option(64, min=1, help="Calibration blocks."),
+    seq_len: int = typer.Option(512, min=2, help="Tokens per calibration block."),
+    device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
+    backend: str = typer.Option("auto", help="auto | triton | torch"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+) -> None:
+    """Calibrate, quantize and save MODEL as a compressed-tensors checkpoint."""
+    import quantkit
+
+    config = quantkit.QuantConfig.preset(scheme, backend=backend)
+    if output.exists() and not overwrite:
+        fail(f"output directory {str(output)!r} already exists; pass --overwrite to replace it")
+    device = _device(device)
+    start = time.perf_counter()
+    source, tokenizer = quantkit.load_model(model, device=device)
+    blocks = quantkit.prepare_calibration_data(tokenizer, dataset, num_samples, seq_len, model=source)
+    qmodel = quantkit.quantize(source, config, blocks)
+    quantkit.save(qmodel, output, tokenizer=tokenizer, overwrite=overwrite)
+    typer.echo(f"{qmodel.quantkit_report}; wrote {output} ({scheme}) in {time.perf_counter() - start:.0f} s")
+
+
+@app.command("eval")
+@user_errors
+def evaluate(
+    checkpoint: Path = typer.Argument(..., help="A quantized checkpoint directory written by `quantkit quantize`."),
+    baseline: str = typer.Option(..., help="The 16-bit model to compare against (same forms as `quantize`)."),
+    dataset: str = typer.Option(DEFAULT_DATASET, help="Evaluation text (its held-out split is used)."),
+    window: int = typer.Option(1024, min=2, help="Tokens per window (BOS included)."),
+    stride: Optional[int] = typer.Option(None, help="New tokens per window (default: window)."),
+    max_tokens: Optional[int] = typer.Option(None, help="Evaluate at most this many tokens."),
+    device: Optional[str] = typer.Option(None, help="cpu or cuda."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the report as JSON here."),
+) -> None:
+    """Perplexity of CHECKPOINT against its 16-bit BASELINE on the same held-out tokens."""
+    import quantkit
+
+    scheme = quantkit.read_quant_config(checkpoint).name
+    device = _device(device)
+    base_model, tokenizer = quantkit.load_model(baseline, device=device)
+    tokens = quantkit.prepare_evaluation_tokens(tokenizer, dataset, max_tokens)
+    qmodel = quantkit.load(checkpoint, device=device)
+    result = quantkit.compare_perplexity(base_model, qmodel, tokens, window, stride, tokenizer.bos_token_id)
+    row = _row(scheme, result)
+    _print_table([row])
+    if json_path:
+        _write_json(json_path, {"model": baseline, "checkpoint": str(checkpoint), "dataset": dataset, "results": [row]})
+
+
+def _row(scheme: str, result, layers: int | None = None, seconds: float | None = None) -> dict:
+    row = {
+        "scheme": scheme,
+        "baseline_ppl": result.baseline.perplexity,
+        "quantized_ppl": result.quantized.perplexity,
+        "delta_percent": result.delta_percent,
+        "tokens": result.quantized.tokens,
+        "window": result.quantized.window,
+    }
+    if layers is not None:
+        row["layers"] = layers
+    if seconds is not None:
+        row["seconds"] = round(seconds, 1)
+    return row
+
+
+@app.command()
+@user_errors
+def demo(
+    schemes: str = typer.Option("fp8,int8", help="Comma-separated schemes to compare."),
+    max_tokens: Optional[int] = typer.Option(None, help="Evaluation tokens (default: 8192 on CPU, all held-out text on GPU)."),
+    window: Optional[int] = typer.Option(None, help="Tokens per window (default: 1024 on CPU, 2048 on GPU)."),
+    num_samples: int = typer.Option(16, min=1, help="Calibration blocks (static schemes)."),
+    seq_len: int = typer.Option(512, min=2, help="Tokens per calibration block."),
+    device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the report as JSON here."),
+) -> None:
+    """Quantize the bundled Gemma-3-270M and compare its perplexity with the 16-bit model."""
+    import torch
+
+    import quantkit
+
+    configs = [quantkit.QuantConfig.preset(s.strip()) for s in schemes.split(",") if s.strip()]
+    device = _device(device)
+    on_gpu = device.startswith("cuda")
+    max_tokens = max_tokens if max_tokens is not None else (None if on_gpu else 8192)
+    window = window or (2048 if on_gpu else 1024)
+    typer.echo(f"loading the bundled model {quantkit.BUNDLED_MODEL} on {device} ...")
+    base_model, tokenizer = quantkit.load_model(quantkit.BUNDLED_MODEL, device=device)
+    tokens = quantkit.prepare_evaluation_tokens(tokenizer, quantkit.BUNDLED_DATASET, max_tokens)
+    blocks = None
+    if any(c.is_static for c in configs):
+        blocks = quantkit.prepare_calibration_data(tokenizer, quantkit.BUNDLED_DATASET, num_samples, seq_len,
+                                                   model=base_model)
+    typer.echo(f"{tokens.numel()} held-out tokens, window {window}, dtype {base_model.dtype}")
+    baseline = quantkit.evaluate_perplexity(base_model, tokens, window, bos_token_id=tokenizer.bos_token_id,
+                                            desc="baseline perplexity")
+    rows = []
+    for config in configs:
+        start = time.perf_counter()
+        qmodel = quantkit.quantize(copy.deepcopy(base_model), config, blocks)
+        quantized = quantkit.evaluate_perplexity(qmodel, tokens, window, bos_token_id=tokenizer.bos_token_id,
+                                                 desc=f"{config.name} perplexity")
+        result = quantkit.Comparison(baseline=baseline, quantized=quantized)
+        rows.append(_row(config.name, result, len(qmodel.quantkit_report.converted), time.perf_counter() - start))
+        del qmodel
+    typer.echo("")
+    _print_table(rows)
+    if json_path:
+        _write_json(json_path, {
+            "model": quantkit.BUNDLED_MODEL,
+            "dataset": quantkit.BUNDLED_DATASET,
+            "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+            "dtype": str(base_model.dtype),
+            "torch": torch.__version__,
+            "quantkit": quantkit.__version__,
+            "date": time.strftime("%Y-%m-%d"),
+            "results": rows,
+        })
+
+
+def _bench_out(out_dir: Path) -> Path:
+    import torch
+
+    if not torch.cuda.is_available():
+        fail("benchmarks need a CUDA GPU; none is available here")
+    return out_dir
+
+
+@bench_app.command("gemm")
+@user_errors
+def bench_gemm(out_dir: Path = typer.Option(Path("benchmarks/results"), help="Where CSV/JSON/PNG go.")) -> None:
+    """INT8/FP8 scaled GEMMs vs cuBLAS bf16, _scaled_mm and _int_mm (Llama-3-8B shapes)."""
+    from quantkit.bench.gemm import run_gemm_benchmark
+
+    run_gemm_benchmark(out_dir=_bench_out(out_dir))
+
+
+@bench_app.command("attention")
+@user_errors
+def bench_attention(out_dir: Path = typer.Option(Path("benchmarks/results"), help="Where CSV/JSON/PNG go.")) -> None:
+    """Flash prefill and split-KV decode attention vs SDPA."""
+    from quantkit.bench.attention import run_attention_benchmark
+
+    run_attention_benchmark(out_dir=_bench_out(out_dir))
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    import transformers
+
+    # transformers' load-time chatter (unused weights, generation defaults) hides quantkit's output.
+    transformers.logging.set_verbosity_error()
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
