@@ -23,19 +23,28 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     parser.add_argument("--quick", action="store_true", help="fewer M values (1, 16, 128, 1024, 4096)")
     parser.add_argument("--no-checks", action="store_true")
+    parser.add_argument("--checks-first", action="store_true",
+                        help="run the correctness checks before the timings (default: after; every "
+                             "benchmarked output is checked against the reference either way)")
     parser.add_argument("--skip", default="", help="comma list of parts to skip: gemm,quant,gated")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    if not args.no_checks:
-        checks = run_gpu_checks()
-        Path(args.out, "gemm_checks.json").write_text(json.dumps(checks, indent=1, default=str))
-        print(f"all {len(checks)} GPU checks passed", flush=True)
+    if args.checks_first and not args.no_checks:
+        run_checks(args.out)
     if "quant" not in skip:
         run_quant_benchmark(out_dir=args.out)
     if "gemm" not in skip:
         ms = [1, 16, 128, 1024, 4096] if args.quick else None
         run_gemm_benchmark(ms=ms, out_dir=args.out, gated="gated" not in skip)
+    if not args.checks_first and not args.no_checks:
+        run_checks(args.out)
+
+
+def run_checks(out):
+    checks = run_gpu_checks()
+    Path(out, "gemm_checks.json").write_text(json.dumps(checks, indent=1, default=str))
+    print(f"all {len(checks)} GPU checks passed", flush=True)
 
 
 if __name__ == "__main__":

@@ -273,6 +273,17 @@ def _rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
+def _grid_steps(q, ref_q):
+    """How many representable values apart two quantized tensors are, elementwise."""
+    if q.dtype == torch.int8:
+        return (q.int() - ref_q.int()).abs()
+    # e4m3fn bit patterns are ordered like the values within one sign: compare as sign-magnitude.
+    def ordinal(t):
+        bits = t.view(torch.uint8).int()
+        return torch.where(bits >= 128, -(bits - 128), bits)
+    return (ordinal(q) - ordinal(ref_q)).abs()
+
+
 def run_gpu_checks(all_configs=True, device="cuda", small=False) -> list[dict]:
     """Poisoned outputs, every epilogue, both dtypes, vs the reference twin and float64.
 
@@ -343,9 +354,14 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False) -> list[dict]:
                 res = torch.randn_like(x)
                 q, s, nr = quant.rms_norm_quant_per_token(x, wn, 1e-6, dtype, res, 1.0)
                 rq, rs, rnr = reference.rms_norm_quant_per_token(x, wn, 1e-6, dtype, res, 1.0)
-                deq, rdeq = q.float() * s[:, None], rq.float() * rs[:, None]
-                record(f"rms_norm_quant_{dtype}", torch.equal(nr, rnr) and _rel_err(deq, rdeq) < 1e-3
-                       and ((s - rs).abs() / rs).max().item() < 1e-5, M=M, K=K, rel_err=_rel_err(deq, rdeq))
+                # Reduction order (and torch's approximate rsqrt on CUDA) may move a value on a
+                # rounding boundary by one step of the quantized grid, rarely; more is a bug.
+                steps = _grid_steps(q, rq)
+                flipped = (steps > 0).float().mean().item()
+                scale_diff = ((s - rs).abs() / rs).max().item()
+                record(f"rms_norm_quant_{dtype}", torch.equal(nr, rnr) and steps.max().item() <= 1
+                       and flipped < 0.01 and scale_diff < 1e-5, M=M, K=K, max_steps=steps.max().item(),
+                       flipped_fraction=flipped, scale_rel_diff=scale_diff)
 
     if all_configs:
         # Every autotune config on one masked-K shape: a config-specific indexing bug shows here.
