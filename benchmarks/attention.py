@@ -14,9 +14,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quantkit.bench.attention import bench_prefill, run_attention_benchmark, run_attention_checks  # noqa: E402
+from quantkit.bench.attention import (  # noqa: E402
+    bench_decode,
+    bench_prefill,
+    run_attention_benchmark,
+    run_attention_checks,
+)
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates for head_dim 128 on Hopper.
+# (BLOCK_N, num_warps, num_stages, programs_per_sm) candidates for decode, head_dim 128.
+DECODE_SWEEP_CONFIGS = [(64, 4, 3, 2), (64, 4, 3, 4), (128, 4, 3, 2), (128, 8, 3, 4), (64, 4, 4, 4), (32, 4, 4, 4), (64, 8, 3, 3)]
 SWEEP_CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4)]
 
 
@@ -25,6 +32,7 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     parser.add_argument("--no-checks", action="store_true")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep-decode", action="store_true")
     parser.add_argument("--quick", action="store_true", help="prefill 4k/16k, decode 1k/32k only")
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -43,6 +51,15 @@ def main():
                 sweep.append(row)
                 print(f"sweep {config} S={seq}: {row['quantkit_tflops']:.1f} TFLOP/s ratio {row['ratio']:.3f}", flush=True)
         Path(args.out, "attention_sweep.json").write_text(json.dumps(sweep, indent=1, default=str))
+    if args.sweep_decode:
+        sweep = []
+        for config in DECODE_SWEEP_CONFIGS:
+            for batch, length in ((1, 4096), (1, 32768), (8, 4096), (8, 32768)):
+                row = bench_decode(batch, length, block_config=config)
+                sweep.append(row)
+                print(f"decode sweep {config} B={batch} L={length}: graph {row['quantkit_graph_ms'] * 1e3:.1f} us "
+                      f"vs SDPA {row['sdpa_graph_ms'] * 1e3:.1f} us ({row['ratio_graph']:.3f}x)", flush=True)
+        Path(args.out, "attention_decode_sweep.json").write_text(json.dumps(sweep, indent=1, default=str))
     kwargs = dict(prefill_seqs=(4096, 16384), decode_lengths=(1024, 32768)) if args.quick else {}
     run_attention_benchmark(out_dir=args.out, **kwargs)
 

@@ -127,7 +127,7 @@ def bench_prefill(seq: int, block_config=None, head_dim: int = HEAD_DIM, window=
     return row
 
 
-def bench_decode(batch: int, length: int) -> dict:
+def bench_decode(batch: int, length: int, block_config=None) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(length + batch)
     q = torch.randn(batch, N_Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     k_cache = torch.randn(batch, N_KV_HEADS, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -137,7 +137,7 @@ def bench_decode(batch: int, length: int) -> dict:
     q4 = q[:, :, None, :]
 
     def ours():
-        return attention_kernels.decode_attention(q, k_cache, v_cache, seqlens, scale)
+        return attention_kernels.decode_attention(q, k_cache, v_cache, seqlens, scale, block_config=block_config)
 
     def sdpa():
         return F.scaled_dot_product_attention(q4, k_cache, v_cache, enable_gqa=True)
@@ -148,7 +148,8 @@ def bench_decode(batch: int, length: int) -> dict:
     graph_ms, sdpa_graph_ms = bench_graph_ms(ours), bench_graph_ms(sdpa)
     return {
         "kind": "decode", "batch": batch, "seq": length, "n_q_heads": N_Q_HEADS, "n_kv_heads": N_KV_HEADS,
-        "head_dim": HEAD_DIM, "quantkit_ms": ms, "sdpa_ms": sdpa_ms, "ratio": sdpa_ms / ms,
+        "head_dim": HEAD_DIM, "block_config": str(block_config or attention_kernels._decode_config(HEAD_DIM)),
+        "quantkit_ms": ms, "sdpa_ms": sdpa_ms, "ratio": sdpa_ms / ms,
         "quantkit_graph_ms": graph_ms, "sdpa_graph_ms": sdpa_graph_ms, "ratio_graph": sdpa_graph_ms / graph_ms,
         "quantkit_graph_gbps": bytes_read / (graph_ms * 1e-3) / 1e9,
         "sdpa_graph_gbps": bytes_read / (sdpa_graph_ms * 1e-3) / 1e9, "rel_err_vs_sdpa": err,

@@ -176,7 +176,7 @@ def _prefill_config(head_dim: int) -> tuple[int, int, int, int]:
     if head_dim == 64:
         return 128, 64, 4, 3
     if head_dim == 128:
-        return 128, 64, 8, 3
+        return 128, 128, 8, 3  # best of a 6-config sweep on an H100 (benchmarks/NOTES-attention.md)
     return 64, 32, 4, 2  # head_dim 256: keep q, k, v tiles inside shared memory
 
 
@@ -332,10 +332,13 @@ def _multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def decode_split_plan(batch: int, n_kv_heads: int, max_keys: int, device: torch.device, block_n: int) -> tuple[int, int]:
-    """(split_len, n_splits): enough programs to fill the GPU twice over, splits whole blocks."""
+def decode_split_plan(
+    batch: int, n_kv_heads: int, max_keys: int, device: torch.device, block_n: int, programs_per_sm: int = 2
+) -> tuple[int, int]:
+    """(split_len, n_splits): about ``programs_per_sm`` programs per SM, splits of whole blocks."""
     if device.type == "cuda":
-        target_programs = 2 * _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+        sm_count = _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+        target_programs = programs_per_sm * sm_count
     else:
         target_programs = 4  # interpreter: a few splits, so that the combine path is exercised
     n_blocks = triton.cdiv(max(max_keys, 1), block_n)
@@ -344,13 +347,13 @@ def decode_split_plan(batch: int, n_kv_heads: int, max_keys: int, device: torch.
     return split_len, triton.cdiv(max(max_keys, 1), split_len)
 
 
-def _decode_config(head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages)."""
+def _decode_config(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, num_warps, num_stages, programs_per_sm)."""
     if _INTERPRETED:
-        return 64, 4, 1
+        return 64, 4, 1, 2
     if head_dim == 256:
-        return 32, 4, 2
-    return 64, 4, 3
+        return 32, 4, 2, 2
+    return 64, 4, 3, 2
 
 
 def decode_attention(
@@ -361,20 +364,22 @@ def decode_attention(
     scale: float,
     window: int | None = None,
     max_seqlen: int | None = None,
+    block_config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Launch split-KV decode; see ``reference_attention.decode_attention`` for the math.
 
     ``max_seqlen`` (host-side bound on ``cache_seqlens``) both checks for cache overflow and
     sizes the splits; without it the grid covers the whole capacity (CUDA-graph friendly).
+    ``block_config`` = (BLOCK_N, num_warps, num_stages, programs_per_sm) overrides the tuning.
     """
     check_decode_inputs(q, k_cache, v_cache, cache_seqlens, window, max_seqlen)
     batch, n_q_heads, head_dim = q.shape
     n_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     group = n_q_heads // n_kv_heads
-    block_n, num_warps, num_stages = _decode_config(head_dim)
+    block_n, num_warps, num_stages, programs_per_sm = block_config or _decode_config(head_dim)
     max_keys = max_seqlen if max_seqlen is not None else capacity
     span = min(max_keys, window) if window is not None else max_keys
-    split_len, n_splits = decode_split_plan(batch, n_kv_heads, span, q.device, block_n)
+    split_len, n_splits = decode_split_plan(batch, n_kv_heads, span, q.device, block_n, programs_per_sm)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if q.numel() == 0:
         return out
