@@ -74,7 +74,9 @@ def round_to_e4m3_grid(x):
     ulp_exponent = tl.maximum(exponent, -6) - 3
     to_units = ((127 - ulp_exponent) << 23).to(tl.float32, bitcast=True)
     from_units = ((127 + ulp_exponent) << 23).to(tl.float32, bitcast=True)
-    return round_half_even(x * to_units) * from_units
+    rounded = round_half_even(x * to_units) * from_units
+    # (x + c) - c yields +0 for small negative x; torch keeps the sign (-0), so keep it too.
+    return tl.where(x < 0, -tl.abs(rounded), rounded)
 
 
 @triton.jit
