@@ -1,0 +1,87 @@
+"""The registered custom ops: opcheck, torch.compile(fullgraph=True), and ops.py's dispatch."""
+
+import pytest
+import torch
+
+from quantkit.kernels import ops, reference, triton_ops
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+ALL_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+# test_schema compares inputs before/after with torch.allclose, which CPU torch does not
+# implement for float8 tensors; the other three checks run for fp8.
+FP8_UTILS = ALL_UTILS[1:]
+
+
+def _operands(dtype, M=13, N=32, K=64, rows=None):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(M, K, generator=gen)
+    a, a_scale = reference.quantize_per_token(x, dtype)
+    w, w_scale = reference.quantize_per_channel(torch.randn(rows or N, K, generator=gen), dtype)
+    return x, a, a_scale, w, w_scale, torch.randn(N, generator=gen)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_opcheck(dtype):
+    utils = ALL_UTILS if dtype == torch.int8 else FP8_UTILS
+    x, a, a_scale, w, w_scale, bias = _operands(dtype)
+    _, _, _, w2, w2_scale, _ = _operands(dtype, rows=64)
+    weight = torch.randn(64)
+    cases = [
+        (triton_ops._scaled_mm_op, (a, w, a_scale, w_scale, bias, "silu", torch.bfloat16)),
+        (triton_ops._scaled_mm_op, (a, w, a_scale[:1].clone(), w_scale[:1].clone(), None, "none", torch.float32)),
+        (triton_ops._gated_scaled_mm_op, (a, w2, a_scale, w2_scale, "gelu_tanh", torch.bfloat16)),
+        (triton_ops._quantize_per_token_op, (x, dtype)),
+        (triton_ops._quantize_per_tensor_op, (x, torch.tensor([0.03]), dtype)),
+        (triton_ops._rms_norm_quant_op, (x, weight, 1e-6, dtype, 1.0)),
+        (triton_ops._add_rms_norm_quant_op, (x, torch.randn_like(x), weight, 1e-6, dtype, 0.0)),
+    ]
+    for op, args in cases:
+        result = torch.library.opcheck(op, args, test_utils=utils)
+        assert all(v == "SUCCESS" for v in result.values()), (op, result)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_module_compiles_fullgraph(dtype):
+    x, _, _, w, w_scale, bias = _operands(dtype)
+    _, _, _, w2, w2_scale, _ = _operands(dtype, N=16, K=32, rows=32)
+    norm_weight = torch.randn(64)
+
+    class TinyQuantMLP(torch.nn.Module):
+        def forward(self, x, residual):
+            q, s, residual = ops.rms_norm_quant_per_token(x, norm_weight, 1e-6, dtype, residual, 1.0, backend="triton")
+            h = ops.scaled_mm(q, w, s, w_scale, bias, "none", torch.float32, backend="triton")
+            q2, s2 = ops.quantize_per_token(h, dtype, backend="triton")
+            return ops.gated_scaled_mm(q2, w2, s2, w2_scale, "silu", torch.float32, backend="triton"), residual
+
+    module = TinyQuantMLP()
+    residual = torch.randn_like(x)
+    eager = module(x, residual)
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")(x, residual)
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+
+
+def test_triton_and_torch_backends_agree_through_ops():
+    for dtype in (torch.int8, torch.float8_e4m3fn):
+        x, a, a_scale, w, w_scale, bias = _operands(dtype)
+        results = {}
+        for backend in ("torch", "triton"):
+            q, s = ops.quantize_per_token(x, dtype, backend=backend)
+            results[backend] = ops.scaled_mm(q, w, s, w_scale, bias, "relu", torch.float32, backend=backend)
+        torch.testing.assert_close(results["triton"], results["torch"], rtol=1e-6, atol=1e-6)
+
+
+def test_fake_impl_rejects_bad_input_while_tracing():
+    _, a, a_scale, w, w_scale, _ = _operands(torch.int8)
+
+    def f(a, w):
+        return ops.scaled_mm(a, w, a_scale, w_scale, None, "none", torch.float32, backend="triton")
+
+    with pytest.raises(Exception, match="K mismatch"):
+        torch.compile(f, fullgraph=True, backend="aot_eager")(a, w[:, :48].contiguous())
+
+
+def test_resolve_backend():
+    assert ops.resolve_backend("auto", "cpu") == "torch"
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        ops.resolve_backend("cuda", "cpu")
