@@ -1,10 +1,11 @@
-"""Error-compensated INT8 weight rounding (GPTQ, Frantar et al. 2022) from calibration activations.
+"""Error-compensated 8-bit weight rounding (GPTQ, Frantar et al. 2022) from calibration activations.
 
 Round-to-nearest quantizes each weight independently. GPTQ rounds the input columns one at a
 time and pushes each column's rounding error onto the columns not yet rounded, weighted by the
 inverse Hessian ``H = 2 X^T X / n`` of the layer's inputs, so that the *output* ``X W^T`` moves as
 little as possible. The per-channel scale is fixed up front (absmax or the MSE clip search), so
-the result drops into the same (q int8, scale per channel) layout as round-to-nearest.
+the result drops into the same (q, scale per channel) layout as round-to-nearest. The rounding is
+reference.py's ``cast_to_quantized``, so the same algorithm serves INT8 and FP8 (e4m3) grids.
 
 Memory bound: one K x K float32 Hessian per layer being calibrated (``4 K^2`` bytes; layers that
 read the same input tensor, e.g. q/k/v, share one), plus one calibration batch in flight. Pass
@@ -161,15 +162,14 @@ def gptq_quantize_weights(
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """GPTQ-quantize the named Linears of ``model`` (weights are not modified).
 
-    Returns ``{name: (q_weight int8 (N, K), weight_scale float32 (N,))}`` with
+    Returns ``{name: (q_weight (N, K) of ``dtype``, weight_scale float32 (N,))}`` with
     ``q_weight * weight_scale[:, None] ~= weight``, ready for ``QuantLinear.from_linear(...,
     quantized_weight=...)``. weight_observer: "absmax" (scale from the row max) or "mse" (clip
     search of ``weights.search_weight_clip``, weighted by the inputs' mean square).
     Statistics come from the unquantized model (all layers at once): the memory bound is in the
     module docstring.
     """
-    if dtype != torch.int8:
-        raise ValueError(f"GPTQ is implemented for int8 weights; got {dtype} (FP8 rounds relative, RTN is enough)")
+    qmax_of(dtype)  # validates: torch.int8 or torch.float8_e4m3fn
     if weight_observer not in ("absmax", "mse"):
         raise ValueError(f"weight_observer={weight_observer!r} must be 'absmax' or 'mse'")
     if not layer_names:

@@ -32,9 +32,17 @@ def _output_error(x, weight, q, scale):
     return float((y - x @ (q.float() * scale[:, None]).t()).norm() / y.norm())
 
 
+def test_fp8_round_trip_values_are_representable():
+    weight = torch.randn(7, 33)
+    _, scale = quantize_per_channel(weight, torch.float8_e4m3fn)
+    q = gptq_quantize(weight, torch.eye(33), scale, torch.float8_e4m3fn)
+    assert q.dtype == torch.float8_e4m3fn and bool(torch.isfinite(q.float()).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
 @pytest.mark.parametrize("shape", [(13, 97), (64, 300)], ids=["13x97", "64x300"])
 @pytest.mark.parametrize("act_order", [False, True], ids=["in-order", "act-order"])
-def test_gptq_beats_round_to_nearest(shape, act_order):
+def test_gptq_beats_round_to_nearest(shape, act_order, dtype):
     n_out, k = shape
     g = torch.Generator().manual_seed(n_out)
     weight = torch.randn(n_out, k, generator=g)
@@ -42,9 +50,9 @@ def test_gptq_beats_round_to_nearest(shape, act_order):
     acc = HessianAccumulator(k, torch.device("cpu"))
     for part in x_cal.split(300):
         acc.update(part)
-    q_rtn, scale = quantize_per_channel(weight, torch.int8)
-    q = gptq_quantize(weight, acc.hessian, scale, torch.int8, block_size=32, act_order=act_order)
-    assert q.dtype == torch.int8 and q.shape == weight.shape
+    q_rtn, scale = quantize_per_channel(weight, dtype)
+    q = gptq_quantize(weight, acc.hessian, scale, dtype, block_size=32, act_order=act_order)
+    assert q.dtype == dtype and q.shape == weight.shape
     # Same grid as RTN (the scale is fixed up front), different rounding choices.
     err_rtn = _output_error(x_test, weight, q_rtn, scale)
     err_gptq = _output_error(x_test, weight, q, scale)
@@ -106,8 +114,8 @@ def test_mse_observer_path_and_bad_input():
     q, scale = gptq_quantize_weights(model, blocks, [name], weight_observer="mse", progress=False)[name]
     absmax_scale = dict(model.named_modules())[name].weight.detach().abs().amax(1) / 127
     assert bool((scale <= absmax_scale * (1 + 1e-6)).all())
-    with pytest.raises(ValueError, match="int8"):
-        gptq_quantize_weights(model, blocks, [name], dtype=torch.float8_e4m3fn, progress=False)
+    with pytest.raises(ValueError, match="not supported"):
+        gptq_quantize_weights(model, blocks, [name], dtype=torch.float16, progress=False)
     with pytest.raises(ValueError, match="not nn.Linear"):
         gptq_quantize_weights(model, blocks, ["model.layers.0.mlp"], progress=False)
     with pytest.raises(ValueError, match="shapes"):
