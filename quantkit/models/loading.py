@@ -71,6 +71,7 @@ def _load_gguf(path: Path, dtype: torch.dtype):
         str(path.parent), dtype=dtype, quantization_config=GgufConfig(dequantize=True), **kwargs
     )
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
+    check_tokenizer(tokenizer)
     return model, tokenizer
 
 
@@ -137,5 +138,4 @@ def load_model(
                 f"cannot load {source!r} from the hub ({str(exc).splitlines()[0]}); pass a local directory, "
                 f"a .gguf file, or {BUNDLED_MODEL!r}"
             ) from exc
-    check_tokenizer(tokenizer)
     return model.to(device).eval(), tokenizer
