@@ -27,12 +27,43 @@ DECODE_SWEEP_CONFIGS = [(64, 4, 3, 2), (64, 4, 3, 4), (128, 4, 3, 2), (128, 8, 3
 SWEEP_CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4)]
 
 
+def profile_host_overhead(calls: int = 300) -> None:
+    """Microseconds of host time per call, enqueue only (no sync inside the loop)."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from quantkit.kernels import attention
+    from quantkit.kernels.reference_attention import check_decode_inputs
+
+    q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.full((1,), 1024, dtype=torch.int32, device="cuda")
+    parts = {
+        "check_decode_inputs": lambda: check_decode_inputs(q, cache, cache, seqlens, None, None),
+        "two torch.empty": lambda: (torch.empty((1, 32, 16, 128), device="cuda"), torch.empty((1, 32, 16), device="cuda")),
+        "decode_attention (all)": lambda: attention.decode_attention(q, cache, cache, seqlens, 0.1),
+        "SDPA": lambda: F.scaled_dot_product_attention(q[:, :, None], cache, cache, enable_gqa=True),
+    }
+    for name, fn in parts.items():
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host_us = (time.perf_counter() - start) / calls * 1e6
+        torch.cuda.synchronize()
+        print(f"host {name:24s} {host_us:7.1f} us/call", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     parser.add_argument("--no-checks", action="store_true")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-decode", action="store_true")
+    parser.add_argument("--profile-host", action="store_true", help="host (Python) cost per decode call")
     parser.add_argument("--quick", action="store_true", help="prefill 4k/16k, decode 1k/32k only")
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -60,6 +91,8 @@ def main():
                 print(f"decode sweep {config} B={batch} L={length}: graph {row['quantkit_graph_ms'] * 1e3:.1f} us "
                       f"vs SDPA {row['sdpa_graph_ms'] * 1e3:.1f} us ({row['ratio_graph']:.3f}x)", flush=True)
         Path(args.out, "attention_decode_sweep.json").write_text(json.dumps(sweep, indent=1, default=str))
+    if args.profile_host:
+        profile_host_overhead()
     kwargs = dict(prefill_seqs=(4096, 16384), decode_lengths=(1024, 32768)) if args.quick else {}
     run_attention_benchmark(out_dir=args.out, **kwargs)
 
