@@ -54,8 +54,7 @@ def quantize(
     calibration_data: (n, seq_len) token ids; needed for static activations (and for the
     calibration recipes), unused for plain dynamic schemes.
     """
-    needs_data = config.is_static or config.smoothquant_alpha is not None or config.gptq or config.keep_sensitive
-    if needs_data and calibration_data is None:
+    if config.needs_calibration and calibration_data is None:
         raise ValueError(f"scheme {config.name!r} needs calibration data; pass token blocks "
                          "(quantkit.prepare_calibration_data)")
     backend = resolve_backend(config.backend, _model_device(model))

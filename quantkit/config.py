@@ -94,6 +94,11 @@ class QuantConfig:
         return self.activations == "static"
 
     @property
+    def needs_calibration(self) -> bool:
+        """Whether quantizing with this recipe runs calibration data through the model."""
+        return self.is_static or self.smoothquant_alpha is not None or self.gptq or self.keep_sensitive > 0
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return torch.int8 if self.weight_type == "int8" else torch.float8_e4m3fn
 

@@ -105,7 +105,9 @@ def quantize(
     device = _device(device)
     start = time.perf_counter()
     source, tokenizer = quantkit.load_model(model, device=device)
-    blocks = quantkit.prepare_calibration_data(tokenizer, dataset, num_samples, seq_len, model=source)
+    blocks = None
+    if config.needs_calibration:
+        blocks = quantkit.prepare_calibration_data(tokenizer, dataset, num_samples, seq_len, model=source)
     qmodel = quantkit.quantize(source, config, blocks)
     quantkit.save(qmodel, output, tokenizer=tokenizer, overwrite=overwrite)
     typer.echo(f"{qmodel.quantkit_report}; wrote {output} ({scheme}) in {time.perf_counter() - start:.0f} s")
@@ -179,7 +181,7 @@ def demo(
     base_model, tokenizer = quantkit.load_model(quantkit.BUNDLED_MODEL, device=device)
     tokens = quantkit.prepare_evaluation_tokens(tokenizer, quantkit.BUNDLED_DATASET, max_tokens)
     blocks = None
-    if any(c.is_static for c in configs):
+    if any(c.needs_calibration for c in configs):
         blocks = quantkit.prepare_calibration_data(tokenizer, quantkit.BUNDLED_DATASET, num_samples, seq_len,
                                                    model=base_model)
     typer.echo(f"{tokens.numel()} held-out tokens, window {window}, dtype {base_model.dtype}")

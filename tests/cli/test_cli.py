@@ -1,0 +1,184 @@
+"""The command line: the happy path, and every bad input as one line, exit code 1, nothing written."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from quantkit.cli.main import app
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_user_error(result, *fragments):
+    assert result.exit_code == 1, result.output
+    # transformers may draw a loading progress bar first; the error is one line and the last.
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: "), result.stderr
+    assert result.stderr.count("error: ") == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in message, message
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def assert_nothing_written(parent):
+    assert not [p for p in parent.iterdir() if p.name.startswith(".")], "staging files left behind"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(llama_dir, text_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "ckpt"
+    result = invoke("quantize", llama_dir, "-o", out, "--scheme", "int8-static", "--dataset", text_dir,
+                    "--num-samples", 4, "--seq-len", 32)
+    assert result.exit_code == 0, result.output
+    assert "converted 14 Linear layers" in result.stdout
+    return out
+
+
+def copy_checkpoint(checkpoint, tmp_path):
+    import shutil
+
+    target = tmp_path / "copy"
+    shutil.copytree(checkpoint, target)
+    return target
+
+
+def test_eval_prints_table_and_json(checkpoint, llama_dir, text_dir, tmp_path):
+    report = tmp_path / "report.json"
+    result = invoke("eval", checkpoint, "--baseline", llama_dir, "--dataset", text_dir, "--window", 64,
+                    "--max-tokens", 200, "--json", report)
+    assert result.exit_code == 0, result.output
+    assert "int8-static" in result.stdout
+    row = json.loads(report.read_text())["results"][0]
+    assert row["scheme"] == "int8-static" and row["tokens"] == 199
+    assert row["quantized_ppl"] > 1 and row["baseline_ppl"] > 1
+
+
+def test_help_on_every_command():
+    for command in ([], ["quantize"], ["eval"], ["demo"], ["bench"], ["bench", "gemm"], ["bench", "attention"]):
+        result = invoke(*command, "--help")
+        assert result.exit_code == 0 and "Usage" in result.output, command
+
+
+def test_missing_model_path(tmp_path, text_dir):
+    result = invoke("quantize", tmp_path / "no-such-model", "-o", tmp_path / "out", "--dataset", text_dir)
+    assert_user_error(result, "does not exist")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_scheme(llama_dir, tmp_path):
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--scheme", "int4")
+    assert_user_error(result, "unknown scheme 'int4'", "fp8")
+
+
+def test_output_exists(llama_dir, tmp_path, text_dir):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--dataset", text_dir)
+    assert_user_error(result, "already exists", "--overwrite")
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+def test_overwrite_replaces(llama_dir, tmp_path, text_dir):
+    (tmp_path / "out").mkdir()
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--dataset", text_dir, "--overwrite",
+                    "--scheme", "fp8")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert_nothing_written(tmp_path)
+
+
+def test_dataset_without_text(llama_dir, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for i in range(4):
+        (empty / f"{i}.txt").write_text("   \n")
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--dataset", empty, "--scheme", "int8-static",
+                    "--seq-len", 32)
+    assert_user_error(result, "yields no text")
+    assert not (tmp_path / "out").exists()
+
+
+def test_dataset_shorter_than_one_block(llama_dir, tmp_path):
+    short = tmp_path / "short"
+    short.mkdir()
+    for i in range(4):
+        (short / f"{i}.txt").write_text("The river city.")
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--dataset", short, "--scheme", "int8-static",
+                    "--seq-len", 128)
+    assert_user_error(result, "fewer than one block", "--seq-len")
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_dataset_path(llama_dir, tmp_path):
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--dataset", tmp_path / "nope.txt",
+                    "--scheme", "int8-static", "--seq-len", 32)
+    assert_user_error(result, "does not exist")
+
+
+def test_seq_len_beyond_context(llama_dir, tmp_path, text_dir):
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--dataset", text_dir, "--seq-len", 1000,
+                    "--scheme", "fp8-static")
+    assert_user_error(result, "seq_len=1000", "context of 256")
+    assert not (tmp_path / "out").exists()
+
+
+def test_checkpoint_missing_shard(checkpoint, llama_dir, tmp_path):
+    broken = copy_checkpoint(checkpoint, tmp_path)
+    (broken / "model.safetensors").unlink()
+    result = invoke("eval", broken, "--baseline", llama_dir)
+    assert_user_error(result, "model.safetensors", "missing")
+
+
+def test_checkpoint_truncated_shard(checkpoint, llama_dir, tmp_path):
+    broken = copy_checkpoint(checkpoint, tmp_path)
+    shard = broken / "model.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) * 2 // 3])
+    result = invoke("eval", broken, "--baseline", llama_dir)
+    assert_user_error(result, "truncated or corrupt")
+
+
+def test_checkpoint_scale_shape_mismatch(checkpoint, llama_dir, tmp_path):
+    broken = copy_checkpoint(checkpoint, tmp_path)
+    shard = broken / "model.safetensors"
+    tensors = load_file(str(shard))
+    name = "model.layers.1.mlp.down_proj.weight_scale"
+    tensors[name] = tensors[name].reshape(-1)  # (N,) instead of (N, 1)
+    save_file(tensors, str(shard))
+    result = invoke("eval", broken, "--baseline", llama_dir)
+    assert_user_error(result, name, "(64,)", "(64, 1)")
+
+
+def test_checkpoint_unknown_scheme(checkpoint, llama_dir, tmp_path):
+    broken = copy_checkpoint(checkpoint, tmp_path)
+    config = json.loads((broken / "config.json").read_text())
+    config["quantization_config"]["format"] = "nvfp4-pack-quantized"
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 4
+    (broken / "config.json").write_text(json.dumps(config))
+    result = invoke("eval", broken, "--baseline", llama_dir)
+    assert_user_error(result, "not one this version of quantkit knows")
+
+
+def test_not_a_checkpoint(llama_dir):
+    result = invoke("eval", llama_dir, "--baseline", llama_dir)
+    assert_user_error(result, "no quantization_config")
+
+
+def test_real_process_exit_code_and_no_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "quantkit.cli.main", "quantize", str(tmp_path / "missing"), "-o", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: model path")
+    assert not (tmp_path / "o").exists()
