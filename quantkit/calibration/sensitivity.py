@@ -121,10 +121,12 @@ def rank_layers(
     method: str = "kl",
     layer_names: list[str] | None = None,
     progress: bool = True,
+    max_seq_len: int | None = None,
 ) -> list[tuple[str, float]]:
     """``[(layer name, score)]``, most sensitive first; see the module docstring for the scores.
 
-    blocks: (n_samples, seq_len) calibration token ids; the first ``n_blocks`` are used.
+    blocks: (n_samples, seq_len) calibration token ids; the first ``n_blocks`` are used, cut to
+    their first ``max_seq_len`` tokens if given (the cost is one forward per layer).
     layer_names: restrict the ranking (default: every Linear the recipe quantizes).
     """
     if method not in METHODS:
@@ -132,6 +134,10 @@ def rank_layers(
     check_blocks(blocks)
     if n_blocks < 1 or batch_size < 1:
         raise ValueError(f"n_blocks={n_blocks} and batch_size={batch_size} must be >= 1")
+    if max_seq_len is not None:
+        if max_seq_len < 2:
+            raise ValueError(f"max_seq_len={max_seq_len} must be >= 2")
+        blocks = blocks[:, :max_seq_len]
     layers = target_layers(model, config)
     if layer_names is not None:
         unknown = [n for n in layer_names if n not in layers]
