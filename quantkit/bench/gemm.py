@@ -60,6 +60,50 @@ def bench_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+_FLUSH_BYTES = 256 << 20
+
+
+def bench_graph_ms(fn, reps: int = 10, replays: int = 15) -> float:
+    """Milliseconds per call of ``fn`` replayed from a CUDA graph, with a cold L2 each call.
+
+    The graph holds ``reps`` x (L2 flush, fn); a second graph holds the flushes alone, and the
+    difference is fn's GPU time. This removes the eager Python/launch overhead (decode runs
+    inside CUDA graphs) while every call still reads its operands from memory, like do_bench.
+    """
+    flush = torch.empty(_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    fn()  # autotune / compile outside the capture
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        flush.zero_()
+    torch.cuda.current_stream().wait_stream(side)
+    graphs = {}
+    for name, with_fn in (("flush", False), ("both", True)):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graphs[name] = graph
+    times = {}
+    for name, graph in graphs.items():
+        graph.replay()
+        samples = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        times[name] = sorted(samples)[len(samples) // 2]
+    del graphs
+    return max(times["both"] - times["flush"], 1e-6) / reps
+
+
 def _activation(x, activation):
     return reference.apply_activation(x, activation)
 
@@ -220,7 +264,7 @@ def plot_tflops(rows: list[dict], path, title: str) -> None:
 
 
 def run_gemm_benchmark(shapes=None, ms=None, out_dir="benchmarks/results", plot=True,
-                       epilogues=("plain", "bias_silu"), gated=True, timer=bench_ms) -> list[dict]:
+                       epilogues=("plain", "bias_silu"), gated=True, timer=bench_graph_ms) -> list[dict]:
     """Benchmark quantkit's GEMMs on the current GPU; writes gemm.csv/.json (+ gemm.png).
 
     shapes: list of (N, K), default Llama-3-8B's projections; ms: list of M values.
@@ -231,6 +275,7 @@ def run_gemm_benchmark(shapes=None, ms=None, out_dir="benchmarks/results", plot=
     shapes = list(shapes or LLAMA3_8B_SHAPES)
     ms = list(ms or DEFAULT_MS)
     meta = environment_metadata()
+    meta["timer"] = getattr(timer, "__name__", str(timer))
     rows = []
     if gated:
         # Llama-3-8B's MLP front half: [gate; up] = 2 x 14336 rows over K=4096.
@@ -380,7 +425,7 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False) -> list[dict]:
                 else:
                     out = gemm.scaled_mm(a, w, sa, sw, None, "gelu_tanh", torch.float32, config=config)
                     ref = reference.scaled_mm(a, w, sa, sw, None, "gelu_tanh", torch.float32)
-                record(f"config_{dtype}_gated={gated}", _rel_err(out, ref) < 1e-5, config=str(cfg),
+                record(f"config_{dtype}_gated={gated}", _rel_err(out, ref) < (1e-5 if dtype == torch.int8 else 5e-4), config=str(cfg),
                        rel_err=_rel_err(out, ref))
 
     # torch.compile(fullgraph=True) + CUDA graph capture of quantize -> GEMM.

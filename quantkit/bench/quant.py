@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.bench.gemm import bench_ms, environment_metadata, write_results
+from quantkit.bench.gemm import bench_graph_ms, bench_ms, environment_metadata, write_results
 from quantkit.kernels import triton_ops
 
 DEFAULT_SHAPES = [(4096, 4096), (16384, 4096), (4096, 14336), (16384, 14336)]
@@ -22,13 +22,14 @@ def copy_bandwidth_gbs(n_bytes: int = 1 << 30, timer=bench_ms) -> float:
     return 2 * n_bytes / (ms * 1e-3) / 1e9
 
 
-def run_quant_benchmark(shapes=None, out_dir="benchmarks/results", timer=bench_ms) -> list[dict]:
+def run_quant_benchmark(shapes=None, out_dir="benchmarks/results", timer=bench_graph_ms) -> list[dict]:
     """Per-token, per-tensor and fused RMSNorm(+residual) quantization of bf16 activations."""
     if not torch.cuda.is_available():
         raise ValueError("the quantization benchmark needs a CUDA GPU")
     meta = environment_metadata()
     copy_gbs = copy_bandwidth_gbs(timer=timer)
     meta["copy_gbs"] = copy_gbs
+    meta["timer"] = getattr(timer, "__name__", str(timer))
     rows = []
     for M, K in shapes or DEFAULT_SHAPES:
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)

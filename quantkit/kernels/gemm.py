@@ -59,15 +59,16 @@ def apply_activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, IS_INT8: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dot(a, b, acc, IS_INT8: tl.constexpr, FP8_PROMOTE_K: tl.constexpr):
     if IS_INT8:
         return tl.dot(a, b, acc, out_dtype=tl.int32)
     else:
         # Hopper's FP8 tensor cores accumulate with reduced precision inside a chain of wgmma;
         # without promotion to fp32 every K-tile the error grows with K (measured on an H100:
-        # rel. error 2.7e-3 at K=14336 vs 1.9e-3 at K=4096). Promote once per K-tile, as
-        # cuBLAS does without fast accumulation.
-        return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        # rel. error 2.7e-3 at K=14336 vs 1.9e-3 at K=4096; a 256-wide K-tile without promotion
+        # still gave 3e-4 on fp32 outputs). Promote every <= 128 products, as cuBLAS does
+        # without fast accumulation.
+        return tl.dot(a, b, acc, max_num_imprecise_acc=FP8_PROMOTE_K)
 
 
 # M is not specialized (divisibility by 16, == 1): rows are wrapped, not aligned, so it would only
@@ -86,6 +87,7 @@ def _scaled_mm_kernel(
     RAW_ACC: tl.constexpr,
     INTERPRETED: tl.constexpr,
     EVEN_K: tl.constexpr,
+    FP8_PROMOTE_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -133,13 +135,13 @@ def _scaled_mm_kernel(
             k_mask = offs_k < K - k_start
             a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-        acc = _dot(a, w, acc, IS_INT8, BLOCK_K)
+        acc = _dot(a, w, acc, IS_INT8, FP8_PROMOTE_K)
         if GATED:
             if EVEN_K:
                 w_up = tl.load(w_up_ptrs)
             else:
                 w_up = tl.load(w_up_ptrs, mask=k_mask[:, None], other=0.0)
-            acc_up = _dot(a, w_up, acc_up, IS_INT8, BLOCK_K)
+            acc_up = _dot(a, w_up, acc_up, IS_INT8, FP8_PROMOTE_K)
             w_up_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -238,6 +240,10 @@ def _even_k(args):
     return args["K"] % args["BLOCK_K"] == 0
 
 
+def _fp8_promote_k(args):
+    return min(args["BLOCK_K"], 128)
+
+
 def _autotune_bench(fn, quantiles=None):
     # Shorter than the autotuner's default (25 ms warm-up, 100 ms of repeats): a few ms per
     # config separates them well enough and keeps a cold start across many shapes short.
@@ -251,7 +257,7 @@ _scaled_mm_autotuned = triton.autotune(
     key=["N", "K", "M_BUCKET", "IS_INT8", "GATED", "HAS_BIAS", "ACTIVATION"],
     prune_configs_by={"early_config_prune": _prune_configs},
     **_AUTOTUNE_EXTRA,
-)(triton.heuristics({"EVEN_K": _even_k})(_scaled_mm_kernel))
+)(triton.heuristics({"EVEN_K": _even_k, "FP8_PROMOTE_K": _fp8_promote_k})(_scaled_mm_kernel))
 
 # One config under the interpreter: big tiles (cost is per program), K tile 64 so test shapes
 # exercise both the multi-step K loop and the masked K tail.
@@ -379,7 +385,8 @@ def _launch(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, confi
         num_stages = cfg.pop("num_stages", 3)
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
         _scaled_mm_kernel[grid](
-            *args, **flags, INTERPRETED=is_interpreted(), EVEN_K=K % cfg["BLOCK_K"] == 0, **cfg,
+            *args, **flags, INTERPRETED=is_interpreted(), EVEN_K=K % cfg["BLOCK_K"] == 0,
+            FP8_PROMOTE_K=min(cfg["BLOCK_K"], 128), **cfg,
             num_warps=num_warps, num_stages=num_stages,
         )
     else:
