@@ -240,40 +240,6 @@ def flash_attention(
 
 
 @triton.jit
-def _decode_key_range(
-    acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_n, offs_d, lo, hi, qk_scale,
-    MASKED: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """Fold cache keys [lo, hi) into the running (acc, l, m) of one GQA group."""
-    BLOCK_N: tl.constexpr = offs_n.shape[0]
-    k_ptrs = k_base + (lo + offs_n)[None, :].to(tl.int64) * stride_ks + offs_d[:, None]
-    v_ptrs = v_base + (lo + offs_n)[:, None].to(tl.int64) * stride_vs + offs_d[None, :]
-    for start_n in range(lo, hi, BLOCK_N):
-        if MASKED:
-            in_range = start_n + offs_n < hi
-            k = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, k) * qk_scale
-        if MASKED:
-            s = tl.where(in_range[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-        k_ptrs += BLOCK_N * stride_ks
-        v_ptrs += BLOCK_N * stride_vs
-    return acc, l_i, m_i
-
-
-@triton.jit
 def _decode_split_kernel(
     Q, K, V, cache_seqlens, O_part, LSE_part,
     stride_qb, stride_qh,
@@ -312,12 +278,22 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], _M_INIT, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-    # Whole blocks without masks (pointer increments, no per-key index math), then the tail.
-    full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-    acc, l_i, m_i = _decode_key_range(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_n, offs_d,
-                                      lo, full_hi, qk_scale, False, UPCAST)
-    acc, l_i, m_i = _decode_key_range(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_n, offs_d,
-                                      full_hi, hi, qk_scale, True, UPCAST)
+    for start_n in range(lo, hi, BLOCK_N):
+        key_pos = start_n + offs_n
+        in_range = key_pos < hi
+        k = tl.load(k_base + key_pos[None, :].to(tl.int64) * stride_ks + offs_d[:, None], mask=in_range[None, :], other=0.0)
+        v = tl.load(v_base + key_pos[:, None].to(tl.int64) * stride_vs + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k) * qk_scale
+        s = tl.where(in_range[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
 
     # Partials are (B, Hq, n_splits, D) fp32 and (B, Hq, n_splits) log2-sum-exp; an empty
     # split writes lse = -inf so that phase 2 gives it zero weight.
