@@ -225,11 +225,13 @@ def write_results(rows: list[dict], out_dir, name: str, meta: dict) -> tuple[Pat
     csv_path = out_dir / f"{name}.csv"
     json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
     fields = sorted({k for r in rows for k in r}, key=lambda k: (k not in ("op", "M", "N", "K", "epilogue"), k))
+    # Scalar metadata repeats on every CSV row; the autotuner's picks live in the JSON only.
+    flat_meta = {k: v for k, v in meta.items() if not isinstance(v, (dict, list))}
     with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(meta) + fields)
+        writer = csv.DictWriter(f, fieldnames=list(flat_meta) + fields)
         writer.writeheader()
         for r in rows:
-            writer.writerow({**meta, **r})
+            writer.writerow({**flat_meta, **r})
     return json_path, csv_path
 
 
