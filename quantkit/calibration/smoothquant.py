@@ -41,6 +41,14 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from quantkit.kernels.reference import (
+    MIN_SCALE,
+    qmax_of,
+    quantize_per_channel,
+    quantize_per_tensor,
+    quantize_per_token,
+)
+
 # Relative change of the probe output above which a candidate rescaling is not an identity.
 # Float32 rounding through a few layers stays around 1e-6; a broken identity changes it by O(1).
 EXACTNESS_TOL = 1e-3
@@ -447,20 +455,36 @@ def _fold(group: SmoothGroup, modules: dict[str, nn.Module], scales: torch.Tenso
 
 @torch.no_grad()
 def collect_channel_absmax(
-    model: nn.Module, blocks: torch.Tensor, layer_names: list[str], batch_size: int = 4, progress: bool = True
-) -> dict[str, torch.Tensor]:
-    """Per-input-channel max |x| (in_features,) float32 of the input of each named Linear.
+    model: nn.Module,
+    blocks: torch.Tensor,
+    layer_names: list[str],
+    batch_size: int = 4,
+    progress: bool = True,
+    sample_tokens: int = 0,
+    seed: int = 0,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Per-input-channel max |x| (in_features,) float32 of the input of each named Linear, and
+    (with ``sample_tokens`` > 0) a uniform random sample of at most that many input rows per layer.
 
-    Memory: one (in_features,) vector per layer; one calibration batch in flight.
+    Memory: one (in_features,) vector per layer, plus ``sample_tokens x in_features`` floats per
+    layer when sampling; one calibration batch in flight.
     """
     modules = dict(model.named_modules())
     stats: dict[str, torch.Tensor] = {}
+    samples: dict[str, list[torch.Tensor]] = {n: [] for n in layer_names}
+    generator = torch.Generator().manual_seed(seed)
+    n_batches = -(-blocks.shape[0] // batch_size)
+    per_batch = -(-sample_tokens // n_batches) if sample_tokens else 0
 
     def hook(name):
         def fn(_m, args):
             x = args[0].detach()
-            current = x.reshape(-1, x.shape[-1]).abs().amax(0).float().cpu()
+            rows = x.reshape(-1, x.shape[-1])
+            current = rows.abs().amax(0).float().cpu()
             stats[name] = current if name not in stats else torch.maximum(stats[name], current)
+            if per_batch:
+                idx = torch.randperm(rows.shape[0], generator=generator)[:per_batch]
+                samples[name].append(rows[idx.to(rows.device)].float().cpu())
         return fn
 
     handles = [modules[n].register_forward_pre_hook(hook(n)) for n in layer_names]
@@ -469,7 +493,7 @@ def collect_channel_absmax(
     finally:
         for h in handles:
             h.remove()
-    return stats
+    return stats, {n: torch.cat(v)[:sample_tokens] for n, v in samples.items() if v}
 
 
 def smoothing_scales(act_absmax: torch.Tensor, weight_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -497,6 +521,55 @@ def _group_statistics(group: SmoothGroup, modules, stats) -> tuple[torch.Tensor,
     return act, weight
 
 
+def _fake_quant_error(inputs: list[torch.Tensor], weights: list[torch.Tensor], column_scales: list[torch.Tensor] | None,
+                      quant_dtype: torch.dtype, static: bool) -> float:
+    """Relative output error of W8A8 (per-channel weights, per-token or per-tensor inputs) of the
+    consumers after dividing their inputs / multiplying their columns by ``column_scales``."""
+    error = reference = 0.0
+    for i, (x, w) in enumerate(zip(inputs, weights)):
+        x, w = x.double(), w.double()
+        y = x @ w.t()
+        if column_scales is not None:
+            x, w = x / column_scales[i], w * column_scales[i]
+        if static:
+            scale = (x.abs().max() / qmax_of(quant_dtype)).clamp_min(MIN_SCALE).reshape(1)
+            x_q = quantize_per_tensor(x.float(), scale.float(), quant_dtype).double() * scale
+        else:
+            q, scale = quantize_per_token(x.float(), quant_dtype)
+            x_q = q.double() * scale.double()[:, None]
+        q_w, w_scale = quantize_per_channel(w.float(), quant_dtype)
+        y_q = x_q @ (q_w.double() * w_scale.double()[:, None]).t()
+        error += float((y - y_q).pow(2).sum())
+        reference += float(y.pow(2).sum())
+    return (error / reference) ** 0.5 if reference > 0 else 0.0
+
+
+def search_alpha(group: SmoothGroup, modules, act: torch.Tensor, weight: torch.Tensor, samples: dict[str, torch.Tensor],
+                 grid: tuple[float, ...], quant_dtype: torch.dtype, static: bool) -> tuple[float | None, dict]:
+    """The migration strength of ``grid`` (or None: no smoothing) whose W8A8 output error on the
+    sampled calibration inputs is smallest for this group; also returns every candidate's error.
+
+    The same procedure runs for every group of every architecture: what adapts to the model is the
+    measurement, not a constant.
+    """
+    if group.kind == "norm":
+        inputs = [samples[group.consumers[0]]] * len(group.consumers)
+        maps = [None] * len(group.consumers)
+    else:
+        inputs = [samples[c] for c in group.consumers]
+        maps = group.channel_maps
+    weights = [modules[c].weight.detach().float().cpu() for c in group.consumers]
+    errors = {"none": _fake_quant_error(inputs, weights, None, quant_dtype, static)}
+    best, best_error = None, errors["none"]
+    for alpha in grid:
+        scales = smoothing_scales(act, weight, alpha)
+        column_scales = [scales if m is None else scales[m] for m in maps]
+        errors[f"{alpha:g}"] = _fake_quant_error(inputs, weights, column_scales, quant_dtype, static)
+        if errors[f"{alpha:g}"] < best_error:
+            best, best_error = alpha, errors[f"{alpha:g}"]
+    return best, errors
+
+
 def _outliers(act: torch.Tensor, top: int = 8) -> dict:
     median = float(act.median())
     ratio = act / max(median, 1e-12)
@@ -522,6 +595,10 @@ def smooth_model(
     exclude: tuple[str, ...] = ("lm_head",),
     linear_pairs: bool = True,
     probe_tokens: int = 32,
+    alpha_grid: tuple[float, ...] | None = None,
+    quant_dtype: torch.dtype = torch.int8,
+    static_activations: bool = False,
+    search_tokens: int = 1024,
 ) -> dict:
     """Apply SmoothQuant in place (an exact identity in floating point) and return a JSON-able report.
 
@@ -529,12 +606,18 @@ def smooth_model(
     alpha: migration strength in [0, 1] (0 leaves activations as they are, 1 moves all their
     range into the weights). exclude: glob patterns of Linears not to touch (their producers are
     then left alone too). linear_pairs: also smooth Linear -> Linear paths (up -> down, v -> o).
+    alpha_grid: if given, ``alpha`` is ignored and each group takes the strength of the grid (or
+    no smoothing at all) that minimizes its consumers' W8A8 output error on ``search_tokens``
+    sampled calibration tokens, quantized as ``quant_dtype`` / ``static_activations`` say.
 
     Memory: see the module docstring — O(sum of in_features) floats of statistics, probe inputs of
     ``probe_tokens`` tokens, and a transient float32 copy of 16-bit models.
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha={alpha} must be in [0, 1]")
+    if alpha_grid is not None and (not alpha_grid or any(not 0.0 <= a <= 1.0 for a in alpha_grid)):
+        raise ValueError(f"alpha_grid={alpha_grid} must be a non-empty tuple of values in [0, 1]")
+    qmax_of(quant_dtype)  # validates the dtype
     if probe_tokens < 2:
         raise ValueError(f"probe_tokens={probe_tokens} must be >= 2")
     check_blocks(blocks)
@@ -550,7 +633,8 @@ def smooth_model(
         groups, skipped = find_smoothing_groups(model, probe, exclude=exclude, linear_pairs=linear_pairs)
         modules = dict(model.named_modules())
         names = sorted({c for g in groups for c in (g.consumers[:1] if g.kind == "norm" else g.consumers)})
-        stats = collect_channel_absmax(model, blocks, names, batch_size, progress) if groups else {}
+        sample_tokens = search_tokens if alpha_grid is not None else 0
+        stats, samples = collect_channel_absmax(model, blocks, names, batch_size, progress, sample_tokens) if groups else ({}, {})
         prober = _Prober(model, probe)
         before = prober.run()
         entries = []
@@ -559,12 +643,22 @@ def smooth_model(
         # column rescalings of the same matrix), so their order does not matter.
         for group in groups:
             act, weight = _group_statistics(group, modules, stats)
-            scales = smoothing_scales(act, weight, alpha)
+            group_alpha, search = alpha, None
+            if alpha_grid is not None:
+                group_alpha, search = search_alpha(group, modules, act, weight, samples, tuple(alpha_grid),
+                                                   quant_dtype, static_activations)
+                if group_alpha is None:
+                    entries.append({"producer": group.producer, "kind": group.kind, "consumers": group.consumers,
+                                    "alpha": None, "search_errors": search})
+                    continue
+            scales = smoothing_scales(act, weight, group_alpha)
             plans.append((group, scales))
             entries.append({
                 "producer": group.producer,
                 "kind": group.kind,
                 "consumers": group.consumers,
+                "alpha": group_alpha,
+                **({"search_errors": search} if search is not None else {}),
                 "channels": int(scales.numel()),
                 "scale": {
                     "min": float(scales.min()), "median": float(scales.median()), "max": float(scales.max()),
@@ -587,7 +681,9 @@ def smooth_model(
             "each rescaling was verified exact; scales may be too extreme for this dtype — lower alpha"
         )
     return {
-        "alpha": alpha,
+        "alpha": "searched" if alpha_grid is not None else alpha,
+        "alpha_grid": list(alpha_grid) if alpha_grid is not None else None,
+        "n_smoothed": len(plans),
         "groups": entries,
         "skipped": skipped,
         "probe_relative_change": change,

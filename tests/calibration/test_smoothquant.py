@@ -126,6 +126,32 @@ def test_outliers_flattened_and_static_int8_error_drops(make_model):
     assert {o["channel"] for o in entry["outlier_channels"]["top"]} >= {3, 41}
 
 
+@pytest.mark.parametrize("dtype,static", [(torch.int8, False), (torch.int8, True), (torch.float8_e4m3fn, False)],
+                         ids=["int8-dynamic", "int8-static", "fp8-dynamic"])
+def test_alpha_search_picks_the_lowest_error_and_stays_exact(dtype, static):
+    torch.manual_seed(4)
+    model = _with_outliers(_gemma3())
+    blocks = _blocks(4, 29, seed=4)
+    with torch.no_grad():
+        before = model(input_ids=blocks).logits
+    grid = (0.3, 0.5, 0.8)
+    report = smooth_model(model, blocks, batch_size=2, progress=False, alpha_grid=grid, quant_dtype=dtype,
+                          static_activations=static, search_tokens=64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=blocks).logits, before, rtol=1e-5, atol=1e-5 * float(before.abs().max()))
+    assert report["alpha"] == "searched" and len(report["groups"]) == 8
+    for entry in report["groups"]:
+        errors = entry["search_errors"]
+        assert set(errors) == {"none", "0.3", "0.5", "0.8"}
+        chosen = "none" if entry["alpha"] is None else f"{entry['alpha']:g}"
+        assert errors[chosen] == min(errors.values())
+    # The injected outlier channels make smoothing the input norms worth it under static INT8.
+    norms = [g for g in report["groups"] if g["producer"].endswith("input_layernorm")]
+    if static and dtype == torch.int8:
+        assert all(g["alpha"] is not None for g in norms)
+        assert all(g["search_errors"][f"{g['alpha']:g}"] < 0.5 * g["search_errors"]["none"] for g in norms)
+
+
 class _ToyModel(nn.Module):
     """Embedding -> LayerNorm -> Linear -> ReLU -> Linear, optionally with the norm output also added back."""
 
@@ -188,3 +214,5 @@ def test_bad_arguments():
         smooth_model(model, _blocks(), alpha=1.5, progress=False)
     with pytest.raises(ValueError, match="blocks"):
         smooth_model(model, torch.randn(2, 5), progress=False)
+    with pytest.raises(ValueError, match="alpha_grid"):
+        smooth_model(model, _blocks(), alpha_grid=(), progress=False)
