@@ -11,7 +11,6 @@ from __future__ import annotations
 import bz2
 from pathlib import Path
 
-import datasets
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -27,7 +26,7 @@ class DatasetError(ValueError):
     """The dataset cannot provide what was asked; the message names the fix."""
 
 
-def _bundled_wikipedia() -> datasets.Dataset:
+def _bundled_wikipedia():
     try:
         from gensim.corpora.wikicorpus import extract_pages, filter_wiki
         from gensim.test.utils import datapath
@@ -42,7 +41,7 @@ def _bundled_wikipedia() -> datasets.Dataset:
             if len(text) >= _MIN_ARTICLE_CHARS:
                 texts.append(text)
                 titles.append(title)
-    return datasets.Dataset.from_dict({"title": titles, "text": texts})
+    return _dataset_from_dict({"title": titles, "text": texts})
 
 
 def _clean_wiki(text: str) -> str:
@@ -60,7 +59,14 @@ def _clean_wiki(text: str) -> str:
     return "\n\n".join(paragraphs)
 
 
-def _load_documents(source: str) -> datasets.Dataset:
+def _dataset_from_dict(columns: dict):
+    # Imported here so that quantkit's kernels and modules import without `datasets` installed.
+    import datasets
+
+    return datasets.Dataset.from_dict(columns)
+
+
+def _load_documents(source: str):
     if source == BUNDLED_DATASET:
         return _bundled_wikipedia()
     path = Path(source).expanduser()
@@ -69,11 +75,13 @@ def _load_documents(source: str) -> datasets.Dataset:
         if not files:
             raise DatasetError(f"directory {source!r} has no .txt files")
         # One document per file, so the calibration/evaluation split never cuts a file in two.
-        return datasets.Dataset.from_dict({"text": [Path(f).read_text(encoding="utf-8") for f in files]})
+        return _dataset_from_dict({"text": [Path(f).read_text(encoding="utf-8") for f in files]})
     if source.startswith((".", "/", "~")) or source.endswith(".txt"):
         raise DatasetError(f"dataset path {source!r} does not exist; pass a text file, a folder of .txt files, "
                            f"a Hugging Face dataset name, or {BUNDLED_DATASET!r}")
     name, _, config = source.partition(":")
+    import datasets
+
     try:
         loaded = datasets.load_dataset(name, config or None, split="train")
     except Exception as exc:  # datasets raises many unrelated types for "not found / offline"
