@@ -160,7 +160,7 @@ def _row(scheme: str, result, layers: int | None = None, seconds: float | None =
 @user_errors
 def demo(
     schemes: str = typer.Option("fp8,int8", help="Comma-separated schemes to compare."),
-    max_tokens: Optional[int] = typer.Option(None, help="Evaluation tokens (default: 8192 on CPU, all held-out text on GPU)."),
+    max_tokens: Optional[int] = typer.Option(None, help="Evaluation tokens (default: 4096 on CPU, all held-out text on GPU)."),
     window: Optional[int] = typer.Option(None, help="Tokens per window (default: 1024 on CPU, 2048 on GPU)."),
     num_samples: int = typer.Option(16, min=1, help="Calibration blocks (static schemes)."),
     seq_len: int = typer.Option(512, min=2, help="Tokens per calibration block."),
@@ -175,7 +175,7 @@ def demo(
     configs = [quantkit.QuantConfig.preset(s.strip()) for s in schemes.split(",") if s.strip()]
     device = _device(device)
     on_gpu = device.startswith("cuda")
-    max_tokens = max_tokens if max_tokens is not None else (None if on_gpu else 8192)
+    max_tokens = max_tokens if max_tokens is not None else (None if on_gpu else 4096)
     window = window or (2048 if on_gpu else 1024)
     typer.echo(f"loading the bundled model {quantkit.BUNDLED_MODEL} on {device} ...")
     base_model, tokenizer = quantkit.load_model(quantkit.BUNDLED_MODEL, device=device)
