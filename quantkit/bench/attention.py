@@ -21,11 +21,8 @@ attention.png plots TFLOP/s (prefill) and GB/s (decode).
 from __future__ import annotations
 
 import csv
-import datetime
 import json
-import math
 import os
-import subprocess
 from pathlib import Path
 
 import torch
@@ -35,38 +32,13 @@ from quantkit.kernels import attention as attention_kernels
 from quantkit.kernels import norm as norm_kernels
 from quantkit.kernels import reference_attention
 from quantkit.kernels import rope as rope_kernels
+from quantkit.bench.common import bench_ms, environment_metadata
 
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
 PREFILL_SEQS = (1024, 2048, 4096, 8192, 16384)
 PREFILL_TOKENS = 16384
 DECODE_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 DECODE_BATCHES = (1, 8)
-
-
-def environment_metadata() -> dict:
-    """GPU name, versions, commit and date stamped on every row."""
-    import triton
-
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        commit = ""
-    return {
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "commit": commit or os.environ.get("QUANTKIT_COMMIT", "unknown"),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def bench_ms(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def bench_graph_ms(fn) -> float:

@@ -14,50 +14,21 @@ JSON with the GPU name, torch/triton versions, commit and date, plus a PNG of TF
 from __future__ import annotations
 
 import csv
-import datetime
 import json
 import math
-import os
-import subprocess
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from quantkit.kernels import gemm, reference, triton_ops
+from quantkit.bench.common import bench_ms, environment_metadata
 
 # Llama-3-8B projections (N, K): qkv, o, gate+up (stacked), down.
 LLAMA3_8B_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 DEFAULT_MS = [1, 16, 64, 128, 512, 1024, 4096, 16384]
 # "plain": dequant only (Llama's projections); "bias_silu": the full epilogue.
 EPILOGUES = {"plain": (False, "none"), "bias_silu": (True, "silu")}
-
-
-def environment_metadata() -> dict:
-    """GPU name, versions, commit and date stamped on every result file."""
-    import triton
-
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        commit = ""
-    return {
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "commit": commit or os.environ.get("QUANTKIT_COMMIT", "unknown"),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def bench_ms(fn) -> float:
-    """Median milliseconds of ``fn`` (L2 cleared before each repetition by do_bench)."""
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 _FLUSH_BYTES = 256 << 20
