@@ -139,25 +139,23 @@ def gated_scaled_mm(
     return (apply_activation(gate, activation) * up).to(out_dtype)
 
 
-def rms_norm(
+def rms_norm_fp32(
     x: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
     offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """RMSNorm in float32 with an optional residual added first; ``offset=1`` is Gemma's (1 + w).
+    """RMSNorm kept in float32, after an optional residual add; ``offset=1`` is Gemma's (1 + w).
 
-    Returns (normed in x.dtype, new residual = x + residual in x.dtype, or None without residual).
+    The sum ``x + residual`` is rounded to x.dtype first: it is the next layer's residual stream.
+    Returns (normed float32, new residual in x.dtype, or None without residual).
     """
+    new_residual = None
     if residual is not None:
-        x = (x.float() + residual.float()).to(x.dtype)
-        new_residual = x
-    else:
-        new_residual = None
+        x = new_residual = (x.float() + residual.float()).to(x.dtype)
     xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * (offset + weight.float())).to(x.dtype), new_residual
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight.float()), new_residual
 
 
 def rms_norm_quant_per_token(
@@ -173,13 +171,7 @@ def rms_norm_quant_per_token(
     Quantizes the float32 normed values directly (the fused kernel never rounds them to 16 bits).
     Returns (q (M, K), scale (M,) fp32, new residual or None).
     """
-    if residual is not None:
-        x = (x.float() + residual.float()).to(x.dtype)
-        new_residual = x
-    else:
-        new_residual = None
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight.float())
+    normed, new_residual = rms_norm_fp32(x, weight, eps, residual, offset)
     q, scale = quantize_per_token(normed, dtype)
     return q, scale, new_residual
 

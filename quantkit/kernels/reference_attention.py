@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from quantkit.kernels.reference import rms_norm_fp32
+
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
@@ -126,11 +128,8 @@ def rms_norm(
     next layer's residual stream and is returned as such); the norm runs in float32 on it.
     Returns (y in x.dtype, new residual in x.dtype, or None when no residual was given).
     """
-    if residual is not None:
-        x = (x.float() + residual.float()).to(x.dtype)
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * (offset + weight.float())).to(x.dtype), (x if residual is not None else None)
+    normed, new_residual = rms_norm_fp32(x, weight, eps, residual, offset)
+    return normed.to(x.dtype), new_residual
 
 
 def layer_norm(
