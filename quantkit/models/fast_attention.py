@@ -88,3 +88,71 @@ def register_quantkit_attention(backend: str = "auto", device: torch.device | st
     AttentionInterface.register(ATTENTION_NAME, quantkit_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, flash_attention_mask)
     return ATTENTION_NAME
+
+
+# --------------------------------------------------------------------------- static-cache variant
+
+STATIC_ATTENTION_NAME = "quantkit_static"
+
+
+def _static_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    backend: str,
+    quantkit_kv_len: int | None = None,
+    quantkit_cache_seqlens: torch.Tensor | None = None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    if quantkit_kv_len is None:
+        raise ValueError(
+            f"the {STATIC_ATTENTION_NAME!r} attention runs only inside quantkit.generate (it needs the valid "
+            "cache length, quantkit_kv_len); select 'quantkit' for ordinary forward calls"
+        )
+    if softcap is not None:
+        raise ValueError(f"quantkit attention has no logit softcap (got softcap={softcap}); use 'eager'")
+    if dropout:
+        raise ValueError(f"quantkit attention is inference-only (got dropout={dropout}); call model.eval()")
+    if sliding_window is None:
+        sliding_window = getattr(module, "sliding_window", None)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if query.shape[2] == 1:
+        # Decode over the whole static buffer: the valid length of each row is a device tensor
+        # (so a captured graph replays it unchanged); quantkit_kv_len is only the host-side bound.
+        if quantkit_cache_seqlens is None:
+            raise ValueError("decode over a static cache needs quantkit_cache_seqlens, (B,) int32 valid lengths")
+        out = attention_ops.decode_attention(
+            query[:, :, 0], key, value, quantkit_cache_seqlens, scale, sliding_window,
+            max_seqlen=quantkit_kv_len, backend=backend,
+        )[:, :, None]
+    else:
+        # Prefill: the first quantkit_kv_len slots are valid (past + this chunk); the flash kernel
+        # aligns queries bottom-right, i.e. query i sits at position i + kv_len - Sq.
+        out = attention_ops.flash_attention(
+            query, key[:, :, :quantkit_kv_len], value[:, :, :quantkit_kv_len], scale, sliding_window, backend=backend
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_static_cache_attention(backend: str = "auto", device: torch.device | str = "cuda") -> str:
+    """Register the attention that ``quantkit.generate`` uses over its own static KV cache.
+
+    No mask function is registered under this name on purpose: transformers then skips building
+    masks (which would read the cache and, for a static cache, sync with the GPU inside a CUDA
+    graph). The function instead takes the valid lengths as keyword arguments that the model's
+    forward passes through to attention: ``quantkit_kv_len`` (host int: exact for prefill, an
+    upper bound for decode) and ``quantkit_cache_seqlens`` ((B,) int32 device tensor, decode).
+    Only unpadded batches are valid: generate() guarantees it.
+    """
+    resolved = resolve_backend(backend, device if backend == "auto" else "cpu")
+
+    def quantkit_static_attention(module, query, key, value, attention_mask, **kwargs):
+        return _static_attention_forward(module, query, key, value, resolved, **kwargs)
+
+    AttentionInterface.register(STATIC_ATTENTION_NAME, quantkit_static_attention)
+    return STATIC_ATTENTION_NAME

@@ -1,0 +1,256 @@
+"""Greedy generation over a static KV cache, with the decode step captured as a CUDA graph.
+
+    from quantkit.generate import generate
+    tokens = generate(model, prompt_ids, max_new_tokens=64)     # (B, S + n) like model.generate
+
+Why its own loop: each eager Triton launch costs ~50 us of host time (benchmarks/NOTES-gemm.md),
+so a decode step of a few hundred launches is launch-bound unless it replays as one graph. A graph
+needs fixed shapes and addresses: the KV cache is allocated once at its full capacity, and the
+step's inputs (token, position, write slot, valid lengths) live in buffers that the captured step
+itself advances, so the host only calls ``replay()``.
+
+Attention runs through ``fast_attention``'s "quantkit_static" function for the duration of the
+call (the model's own attention implementation is restored afterwards): prefill is causal flash
+attention over the first S slots, decode is split-KV attention over the whole buffer with the
+valid lengths read from a device tensor. The output equals ``model.generate(do_sample=False)``
+(same stopping and padding rules) up to the attention kernels' float rounding.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from quantkit.kernels.ops import resolve_backend
+from quantkit.kernels.reference_attention import SUPPORTED_HEAD_DIMS
+from quantkit.models.fast_attention import register_static_cache_attention
+from quantkit.nn import QuantLinear
+
+_FROM_MODEL = object()
+
+
+class StaticKVCache:
+    """Per-layer (B, Hkv, capacity, D) key/value buffers written at ``write_positions``.
+
+    Implements the part of transformers' Cache interface that decoder models call during a
+    forward pass (``update``, ``get_seq_length``). Buffers are allocated on first write, with the
+    shape and dtype of the keys the layer produces. ``write_positions`` is a device tensor of slot
+    indices owned by the caller (the generation loop advances it inside the captured step).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.write_positions: torch.Tensor | None = None
+        self.seen_tokens = 0  # host-side count, only for callers that derive positions from it
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx not in self.keys:
+            batch, heads, _, head_dim = key_states.shape
+            shape = (batch, heads, self.capacity, head_dim)
+            self.keys[layer_idx] = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+            self.values[layer_idx] = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys.index_copy_(2, self.write_positions, key_states)
+        values.index_copy_(2, self.write_positions, value_states)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+
+
+def _attention_backend(model: nn.Module, device: torch.device) -> str:
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            return module.backend
+    return resolve_backend("auto", device)
+
+
+def _as_batch(input_ids) -> torch.Tensor:
+    if isinstance(input_ids, torch.Tensor):
+        ids = input_ids
+    elif isinstance(input_ids, Sequence) and input_ids and isinstance(input_ids[0], Sequence):
+        ids = torch.tensor(input_ids)
+    else:
+        ids = torch.tensor([list(input_ids)])
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.shape[1] == 0 or ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"prompt ids must be a non-empty (batch, seq) integer tensor; got {ids.dtype} {tuple(ids.shape)}")
+    return ids.long()
+
+
+def _eos_ids(model: nn.Module, eos_token_id) -> list[int]:
+    if eos_token_id is _FROM_MODEL:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos_token_id is None:
+        return []
+    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
+
+
+def check_lengths(model: nn.Module, prompt_len: int, max_new_tokens: int, cache_capacity: int | None) -> int:
+    """Validate lengths (and head_dim) before any device work; return the cache capacity to allocate."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: ask for at least one new token")
+    total = prompt_len + max_new_tokens
+    capacity = total if cache_capacity is None else cache_capacity
+    if total > capacity:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {total} does not fit the static "
+            f"cache of {capacity} tokens; pass cache_capacity >= {total} or generate fewer tokens"
+        )
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim} is not supported by quantkit's attention kernels {SUPPORTED_HEAD_DIMS}")
+    context = getattr(config, "max_position_embeddings", None)
+    if context is not None and total > context:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the model's "
+            f"context of {context} tokens; shorten the prompt or generate at most {max(context - prompt_len, 0)}"
+        )
+    return capacity
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    input_ids,
+    max_new_tokens: int,
+    eos_token_id=_FROM_MODEL,
+    pad_token_id: int | None = None,
+    cache_capacity: int | None = None,
+    cuda_graph: bool | None = None,
+    stats: dict | None = None,
+) -> torch.Tensor:
+    """Greedy decoding; returns (B, S + n) token ids, prompt included, like ``model.generate``.
+
+    input_ids: (B, S) or (S,) token ids (or lists) of an unpadded batch (equal lengths).
+    eos_token_id: int, list or None; defaults to the model's generation_config. A sequence that
+        has finished continues with ``pad_token_id`` (default: the first eos id), and generation
+        stops once all have finished, as ``model.generate`` does.
+    cache_capacity: slots of the static KV cache (default: S + max_new_tokens).
+    cuda_graph: capture the decode step (default: on when the model is on CUDA).
+    stats: if a dict is given, it receives prefill_s, decode_s, decode_steps, capture_s
+        (host clocks around device-synchronized regions).
+    """
+    ids = _as_batch(input_ids)
+    batch, prompt_len = ids.shape
+    capacity = check_lengths(model, prompt_len, max_new_tokens, cache_capacity)
+    eos = _eos_ids(model, eos_token_id)
+    if pad_token_id is None:
+        pad_token_id = eos[0] if eos else 0
+    device = next(model.parameters()).device
+    use_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
+    if use_graph and device.type != "cuda":
+        raise ValueError(f"cuda_graph=True needs a model on CUDA (it is on {device})")
+
+    previous_attention = model.config._attn_implementation
+    model.set_attn_implementation(register_static_cache_attention(_attention_backend(model, device), device))
+    try:
+        return _generate(model, ids.to(device), max_new_tokens, eos, pad_token_id, capacity, use_graph, stats)
+    finally:
+        model.set_attn_implementation(previous_attention)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _generate(model, ids, max_new_tokens, eos, pad_token_id, capacity, use_graph, stats):
+    device = ids.device
+    batch, prompt_len = ids.shape
+    cache = StaticKVCache(capacity)
+    eos_tensor = torch.tensor(eos, dtype=torch.long, device=device)
+    out = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        # Greedy choice on fp32 logits, then model.generate's rule for finished rows.
+        token = logits[:, -1].float().argmax(dim=-1)
+        if eos:
+            token = torch.where(finished, torch.full_like(token, pad_token_id), token)
+            finished.logical_or_(torch.isin(token, eos_tensor))
+        return token
+
+    _sync(device)
+    start = time.perf_counter()
+    cache.write_positions = torch.arange(prompt_len, device=device)
+    positions = torch.arange(prompt_len, device=device)[None]
+    logits = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
+                   logits_to_keep=1, quantkit_kv_len=prompt_len).logits
+    out[:, 0] = pick(logits)
+    cache.seen_tokens = prompt_len
+    _sync(device)
+    prefill_s = time.perf_counter() - start
+
+    # Decode state, advanced by the step itself so that a captured step replays without host work.
+    token = out[:, :1].clone()
+    position = torch.full((1, 1), prompt_len, dtype=torch.long, device=device)
+    write_slot = torch.full((1,), prompt_len, dtype=torch.long, device=device)
+    seqlens = torch.full((batch,), prompt_len + 1, dtype=torch.int32, device=device)
+    out_index = torch.ones(1, dtype=torch.long, device=device)
+    cache.write_positions = write_slot
+    state = (token, position, write_slot, seqlens, out_index, finished)
+
+    def step() -> None:
+        logits = model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True,
+                       logits_to_keep=1, quantkit_kv_len=capacity, quantkit_cache_seqlens=seqlens).logits
+        chosen = pick(logits)
+        out.index_copy_(1, out_index, chosen[:, None])
+        token.copy_(chosen[:, None])
+        for counter in (position, write_slot, seqlens, out_index):
+            counter.add_(1)
+
+    steps = max_new_tokens - 1
+    capture_s = 0.0
+    run_step = step
+    if use_graph and steps > 0:
+        _sync(device)
+        start = time.perf_counter()
+        saved = [t.clone() for t in state]
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            step()  # compiles and autotunes every kernel outside the capture
+        torch.cuda.current_stream(device).wait_stream(side)
+        for buffer, value in zip(state, saved):
+            buffer.copy_(value)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        _sync(device)
+        capture_s = time.perf_counter() - start
+        run_step = graph.replay
+
+    # How often the host checks whether every row has finished (a check is a device sync).
+    check_every = 1 if not use_graph else 16
+    _sync(device)
+    start = time.perf_counter()
+    done = 0
+    all_finished = bool(eos) and bool(finished.all())
+    while done < steps and not all_finished:
+        run_step()
+        done += 1
+        if eos and done % check_every == 0:
+            all_finished = bool(finished.all())
+    _sync(device)
+    decode_s = time.perf_counter() - start
+    if stats is not None:
+        stats.update(prefill_s=prefill_s, decode_s=decode_s, decode_steps=done, capture_s=capture_s)
+
+    generated = out[:, : done + 1]
+    if eos:
+        # model.generate stops at the step where the last row finished: cut there.
+        is_eos = torch.isin(generated, eos_tensor)
+        first = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), generated.shape[1] - 1)
+        generated = generated[:, : int(first.max()) + 1]
+    return torch.cat([ids, generated], dim=1)

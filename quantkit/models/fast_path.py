@@ -1,0 +1,291 @@
+"""The end-to-end fast path of a quantized model: one mechanism, no per-model copies.
+
+    model = quantkit.quantize(model, QuantConfig.preset("fp8"))
+    model = optimize(model)                 # in place; returns the model
+
+On a model whose Linears are already QuantLinears, ``optimize`` rewrites modules found by their
+structure, never by architecture name:
+
+- Gated MLPs (a module with ``gate_proj``/``up_proj``/``down_proj`` QuantLinears and an
+  ``act_fn``; Llama, Mistral, Qwen2, Gemma-3 ...) become a ``GatedQuantMLP``: the activation is
+  quantized once for both projections, and gate and up come from one stacked weight.
+- RMSNorm modules become ``FastRMSNorm`` (the ``attention_ops.rms_norm`` op) where it computes
+  the same function; Gemma's ``(1 + w)`` is found by probing, not by name.
+- Attention runs through the "quantkit" function registered with transformers'
+  ``AttentionInterface`` (flash prefill, split-KV decode).
+
+Exactness. ``exact=True`` (default) keeps every rewrite bit-identical to the plain QuantLinear
+model, so greedy generations cannot change:
+- MLP: in float32 on the torch backend, ``gated_scaled_mm`` is the plain path's math (fp32
+  GEMMs, ``act(gate) * up`` in fp32, one cast) and is used when the HF activation equals the
+  kernel's bit for bit. In 16 bits the plain path rounds gate and up to 16 bits *before* the
+  activation, which the fused kernel does not; there the module quantizes the input once and
+  runs the two GEMMs with the same kernels and shapes as the plain path (so the same autotuned
+  tile configs and accumulation order) and applies the model's own ``act_fn``.
+- Norms: swapped only on the torch backend and only when a probe on random rows gives equal
+  bits (Llama's norm rounds to 16 bits before the weight multiply; the op does not).
+``exact=False`` uses the fused gated kernel and the Triton norms everywhere (16-bit rounding
+differs from the plain path at the ~1e-3 relative level).
+
+q/k/v are not fused: transformers' attention modules call the three projections separately,
+and fusing them would need forked attention code; at decode they are a small share of the bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantkit.kernels import attention_ops, ops
+from quantkit.kernels.reference import ACTIVATIONS
+from quantkit.models.fast_attention import register_quantkit_attention
+from quantkit.nn import QuantLinear
+
+logger = logging.getLogger(__name__)
+
+_TORCH_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": torch.relu,
+}
+
+
+@dataclass
+class OptimizeReport:
+    fused_mlps: list[str] = field(default_factory=list)
+    exact_gated_kernel_mlps: list[str] = field(default_factory=list)
+    swapped_norms: list[str] = field(default_factory=list)
+    kept_norms: list[str] = field(default_factory=list)
+    attention: str | None = None
+
+    def __str__(self) -> str:
+        return (
+            f"fused {len(self.fused_mlps)} gated MLPs ({len(self.exact_gated_kernel_mlps)} on the gated kernel), "
+            f"swapped {len(self.swapped_norms)} RMSNorms (kept {len(self.kept_norms)}), attention={self.attention}"
+        )
+
+
+def _probe(shape, dtype, device, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return (torch.randn(shape, generator=generator) * 3.0).to(device=device, dtype=dtype)
+
+
+def kernel_activation_of(act_fn: nn.Module) -> tuple[str, bool] | None:
+    """Which of the kernel's activations ``act_fn`` computes: (name, bit-identical in fp32) or None.
+
+    Decided by evaluating it on random values (HF has several classes per activation, e.g. a
+    hand-written tanh GELU and ``F.gelu(approximate="tanh")``): equal bits first, then closeness.
+    """
+    x = _probe((4096,), torch.float32, "cpu")
+    with torch.no_grad():
+        try:
+            y = act_fn(x)
+        except (TypeError, RuntimeError):
+            return None
+        for name, fn in _TORCH_ACTIVATIONS.items():
+            if torch.equal(y, fn(x)):
+                return name, True
+        for name, fn in _TORCH_ACTIVATIONS.items():
+            if torch.allclose(y, fn(x), rtol=1e-5, atol=1e-6):
+                return name, False
+    return None
+
+
+class GatedQuantMLP(nn.Module):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))`` with one activation quantization and a stacked weight.
+
+    Buffers: ``weight`` (2 * I, K) [gate; up], ``weight_scale`` (2 * I, 1) fp32, ``input_scale``
+    (1,) for static activations (gate and up share their input, hence one calibrated scale).
+    """
+
+    def __init__(self, gate: QuantLinear, up: QuantLinear, down: nn.Module, act_fn: nn.Module,
+                 activation: str, activation_is_exact: bool, exact: bool) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}")
+        self.in_features = gate.in_features
+        self.intermediate_size = gate.out_features
+        self.quant_dtype = gate.quant_dtype
+        self.backend = gate.backend
+        self.static_input = gate.static_input
+        self.activation = activation
+        self.activation_is_exact = activation_is_exact
+        self.exact = exact
+        self.act_fn = act_fn
+        self.down_proj = down
+        self.register_buffer("weight", torch.cat([gate.weight, up.weight], dim=0))
+        self.register_buffer("weight_scale", torch.cat([gate.weight_scale, up.weight_scale], dim=0))
+        self.input_scale = gate.input_scale.clone() if gate.static_input else None
+
+    def uses_gated_kernel(self, dtype: torch.dtype) -> bool:
+        if not self.exact:
+            return True
+        # Only there is the fused kernel the plain path's own arithmetic (see the module docstring).
+        return dtype == torch.float32 and self.backend == "torch" and self.activation_is_exact
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        leading = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features)
+        if self.static_input:
+            a_scale = self.input_scale
+            q = ops.quantize_per_tensor(x2d, a_scale, self.quant_dtype, backend=self.backend)
+        else:
+            q, a_scale = ops.quantize_per_token(x2d, self.quant_dtype, backend=self.backend)
+        w_scale = self.weight_scale.view(-1)
+        size = self.intermediate_size
+        if self.uses_gated_kernel(x.dtype):
+            hidden = ops.gated_scaled_mm(q, self.weight, a_scale, w_scale, self.activation, x.dtype,
+                                         backend=self.backend)
+        else:
+            gate = ops.scaled_mm(q, self.weight[:size], a_scale, w_scale[:size], None, "none", x.dtype,
+                                 backend=self.backend)
+            up = ops.scaled_mm(q, self.weight[size:], a_scale, w_scale[size:], None, "none", x.dtype,
+                               backend=self.backend)
+            hidden = self.act_fn(gate) * up
+        return self.down_proj(hidden.reshape(*leading, size))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, intermediate_size={self.intermediate_size}, "
+                f"weight={self.quant_dtype}, activation={self.activation}, exact={self.exact}, backend={self.backend}")
+
+
+class FastRMSNorm(nn.Module):
+    """``x / rms(x) * (offset + weight)`` through ``attention_ops.rms_norm`` (fp32 statistics, one cast)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, offset: float, backend: str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        self.eps = float(eps)
+        self.offset = float(offset)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        out, _ = attention_ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, self.eps, offset=self.offset,
+                                        backend=self.backend)
+        return out.reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}, backend={self.backend}"
+
+
+def _is_gated_mlp(module: nn.Module) -> bool:
+    parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    return all(isinstance(p, nn.Module) for p in parts) and isinstance(getattr(module, "act_fn", None), nn.Module)
+
+
+def _fusable(gate: nn.Module, up: nn.Module) -> str | None:
+    """None when gate and up can share one quantized input and one stacked GEMM; else why not."""
+    if not (isinstance(gate, QuantLinear) and isinstance(up, QuantLinear)):
+        return "gate_proj/up_proj are not both QuantLinear (quantize the model first)"
+    if gate.bias is not None or up.bias is not None:
+        return "biased gate/up projections (the gated kernel has no bias)"
+    same = (gate.in_features == up.in_features and gate.out_features == up.out_features
+            and gate.quant_dtype == up.quant_dtype and gate.backend == up.backend
+            and gate.static_input == up.static_input and gate.activation == up.activation == "none")
+    if not same:
+        return "gate_proj and up_proj differ in shape, dtype, backend or input mode"
+    if gate.static_input and not torch.equal(gate.input_scale, up.input_scale):
+        return "gate_proj and up_proj have different static input scales"
+    return None
+
+
+def _norm_epsilon(module: nn.Module) -> float | None:
+    for name in ("variance_epsilon", "eps", "epsilon"):
+        value = getattr(module, name, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+def _rms_norm_offset(module: nn.Module, backend: str, exact: bool) -> float | None:
+    """The offset (0 or Gemma's 1) under which the op reproduces ``module``, or None."""
+    weight = getattr(module, "weight", None)
+    eps = _norm_epsilon(module)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or eps is None:
+        return None
+    if exact and backend != "torch":
+        return None
+    probe = _probe((64, weight.shape[0]), weight.dtype, weight.device, seed=1)
+    with torch.no_grad():
+        want = module(probe)
+        for offset in (0.0, 1.0):
+            got, _ = attention_ops.rms_norm(probe, weight.detach(), eps, offset=offset, backend=backend)
+            if torch.equal(got, want):
+                return offset
+            if not exact and torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+                return offset
+    return None
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    for param in model.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return torch.float32
+
+
+def _model_backend(model: nn.Module) -> str:
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            return module.backend
+    raise ValueError("optimize() needs a quantized model (no QuantLinear found); run quantkit.quantize first")
+
+
+@torch.no_grad()
+def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms: bool = True) -> nn.Module:
+    """Rewrite a quantized model in place for end-to-end inference and return it.
+
+    exact: keep greedy outputs bit-identical to the plain QuantLinear model (see module docs).
+    attention / norms: switch attention to the "quantkit" function / swap RMSNorm modules.
+    The report is attached as ``model.quantkit_fast_path``.
+    """
+    backend = _model_backend(model)
+    report = OptimizeReport()
+    for name, module in list(model.named_modules()):
+        if not _is_gated_mlp(module):
+            continue
+        reason = _fusable(module.gate_proj, module.up_proj)
+        act = kernel_activation_of(module.act_fn)
+        if reason is None and act is None:
+            reason = f"activation {type(module.act_fn).__name__} is none of the kernel's {ACTIVATIONS}"
+        if reason is not None:
+            logger.info("gated MLP %s not fused: %s", name, reason)
+            continue
+        fused = GatedQuantMLP(module.gate_proj, module.up_proj, module.down_proj, module.act_fn,
+                              act[0], act[1], exact)
+        _set_submodule(model, name, fused)
+        report.fused_mlps.append(name)
+        if fused.uses_gated_kernel(_float_dtype(model)):
+            report.exact_gated_kernel_mlps.append(name)
+    if norms:
+        for name, module in list(model.named_modules()):
+            if not type(module).__name__.endswith("RMSNorm"):
+                continue
+            offset = _rms_norm_offset(module, backend, exact)
+            if offset is None:
+                report.kept_norms.append(name)
+                continue
+            _set_submodule(model, name, FastRMSNorm(module.weight, _norm_epsilon(module), offset, backend))
+            report.swapped_norms.append(name)
+    if attention:
+        device = next(model.parameters()).device
+        name = register_quantkit_attention(backend=backend, device=device)
+        model.set_attn_implementation(name)
+        report.attention = name
+    if not report.fused_mlps:
+        logger.warning("optimize(): no gated MLP was fused")
+    model.quantkit_fast_path = report
+    logger.info("%s", report)
+    return model
