@@ -9,6 +9,11 @@ import torch
 from torch import nn
 
 from quantkit.calibration.calibrate import collect_input_ranges
+from quantkit.calibration.gptq import gptq_quantize_weights
+from quantkit.calibration.report import build_report
+from quantkit.calibration.sensitivity import most_sensitive, rank_layers
+from quantkit.calibration.smoothquant import smooth_model
+from quantkit.calibration.weights import search_weight_clip
 from quantkit.calibration.data import calibration_blocks, load_texts, tokenize_stream
 from quantkit.config import QuantConfig
 from quantkit.convert import ConversionReport, convert_model, target_linears
@@ -58,16 +63,49 @@ def quantize(
         raise ValueError(f"scheme {config.name!r} needs calibration data; pass token blocks "
                          "(quantkit.prepare_calibration_data)")
     backend = resolve_backend(config.backend, _model_device(model))
-    targets = target_linears(model, config)
+    dtype = config.torch_dtype
+    smoothquant_report = None
+    if config.smoothquant_alpha is not None:
+        # Folded into the preceding norms / Linears: the float model is unchanged, its activations
+        # lose their outlier channels, and the weights absorb them.
+        smoothquant_report = smooth_model(
+            model, calibration_data, alpha=config.smoothquant_alpha, exclude=config.ignore, progress=progress,
+            quant_dtype=dtype, static_activations=config.is_static,
+        )
+    ranking, kept = None, ()
+    if config.keep_sensitive:
+        ranking = rank_layers(model, calibration_data, config, progress=progress)
+        kept = tuple(most_sensitive(ranking, config.keep_sensitive))
+    targets = target_linears(model, config, kept)
     input_amax = None
     if config.is_static:
         input_amax = collect_input_ranges(
-            model, targets, calibration_data, config.activation_observer, config.percentile, progress=progress
+            model, targets, calibration_data, config.activation_observer, config.percentile, dtype=dtype,
+            progress=progress,
         )
-    report: ConversionReport = convert_model(model, config, backend, input_amax=input_amax)
+    quantized_weights, weight_amax = None, None
+    if config.gptq:
+        quantized_weights = gptq_quantize_weights(
+            model, calibration_data, list(targets), dtype, weight_observer=config.weight_observer, progress=progress
+        )
+    elif config.weight_observer == "mse":
+        weight_amax = {name: search_weight_clip(linear.weight.detach(), dtype) for name, linear in targets.items()}
+    report: ConversionReport = convert_model(
+        model, config, backend, input_amax=input_amax, weight_amax=weight_amax,
+        quantized_weights=quantized_weights, extra_ignore=kept,
+    )
     logger.info("%s (backend=%s)", report, backend)
     model.quantkit_config = config
     model.quantkit_report = report
+    model.quantkit_kept = kept
+    model.quantkit_calibration_report = build_report(
+        config.to_quantization_config(kept)["quantkit"],
+        smoothquant=smoothquant_report,
+        weight_scales={name: model.get_submodule(name).weight_scale.view(-1) for name in report.converted},
+        input_scales={name: model.get_submodule(name).input_scale for name in report.converted} if config.is_static else None,
+        sensitivity=ranking,
+        kept_in_16_bits=list(kept),
+    )
     return model
 
 

@@ -32,11 +32,15 @@ def collect_input_ranges(
     blocks: torch.Tensor,
     observer: str = "absmax",
     percentile: float = 99.99,
+    dtype: torch.dtype = torch.int8,
     batch_size: int = 4,
     progress: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Per-tensor clipping value (0-d fp32) of the input of every layer in ``layers``."""
-    observers: dict[str, Observer] = {name: make_observer(observer, percentile) for name in layers}
+    """Per-tensor clipping value (0-d fp32) of the input of every layer in ``layers``.
+
+    dtype: the activations' quantized dtype (the MSE observer searches the clip for that grid).
+    """
+    observers: dict[str, Observer] = {name: make_observer(observer, percentile, dtype) for name in layers}
     handles = [
         module.register_forward_pre_hook(lambda _m, args, name=name: observers[name].update(args[0]))
         for name, module in layers.items()

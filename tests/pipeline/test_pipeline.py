@@ -154,3 +154,30 @@ def test_triton_backend_matches_torch_backend(llama_dir, text_dir, scheme):
         torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)  # exact int32 accumulation
     else:
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_full_recipe_round_trips(tiny_model_dir, text_dir, tmp_path):
+    """SmoothQuant + MSE clipping + GPTQ + a sensitive layer kept in 16 bits, saved and reloaded."""
+    model, tokenizer = quantkit.load_model(tiny_model_dir)
+    reference = copy.deepcopy(model)
+    config = quantkit.QuantConfig.preset(
+        "int8-static", smoothquant_alpha=0.5, activation_observer="mse", weight_observer="mse", gptq=True,
+        keep_sensitive=1,
+    )
+    qmodel = quantkit.quantize(model, config, _blocks(tokenizer, text_dir))
+    (kept,) = qmodel.quantkit_kept
+    assert type(qmodel.get_submodule(kept)) is torch.nn.Linear
+    report = qmodel.quantkit_calibration_report
+    assert report["kept_in_16_bits"] == [kept] and report["smoothquant"]
+    ids = quantkit.prepare_evaluation_tokens(tokenizer, str(text_dir), max_tokens=96).reshape(2, 48)
+    with torch.no_grad():
+        logits_q = qmodel(input_ids=ids).logits
+        logits_ref = reference(input_ids=ids).logits
+    assert sqnr_db(logits_ref, logits_q) > 15.0
+    out = quantkit.save(qmodel, tmp_path / "ckpt", tokenizer=tokenizer)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["ignore"] == ["lm_head", kept]
+    loaded = quantkit.load(out, device="cpu")
+    assert type(loaded.get_submodule(kept)) is torch.nn.Linear
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, logits_q)
