@@ -177,19 +177,34 @@ def _commit() -> str:
 
 
 def summary(path: Path) -> str:
+    """Markdown table of the latest row per recipe (and eval path) of the JSON-lines results."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    by_name = {r["recipe"]: r for r in rows}  # the latest run of each recipe wins
+    by_name: dict[str, dict] = {}
+    for r in rows:
+        key = r["recipe"]
+        # Rows without an eval_path predate the fast path: they ran through QuantLinear's reference.
+        if r["recipe"] != "baseline" and "QuantLinear" in r.get("eval_path", "QuantLinear reference"):
+            key += " [QuantLinear exact path]"
+        by_name[key] = r  # the latest run of each recipe wins
     base = by_name.get("baseline")
-    plain = {p: by_name.get(p) for p in ("int8", "fp8", "int8-static", "fp8-static")}
-    lines = ["| recipe | PPL | delta vs 16-bit | gap closed vs plain preset | calib s |", "|---|---|---|---|---|"]
+    dynamic = {"int8": by_name.get("int8"), "fp8": by_name.get("fp8")}
+    lines = [
+        "| recipe | PPL | vs 16-bit | gap / gap of plain dynamic preset (same weight type) | calib s |",
+        "|---|---|---|---|---|",
+    ]
     for name, r in by_name.items():
         delta = 100 * (r["perplexity"] / base["perplexity"] - 1) if base else float("nan")
-        preset = r.get("preset")
-        ref = plain.get(preset)
-        closed = ""
-        if base and ref and name != preset and ref["perplexity"] != base["perplexity"]:
-            closed = f"{100 * (1 - (r['perplexity'] - base['perplexity']) / (ref['perplexity'] - base['perplexity'])):.0f} %"
-        lines.append(f"| {name} | {r['perplexity']:.3f} | {delta:+.2f} % | {closed} | {r.get('calibration_s', 0):.0f} |")
+        ratio = ""
+        preset = r.get("preset") or ""
+        ref = dynamic.get(preset.split("-")[0]) if preset else None
+        if base and ref and ref["perplexity"] != base["perplexity"]:
+            ratio = f"{(r['perplexity'] - base['perplexity']) / (ref['perplexity'] - base['perplexity']):.2f}"
+        lines.append(f"| {name} | {r['perplexity']:.3f} | {delta:+.2f} % | {ratio} | {r.get('calibration_s', 0):.0f} |")
+    first = rows[0] if rows else {}
+    lines.append("")
+    lines.append(f"{first.get('model')} on {first.get('dataset')} (held-out articles), {first.get('eval_tokens')} tokens, "
+                 f"window {first.get('window')}, calibration {first.get('calib_blocks')} x {first.get('calib_seq_len')} "
+                 "tokens, CPU float32.")
     return "\n".join(lines)
 
 
