@@ -178,7 +178,7 @@ def _generate(model, ids, max_new_tokens, eos, pad_token_id, capacity, use_graph
         token = logits[:, -1].float().argmax(dim=-1)
         if eos:
             token = torch.where(finished, torch.full_like(token, pad_token_id), token)
-            finished.logical_or_(torch.isin(token, eos_tensor))
+            finished.logical_or_((token[:, None] == eos_tensor).any(dim=1))
         return token
 
     _sync(device)

@@ -253,6 +253,11 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
     """
     backend = _model_backend(model)
     report = OptimizeReport()
+    for name, module in model.named_modules():
+        if isinstance(module, GatedQuantMLP):
+            # Already fused (optimize called again): only the exactness choice changes.
+            module.exact = exact
+            report.fused_mlps.append(name)
     for name, module in list(model.named_modules()):
         if not _is_gated_mlp(module):
             continue
@@ -267,7 +272,8 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
                               act[0], act[1], exact)
         _set_submodule(model, name, fused)
         report.fused_mlps.append(name)
-        if fused.uses_gated_kernel(_float_dtype(model)):
+    for name, module in model.named_modules():
+        if isinstance(module, GatedQuantMLP) and module.uses_gated_kernel(_float_dtype(model)):
             report.exact_gated_kernel_mlps.append(name)
     if norms:
         for name, module in list(model.named_modules()):

@@ -1,0 +1,32 @@
+"""End-to-end benchmark (HF bf16 vs quantkit fp8/int8, Llama-3-8B shape) + fast-path checks on the GPU.
+
+    PYTHONPATH=. python benchmarks/e2e.py [--out benchmarks/results] [--no-checks] [--no-inexact]
+
+Same code as ``quantkit bench model``: ``quantkit.bench.e2e.run_e2e_benchmark``. Writes
+e2e.json (rows, targets, checks, environment), e2e.csv and e2e.png under --out.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from quantkit.bench.e2e import run_e2e_benchmark  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--no-checks", action="store_true", help="skip the fast-path vs plain greedy checks")
+    parser.add_argument("--no-inexact", action="store_true", help="skip the exact=False variants")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds after which the optional exact=False variants are skipped")
+    args = parser.parse_args()
+    run_e2e_benchmark(args.out, plot=not args.no_plot, checks=not args.no_checks,
+                      fast_inexact=not args.no_inexact, deadline_s=args.deadline)
+
+
+if __name__ == "__main__":
+    main()
