@@ -625,12 +625,13 @@ def smooth_model(
         raise ValueError(f"probe_tokens={probe_tokens} must be >= 2")
     check_blocks(blocks)
     exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)
-    original_dtype = next(model.parameters()).dtype
-    upcast = original_dtype not in (torch.float32, torch.float64)
+    # Only 16-bit parameters are upcast, and each returns to its own dtype afterwards: buffers
+    # (RoPE's float32 inv_freq) and parameters a model keeps in float32 are left alone.
+    upcast = {p: p.dtype for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)}
     was_training = model.training
     model.eval()
-    if upcast:
-        model.float()
+    for param in upcast:
+        param.data = param.data.float()
     try:
         probe = blocks[:1, :probe_tokens]
         groups, skipped = find_smoothing_groups(model, probe, exclude=exclude, linear_pairs=linear_pairs)
@@ -675,8 +676,8 @@ def smooth_model(
             _fold(group, modules, scales)
         change = _relative_change(before, prober.run()) if groups else 0.0
     finally:
-        if upcast:
-            model.to(original_dtype)
+        for param, dtype in upcast.items():
+            param.data = param.data.to(dtype)
         model.train(was_training)
     if change > EXACTNESS_TOL:
         raise RuntimeError(
