@@ -347,8 +347,9 @@ def run_e2e_benchmark(
     meta["model"] = (f"Llama shape: hidden {config.hidden_size}, intermediate {config.intermediate_size}, "
                      f"{config.num_hidden_layers} layers, {config.num_attention_heads}/{config.num_key_value_heads} "
                      f"heads, vocab {config.vocab_size}, random weights, bf16")
-    meta["memory_note"] = ("peak = max_memory_allocated over the inference workloads of a variant, reset after "
-                           "build/quantization (conversion peaks not counted)")
+    meta["memory_note"] = ("peak = max_memory_allocated over the eager inference workloads of a variant, reset "
+                           "after a warm-up pass that follows build/quantization (conversion and autotuning peaks "
+                           "not counted); graph-replayed prefill runs after the peak is read")
     started = time.perf_counter()
     out_dir = Path(out_dir)
     check_rows = run_fast_path_checks(device, inexact=False) if checks else []

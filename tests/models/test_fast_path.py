@@ -1,0 +1,113 @@
+"""optimize(): the fast path is bit-identical to the plain QuantLinear model in exact mode.
+
+Tiny random Llama (GQA, SiLU) and Gemma-3 (MQA, tanh GELU, (1 + w) norms, sliding window) models
+on CPU, torch backend; fp32 (gated kernel path) and bf16 (shared-quantization two-GEMM path).
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import quantkit
+from quantkit.config import QuantConfig
+from quantkit.models.fast_path import FastRMSNorm, GatedQuantMLP, kernel_activation_of, optimize
+from quantkit.nn import QuantLinear
+from tests.models.tiny_fast import make_tiny
+
+
+def _quantized(arch, scheme, dtype):
+    model = make_tiny(arch).to(dtype)
+    return quantkit.quantize(model, QuantConfig.preset(scheme), progress=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_exact_fast_path_gives_identical_logits(arch, scheme, dtype):
+    plain = _quantized(arch, scheme, dtype)
+    plain.set_attn_implementation(quantkit.models.fast_attention.register_quantkit_attention(backend="torch"))
+    fast = optimize(copy.deepcopy(plain), exact=True)
+    report = fast.quantkit_fast_path
+    assert len(report.fused_mlps) == plain.config.num_hidden_layers
+    assert not any(isinstance(m, QuantLinear) and name.endswith(("gate_proj", "up_proj"))
+                   for name, m in fast.named_modules())
+    if dtype == torch.float32:
+        # fp32 on the torch backend: the gated kernel is the plain path's arithmetic.
+        assert len(report.exact_gated_kernel_mlps) == len(report.fused_mlps)
+    else:
+        assert report.exact_gated_kernel_mlps == []
+    if arch == "gemma3":
+        assert report.swapped_norms, "Gemma's (1 + w) RMSNorm is exact on the torch backend"
+    if arch == "llama" and dtype == torch.bfloat16:
+        # Llama rounds to bf16 before the weight multiply; the op does not: not exact, kept.
+        assert report.swapped_norms == []
+    ids = torch.randint(3, plain.config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = plain(ids).logits
+        got = fast(ids).logits
+    assert torch.equal(got, want)
+
+
+def test_inexact_mode_uses_gated_kernel_and_stays_close():
+    # exact=False in bf16: the fused kernel's fp32 act(gate) * up with one cast differs from the
+    # plain path's bf16-rounded gate and up by bf16 rounding only.
+    plain = _quantized("gemma3", "fp8", torch.bfloat16)
+    plain_mlp = plain.model.layers[0].mlp
+    fast = optimize(copy.deepcopy(plain), exact=False)
+    fused = fast.model.layers[0].mlp
+    assert isinstance(fused, GatedQuantMLP) and fused.uses_gated_kernel(torch.bfloat16)
+    # Compare before down_proj: its FP8 requantization turns a 1-ulp bf16 difference into a whole
+    # FP8 step (3 mantissa bits) now and then, which says nothing about the gated product itself.
+    plain_mlp.down_proj = fused.down_proj = nn.Identity()
+    x = torch.randn(13, plain.config.hidden_size, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    with torch.no_grad():
+        want = plain_mlp(x).float()
+        got = fused(x).float()
+    rel = ((got - want).norm() / want.norm()).item()
+    assert 0 < rel < 1e-2
+
+
+def test_optimize_again_switches_exactness():
+    model = optimize(_quantized("llama", "int8", torch.float32), exact=True)
+    assert all(m.exact for m in model.modules() if isinstance(m, GatedQuantMLP))
+    optimize(model, exact=False)
+    assert all(not m.exact for m in model.modules() if isinstance(m, GatedQuantMLP))
+
+
+def test_static_input_gate_up_share_one_scale():
+    plain = _quantized("llama", "int8", torch.float32)
+    for module in plain.modules():
+        if isinstance(module, QuantLinear) and module.in_features == plain.config.hidden_size:
+            module.static_input = True
+            module.input_scale = torch.full((1,), 0.05)
+    fast = optimize(copy.deepcopy(plain))
+    ids = torch.randint(3, plain.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(fast(ids).logits, plain(ids).logits)
+
+
+def test_unquantized_model_is_refused():
+    with pytest.raises(ValueError, match="quantize"):
+        optimize(make_tiny("llama"))
+
+
+def test_norm_swap_matches_gemma_offset():
+    model = _quantized("gemma3", "int8", torch.float32)
+    norm = model.model.norm
+    x = torch.randn(3, 5, norm.weight.shape[0])
+    optimize(model)
+    assert isinstance(model.model.norm, FastRMSNorm) and model.model.norm.offset == 1.0
+    with torch.no_grad():
+        torch.testing.assert_close(model.model.norm(x), norm(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "act, want",
+    [(nn.SiLU(), ("silu", True)), (nn.GELU(approximate="tanh"), ("gelu_tanh", True)), (nn.GELU(), ("gelu", True)),
+     (nn.Tanh(), None)],
+    ids=["silu", "gelu_tanh", "gelu", "tanh"],
+)
+def test_activation_is_found_by_probing(act, want):
+    assert kernel_activation_of(act) == want

