@@ -14,7 +14,7 @@ import quantkit
 from quantkit.config import QuantConfig
 from quantkit.generate import generate
 from quantkit.models.fast_path import optimize
-from tests.models.tiny_fast import make_tiny
+from tests.models.test_fast_path import make_tiny
 
 
 def _prompt(vocab, batch=2, length=9, seed=0):
