@@ -414,9 +414,16 @@ def _write(rows, targets, check_rows, meta, out_dir: Path, prefix: str, plot: bo
                                   (axes[1], decode, "ms_per_token", "decode ms/token (lower is better)")):
         for i, variant in enumerate(variants):
             values = [next((r[key] for r in rows if r["variant"] == variant and r["workload"] == w), 0) for w in group]
-            ax.bar([j + i * width for j in range(len(group))], values, width, label=variant)
+            ax.bar([j + i * width for j in range(len(group))], values, width, label=variant, color=f"C{i}")
+            if key == "tokens_per_s":
+                # Graph-replayed prefill (GPU time) as an outline over the eager bar.
+                graph = [next((r.get("graph_tokens_per_s", 0) for r in rows
+                               if r["variant"] == variant and r["workload"] == w), 0) for w in group]
+                ax.bar([j + i * width for j in range(len(group))], graph, width, fill=False,
+                       edgecolor=f"C{i}", ls="--", lw=1.2)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(group))], group)
         ax.set_ylabel(label)
+    axes[0].set_title("prefill: filled = eager, dashed outline = CUDA-graph replay", fontsize=9)
     axes[1].axhline(TARGETS["decode_b1_ms"], color="k", ls=":", lw=1)
     peaks = [next(r["peak_bytes"] for r in rows if r["variant"] == v) / 2**30 for v in variants]
     axes[2].bar(range(len(variants)), peaks, color=[f"C{i}" for i in range(len(variants))])
