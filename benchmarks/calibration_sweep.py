@@ -77,6 +77,8 @@ RECIPES: dict[str, tuple[str, dict]] = {
     "fp8-static+sqsearch": ("fp8-static", {"smoothquant_alpha": 0.5, SQ_SEARCH: True}),
     "int8+sqsearch+gptq": ("int8", {"smoothquant_alpha": 0.5, SQ_SEARCH: True, "gptq": True}),
     "int8+sqsearch+keep4": ("int8", {"smoothquant_alpha": 0.5, SQ_SEARCH: True, "keep_sensitive": 4}),
+    "int8+sqsearch+gptq+keep4": ("int8", {"smoothquant_alpha": 0.5, SQ_SEARCH: True, "gptq": True, "keep_sensitive": 4}),
+    "fp8+sq+gptq+keep4": ("fp8", {"smoothquant_alpha": 0.5, FP8_GPTQ: True, "keep_sensitive": 4}),
 }
 
 
