@@ -7,11 +7,27 @@ from quantkit.api import (
     prepare_evaluation_tokens,
     quantize,
 )
-from quantkit.checkpoint import CheckpointError, load, read_quant_config, save
+from quantkit.checkpoint import (
+    CheckpointError,
+    is_quantized_checkpoint,
+    load,
+    load_tokenizer,
+    read_quant_config,
+    save,
+)
 from quantkit.config import QuantConfig, UnknownSchemeError
 from quantkit.eval import PerplexityResult, evaluate_perplexity
 from quantkit.models.loading import BUNDLED_MODEL, ModelLoadError, load_model
 from quantkit.calibration.data import BUNDLED_DATASET, DatasetError
+from quantkit.generate import generate as generate_tokens
+from quantkit.models.fast_path import optimize
+from quantkit.nn import QuantLinear
+
+
+def quantized_modules(model):
+    """The QuantLinear modules of a model (empty for a 16-bit model)."""
+    return (m for m in model.modules() if isinstance(m, QuantLinear))
+
 
 __version__ = "0.1.0"
 
@@ -27,6 +43,11 @@ __all__ = [
     "UnknownSchemeError",
     "compare_perplexity",
     "evaluate_perplexity",
+    "generate_tokens",
+    "is_quantized_checkpoint",
+    "load_tokenizer",
+    "optimize",
+    "quantized_modules",
     "load",
     "load_model",
     "prepare_calibration_data",

@@ -74,7 +74,8 @@ def quantize(
         )
     ranking, kept = None, ()
     if config.keep_sensitive:
-        ranking = rank_layers(model, calibration_data, config, progress=progress)
+        # One forward per layer: short blocks keep a 100-layer model in minutes on a CPU.
+        ranking = rank_layers(model, calibration_data, config, progress=progress, max_seq_len=128)
         kept = tuple(most_sensitive(ranking, config.keep_sensitive))
     targets = target_linears(model, config, kept)
     input_amax = None

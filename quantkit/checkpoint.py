@@ -148,6 +148,22 @@ def read_quant_config(ckpt_dir: str | os.PathLike) -> QuantConfig:
     return QuantConfig.from_quantization_config(raw["quantization_config"])
 
 
+def is_quantized_checkpoint(ckpt_dir: str | os.PathLike) -> bool:
+    """Whether a model directory's config.json carries a quantization_config."""
+    config_file = Path(ckpt_dir) / "config.json"
+    try:
+        return "quantization_config" in json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def load_tokenizer(ckpt_dir: str | os.PathLike):
+    """The tokenizer saved beside a checkpoint."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(ckpt_dir))
+
+
 @torch.no_grad()
 def load(
     ckpt_dir: str | os.PathLike,

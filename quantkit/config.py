@@ -69,8 +69,6 @@ class QuantConfig:
             raise ValueError(f"percentile={self.percentile} must be in (0, 100]")
         if self.smoothquant_alpha is not None and not 0.0 <= self.smoothquant_alpha <= 1.0:
             raise ValueError(f"smoothquant_alpha={self.smoothquant_alpha} must be in [0, 1]")
-        if self.gptq and self.weight_type != "int8":
-            raise ValueError("gptq=True is implemented for int8 weights only; use weight_type='int8'")
         if self.keep_sensitive < 0:
             raise ValueError(f"keep_sensitive={self.keep_sensitive} must be >= 0")
         if self.backend not in BACKENDS:

@@ -55,10 +55,12 @@ def make_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
 
 def make_model(arch: str, vocab_size: int, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    if arch == "llama":
+    if arch in ("llama", "llama-hd64"):
+        # "llama-hd64": head_dim 64, the smallest the Triton attention kernels take (fast path tests).
         config = LlamaConfig(
             vocab_size=vocab_size, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            head_dim=64 if arch == "llama-hd64" else None,
             bos_token_id=1, eos_token_id=2, pad_token_id=0, attention_bias=True,
         )
         model = LlamaForCausalLM(config)

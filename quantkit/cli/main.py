@@ -95,11 +95,20 @@ def quantize(
     device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
     backend: str = typer.Option("auto", help="auto | triton | torch"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+    smoothquant: Optional[float] = typer.Option(None, help="SmoothQuant migration strength alpha in [0, 1] (0.5 is the default recipe)."),
+    gptq: bool = typer.Option(False, "--gptq", help="Error-compensated (GPTQ) weight rounding."),
+    weight_observer: str = typer.Option("absmax", help="absmax | mse (per-channel clipping search)."),
+    activation_observer: str = typer.Option("absmax", help="absmax | percentile | mse (static schemes)."),
+    keep_sensitive: int = typer.Option(0, min=0, help="Keep the N most sensitive layers in 16 bits."),
+    report: Optional[Path] = typer.Option(None, help="Write the JSON calibration report here."),
 ) -> None:
     """Calibrate, quantize and save MODEL as a compressed-tensors checkpoint."""
     import quantkit
 
-    config = quantkit.QuantConfig.preset(scheme, backend=backend)
+    config = quantkit.QuantConfig.preset(
+        scheme, backend=backend, smoothquant_alpha=smoothquant, gptq=gptq, weight_observer=weight_observer,
+        activation_observer=activation_observer, keep_sensitive=keep_sensitive,
+    )
     if output.exists() and not overwrite:
         fail(f"output directory {str(output)!r} already exists; pass --overwrite to replace it")
     device = _device(device)
@@ -110,6 +119,8 @@ def quantize(
         blocks = quantkit.prepare_calibration_data(tokenizer, dataset, num_samples, seq_len, model=source)
     qmodel = quantkit.quantize(source, config, blocks)
     quantkit.save(qmodel, output, tokenizer=tokenizer, overwrite=overwrite)
+    if report:
+        _write_json(report, qmodel.quantkit_calibration_report)
     typer.echo(f"{qmodel.quantkit_report}; wrote {output} ({scheme}) in {time.perf_counter() - start:.0f} s")
 
 
@@ -211,6 +222,39 @@ def demo(
         })
 
 
+@app.command()
+@user_errors
+def generate(
+    model: str = typer.Argument(..., help="A quantized checkpoint directory, or a 16-bit model (same forms as `quantize`)."),
+    prompt: str = typer.Option(..., help="Text to continue."),
+    max_new_tokens: int = typer.Option(32, min=1, help="Tokens to generate (greedy)."),
+    scheme: Optional[str] = typer.Option(None, help="Quantize a 16-bit MODEL on the fly with this dynamic scheme."),
+    fast: bool = typer.Option(True, "--fast/--plain", help="Fused fast path (identical outputs) or plain modules."),
+    device: Optional[str] = typer.Option(None, help="cpu or cuda."),
+) -> None:
+    """Greedy generation with a static KV cache (CUDA-graph decode on a GPU)."""
+    import quantkit
+
+    device = _device(device)
+    path = Path(model)
+    if (path / "config.json").is_file() and quantkit.is_quantized_checkpoint(path):
+        lm, tokenizer = quantkit.load(path, device=device), quantkit.load_tokenizer(path)
+    else:
+        lm, tokenizer = quantkit.load_model(model, device=device)
+        if scheme:
+            lm = quantkit.quantize(lm, quantkit.QuantConfig.preset(scheme))
+    if fast and any(True for _ in quantkit.quantized_modules(lm)):
+        quantkit.optimize(lm)
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
+    stats: dict = {}
+    out = quantkit.generate_tokens(lm, ids, max_new_tokens, stats=stats)
+    typer.echo(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    steps = stats.get("decode_steps") or 0
+    if steps:
+        typer.echo(f"[{steps} decode steps, {1000 * stats['decode_s'] / steps:.1f} ms/token, "
+                   f"prefill {1000 * stats['prefill_s']:.0f} ms]", err=True)
+
+
 def _bench_out(out_dir: Path) -> Path:
     import torch
 
@@ -235,6 +279,15 @@ def bench_attention(out_dir: Path = typer.Option(Path("benchmarks/results"), hel
     from quantkit.bench.attention import run_attention_benchmark
 
     run_attention_benchmark(out_dir=_bench_out(out_dir))
+
+
+@bench_app.command("model")
+@user_errors
+def bench_model(out_dir: Path = typer.Option(Path("benchmarks/results"), help="Where CSV/JSON/PNG go.")) -> None:
+    """End to end on a Llama-3-8B-shaped model: HF bf16 vs quantkit fp8/int8 prefill, decode, memory."""
+    from quantkit.bench.e2e import run_e2e_benchmark
+
+    run_e2e_benchmark(out_dir=_bench_out(out_dir))
 
 
 def main() -> None:

@@ -182,3 +182,45 @@ def test_real_process_exit_code_and_no_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: model path")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture(scope="module")
+def checkpoint_hd64(tmp_path_factory):
+    from tests.tiny import save_tiny_model
+
+    root = tmp_path_factory.mktemp("hd64")
+    source = save_tiny_model(root / "model", "llama-hd64")
+    result = invoke("quantize", source, "-o", root / "ckpt", "--scheme", "fp8")
+    assert result.exit_code == 0, result.output
+    return root / "ckpt"
+
+
+def test_generate_from_checkpoint_fast_equals_plain(checkpoint_hd64):
+    checkpoint = checkpoint_hd64
+    fast = invoke("generate", checkpoint, "--prompt", "The river city", "--max-new-tokens", 6, "--device", "cpu")
+    plain = invoke("generate", checkpoint, "--prompt", "The river city", "--max-new-tokens", 6, "--device", "cpu",
+                   "--plain")
+    assert fast.exit_code == 0 and plain.exit_code == 0, fast.output + plain.output
+    assert fast.stdout == plain.stdout
+    assert "5 decode steps" in fast.stderr  # the first new token comes from the prefill
+
+
+def test_generate_beyond_context(checkpoint_hd64):
+    checkpoint = checkpoint_hd64
+    result = invoke("generate", checkpoint, "--prompt", "The river city", "--max-new-tokens", 1000, "--device", "cpu")
+    assert_user_error(result, "max_new_tokens (1000)", "exceeds the model's context of 256")
+
+
+def test_quantize_with_calibration_recipe_writes_report(llama_dir, text_dir, tmp_path):
+    report = tmp_path / "calibration.json"
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--scheme", "int8-static", "--dataset", text_dir,
+                    "--num-samples", 4, "--seq-len", 32, "--smoothquant", 0.5, "--weight-observer", "mse",
+                    "--activation-observer", "percentile", "--report", report)
+    assert result.exit_code == 0, result.output
+    payload = json.loads(report.read_text())
+    assert payload["smoothquant"] and payload["recipe"]["smoothquant_alpha"] == 0.5
+
+
+def test_bad_smoothquant_alpha(llama_dir, tmp_path):
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--scheme", "int8", "--smoothquant", 1.5)
+    assert_user_error(result, "smoothquant_alpha=1.5")
