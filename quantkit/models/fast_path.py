@@ -45,6 +45,7 @@ from quantkit.kernels import attention_ops, ops
 from quantkit.kernels.reference import ACTIVATIONS
 from quantkit.models.fast_attention import register_quantkit_attention
 from quantkit.nn import QuantLinear
+from quantkit.nn.linear import quantize_input
 
 logger = logging.getLogger(__name__)
 
@@ -131,12 +132,7 @@ class GatedQuantMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
-        x2d = x.reshape(-1, self.in_features)
-        if self.static_input:
-            a_scale = self.input_scale
-            q = ops.quantize_per_tensor(x2d, a_scale, self.quant_dtype, backend=self.backend)
-        else:
-            q, a_scale = ops.quantize_per_token(x2d, self.quant_dtype, backend=self.backend)
+        q, a_scale = quantize_input(self, x.reshape(-1, self.in_features))
         w_scale = self.weight_scale.view(-1)
         size = self.intermediate_size
         if self.uses_gated_kernel(x.dtype):

@@ -14,6 +14,13 @@ from quantkit.kernels import ops
 from quantkit.kernels.reference import ACTIVATIONS, qmax_of, quantize_per_channel, cast_to_quantized
 
 
+def quantize_input(module: nn.Module, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a (M, K) input as ``module`` says: its static input_scale, or per token."""
+    if module.static_input:
+        return ops.quantize_per_tensor(x2d, module.input_scale, module.quant_dtype, backend=module.backend), module.input_scale
+    return ops.quantize_per_token(x2d, module.quant_dtype, backend=module.backend)
+
+
 class QuantLinear(nn.Module):
     """y = act(dequant(quant(x) @ W_q^T) + b) in one kernel call."""
 
@@ -97,12 +104,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
-        x2d = x.reshape(-1, self.in_features)
-        if self.static_input:
-            a_scale = self.input_scale
-            q = ops.quantize_per_tensor(x2d, a_scale, self.quant_dtype, backend=self.backend)
-        else:
-            q, a_scale = ops.quantize_per_token(x2d, self.quant_dtype, backend=self.backend)
+        q, a_scale = quantize_input(self, x.reshape(-1, self.in_features))
         out = ops.scaled_mm(
             q,
             self.weight,

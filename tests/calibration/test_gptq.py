@@ -8,14 +8,6 @@ from quantkit.calibration.gptq import HessianAccumulator, collect_hessians, gptq
 from quantkit.kernels.reference import quantize_per_channel
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _correlated_inputs(n, k, seed):
     # Low-rank mixing + per-channel scales: strongly correlated, unequal channels, like LLM
     # activations. The mixing and scales are the distribution (fixed); only the draws vary by seed.

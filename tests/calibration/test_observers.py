@@ -16,15 +16,6 @@ from quantkit.calibration.observers import (
 DTYPES = [pytest.param(torch.int8, id="int8"), pytest.param(torch.float8_e4m3fn, id="fp8")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: OpenMP spin-up costs more than the work when cores are shared.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _feed(observer, data, chunks=7):
     for part in data.chunk(chunks):
         observer.update(part.reshape(-1, 13) if part.numel() % 13 == 0 else part)

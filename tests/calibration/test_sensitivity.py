@@ -11,14 +11,6 @@ VOCAB = 211
 FRAGILE = "model.layers.1.self_attn.o_proj"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)

@@ -9,14 +9,6 @@ from quantkit.kernels.reference import cast_to_quantized, qmax_of
 DTYPES = [pytest.param(torch.int8, id="int8"), pytest.param(torch.float8_e4m3fn, id="fp8")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _row_error(weight, amax, dtype, column_weight=None):
     scale = (amax / qmax_of(dtype))[:, None]
     err = (weight - cast_to_quantized(weight / scale, dtype).float() * scale).pow(2)
