@@ -38,16 +38,15 @@ class CheckpointError(ValueError):
     """A checkpoint directory is missing, incomplete or inconsistent; the message says which file."""
 
 
-def _unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict without aliases: tied weights (lm_head = embed_tokens) are stored once."""
+def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict without aliases: tied weights (lm_head = embed_tokens) appear once."""
     seen: set[tuple[int, int]] = set()
     unique = {}
     for name, tensor in model.state_dict().items():
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        if key in seen:
-            continue
-        seen.add(key)
-        unique[name] = tensor.detach().contiguous().cpu()
+        if key not in seen:
+            seen.add(key)
+            unique[name] = tensor
     return unique
 
 
@@ -81,7 +80,7 @@ def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite
     config_dict["quantization_config"] = config.to_quantization_config(getattr(model, "quantkit_kept", ()))
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
     try:
-        shards = _shards(_unique_state_dict(model))
+        shards = _shards({name: t.detach().contiguous().cpu() for name, t in _unique_state(model).items()})
         if len(shards) == 1:
             save_file(shards[0], str(staging / SAFE_WEIGHTS), metadata={"format": "pt"})
         else:
@@ -189,13 +188,12 @@ def load(
     model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     build_empty_quantized(model, config, backend, dtype)
     tensors = _read_tensors(files)
-    expected = _unique_state_dict(model)
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
+    state = _unique_state(model)
+    missing = sorted(set(state) - set(tensors))
+    unexpected = sorted(set(tensors) - set(state))
     if missing or unexpected:
         detail = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
         raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match its config: {detail}")
-    state = model.state_dict()
     for name, tensor in tensors.items():
         target = state[name]
         if tuple(tensor.shape) != tuple(target.shape):
