@@ -33,7 +33,8 @@ import quantkit
 from quantkit.calibration.gptq import gptq_quantize_weights
 from quantkit.calibration.observers import make_observer
 from quantkit.calibration.sensitivity import most_sensitive, rank_layers
-from quantkit.calibration.smoothquant import forward_backbone, smooth_model
+from quantkit.calibration.calibrate import forward_backbone
+from quantkit.calibration.smoothquant import smooth_model
 from quantkit.calibration.weights import search_weight_clip
 from quantkit.config import QuantConfig
 from quantkit.convert import convert_model, target_linears

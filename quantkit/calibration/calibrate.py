@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 from tqdm.auto import tqdm
@@ -9,20 +11,59 @@ from tqdm.auto import tqdm
 from quantkit.calibration.observers import Observer, make_observer
 
 
-def iterate_batches(blocks: torch.Tensor, batch_size: int, desc: str, progress: bool = True):
-    """Yield (batch_size, seq_len) slices of ``blocks`` under a progress bar."""
-    starts = range(0, blocks.shape[0], batch_size)
-    for start in tqdm(starts, desc=desc, unit="batch", disable=not progress, leave=False):
-        yield blocks[start : start + batch_size]
+def backbone(model: nn.Module) -> nn.Module:
+    """The transformer without its LM head (``model.model`` for HF causal LMs), else the model.
+
+    Calibration statistics never need the logits; skipping a 262k-vocabulary head saves most
+    of the compute on small models.
+    """
+    prefix = getattr(model, "base_model_prefix", None)
+    inner = getattr(model, prefix, None) if prefix else None
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def input_device(model: nn.Module) -> torch.device:
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None:
+        return embeddings.weight.device
+    return next(model.parameters()).device
+
+
+def check_blocks(blocks: torch.Tensor) -> None:
+    if not isinstance(blocks, torch.Tensor) or blocks.dim() != 2 or blocks.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            "blocks must be an integer tensor (n_samples, seq_len) of token ids; got "
+            f"{type(blocks).__name__} {getattr(blocks, 'dtype', '')} {tuple(getattr(blocks, 'shape', ()))}"
+        )
+    if blocks.shape[0] == 0:
+        raise ValueError("blocks is empty; pass at least one calibration block")
+
+
+def hidden_state(output) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    hidden = getattr(output, "last_hidden_state", None)
+    return hidden if hidden is not None else output[0]
 
 
 @torch.no_grad()
-def run_blocks(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4, desc: str = "calibrating",
-               progress: bool = True) -> None:
-    """Forward every calibration block (no outputs kept: the hooks do the recording)."""
-    device = next(model.parameters()).device
-    for batch in iterate_batches(blocks, batch_size, desc, progress):
-        model(input_ids=batch.to(device), use_cache=False)
+def forward_backbone(model: nn.Module, blocks: torch.Tensor, batch_size: int, desc: str = "calibrating",
+                     progress: bool = True, layers: Iterable[nn.Module] = ()) -> None:
+    """Run every block through the model in batches; hooks do the recording.
+
+    Only the backbone runs (no LM head) unless one of ``layers``, the modules being observed,
+    lives outside it (an ``lm_head`` a recipe quantizes), in which case the whole model runs.
+    """
+    check_blocks(blocks)
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+    body, device = backbone(model), input_device(model)
+    inside = {id(m) for m in body.modules()}
+    if any(id(layer) not in inside for layer in layers):
+        body = model
+    starts = range(0, blocks.shape[0], batch_size)
+    for start in tqdm(starts, desc=desc, unit="batch", disable=not progress, leave=False):
+        body(input_ids=blocks[start : start + batch_size].to(device), use_cache=False)
 
 
 @torch.no_grad()
@@ -46,7 +87,7 @@ def collect_input_ranges(
         for name, module in layers.items()
     ]
     try:
-        run_blocks(model, blocks, batch_size, desc="calibrating activations", progress=progress)
+        forward_backbone(model, blocks, batch_size, "calibrating activations", progress, layers=layers.values())
     finally:
         for handle in handles:
             handle.remove()

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from quantkit.calibration.smoothquant import check_blocks, forward_backbone
+from quantkit.calibration.calibrate import check_blocks, forward_backbone
 from quantkit.calibration.weights import search_weight_clip
-from quantkit.kernels.reference import MIN_SCALE, cast_to_quantized, qmax_of
+from quantkit.kernels.reference import MIN_SCALE, cast_to_quantized, qmax_of, scale_from_amax
 
 
 class HessianAccumulator:
@@ -184,7 +184,7 @@ def gptq_quantize_weights(
             amax = search_weight_clip(weight, dtype, column_weight=torch.diag(H).clamp_min(0))
         else:
             amax = weight.float().abs().amax(dim=1)
-        scale = (amax.float() / qmax_of(dtype)).clamp_min(MIN_SCALE)
+        scale = scale_from_amax(amax, dtype)
         q = gptq_quantize(weight, H.to(weight.device), scale, dtype, block_size, damp, act_order)
         result[name] = (q, scale)
     return result

@@ -24,17 +24,18 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from quantkit.calibration.smoothquant import check_blocks, forward_backbone, input_device
+from quantkit.calibration.calibrate import check_blocks, forward_backbone, input_device
 from quantkit.calibration.weights import search_weight_clip
 from quantkit.config import QuantConfig
-from quantkit.kernels.reference import MIN_SCALE, cast_to_quantized, qmax_of, quantize_per_tensor, quantize_per_token
+from quantkit.convert import target_linears
+from quantkit.kernels.reference import quantize_per_channel, quantize_per_tensor, quantize_per_token, scale_from_amax
 
 METHODS = ("kl", "layer_error")
 
 
 def target_layers(model: nn.Module, config: QuantConfig) -> dict[str, nn.Linear]:
     """The Linears the recipe quantizes (everything not matched by ``config.ignore``)."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not config.is_ignored(n)}
+    return target_linears(model, config)
 
 
 def fake_quantized_weight(weight: torch.Tensor, config: QuantConfig) -> torch.Tensor:
@@ -45,8 +46,8 @@ def fake_quantized_weight(weight: torch.Tensor, config: QuantConfig) -> torch.Te
         amax = search_weight_clip(w, dtype)
     else:
         amax = w.abs().amax(dim=1)
-    scale = (amax / qmax_of(dtype)).clamp_min(MIN_SCALE)
-    return (cast_to_quantized(w / scale[:, None], dtype).float() * scale[:, None]).to(weight.dtype)
+    q, scale = quantize_per_channel(w, dtype, amax)
+    return (q.float() * scale[:, None]).to(weight.dtype)
 
 
 def fake_quantize_input(x: torch.Tensor, config: QuantConfig) -> torch.Tensor:
@@ -58,7 +59,7 @@ def fake_quantize_input(x: torch.Tensor, config: QuantConfig) -> torch.Tensor:
     dtype = config.torch_dtype
     flat = x.reshape(-1, x.shape[-1]).float()
     if config.is_static:
-        scale = (flat.abs().amax() / qmax_of(dtype)).clamp_min(MIN_SCALE).reshape(1)
+        scale = scale_from_amax(flat.abs().amax(), dtype).reshape(1)
         deq = quantize_per_tensor(flat, scale, dtype).float() * scale
     else:
         q, scale = quantize_per_token(flat, dtype)

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
+
+from quantkit.calibration.calibrate import backbone, check_blocks, hidden_state, input_device
 
 # Relative change of the probe output above which a candidate rescaling is not an identity.
 # Float32 rounding through a few layers stays around 1e-6; a broken identity changes it by O(1).
@@ -22,54 +23,6 @@ RATIO_RESIDUAL_TOL = 1e-4
 
 
 # --- running the model -----------------------------------------------------------------------
-
-
-def backbone(model: nn.Module) -> nn.Module:
-    """The transformer without its LM head (``model.model`` for HF causal LMs), else the model.
-
-    Calibration statistics never need the logits; skipping a 262k-vocabulary head saves most
-    of the compute on small models.
-    """
-    prefix = getattr(model, "base_model_prefix", None)
-    inner = getattr(model, prefix, None) if prefix else None
-    return inner if isinstance(inner, nn.Module) else model
-
-
-def input_device(model: nn.Module) -> torch.device:
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if embeddings is not None:
-        return embeddings.weight.device
-    return next(model.parameters()).device
-
-
-def check_blocks(blocks: torch.Tensor) -> None:
-    if not isinstance(blocks, torch.Tensor) or blocks.dim() != 2 or blocks.dtype not in (torch.int64, torch.int32):
-        raise ValueError(
-            "blocks must be an integer tensor (n_samples, seq_len) of token ids; got "
-            f"{type(blocks).__name__} {getattr(blocks, 'dtype', '')} {tuple(getattr(blocks, 'shape', ()))}"
-        )
-    if blocks.shape[0] == 0:
-        raise ValueError("blocks is empty; pass at least one calibration block")
-
-
-def _hidden(output) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    hidden = getattr(output, "last_hidden_state", None)
-    return hidden if hidden is not None else output[0]
-
-
-@torch.no_grad()
-def forward_backbone(model: nn.Module, blocks: torch.Tensor, batch_size: int, desc: str = "calibrating",
-                     progress: bool = True) -> None:
-    """Run every block through the model's backbone in batches; hooks do the recording."""
-    check_blocks(blocks)
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size} must be >= 1")
-    body, device = backbone(model), input_device(model)
-    starts = range(0, blocks.shape[0], batch_size)
-    for start in tqdm(starts, desc=desc, unit="batch", disable=not progress, leave=False):
-        body(input_ids=blocks[start : start + batch_size].to(device), use_cache=False)
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
@@ -201,7 +154,7 @@ class _Prober:
         handles = [m.register_forward_pre_hook(fn) for m, fn in pre_hooks]
         handles += [m.register_forward_hook(fn) for m, fn in hooks]
         try:
-            return _hidden(self.body(input_ids=self.ids, use_cache=False)).detach().double()
+            return hidden_state(self.body(input_ids=self.ids, use_cache=False)).detach().double()
         except _ProbeDone:
             return None
         finally:

@@ -37,21 +37,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quantkit.calibration.smoothing_graph import (  # noqa: F401  (input_device re-exported for callers)
+from quantkit.calibration.calibrate import check_blocks, forward_backbone
+from quantkit.calibration.smoothing_graph import (
     EXACTNESS_TOL,
     SmoothGroup,
     _fold,
     _group_size,
     _Prober,
     _relative_change,
-    check_blocks,
     find_smoothing_groups,
-    forward_backbone,
-    input_device,
 )
 from quantkit.kernels.reference import (
-    MIN_SCALE,
     qmax_of,
+    scale_from_amax,
     quantize_per_channel,
     quantize_per_tensor,
     quantize_per_token,
@@ -147,7 +145,7 @@ def _fake_quant_error(inputs: list[torch.Tensor], weights: list[torch.Tensor], o
             cs = column_scales[i].float()
             x, w = x / cs, w * cs
         if static:
-            scale = (x.abs().max() / qmax_of(quant_dtype)).clamp_min(MIN_SCALE).reshape(1)
+            scale = scale_from_amax(x.abs().max(), quant_dtype).reshape(1)
             x_q = quantize_per_tensor(x, scale, quant_dtype).float() * scale
         else:
             q, scale = quantize_per_token(x, quant_dtype)

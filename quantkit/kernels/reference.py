@@ -52,17 +52,28 @@ def cast_to_quantized(x_scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     return x_scaled.to(torch.float8_e4m3fn)
 
 
-def quantize_per_channel(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel quantization of an (N, K) weight -> (q (N, K), scale (N,) fp32)."""
-    amax = weight.detach().float().abs().amax(dim=1)
-    scale = (amax / _qmax_tensor(dtype, amax.device)).clamp_min(MIN_SCALE)
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The fp32 scale that maps a clipping magnitude onto the format's largest value."""
+    amax = amax.float()
+    return (amax / _qmax_tensor(dtype, amax.device)).clamp_min(MIN_SCALE)
+
+
+def quantize_per_channel(
+    weight: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel quantization of an (N, K) weight -> (q (N, K), scale (N,) fp32).
+
+    amax: per-row clipping magnitudes (N,), e.g. from a clipping search; default the row absmax.
+    """
+    if amax is None:
+        amax = weight.detach().float().abs().amax(dim=1)
+    scale = scale_from_amax(amax.to(weight.device), dtype)
     return cast_to_quantized(weight.float() / scale[:, None], dtype), scale
 
 
 def quantize_per_token(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic symmetric per-row quantization of an (M, K) activation -> (q (M, K), scale (M,) fp32)."""
-    amax = x.float().abs().amax(dim=-1)
-    scale = (amax / _qmax_tensor(dtype, amax.device)).clamp_min(MIN_SCALE)
+    scale = scale_from_amax(x.float().abs().amax(dim=-1), dtype)
     return cast_to_quantized(x.float() / scale[:, None], dtype), scale
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from quantkit.kernels import ops
-from quantkit.kernels.reference import ACTIVATIONS, qmax_of, quantize_per_channel, cast_to_quantized
+from quantkit.kernels.reference import ACTIVATIONS, qmax_of, quantize_per_channel, scale_from_amax
 
 
 def quantize_input(module: nn.Module, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,15 +86,12 @@ class QuantLinear(nn.Module):
         )
         if quantized_weight is not None:
             q, scale = quantized_weight
-        elif weight_amax is not None:
-            scale = (weight_amax.float().to(weight.device) / qmax_of(quant_dtype)).clamp_min(1e-12)
-            q = cast_to_quantized(weight.float() / scale[:, None], quant_dtype)
         else:
-            q, scale = quantize_per_channel(weight, quant_dtype)
+            q, scale = quantize_per_channel(weight, quant_dtype, weight_amax)
         module.weight.copy_(q)
         module.weight_scale.copy_(scale.reshape(-1, 1))
         if input_amax is not None:
-            module.input_scale.copy_((input_amax.float() / qmax_of(quant_dtype)).clamp_min(1e-12).reshape(1))
+            module.input_scale.copy_(scale_from_amax(input_amax, quant_dtype).reshape(1))
         if linear.bias is not None:
             module.bias.copy_(linear.bias.detach())
         return module

@@ -181,3 +181,11 @@ def test_full_recipe_round_trips(tiny_model_dir, text_dir, tmp_path):
     assert type(loaded.get_submodule(kept)) is torch.nn.Linear
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, logits_q)
+
+
+def test_static_calibration_observes_a_quantized_lm_head(llama_dir, text_dir):
+    """Calibration skips the LM head for speed, except when the recipe quantizes it too."""
+    model, tokenizer = quantkit.load_model(llama_dir)
+    qmodel = quantkit.quantize(model, quantkit.QuantConfig.preset("int8-static", ignore=()),
+                               _blocks(tokenizer, text_dir, n=2, seq_len=32))
+    assert isinstance(qmodel.lm_head, QuantLinear) and qmodel.lm_head.input_scale.item() > 1e-6
