@@ -10,6 +10,7 @@ from torch import nn
 
 from quantkit.calibration.calibrate import collect_input_ranges
 from quantkit.calibration.gptq import gptq_quantize_weights
+from quantkit.calibration.offload import check_offload, stream_blocks
 from quantkit.calibration.report import build_report
 from quantkit.calibration.sensitivity import most_sensitive, rank_layers
 from quantkit.calibration.smoothquant import smooth_model
@@ -53,16 +54,29 @@ def quantize(
     config: QuantConfig,
     calibration_data: torch.Tensor | None = None,
     progress: bool = True,
+    offload_device: str | torch.device | None = None,
 ) -> nn.Module:
     """Quantize ``model`` in place to W8A8 as ``config`` says and return it.
 
     calibration_data: (n, seq_len) token ids; needed for static activations (and for the
     calibration recipes), unused for plain dynamic schemes.
+    offload_device: calibrate a model kept in host memory on this device, one decoder block at a
+    time (``calibration.offload`` states the memory bound); the quantized model stays in host
+    memory (save it, or move it with ``.to``), with the backend chosen for the host.
     """
     if config.needs_calibration and calibration_data is None:
         raise ValueError(f"scheme {config.name!r} needs calibration data; pass token blocks "
                          "(quantkit.prepare_calibration_data)")
+    check_offload(model)
     backend = resolve_backend(config.backend, _model_device(model))
+    if offload_device is None:
+        return _quantize(model, config, calibration_data, progress, backend, per_block=False)
+    with stream_blocks(model, offload_device):
+        return _quantize(model, config, calibration_data, progress, backend, per_block=True)
+
+
+def _quantize(model: nn.Module, config: QuantConfig, calibration_data: torch.Tensor | None, progress: bool,
+              backend: str, per_block: bool) -> nn.Module:
     dtype = config.torch_dtype
     smoothquant_report = None
     if config.smoothquant_alpha is not None:
@@ -87,7 +101,8 @@ def quantize(
     quantized_weights, weight_amax = None, None
     if config.gptq:
         quantized_weights = gptq_quantize_weights(
-            model, calibration_data, list(targets), dtype, weight_observer=config.weight_observer, progress=progress
+            model, calibration_data, list(targets), dtype, weight_observer=config.weight_observer, progress=progress,
+            per_block=per_block,
         )
     elif config.weight_observer == "mse":
         weight_amax = {name: search_weight_clip(linear.weight.detach(), dtype) for name, linear in targets.items()}

@@ -42,11 +42,19 @@ class HessianAccumulator:
         self.n_tokens = total
 
 
+class _StopForward(Exception):
+    """Raised after the last module whose inputs are being recorded: the rest of the forward is waste."""
+
+
 @torch.no_grad()
 def collect_hessians(
-    model: nn.Module, blocks: torch.Tensor, layer_names: list[str], batch_size: int = 4, progress: bool = True
+    model: nn.Module, blocks: torch.Tensor, layer_names: list[str], batch_size: int = 4, progress: bool = True,
+    stop_after: nn.Module | None = None,
 ) -> dict[str, HessianAccumulator]:
-    """One Hessian per named Linear; layers fed the very same input tensor share one accumulator."""
+    """One Hessian per named Linear; layers fed the very same input tensor share one accumulator.
+
+    stop_after: end each forward once this module (the last one holding ``layer_names``) has run.
+    """
     check_blocks(blocks)
     modules = dict(model.named_modules())
     missing = [n for n in layer_names if not isinstance(modules.get(n), nn.Linear)]
@@ -72,11 +80,20 @@ def collect_hessians(
                 accumulators[name].update(x)
         return fn
 
+    def stop(_m, _args, _output):
+        raise _StopForward
+
     handles = [modules[n].register_forward_pre_hook(hook(n)) for n in layer_names]
+    if stop_after is not None:
+        handles.append(stop_after.register_forward_hook(stop))
     try:
         starts = range(0, blocks.shape[0], batch_size)
         for start in tqdm(starts, desc="gptq statistics", unit="batch", disable=not progress, leave=False):
-            forward_backbone(model, blocks[start : start + batch_size], batch_size, progress=False)
+            try:
+                forward_backbone(model, blocks[start : start + batch_size], batch_size, progress=False,
+                                 layers=[modules[n] for n in layer_names])
+            except _StopForward:
+                pass
             seen.clear()
     finally:
         for h in handles:
@@ -159,6 +176,7 @@ def gptq_quantize_weights(
     weight_observer: str = "absmax",
     batch_size: int = 4,
     act_order: bool = True,
+    per_block: bool = False,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """GPTQ-quantize the named Linears of ``model`` (weights are not modified).
 
@@ -166,8 +184,10 @@ def gptq_quantize_weights(
     ``q_weight * weight_scale[:, None] ~= weight``, ready for ``QuantLinear.from_linear(...,
     quantized_weight=...)``. weight_observer: "absmax" (scale from the row max) or "mse" (clip
     search of ``weights.search_weight_clip``, weighted by the inputs' mean square).
-    Statistics come from the unquantized model (all layers at once): the memory bound is in the
-    module docstring.
+    Statistics come from the unquantized model. per_block: collect them one decoder block at a
+    time (each pass stops after that block), so only one block's Hessians exist at once: the
+    bound that streaming (``calibration.offload``) needs; otherwise all layers at once, one pass.
+    The rounding runs where the statistics were gathered; results land on each weight's device.
     """
     qmax_of(dtype)  # validates: torch.int8 or torch.float8_e4m3fn
     if weight_observer not in ("absmax", "mse"):
@@ -175,16 +195,37 @@ def gptq_quantize_weights(
     if not layer_names:
         return {}
     modules = dict(model.named_modules())
-    hessians = collect_hessians(model, blocks, list(layer_names), batch_size, progress)
+    groups: list[tuple[list[str], nn.Module | None]] = [(list(layer_names), None)]
+    if per_block:
+        from quantkit.calibration.offload import block_of, decoder_blocks
+
+        owner, stacks = block_of(model, list(layer_names)), decoder_blocks(model)
+        by_block: dict[int, list[str]] = {}
+        for name in layer_names:
+            by_block.setdefault(owner.get(name, -1), []).append(name)
+        groups = [(by_block[i], stacks[i]) for i in sorted(by_block) if i >= 0]
+        if -1 in by_block:  # outside the blocks (an lm_head): one full pass
+            groups.append((by_block[-1], None))
     result = {}
-    for name in tqdm(layer_names, desc="gptq", unit="layer", disable=not progress, leave=False):
-        weight = modules[name].weight.detach()
-        H = hessians[name].hessian
-        if weight_observer == "mse":
-            amax = search_weight_clip(weight, dtype, column_weight=torch.diag(H).clamp_min(0))
-        else:
-            amax = weight.float().abs().amax(dim=1)
-        scale = scale_from_amax(amax, dtype)
-        q = gptq_quantize(weight, H.to(weight.device), scale, dtype, block_size, damp, act_order)
-        result[name] = (q, scale)
+    with tqdm(total=len(layer_names), desc="gptq", unit="layer", disable=not progress, leave=False) as bar:
+        for names, stop_after in groups:
+            hessians = collect_hessians(model, blocks, names, batch_size, progress and not per_block, stop_after)
+            for name in names:
+                result[name] = _gptq_layer(modules[name].weight.detach(), hessians[name].hessian, dtype, block_size,
+                                           damp, act_order, weight_observer)
+                bar.update()
+            del hessians
     return result
+
+
+def _gptq_layer(weight: torch.Tensor, H: torch.Tensor, dtype: torch.dtype, block_size: int, damp: float,
+                act_order: bool, weight_observer: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer: scales from the observer, GPTQ rounding on the Hessian's device, results on the weight's."""
+    w = weight.to(H.device)
+    if weight_observer == "mse":
+        amax = search_weight_clip(w, dtype, column_weight=torch.diag(H).clamp_min(0))
+    else:
+        amax = w.float().abs().amax(dim=1)
+    scale = scale_from_amax(amax, dtype)
+    q = gptq_quantize(w, H, scale, dtype, block_size, damp, act_order)
+    return q.to(weight.device), scale.to(weight.device)

@@ -101,6 +101,7 @@ def quantize(
     activation_observer: str = typer.Option("absmax", help="absmax | percentile | mse (static schemes)."),
     keep_sensitive: int = typer.Option(0, min=0, help="Keep the N most sensitive layers in 16 bits."),
     report: Optional[Path] = typer.Option(None, help="Write the JSON calibration report here."),
+    offload: bool = typer.Option(False, "--offload", help="Keep the model in host memory and calibrate on --device one decoder block at a time (models larger than the GPU)."),
 ) -> None:
     """Calibrate, quantize and save MODEL as a compressed-tensors checkpoint."""
     import quantkit
@@ -113,11 +114,18 @@ def quantize(
         fail(f"output directory {str(output)!r} already exists; pass --overwrite to replace it")
     device = _device(device)
     start = time.perf_counter()
-    source, tokenizer = quantkit.load_model(model, device=device)
+    if offload:
+        import torch
+
+        # Streaming keeps the weights in host memory, in the dtype the device computes in.
+        source, tokenizer = quantkit.load_model(
+            model, device="cpu", dtype=torch.bfloat16 if device.startswith("cuda") else None)
+    else:
+        source, tokenizer = quantkit.load_model(model, device=device)
     blocks = None
     if config.needs_calibration:
         blocks = quantkit.prepare_calibration_data(tokenizer, dataset, num_samples, seq_len, model=source)
-    qmodel = quantkit.quantize(source, config, blocks)
+    qmodel = quantkit.quantize(source, config, blocks, offload_device=device if offload else None)
     quantkit.save(qmodel, output, tokenizer=tokenizer, overwrite=overwrite)
     if report:
         _write_json(report, qmodel.quantkit_calibration_report)

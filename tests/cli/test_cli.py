@@ -221,6 +221,13 @@ def test_quantize_with_calibration_recipe_writes_report(llama_dir, text_dir, tmp
     assert payload["smoothquant"] and payload["recipe"]["smoothquant_alpha"] == 0.5
 
 
+def test_quantize_offload_streams_blocks_and_saves(llama_dir, text_dir, tmp_path):
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--scheme", "int8", "--dataset", text_dir,
+                    "--num-samples", 3, "--seq-len", 32, "--gptq", "--offload", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "config.json").exists() and "converted" in result.output
+
+
 def test_bad_smoothquant_alpha(llama_dir, tmp_path):
     result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--scheme", "int8", "--smoothquant", 1.5)
     assert_user_error(result, "smoothquant_alpha=1.5")
