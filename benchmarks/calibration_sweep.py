@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -48,6 +49,8 @@ RESULTS = Path(__file__).parent / "results"
 FP8_GPTQ = "gptq_on_fp8"
 # Per-group SmoothQuant strength search (smooth_model's alpha_grid): the same grid for every model.
 SQ_SEARCH = "smoothquant_search"
+# GPTQ with the first position (BOS, the attention sink) counted this many times in the Hessian.
+GPTQ_FIRST = "gptq_first_token_weight"
 ALPHA_GRID = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 RECIPES: dict[str, tuple[str, dict]] = {
     "int8": ("int8", {}),
@@ -80,6 +83,19 @@ RECIPES: dict[str, tuple[str, dict]] = {
     "int8+sqsearch+keep4": ("int8", {"smoothquant_alpha": 0.5, SQ_SEARCH: True, "keep_sensitive": 4}),
     "int8+sqsearch+gptq+keep4": ("int8", {"smoothquant_alpha": 0.5, SQ_SEARCH: True, "gptq": True, "keep_sensitive": 4}),
     "fp8+sq+gptq+keep4": ("fp8", {"smoothquant_alpha": 0.5, FP8_GPTQ: True, "keep_sensitive": 4}),
+    "int8+sq+keep4": ("int8", {"smoothquant_alpha": 0.5, "keep_sensitive": 4}),
+    "fp8+keep4": ("fp8", {"keep_sensitive": 4}),
+    "fp8+sq+keep4": ("fp8", {"smoothquant_alpha": 0.5, "keep_sensitive": 4}),
+    "fp8+sq+keep8": ("fp8", {"smoothquant_alpha": 0.5, "keep_sensitive": 8}),
+    "int8+sq+keep8": ("int8", {"smoothquant_alpha": 0.5, "keep_sensitive": 8}),
+    "int8+sq+wmse": ("int8", {"smoothquant_alpha": 0.5, "weight_observer": "mse"}),
+    "fp8+sq+wmse": ("fp8", {"smoothquant_alpha": 0.5, "weight_observer": "mse"}),
+    "int8+sq+gptq-bos64": ("int8", {"smoothquant_alpha": 0.5, "gptq": True, GPTQ_FIRST: 64.0}),
+    "int8+sq+gptq-bos512": ("int8", {"smoothquant_alpha": 0.5, "gptq": True, GPTQ_FIRST: 512.0}),
+    "fp8+sq+gptq-bos64": ("fp8", {"smoothquant_alpha": 0.5, FP8_GPTQ: True, GPTQ_FIRST: 64.0}),
+    "fp8+sq+gptq-bos512": ("fp8", {"smoothquant_alpha": 0.5, FP8_GPTQ: True, GPTQ_FIRST: 512.0}),
+    "int8+sq+gptq-bos64+keep4": ("int8", {"smoothquant_alpha": 0.5, "gptq": True, GPTQ_FIRST: 64.0, "keep_sensitive": 4}),
+    "fp8+sq+gptq-bos64+keep4": ("fp8", {"smoothquant_alpha": 0.5, FP8_GPTQ: True, GPTQ_FIRST: 64.0, "keep_sensitive": 4}),
 }
 
 
@@ -98,11 +114,12 @@ def input_ranges(model: nn.Module, layers: dict[str, nn.Linear], blocks: torch.T
 
 
 def quantize_with_recipe(model: nn.Module, config: QuantConfig, blocks: torch.Tensor, batch_size: int,
-                         gptq: bool | None = None, alpha_search: bool = False) -> dict:
+                         gptq: bool | None = None, alpha_search: bool = False, first_token_weight: float = 1.0) -> dict:
     """The calibration recipe of ``config`` applied in place; returns what it did.
 
     gptq: overrides ``config.gptq`` (to try GPTQ on FP8 weights, which QuantConfig refuses).
     alpha_search: search SmoothQuant's strength per group over ``ALPHA_GRID`` (or none).
+    first_token_weight: GPTQ Hessian weight of position 0 (see ``HessianAccumulator.update``).
     """
     gptq = config.gptq if gptq is None else gptq
     info: dict = {}
@@ -130,7 +147,8 @@ def quantize_with_recipe(model: nn.Module, config: QuantConfig, blocks: torch.Te
     quantized_weights = weight_amax = None
     if gptq:
         quantized_weights = gptq_quantize_weights(model, blocks, list(targets), config.torch_dtype,
-                                                  weight_observer=config.weight_observer, batch_size=batch_size)
+                                                  weight_observer=config.weight_observer, batch_size=batch_size,
+                                                  first_token_weight=first_token_weight)
     elif config.weight_observer == "mse":
         weight_amax = {n: search_weight_clip(m.weight, config.torch_dtype) for n, m in targets.items()}
     convert_model(model, config, "torch", input_amax=input_amax, weight_amax=weight_amax,
@@ -207,7 +225,7 @@ def summary(path: Path) -> str:
     lines.append("")
     lines.append(f"{first.get('model')} on {first.get('dataset')} (held-out articles), {first.get('eval_tokens')} tokens, "
                  f"window {first.get('window')}, calibration {first.get('calib_blocks')} x {first.get('calib_seq_len')} "
-                 "tokens, CPU float32.")
+                 f"tokens, {first.get('device', 'cpu')} float32.")
     return "\n".join(lines)
 
 
@@ -220,7 +238,10 @@ def main() -> None:
     parser.add_argument("--calib-seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--out", type=Path, default=RESULTS / "calibration_sweep.jsonl")
+    parser.add_argument("--eval-all", action="store_true", help="score every held-out token (overrides --eval-tokens)")
     parser.add_argument("--summary", action="store_true", help="print the table of --out and exit")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (float32 either way)")
+    parser.add_argument("--max-minutes", type=float, default=None, help="stop starting new recipes after this long")
     parser.add_argument("--exact-eval", action="store_true",
                         help="evaluate through QuantLinear's reference path (exact int32 math, ~4x slower)")
     args = parser.parse_args()
@@ -231,16 +252,27 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown recipes {unknown}; choose from baseline, {', '.join(RECIPES)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    source, tokenizer = quantkit.load_model(quantkit.BUNDLED_MODEL, dtype=torch.float32)
+    source, tokenizer = quantkit.load_model(quantkit.BUNDLED_MODEL, device=args.device, dtype=torch.float32)
     blocks = quantkit.prepare_calibration_data(tokenizer, quantkit.BUNDLED_DATASET, args.calib_blocks, args.calib_seq_len)
-    tokens = quantkit.prepare_evaluation_tokens(tokenizer, quantkit.BUNDLED_DATASET, args.eval_tokens)
+    tokens = quantkit.prepare_evaluation_tokens(tokenizer, quantkit.BUNDLED_DATASET,
+                                                None if args.eval_all else args.eval_tokens)
     common = {
         "model": quantkit.BUNDLED_MODEL, "dataset": quantkit.BUNDLED_DATASET, "eval_tokens": int(tokens.numel()),
         "window": args.window, "calib_blocks": args.calib_blocks, "calib_seq_len": args.calib_seq_len,
-        "commit": _commit(), "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
+        "commit": os.environ.get("QUANTKIT_COMMIT") or _commit(), "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "date": time.strftime("%Y-%m-%d"),
     }
+    if args.device.startswith("cuda"):
+        # Full float32 matmuls, as on the CPU (no TF32 rounding in the comparison).
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    sweep_start = time.perf_counter()
     for name in args.recipes:
+        if args.max_minutes is not None and time.perf_counter() - sweep_start > 60 * args.max_minutes:
+            print(f"time limit reached before {name}", flush=True)
+            break
         model = copy.deepcopy(source)
         started = time.perf_counter()
         info, preset, config_dict = {}, None, None
@@ -249,14 +281,17 @@ def main() -> None:
             overrides = dict(overrides)
             fp8_gptq = overrides.pop(FP8_GPTQ, False)
             alpha_search = overrides.pop(SQ_SEARCH, False)
+            first_token_weight = overrides.pop(GPTQ_FIRST, 1.0)
             config = QuantConfig.preset(preset, backend="torch", **overrides)
             config_dict = {k: v for k, v in config.to_quantization_config()["quantkit"].items()}
             if fp8_gptq:
                 config_dict["gptq"] = True
             if alpha_search:
                 config_dict["smoothquant_alpha"] = {"searched_per_group": list(ALPHA_GRID)}
+            if first_token_weight != 1.0:
+                config_dict["gptq_first_token_weight"] = first_token_weight
             info = quantize_with_recipe(model, config, blocks, args.batch_size, gptq=config.gptq or fp8_gptq,
-                                        alpha_search=alpha_search)
+                                        alpha_search=alpha_search, first_token_weight=first_token_weight)
             if not args.exact_eval:
                 to_fake_quant(model)
             info["eval_path"] = "QuantLinear reference" if args.exact_eval else "fake-quant float32"

@@ -30,8 +30,18 @@ class HessianAccumulator:
         self.hessian = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
         self.n_tokens = 0
 
-    def update(self, x: torch.Tensor) -> None:
-        x = x.detach().reshape(-1, x.shape[-1]).float()
+    def update(self, x: torch.Tensor, first_token_weight: float = 1.0) -> None:
+        """Add a batch of inputs (..., seq, K); ``first_token_weight`` counts position 0 that many times.
+
+        Position 0 (BOS) is the attention sink of causal LMs: every later token reads its keys and
+        values, so its output error weighs more than one token's share of the average.
+        """
+        x = x.detach().float()
+        if first_token_weight != 1.0 and x.dim() >= 2:
+            # One row per sequence scaled by sqrt(w): it then enters X^T X w times.
+            x = torch.cat([x[..., 1:, :].reshape(-1, x.shape[-1]),
+                           x[..., 0, :].reshape(-1, x.shape[-1]) * first_token_weight ** 0.5])
+        x = x.reshape(-1, x.shape[-1])
         n = x.shape[0]
         if n == 0:
             return
@@ -49,7 +59,7 @@ class _StopForward(Exception):
 @torch.no_grad()
 def collect_hessians(
     model: nn.Module, blocks: torch.Tensor, layer_names: list[str], batch_size: int = 4, progress: bool = True,
-    stop_after: nn.Module | None = None,
+    stop_after: nn.Module | None = None, first_token_weight: float = 1.0,
 ) -> dict[str, HessianAccumulator]:
     """One Hessian per named Linear; layers fed the very same input tensor share one accumulator.
 
@@ -77,7 +87,7 @@ def collect_hessians(
                     accumulators[name] = HessianAccumulator(x.shape[-1], x.device)
             seen.setdefault(key, (name, x))
             if leader_of[name] == name:
-                accumulators[name].update(x)
+                accumulators[name].update(x, first_token_weight)
         return fn
 
     def stop(_m, _args, _output):
@@ -177,6 +187,7 @@ def gptq_quantize_weights(
     batch_size: int = 4,
     act_order: bool = True,
     per_block: bool = False,
+    first_token_weight: float = 1.0,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """GPTQ-quantize the named Linears of ``model`` (weights are not modified).
 
@@ -209,7 +220,8 @@ def gptq_quantize_weights(
     result = {}
     with tqdm(total=len(layer_names), desc="gptq", unit="layer", disable=not progress, leave=False) as bar:
         for names, stop_after in groups:
-            hessians = collect_hessians(model, blocks, names, batch_size, progress and not per_block, stop_after)
+            hessians = collect_hessians(model, blocks, names, batch_size, progress and not per_block, stop_after,
+                                        first_token_weight)
             for name in names:
                 result[name] = _gptq_layer(modules[name].weight.detach(), hessians[name].hessian, dtype, block_size,
                                            damp, act_order, weight_observer)
