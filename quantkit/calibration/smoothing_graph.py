@@ -92,7 +92,7 @@ def _norm_offset(norm: nn.Module, x: torch.Tensor) -> float | None:
         outs = []
         for value in (0.0, 1.0, 2.0):
             weight.fill_(value)
-            outs.append(norm(x).double())
+            outs.append(norm(x.to(weight.device)).double())
     finally:
         weight.copy_(saved_w)
         if bias is not None:
@@ -124,7 +124,7 @@ def _channel_map(base: torch.Tensor, perturbed: torch.Tensor, log_factors: torch
     residual = (y - ratio * x).pow(2).sum(0).sqrt() / y.pow(2).sum(0).sqrt().clamp_min(1e-300)
     if bool((residual > RATIO_RESIDUAL_TOL).any()):
         return None
-    sorted_log, order = torch.sort(log_factors.double())
+    sorted_log, order = torch.sort(log_factors.to(x.device).double())
     log_ratio = ratio.log()
     pos = torch.searchsorted(sorted_log, log_ratio).clamp(1, len(sorted_log) - 1)
     left, right = sorted_log[pos - 1], sorted_log[pos]
