@@ -119,7 +119,8 @@ def main(out_path: str) -> None:
         "commit": os.environ.get("QUANTKIT_COMMIT", "unknown"),
     }
     model, tokenizer = quantkit.load_model(quantkit.BUNDLED_MODEL, device="cuda")
-    report["greedy"] = greedy_checks(model, tokenizer, new_tokens=32)
+    if "--skip-greedy" not in sys.argv:
+        report["greedy"] = greedy_checks(model, tokenizer, new_tokens=32)
     del model
     torch.cuda.empty_cache()
     blocks = quantkit.prepare_calibration_data(tokenizer, quantkit.BUNDLED_DATASET, 16, 512)

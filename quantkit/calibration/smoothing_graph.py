@@ -132,7 +132,7 @@ def _channel_map(base: torch.Tensor, perturbed: torch.Tensor, log_factors: torch
     spacing = float((sorted_log[1:] - sorted_log[:-1]).min()) if len(sorted_log) > 1 else 1.0
     if bool(((log_ratio - sorted_log[nearest]).abs() > spacing / 3).any()):
         return None
-    return order[nearest]
+    return order[nearest].cpu()
 
 
 class _ProbeDone(Exception):
@@ -357,7 +357,7 @@ def _fold(group: SmoothGroup, modules: dict[str, nn.Module], scales: torch.Tenso
         w.copy_((w.double() / s.to(w.device)[:, None]).to(w.dtype))
         if producer.bias is not None:
             producer.bias.copy_((producer.bias.double() / s.to(w.device)).to(producer.bias.dtype))
-        column_scales = [s[m] for m in group.channel_maps]
+        column_scales = [s[m.to(s.device)] for m in group.channel_maps]
     for name, cs in zip(group.consumers, column_scales):
         cw = modules[name].weight
         cw.copy_((cw.double() * cs.to(cw.device)[None, :]).to(cw.dtype))
