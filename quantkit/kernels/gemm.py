@@ -14,10 +14,23 @@ Layers: ``_scaled_mm_kernel`` (@triton.jit) -> ``scaled_mm`` / ``gated_scaled_mm
 (validate, allocate, grid) -> registered ops in ``triton_ops.py``. The torch twin is
 ``reference.scaled_mm``.
 
+Two kernels: this file's tiled kernel (one program per output tile, pointer loads, the gated
+variant, every M) and the persistent TMA kernel of ``gemm_tma.py`` (large M). For
+M >= PERSISTENT_MIN_M, ``kernel="auto"`` times both (each autotuned) the first time a
+(N, K, M bucket, flags) key is seen and keeps the faster; under the interpreter it takes the
+persistent kernel whenever it is eligible, so the tests run it.
+
 Tuning: autotuned over a few configs per M bucket (key N, K, M_BUCKET) on the GPU; decode sizes
 (M <= 16) get GEMV-like configs (a 16-row tile, narrow N tiles, long K tiles, deep pipelines) so
 that enough programs stream the weight to saturate memory bandwidth. Under the interpreter one
 fixed config is used (autotune with several configs fails there; cost is per program).
+
+FP8 accumulation: ``fp8_fast_accum=True`` (the default) lets Hopper's FP8 tensor cores accumulate
+a whole K loop without promotion, like ``torch._scaled_mm(use_fast_accum=True)``, vLLM's and
+TensorRT-LLM's FP8 GEMMs; ``False`` promotes to fp32 every 128 products (cuBLAS's default mode).
+The default is fast because the extra error (rel. 2.7e-3 vs 1.7e-3 at K=14336) is an order of
+magnitude below what FP8 quantization of the operands already costs, while promotion holds a
+second accumulator tile in registers and caps the tile size (see benchmarks/NOTES-gemm.md).
 """
 
 from __future__ import annotations
@@ -29,6 +42,8 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from quantkit.kernels import gemm_tma
+from quantkit.kernels.gemm_epilogue import apply_activation, dequant_epilogue, dot_accumulate, grouped_tile
 from quantkit.kernels.quant import cast_for_store, is_interpreted
 from quantkit.kernels.reference import ACTIVATIONS, INT8_MAX, QUANT_DTYPES
 
@@ -39,36 +54,6 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 K_ALIGNMENT = 16
 # Largest K whose INT8 dot products cannot overflow an int32 accumulator.
 MAX_INT8_K = (2**31 - 1) // int(INT8_MAX * INT8_MAX)
-
-
-@triton.jit
-def apply_activation(x, ACTIVATION: tl.constexpr):
-    """fp32 activation; codes follow reference.ACTIVATIONS (none, relu, silu, gelu, gelu_tanh)."""
-    if ACTIVATION == 1:
-        x = tl.maximum(x, 0.0)
-    elif ACTIVATION == 2:
-        x = x * tl.sigmoid(x)
-    elif ACTIVATION == 3:
-        x = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
-    elif ACTIVATION == 4:
-        # tanh(y) = 2 * sigmoid(2y) - 1: no libdevice tanh (absent under the interpreter), and
-        # sigmoid saturates cleanly to 0/1 for large |y| instead of producing inf/inf.
-        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        x = 0.5 * x * (2.0 * tl.sigmoid(2.0 * inner))
-    return x
-
-
-@triton.jit
-def _dot(a, b, acc, IS_INT8: tl.constexpr, FP8_PROMOTE_K: tl.constexpr):
-    if IS_INT8:
-        return tl.dot(a, b, acc, out_dtype=tl.int32)
-    else:
-        # Hopper's FP8 tensor cores accumulate with reduced precision inside a chain of wgmma;
-        # without promotion to fp32 every K-tile the error grows with K (measured on an H100:
-        # rel. error 2.7e-3 at K=14336 vs 1.9e-3 at K=4096; a 256-wide K-tile without promotion
-        # still gave 3e-4 on fp32 outputs). Promote every <= 128 products, as cuBLAS does
-        # without fast accumulation.
-        return tl.dot(a, b, acc, max_num_imprecise_acc=FP8_PROMOTE_K)
 
 
 # M is not specialized (divisibility by 16, == 1): rows are wrapped, not aligned, so it would only
@@ -87,23 +72,14 @@ def _scaled_mm_kernel(
     RAW_ACC: tl.constexpr,
     INTERPRETED: tl.constexpr,
     EVEN_K: tl.constexpr,
+    FP8_FAST_ACCUM: tl.constexpr,
     FP8_PROMOTE_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # Grouped program order: GROUP_M row-tiles walk the N tiles together, so the weight tiles
-    # they share are still in L2 when the next row-tile needs them.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pids_per_group = GROUP_M * num_pid_n
-    group_id = pid // pids_per_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % pids_per_group) % group_size_m)
-    pid_n = (pid % pids_per_group) // group_size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -135,13 +111,13 @@ def _scaled_mm_kernel(
             k_mask = offs_k < K - k_start
             a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-        acc = _dot(a, w, acc, IS_INT8, FP8_PROMOTE_K)
+        acc = dot_accumulate(a, w, acc, IS_INT8, FP8_FAST_ACCUM, FP8_PROMOTE_K)
         if GATED:
             if EVEN_K:
                 w_up = tl.load(w_up_ptrs)
             else:
                 w_up = tl.load(w_up_ptrs, mask=k_mask[:, None], other=0.0)
-            acc_up = _dot(a, w_up, acc_up, IS_INT8, FP8_PROMOTE_K)
+            acc_up = dot_accumulate(a, w_up, acc_up, IS_INT8, FP8_FAST_ACCUM, FP8_PROMOTE_K)
             w_up_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -155,24 +131,17 @@ def _scaled_mm_kernel(
         tl.store(out_ptrs, acc, mask=out_mask)
         return
 
-    # Epilogue in fp32, in the reference's order: (acc * a_scale) * w_scale + bias.
-    if A_PER_TOKEN:
-        a_scale = tl.load(a_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
-    else:
-        a_scale = tl.load(a_scale_ptr)
-    if W_PER_CHANNEL:
-        w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
-        if GATED:
-            w_scale_up = tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0)[None, :]
-    else:
-        w_scale = tl.load(w_scale_ptr)
-        if GATED:
-            w_scale_up = w_scale
-    out = acc.to(tl.float32) * a_scale * w_scale
-    if HAS_BIAS:
-        out = out + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out = apply_activation(out, ACTIVATION)
+    out = dequant_epilogue(acc, offs_m, offs_n, M, N, a_scale_ptr, w_scale_ptr, bias_ptr,
+                           A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, ACTIVATION)
     if GATED:
+        if A_PER_TOKEN:
+            a_scale = tl.load(a_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
+        else:
+            a_scale = tl.load(a_scale_ptr)
+        if W_PER_CHANNEL:
+            w_scale_up = tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0)[None, :]
+        else:
+            w_scale_up = tl.load(w_scale_ptr)
         out = out * (acc_up.to(tl.float32) * a_scale * w_scale_up)
     tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
 
@@ -254,7 +223,7 @@ _AUTOTUNE_EXTRA = {"do_bench": _autotune_bench} if "do_bench" in inspect.signatu
 
 _scaled_mm_autotuned = triton.autotune(
     configs=SMALL_M_CONFIGS + MEDIUM_M_CONFIGS + LARGE_M_CONFIGS,
-    key=["N", "K", "M_BUCKET", "IS_INT8", "GATED", "HAS_BIAS", "ACTIVATION"],
+    key=["N", "K", "M_BUCKET", "IS_INT8", "FP8_FAST_ACCUM", "GATED", "HAS_BIAS", "ACTIVATION"],
     prune_configs_by={"early_config_prune": _prune_configs},
     **_AUTOTUNE_EXTRA,
 )(triton.heuristics({"EVEN_K": _even_k, "FP8_PROMOTE_K": _fp8_promote_k})(_scaled_mm_kernel))
@@ -360,41 +329,97 @@ def _check_runnable(a: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _launch(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config=None):
+KERNELS = ("auto", "tiled", "persistent")
+# Below this the GEMM is (mostly) weight-bandwidth bound and the tiled kernel's small-M configs win.
+PERSISTENT_MIN_M = 256
+# (N, K, M bucket, flags) -> "tiled" | "persistent", filled by timing both once per key.
+_KERNEL_CHOICE: dict[tuple, str] = {}
+
+
+def _launch_tiled(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, config):
     M, K = a.shape
     N = out.shape[1]
-    if M == 0 or N == 0:
-        return out
-    if K == 0:
-        # Empty reduction: acc is 0 everywhere; let the reference semantics hold without a launch.
-        raise ValueError("K=0: nothing to multiply; the GEMM needs K >= 16")
     args = (a, w, out, a_scale, w_scale, bias if bias is not None else a_scale,
             M, N, K, m_bucket(M), a.stride(0), w.stride(0), out.stride(0))
-    flags = dict(
-        IS_INT8=a.dtype == torch.int8,
-        A_PER_TOKEN=_is_vector_scale(a_scale, M),
-        W_PER_CHANNEL=_is_vector_scale(w_scale, w.shape[0]),
-        HAS_BIAS=bias is not None,
-        ACTIVATION=ACTIVATION_CODES[activation],
-        GATED=gated,
-        RAW_ACC=raw_acc,
-    )
     if is_interpreted() or config is not None:
         cfg = dict(config or INTERPRETER_CONFIG)
         num_warps = cfg.pop("num_warps", 4)
         num_stages = cfg.pop("num_stages", 3)
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
         _scaled_mm_kernel[grid](
-            *args, **flags, INTERPRETED=is_interpreted(), EVEN_K=K % cfg["BLOCK_K"] == 0,
-            FP8_PROMOTE_K=min(cfg["BLOCK_K"], 128), **cfg,
+            *args, **flags, GATED=gated, INTERPRETED=is_interpreted(), EVEN_K=K % cfg["BLOCK_K"] == 0,
+            FP8_FAST_ACCUM=fp8_fast_accum, FP8_PROMOTE_K=min(cfg["BLOCK_K"], 128), **cfg,
             num_warps=num_warps, num_stages=num_stages,
         )
     else:
         def grid(meta):
             return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-        _scaled_mm_autotuned[grid](*args, **flags, INTERPRETED=False)
+        _scaled_mm_autotuned[grid](*args, **flags, GATED=gated, INTERPRETED=False, FP8_FAST_ACCUM=fp8_fast_accum)
     return out
+
+
+def _pick_kernel(kernel, a, w, out, gated, key, run_tiled, run_persistent, config) -> str:
+    M = a.shape[0]
+    if kernel == "auto" and config is not None:
+        # An explicit config names its kernel by its keys (only the persistent one splits its epilogue).
+        kernel = "persistent" if "EPILOGUE_SPLIT" in config else "tiled"
+    persistent_ok = not gated and M >= PERSISTENT_MIN_M and gemm_tma.descriptors_ok(a, w, out)
+    if kernel == "persistent":
+        if gated or not gemm_tma.descriptors_ok(a, w, out):
+            raise ValueError(
+                "kernel='persistent' needs a non-gated GEMM with 16-byte aligned a, w and out (base pointers and "
+                "row strides; out's row is N * element size bytes): use kernel='auto' or 'tiled'"
+            )
+        return "persistent"
+    if kernel == "tiled" or not persistent_ok:
+        return "tiled"
+    if is_interpreted():
+        return "persistent"
+    choice = _KERNEL_CHOICE.get(key)
+    if choice is None:
+        # Each call autotunes its own kernel first; then both are timed at their best config.
+        run_tiled()
+        run_persistent()
+        times = {name: triton.testing.do_bench(fn, warmup=5, rep=25)
+                 for name, fn in (("tiled", run_tiled), ("persistent", run_persistent))}
+        choice = _KERNEL_CHOICE[key] = min(times, key=times.get)
+    return choice
+
+
+def _launch(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config=None, fp8_fast_accum=True,
+            kernel="auto"):
+    M, K = a.shape
+    N = out.shape[1]
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        # Empty reduction: acc is 0 everywhere; let the reference semantics hold without a launch.
+        raise ValueError("K=0: nothing to multiply; the GEMM needs K >= 16")
+    is_int8 = a.dtype == torch.int8
+    fp8_fast_accum = bool(fp8_fast_accum) and not is_int8  # meaningless for INT8: one compiled variant
+    flags = dict(
+        IS_INT8=is_int8,
+        A_PER_TOKEN=_is_vector_scale(a_scale, M),
+        W_PER_CHANNEL=_is_vector_scale(w_scale, w.shape[0]),
+        HAS_BIAS=bias is not None,
+        ACTIVATION=ACTIVATION_CODES[activation],
+        RAW_ACC=raw_acc,
+    )
+
+    def run_tiled():
+        return _launch_tiled(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, config)
+
+    def run_persistent():
+        return gemm_tma.launch_persistent(a, w, out, a_scale, w_scale, bias, flags, m_bucket(M), fp8_fast_accum,
+                                          is_interpreted(), config)
+
+    key = (N, K, m_bucket(M), tuple(flags.values()), fp8_fast_accum, out.dtype)
+    if _pick_kernel(kernel, a, w, out, gated, key, run_tiled, run_persistent, config) == "persistent":
+        return run_persistent()
+    return run_tiled()
 
 
 def _output(out, M, N, dtype, device):
@@ -408,28 +433,34 @@ def _output(out, M, N, dtype, device):
     return out
 
 
-def scaled_mm(a, w, a_scale, w_scale, bias=None, activation="none", out_dtype=torch.bfloat16, config=None, out=None):
+def scaled_mm(a, w, a_scale, w_scale, bias=None, activation="none", out_dtype=torch.bfloat16, config=None, out=None,
+              fp8_fast_accum: bool = True, kernel: str = "auto"):
     """``act((a @ w.T) * a_scale[:, None] * w_scale[None, :] + bias)`` -> (M, N) out_dtype.
 
-    ``config`` (dict of BLOCK_M/N/K, GROUP_M, num_warps, num_stages) bypasses autotuning and
-    ``out`` receives the result; both are for benchmarks and tests (the registered op takes neither).
+    ``fp8_fast_accum``: FP8 only; False promotes the accumulator to fp32 every 128 products
+    (module docstring). ``kernel``: "auto", "tiled" or "persistent" (TMA; needs 16-byte aligned
+    operands). ``config`` (dict of the chosen kernel's BLOCK_M/N/K, GROUP_M, num_warps,
+    num_stages, ...) bypasses autotuning and ``out`` receives the result; ``config``, ``out`` and
+    ``kernel`` are for benchmarks and tests (the registered op takes none of them).
     """
     M, N, _ = check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype)
     _check_runnable(a)
     out = _output(out, M, N, out_dtype, a.device)
-    return _launch(a, w, a_scale, w_scale, bias, out, activation, gated=False, raw_acc=False, config=config)
+    return _launch(a, w, a_scale, w_scale, bias, out, activation, gated=False, raw_acc=False, config=config,
+                   fp8_fast_accum=fp8_fast_accum, kernel=kernel)
 
 
 def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype=torch.bfloat16, config=None,
-                    out=None):
-    """``act(gate) * up`` for a stacked (2N, K) [gate; up] weight -> (M, N), one GEMM, one write."""
+                    out=None, fp8_fast_accum: bool = True):
+    """``act(gate) * up`` for a stacked (2N, K) [gate; up] weight -> (M, N), one GEMM, one write (tiled kernel)."""
     M, N, _ = check_scaled_mm_args(a, w_gate_up, a_scale, w_scale, None, activation, out_dtype, gated=True)
     _check_runnable(a)
     out = _output(out, M, N, out_dtype, a.device)
-    return _launch(a, w_gate_up, a_scale, w_scale, None, out, activation, gated=True, raw_acc=False, config=config)
+    return _launch(a, w_gate_up, a_scale, w_scale, None, out, activation, gated=True, raw_acc=False, config=config,
+                   fp8_fast_accum=fp8_fast_accum, kernel="tiled")
 
 
-def int8_matmul_accumulator(a, w, config=None, out=None):
+def int8_matmul_accumulator(a, w, config=None, out=None, kernel="auto"):
     """(M, K) int8 @ (N, K)^T int8 -> the kernel's raw (M, N) int32 accumulator (exactness tests)."""
     if a.dtype != torch.int8:
         raise ValueError(f"a.dtype={a.dtype}; the raw accumulator exists for int8 only")
@@ -437,4 +468,4 @@ def int8_matmul_accumulator(a, w, config=None, out=None):
     M, N, _ = check_scaled_mm_args(a, w, ones, ones, None, "none", torch.float32)
     _check_runnable(a)
     out = _output(out, M, N, torch.int32, a.device)
-    return _launch(a, w, ones, ones, None, out, "none", gated=False, raw_acc=True, config=config)
+    return _launch(a, w, ones, ones, None, out, "none", gated=False, raw_acc=True, config=config, kernel=kernel)

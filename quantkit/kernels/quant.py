@@ -122,33 +122,43 @@ def quantize_with_scale(x, scale, IS_FP8: tl.constexpr, INTERPRETED: tl.constexp
 @triton.jit
 def _quantize_per_token_kernel(
     x_ptr, q_ptr, scale_ptr,
-    K, stride_xm, stride_qm,
+    M, K, stride_xm, stride_qm,
     QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr, IS_FP8: tl.constexpr,
-    BLOCK_K: tl.constexpr, SINGLE_PASS: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SINGLE_PASS: tl.constexpr, KEEP_INPUT_DTYPE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_xm
-    q_row = q_ptr + row * stride_qm
-    cols = tl.arange(0, BLOCK_K)
+    # ROWS rows per program: more bytes in flight per program for short rows.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < M
+    x_rows = x_ptr + rows[:, None] * stride_xm
+    q_rows = q_ptr + rows[:, None] * stride_qm
+    cols = tl.arange(0, BLOCK_K)[None, :]
     if SINGLE_PASS:
-        mask = cols < K
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=0)
+        mask = row_mask[:, None] & (cols < K)
+        x_in = tl.load(x_rows + cols, mask=mask, other=0.0)
+        if KEEP_INPUT_DTYPE and not INTERPRETED:
+            # |x| and max are exact in the input dtype: the row can stay 16-bit in registers
+            # until it is quantized (half the registers per row: more rows in flight per SM).
+            amax = tl.max(tl.abs(x_in), axis=1).to(tl.float32)
+        else:
+            amax = tl.max(tl.abs(x_in.to(tl.float32)), axis=1)
         scale = tl.maximum(tl.math.div_rn(amax, QMAX), MIN_SCALE_C)
-        tl.store(q_row + cols, quantize_with_scale(x, scale, IS_FP8, INTERPRETED), mask=mask)
+        q = quantize_with_scale(x_in.to(tl.float32), scale[:, None], IS_FP8, INTERPRETED)
+        tl.store(q_rows + cols, q, mask=mask)
     else:
-        running_amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        running_amax = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
-            mask = start + cols < K
-            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            mask = row_mask[:, None] & (start + cols < K)
+            x = tl.load(x_rows + start + cols, mask=mask, other=0.0).to(tl.float32)
             running_amax = tl.maximum(running_amax, tl.abs(x))
-        amax = tl.max(running_amax, axis=0)
+        amax = tl.max(running_amax, axis=1)
         scale = tl.maximum(tl.math.div_rn(amax, QMAX), MIN_SCALE_C)
+        # Second pass over the row: it was read a moment ago, so it comes from L2, not memory.
         for start in range(0, K, BLOCK_K):
-            mask = start + cols < K
-            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_row + start + cols, quantize_with_scale(x, scale, IS_FP8, INTERPRETED), mask=mask)
-    tl.store(scale_ptr + row, scale)
+            mask = row_mask[:, None] & (start + cols < K)
+            x = tl.load(x_rows + start + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_rows + start + cols, quantize_with_scale(x, scale[:, None], IS_FP8, INTERPRETED), mask=mask)
+    tl.store(scale_ptr + rows, scale, mask=row_mask)
 
 
 @triton.jit
@@ -168,32 +178,36 @@ def _quantize_per_tensor_kernel(
 @triton.jit
 def _rms_norm_quant_kernel(
     x_ptr, residual_ptr, new_residual_ptr, weight_ptr, q_ptr, scale_ptr,
-    K, stride_xm, stride_rm, stride_nrm, stride_qm, eps, offset,
+    M, K, stride_xm, stride_rm, stride_nrm, stride_qm, eps, offset,
     QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr, IS_FP8: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < M
     cols = tl.arange(0, BLOCK_K)
-    mask = cols < K
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0)
+    col_mask = cols < K
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        summed = x.to(tl.float32) + tl.load(residual_ptr + row * stride_rm + cols, mask=mask, other=0.0).to(
-            tl.float32
-        )
+        summed = x.to(tl.float32) + tl.load(
+            residual_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0
+        ).to(tl.float32)
         # The residual stream stays in the activation dtype (as in the model), and the norm
         # reads the rounded sum, exactly as the unfused model would.
         summed = cast_for_store(summed, x_ptr.dtype.element_ty, INTERPRETED)
-        tl.store(new_residual_ptr + row * stride_nrm + cols, summed, mask=mask)
+        tl.store(new_residual_ptr + rows[:, None] * stride_nrm + cols[None, :], summed, mask=mask)
         x = summed
     x = x.to(tl.float32)
-    mean_square = tl.sum(x * x, axis=0) / K
+    mean_square = tl.sum(x * x, axis=1) / K
     rstd = 1.0 / tl.math.sqrt_rn(mean_square + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = x * rstd * (offset + weight)
-    amax = tl.max(tl.abs(normed), axis=0)
+    # One load of the weight serves ROWS rows.
+    weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    normed = x * rstd[:, None] * (offset + weight)[None, :]
+    amax = tl.max(tl.abs(normed), axis=1)
     scale = tl.maximum(tl.math.div_rn(amax, QMAX), MIN_SCALE_C)
-    tl.store(q_ptr + row * stride_qm + cols, quantize_with_scale(normed, scale, IS_FP8, INTERPRETED), mask=mask)
-    tl.store(scale_ptr + row, scale)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :],
+             quantize_with_scale(normed, scale[:, None], IS_FP8, INTERPRETED), mask=mask)
+    tl.store(scale_ptr + rows, scale, mask=row_mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,10 +279,23 @@ def _output(out, shape, dtype, device, name):
     return out
 
 
-def quantize_per_token(x: torch.Tensor, dtype: torch.dtype, out=None, out_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) float -> (q (M, K) dtype, scale (M,) fp32); one program per row, one read when K <= 16384.
+def per_token_launch_config(K: int) -> dict:
+    """Launch parameters of the per-token kernel for rows of K elements (tuned on an H100)."""
+    return {"single_pass": K <= MAX_SINGLE_PASS_K, "chunk_k": CHUNK_K, "rows": 1, "keep_input_dtype": False,
+            "num_warps": None}
 
-    ``out`` / ``out_scale`` receive the results when given (tests poison them).
+
+def rms_norm_launch_config(K: int) -> dict:
+    """Launch parameters of the fused RMSNorm + per-token kernel (tuned on an H100)."""
+    return {"rows": 1, "num_warps": None}
+
+
+def quantize_per_token(x: torch.Tensor, dtype: torch.dtype, out=None, out_scale=None,
+                       config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) float -> (q (M, K) dtype, scale (M,) fp32); one read of x when K <= 16384.
+
+    ``out`` / ``out_scale`` receive the results when given (tests poison them); ``config``
+    overrides ``per_token_launch_config`` (benchmarks, tests).
     """
     check_activation_input(x)
     check_quant_dtype(dtype)
@@ -280,13 +307,15 @@ def quantize_per_token(x: torch.Tensor, dtype: torch.dtype, out=None, out_scale=
         return q, scale
     if K == 0:
         return q, scale.fill_(MIN_SCALE)
-    single_pass = K <= MAX_SINGLE_PASS_K
-    block_k = triton.next_power_of_2(K) if single_pass else CHUNK_K
-    _quantize_per_token_kernel[(M,)](
-        x, q, scale, K, x.stride(0), q.stride(0),
+    cfg = {**per_token_launch_config(K), **(config or {})}
+    single_pass = cfg["single_pass"]
+    block_k = triton.next_power_of_2(K) if single_pass else min(cfg["chunk_k"], triton.next_power_of_2(K))
+    rows = cfg["rows"]
+    _quantize_per_token_kernel[(triton.cdiv(M, rows),)](
+        x, q, scale, M, K, x.stride(0), q.stride(0),
         QMAX=qmax_of(dtype), MIN_SCALE_C=MIN_SCALE, IS_FP8=dtype == torch.float8_e4m3fn,
-        BLOCK_K=block_k, SINGLE_PASS=single_pass, INTERPRETED=is_interpreted(),
-        num_warps=_row_warps(block_k),
+        BLOCK_K=block_k, ROWS=rows, SINGLE_PASS=single_pass, KEEP_INPUT_DTYPE=cfg["keep_input_dtype"],
+        INTERPRETED=is_interpreted(), num_warps=cfg["num_warps"] or _row_warps(block_k * rows),
     )
     return q, scale
 
@@ -329,6 +358,7 @@ def rms_norm_quant_per_token(
     out=None,
     out_scale=None,
     out_residual=None,
+    config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """RMSNorm (+ residual added first, + Gemma's offset) fused with per-token quantization.
 
@@ -346,15 +376,16 @@ def rms_norm_quant_per_token(
     if K == 0:
         return q, scale.fill_(MIN_SCALE), new_residual
     block_k = triton.next_power_of_2(K)
+    cfg = {**rms_norm_launch_config(K), **(config or {})}
     # Unused pointers still need a tensor; x itself is a harmless stand-in.
     residual_arg = residual if residual is not None else x
     new_residual_arg = new_residual if new_residual is not None else x
-    _rms_norm_quant_kernel[(M,)](
+    _rms_norm_quant_kernel[(triton.cdiv(M, cfg["rows"]),)](
         x, residual_arg, new_residual_arg, weight, q, scale,
-        K, x.stride(0), residual_arg.stride(0), new_residual_arg.stride(0), q.stride(0), float(eps), float(offset),
+        M, K, x.stride(0), residual_arg.stride(0), new_residual_arg.stride(0), q.stride(0), float(eps), float(offset),
         QMAX=qmax_of(dtype), MIN_SCALE_C=MIN_SCALE, IS_FP8=dtype == torch.float8_e4m3fn,
-        HAS_RESIDUAL=residual is not None, BLOCK_K=block_k, INTERPRETED=is_interpreted(),
-        num_warps=_row_warps(block_k),
+        HAS_RESIDUAL=residual is not None, BLOCK_K=block_k, ROWS=cfg["rows"], INTERPRETED=is_interpreted(),
+        num_warps=cfg["num_warps"] or _row_warps(block_k * cfg["rows"]),
     )
     return q, scale, new_residual
 

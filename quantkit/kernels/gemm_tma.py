@@ -1,0 +1,220 @@
+"""Persistent INT8 / FP8 scaled GEMM fed by TMA tensor descriptors (large M, compute-bound).
+
+Same math and epilogue as the tiled kernel in gemm.py (``act(acc * a_scale * w_scale + bias)``),
+different machinery:
+- host-built ``TensorDescriptor``s for a (M, K), w (N, K) and out (M, N): the copy engine moves
+  whole tiles into shared memory (no per-thread address arithmetic, no masks: out-of-bounds rows
+  and the K tail are zero-filled on load and clipped on store);
+- one program per SM walking output tiles in grouped order (GROUP_M row-tiles share weight tiles
+  in L2); the K loop and the tile loop are flattened into one software pipeline, so the loads of
+  the next tile are in flight while this tile's epilogue runs;
+- the epilogue optionally stores the tile in two halves (fewer live registers, half the
+  shared-memory staging buffer for the TMA store).
+
+Host descriptors (not ``tl.make_tensor_descriptor``) because device-built ones need a global
+scratch allocator (``triton.set_allocator``); both work on triton 3.6 (GPU) and the 3.9
+interpreter. Called from ``gemm.scaled_mm``; the eligibility rules (16-byte aligned bases and
+row strides) live there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import triton.testing
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from quantkit.kernels.gemm_epilogue import dequant_epilogue, dot_accumulate, grouped_tile
+from quantkit.kernels.quant import cast_for_store
+
+# Output dtype codes (a constexpr int; the store needs the dtype at compile time).
+OUT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.int32: 3}
+
+
+@triton.jit
+def _store_tile(out_desc, off_m, off_n, out, OUT_CODE: tl.constexpr, INTERPRETED: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr):
+    if OUT_CODE == 0:
+        out = cast_for_store(out, tl.bfloat16, INTERPRETED)
+    elif OUT_CODE == 1:
+        out = out.to(tl.float16)
+    elif OUT_CODE == 2:
+        out = out.to(tl.float32)
+    if EPILOGUE_SPLIT == 2:
+        halves = tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+        left, right = tl.split(halves)
+        out_desc.store([off_m, off_n], left)
+        out_desc.store([off_m, off_n + BLOCK_N // 2], right)
+    else:
+        out_desc.store([off_m, off_n], out)
+
+
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])
+def _scaled_mm_persistent_kernel(
+    a_desc, w_desc, out_desc, a_scale_ptr, w_scale_ptr, bias_ptr,
+    M, N, K, M_BUCKET,
+    IS_INT8: tl.constexpr,
+    A_PER_TOKEN: tl.constexpr,
+    W_PER_CHANNEL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    RAW_ACC: tl.constexpr,
+    OUT_CODE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    FP8_FAST_ACCUM: tl.constexpr,
+    FP8_PROMOTE_K: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    start_pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    # The epilogue recomputes its tile from its own counter rather than reusing the loop's
+    # (pid_m, pid_n): with the loops flattened, the pipeliner may already be on the next tile.
+    tile_id_c = start_pid - NUM_SMS
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_am = pid_m * BLOCK_M
+        off_wn = pid_n * BLOCK_N
+        if IS_INT8:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([off_am, ki * BLOCK_K])
+            w = w_desc.load([off_wn, ki * BLOCK_K])
+            acc = dot_accumulate(a, w.T, acc, IS_INT8, FP8_FAST_ACCUM, FP8_PROMOTE_K)
+
+        tile_id_c += NUM_SMS
+        pid_m, pid_n = grouped_tile(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        if RAW_ACC:
+            # Test hook: the int32 accumulator itself, to compare exactly with an integer matmul.
+            _store_tile(out_desc, off_m, off_n, acc, OUT_CODE, INTERPRETED, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+        else:
+            offs_m = off_m + tl.arange(0, BLOCK_M)
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            out = dequant_epilogue(acc, offs_m, offs_n, M, N, a_scale_ptr, w_scale_ptr, bias_ptr,
+                                   A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, ACTIVATION)
+            _store_tile(out_desc, off_m, off_n, out, OUT_CODE, INTERPRETED, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs: M >= PERSISTENT_MIN_M only (compute-bound); the tile shapes of cuBLAS/CUTLASS FP8
+# kernels (128x256 and 256x128 with a 128-deep K step) plus smaller fallbacks.
+# ----------------------------------------------------------------------------------------------
+
+
+def _cfg(bm, bn, bk, warps, stages, split=2, group_m=8, ws=False):
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "EPILOGUE_SPLIT": split,
+         "WARP_SPECIALIZE": ws},
+        num_warps=warps, num_stages=stages, pre_hook=_set_block_shapes,
+    )
+
+
+def _set_block_shapes(nargs):
+    # The descriptors are built before the autotuner picks a config; each config sets its tiles.
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bm, bk]
+    nargs["w_desc"].block_shape = [bn, bk]
+    nargs["out_desc"].block_shape = [bm, bn // nargs["EPILOGUE_SPLIT"]]
+
+
+PERSISTENT_CONFIGS = [
+    _cfg(128, 256, 128, 8, 3),
+    _cfg(128, 256, 128, 8, 4),
+    _cfg(256, 128, 128, 8, 3),
+    _cfg(128, 128, 128, 8, 4),
+    _cfg(128, 128, 128, 4, 4, split=1),
+    _cfg(128, 256, 64, 8, 4),
+]
+
+# Interpreter: few, big tiles (cost is per program) and 3 "SMs", so each program walks several
+# tiles and the persistent loop, the grouped order and the split store all run in the tests.
+INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 2, "EPILOGUE_SPLIT": 2,
+                      "WARP_SPECIALIZE": False}
+INTERPRETER_NUM_SMS = 3
+
+
+def _fp8_promote_k(args):
+    return min(args["BLOCK_K"], 128)
+
+
+def _autotune_bench(fn, quantiles=None):
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+
+@functools.lru_cache(maxsize=None)
+def _autotuned():
+    import inspect
+
+    extra = {"do_bench": _autotune_bench} if "do_bench" in inspect.signature(triton.autotune).parameters else {}
+    return triton.autotune(
+        configs=PERSISTENT_CONFIGS,
+        key=["N", "K", "M_BUCKET", "IS_INT8", "FP8_FAST_ACCUM", "HAS_BIAS", "ACTIVATION", "OUT_CODE"],
+        **extra,
+    )(triton.heuristics({"FP8_PROMOTE_K": _fp8_promote_k})(_scaled_mm_persistent_kernel))
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def descriptors_ok(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and row strides (K % 16 == 0 is already required)."""
+    return (
+        all(t.data_ptr() % 16 == 0 for t in (a, w, out))
+        and (out.stride(0) * out.element_size()) % 16 == 0
+        and a.stride(0) % 16 == 0 and w.stride(0) % 16 == 0
+    )
+
+
+def launch_persistent(a, w, out, a_scale, w_scale, bias, flags: dict, m_bucket: int, fp8_fast_accum: bool,
+                      interpreted: bool, config: dict | None = None):
+    """Launch the persistent kernel; ``config`` (tiles, warps, stages) bypasses autotuning."""
+    M, K = a.shape
+    N = out.shape[1]
+    explicit = interpreted or config is not None
+    cfg = dict(config or INTERPRETER_CONFIG) if explicit else dict(PERSISTENT_CONFIGS[0].kwargs)
+    split = cfg.get("EPILOGUE_SPLIT", 1)
+    a_desc = TensorDescriptor.from_tensor(a, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+    w_desc = TensorDescriptor.from_tensor(w, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+    out_desc = TensorDescriptor.from_tensor(out, [cfg["BLOCK_M"], cfg["BLOCK_N"] // split])
+    sms = INTERPRETER_NUM_SMS if interpreted else num_sms(a.device.index or 0)
+    args = (a_desc, w_desc, out_desc, a_scale, w_scale, bias if bias is not None else a_scale, M, N, K, m_bucket)
+    kernel_flags = dict(
+        IS_INT8=flags["IS_INT8"], A_PER_TOKEN=flags["A_PER_TOKEN"], W_PER_CHANNEL=flags["W_PER_CHANNEL"],
+        HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=flags["ACTIVATION"], RAW_ACC=flags["RAW_ACC"],
+        OUT_CODE=OUT_CODES[out.dtype], INTERPRETED=interpreted, FP8_FAST_ACCUM=fp8_fast_accum, NUM_SMS=sms,
+    )
+    if explicit:
+        num_warps = cfg.pop("num_warps", 4)
+        num_stages = cfg.pop("num_stages", 3)
+        cfg.setdefault("GROUP_M", 8)
+        cfg.setdefault("EPILOGUE_SPLIT", 1)
+        cfg.setdefault("WARP_SPECIALIZE", False)
+        tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+        _scaled_mm_persistent_kernel[(min(sms, tiles),)](
+            *args, **kernel_flags, FP8_PROMOTE_K=min(cfg["BLOCK_K"], 128), **cfg,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+    else:
+        def grid(meta):
+            return (min(sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+
+        _autotuned()[grid](*args, **kernel_flags)
+    return out
