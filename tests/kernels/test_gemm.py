@@ -219,3 +219,79 @@ def test_bad_activation_out_dtype_and_gated_rows():
         gemm.gated_scaled_mm(a, w[:31].contiguous(), sa, sw[:31].contiguous(), "silu", torch.bfloat16)
     with pytest.raises(ValueError, match="out is"):
         gemm.scaled_mm(a, w, sa, sw, b, "none", torch.bfloat16, out=torch.empty(4, 31, dtype=torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------------------------- kernels and FP8 modes
+# The persistent TMA kernel (gemm_tma.py) runs under the interpreter with 3 "SMs" and 64-wide
+# tiles, so these shapes walk several tiles per program, the grouped order, the zero-filled K
+# tail and the clipped edge tiles.
+PERSISTENT_SHAPES = [(1, 64, 128), (13, 72, 80), (257, 136, 208), (300, 64, 64)]
+
+
+@pytest.mark.parametrize("M,N,K", PERSISTENT_SHAPES, ids=[f"M{m}_N{n}_K{k}" for m, n, k in PERSISTENT_SHAPES])
+def test_persistent_int8_accumulator_is_exact(M, N, K):
+    a, _, w, _, _ = _operands(M, N, K, torch.int8, seed=M + 2 * K)
+    acc = gemm.int8_matmul_accumulator(a, w, out=torch.full((M, N), -123456, dtype=torch.int32), kernel="persistent")
+    assert torch.equal(acc, reference.int8_matmul_exact(a, w))
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("fp8_fast_accum", [True, False], ids=["fast_accum", "promoted"])
+@pytest.mark.parametrize("kernel", ["tiled", "persistent"])
+@pytest.mark.parametrize("M,N,K", PERSISTENT_SHAPES, ids=[f"M{m}_N{n}_K{k}" for m, n, k in PERSISTENT_SHAPES])
+def test_kernels_and_accumulation_modes_match_reference(dtype, fp8_fast_accum, kernel, M, N, K):
+    a, a_scale, w, w_scale, bias = _operands(M, N, K, dtype, seed=5 * M + K)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        out = gemm.scaled_mm(a, w, a_scale, w_scale, bias, "gelu_tanh", out_dtype, out=_poisoned(M, N, out_dtype),
+                             fp8_fast_accum=fp8_fast_accum, kernel=kernel)
+        ref = reference.scaled_mm(a, w, a_scale, w_scale, bias, "gelu_tanh", out_dtype)
+        _assert_matches_reference(out, ref, out_dtype)
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("activation", ["none", "silu"])
+def test_persistent_scalar_scales_no_bias(dtype, activation):
+    M, N, K = 70, 40, 96
+    a, a_scale, w, w_scale, _ = _operands(M, N, K, dtype, seed=9)
+    a_scale, w_scale = a_scale[:1].clone(), w_scale[:1].clone()
+    out = gemm.scaled_mm(a, w, a_scale, w_scale, None, activation, torch.float32, out=_poisoned(M, N, torch.float32),
+                         kernel="persistent")
+    _assert_matches_reference(out, reference.scaled_mm(a, w, a_scale, w_scale, None, activation, torch.float32),
+                              torch.float32)
+
+
+def test_auto_takes_the_persistent_kernel_for_large_m_when_interpreted(monkeypatch):
+    from quantkit.kernels import gemm_tma
+
+    calls = []
+    real = gemm_tma.launch_persistent
+    monkeypatch.setattr(gemm_tma, "launch_persistent", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    a, a_scale, w, w_scale, _ = _operands(gemm.PERSISTENT_MIN_M, 64, 64, torch.int8, seed=1)
+    gemm.scaled_mm(a, w, a_scale, w_scale)
+    assert calls, "M >= PERSISTENT_MIN_M should run the persistent kernel under the interpreter"
+    calls.clear()
+    small = a[:16].contiguous()
+    gemm.scaled_mm(small, w, a_scale[:16].contiguous(), w_scale)
+    assert not calls
+
+
+def test_gated_with_promoted_fp8_accumulation():
+    M, N, K = 13, 40, 80
+    a, a_scale, w, w_scale, _ = _operands(M, N, K, torch.float8_e4m3fn, seed=4, n_weight_rows=2 * N)
+    out = gemm.gated_scaled_mm(a, w, a_scale, w_scale, "silu", torch.float32, out=_poisoned(M, N, torch.float32),
+                               fp8_fast_accum=False)
+    _assert_matches_reference(out, reference.gated_scaled_mm(a, w, a_scale, w_scale, "silu", torch.float32),
+                              torch.float32)
+
+
+def test_bad_kernel_choice_raises():
+    a, w, sa, sw, b = _valid()
+    with pytest.raises(ValueError, match="kernel='fast'"):
+        gemm.scaled_mm(a, w, sa, sw, b, kernel="fast")
+    # An fp32 output row of 3 elements (12 bytes) cannot be a TMA row.
+    a, sa, w, sw, _ = _operands(8, 3, 64, torch.int8, seed=0)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        gemm.scaled_mm(a, w, sa, sw, None, "none", torch.float32, kernel="persistent")
+    # The same call on kernel="auto" falls back to the tiled kernel.
+    out = gemm.scaled_mm(a, w, sa, sw, None, "none", torch.float32)
+    _assert_matches_reference(out, reference.scaled_mm(a, w, sa, sw, None, "none", torch.float32), torch.float32)

@@ -50,6 +50,42 @@ def test_quantize_per_token_two_pass_long_rows(qdtype):
     assert torch.equal(q.view(torch.int8), ref_q.view(torch.int8))
 
 
+LAUNCH_VARIANTS = {
+    "rows2": {"rows": 2},
+    "rows4_w4": {"rows": 4, "num_warps": 4},
+    "two_pass_c128_rows2": {"single_pass": False, "chunk_k": 128, "rows": 2},
+    "keep_input_dtype": {"keep_input_dtype": True},
+}
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("variant", LAUNCH_VARIANTS)
+def test_quantize_per_token_launch_variants_bit_exact(qdtype, variant):
+    # 13 rows: the multi-row programs get a ragged last block; K=300 a ragged last chunk.
+    M, K = 13, 300
+    x = _x(M, K, torch.bfloat16, seed=3)
+    q, scale = quant.quantize_per_token(x, qdtype, out=_poisoned_q(M, K, qdtype),
+                                        out_scale=torch.full((M,), float("nan")), config=LAUNCH_VARIANTS[variant])
+    ref_q, ref_scale = reference.quantize_per_token(x, qdtype)
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(q.view(torch.int8), ref_q.view(torch.int8))
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("rows", [2, 4])
+def test_rms_norm_quant_rows_per_program(qdtype, rows):
+    M, K = 13, 300
+    x, residual = _x(M, K, torch.bfloat16, seed=4), _x(M, K, torch.bfloat16, seed=5)
+    weight = torch.randn(K)
+    one_row = quant.rms_norm_quant_per_token(x, weight, 1e-6, qdtype, residual, 1.0)
+    q, scale, new_residual = quant.rms_norm_quant_per_token(
+        x, weight, 1e-6, qdtype, residual, 1.0, out=_poisoned_q(M, K, qdtype),
+        out_scale=torch.full((M,), float("nan")), config={"rows": rows})
+    # Same per-row arithmetic whatever the rows per program: identical to the one-row launch.
+    assert torch.equal(q.view(torch.int8), one_row[0].view(torch.int8))
+    assert torch.equal(scale, one_row[1]) and torch.equal(new_residual, one_row[2])
+
+
 def test_zero_row_gets_min_scale_and_zeros():
     x = torch.zeros(3, 64)
     x[1] = torch.randn(64)
