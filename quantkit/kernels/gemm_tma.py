@@ -140,6 +140,8 @@ PERSISTENT_CONFIGS = [
     _cfg(128, 128, 128, 8, 4),
     _cfg(128, 128, 128, 4, 4, split=1),
     _cfg(128, 256, 64, 8, 4),
+    _cfg(128, 128, 256, 8, 3),
+    _cfg(128, 256, 128, 8, 4, group_m=16),
 ]
 
 # Interpreter: few, big tiles (cost is per program) and 3 "SMs", so each program walks several

@@ -26,6 +26,9 @@ from quantkit.kernels.reference import FP8_MAX, INT8_MAX, MIN_SCALE, QUANT_DTYPE
 MAX_SINGLE_PASS_K = 16384
 # Chunk width of the two-pass path and the static quantizer.
 CHUNK_K = 4096
+# Per-token quantization keeps the row in registers up to this K (measured: faster than chunks
+# at K=4096, slower at K=14336).
+SINGLE_PASS_PER_TOKEN_K = 8192
 
 FLOAT_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -210,6 +213,59 @@ def _rms_norm_quant_kernel(
     tl.store(scale_ptr + rows, scale, mask=row_mask)
 
 
+@triton.jit
+def _rms_norm_quant_chunked_kernel(
+    x_ptr, residual_ptr, new_residual_ptr, weight_ptr, q_ptr, scale_ptr,
+    M, K, stride_xm, stride_rm, stride_nrm, stride_qm, eps, offset,
+    QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr, IS_FP8: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """Long rows in BLOCK_K chunks, three passes: sum of squares, amax of the normed row, quantize.
+
+    A row in registers (the single-pass kernel) caps the programs per SM at one or two; chunks
+    keep many rows in flight and the second and third reads of a row hit L2. The per-element
+    arithmetic is the single-pass kernel's; only the order of the sum of squares differs.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + row * stride_xm
+    r_row = residual_ptr + row * stride_rm
+    sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        mask = start + cols < K
+        x = tl.load(x_row + start + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            x = cast_for_store(x.to(tl.float32) + tl.load(r_row + start + cols, mask=mask, other=0.0).to(tl.float32),
+                               x_ptr.dtype.element_ty, INTERPRETED)
+            tl.store(new_residual_ptr + row * stride_nrm + start + cols, x, mask=mask)
+        x = x.to(tl.float32)
+        sum_sq += x * x
+    rstd = 1.0 / tl.math.sqrt_rn(tl.sum(sum_sq, axis=0) / K + eps)
+    running_amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        mask = start + cols < K
+        x = tl.load(x_row + start + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            # Recomputed from both inputs rather than re-read from new_residual: no ordering
+            # question between this program's stores and loads.
+            x = cast_for_store(x.to(tl.float32) + tl.load(r_row + start + cols, mask=mask, other=0.0).to(tl.float32),
+                               x_ptr.dtype.element_ty, INTERPRETED)
+        weight = tl.load(weight_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+        running_amax = tl.maximum(running_amax, tl.abs(x.to(tl.float32) * rstd * (offset + weight)))
+    scale = tl.maximum(tl.math.div_rn(tl.max(running_amax, axis=0), QMAX), MIN_SCALE_C)
+    for start in range(0, K, BLOCK_K):
+        mask = start + cols < K
+        x = tl.load(x_row + start + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            x = cast_for_store(x.to(tl.float32) + tl.load(r_row + start + cols, mask=mask, other=0.0).to(tl.float32),
+                               x_ptr.dtype.element_ty, INTERPRETED)
+        weight = tl.load(weight_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+        normed = x.to(tl.float32) * rstd * (offset + weight)
+        tl.store(q_ptr + row * stride_qm + start + cols, quantize_with_scale(normed, scale, IS_FP8, INTERPRETED),
+                 mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
 # ----------------------------------------------------------------------------------------------
 # Validation (shared by the launchers and the ops' fake implementations: shapes and dtypes only)
 # ----------------------------------------------------------------------------------------------
@@ -280,14 +336,24 @@ def _output(out, shape, dtype, device, name):
 
 
 def per_token_launch_config(K: int) -> dict:
-    """Launch parameters of the per-token kernel for rows of K elements (tuned on an H100)."""
-    return {"single_pass": K <= MAX_SINGLE_PASS_K, "chunk_k": CHUNK_K, "rows": 1, "keep_input_dtype": False,
-            "num_warps": None}
+    """Launch parameters of the per-token kernel for rows of K elements (tuned on an H100).
+
+    Rows up to 8192 elements stay in registers (one read). Longer rows go in 4096-element
+    chunks, twice (the second read hits L2): a 14336-element row in registers allows one or two
+    programs per SM, too few bytes in flight (H100, K=14336: 1.9-2.2 TB/s whole-row vs
+    2.1-2.6 TB/s chunked, benchmarks/NOTES-gemm.md).
+    """
+    single_pass = K <= SINGLE_PASS_PER_TOKEN_K
+    return {"single_pass": single_pass, "chunk_k": CHUNK_K, "rows": 1, "keep_input_dtype": False,
+            "num_warps": None if single_pass else 8}
 
 
 def rms_norm_launch_config(K: int) -> dict:
-    """Launch parameters of the fused RMSNorm + per-token kernel (tuned on an H100)."""
-    return {"rows": 1, "num_warps": None}
+    """Launch parameters of the fused RMSNorm + per-token kernel (tuned on an H100).
+
+    ``chunk_k`` (0 = the whole row in registers) selects the three-pass chunked kernel.
+    """
+    return {"rows": 1, "num_warps": None, "chunk_k": 0}
 
 
 def quantize_per_token(x: torch.Tensor, dtype: torch.dtype, out=None, out_scale=None,
@@ -380,6 +446,16 @@ def rms_norm_quant_per_token(
     # Unused pointers still need a tensor; x itself is a harmless stand-in.
     residual_arg = residual if residual is not None else x
     new_residual_arg = new_residual if new_residual is not None else x
+    if cfg["chunk_k"]:
+        block_k = min(cfg["chunk_k"], block_k)
+        _rms_norm_quant_chunked_kernel[(M,)](
+            x, residual_arg, new_residual_arg, weight, q, scale,
+            M, K, x.stride(0), residual_arg.stride(0), new_residual_arg.stride(0), q.stride(0), float(eps),
+            float(offset), QMAX=qmax_of(dtype), MIN_SCALE_C=MIN_SCALE, IS_FP8=dtype == torch.float8_e4m3fn,
+            HAS_RESIDUAL=residual is not None, BLOCK_K=block_k, INTERPRETED=is_interpreted(),
+            num_warps=cfg["num_warps"] or _row_warps(block_k),
+        )
+        return q, scale, new_residual
     _rms_norm_quant_kernel[(triton.cdiv(M, cfg["rows"]),)](
         x, residual_arg, new_residual_arg, weight, q, scale,
         M, K, x.stride(0), residual_arg.stride(0), new_residual_arg.stride(0), q.stride(0), float(eps), float(offset),
