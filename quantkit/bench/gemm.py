@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from quantkit.kernels import gemm, reference, triton_ops
+from quantkit.kernels import gemm, gemm_tma, reference, triton_ops
 from quantkit.bench.common import bench_ms, environment_metadata
 
 # Llama-3-8B projections (N, K): qkv, o, gate+up (stacked), down.
@@ -116,14 +116,20 @@ def bench_scaled_mm_point(M, N, K, epilogue, device="cuda", timer=bench_ms) -> l
             return triton_ops.scaled_mm(a, w, a_scale, w_scale, bias_arg, activation, torch.bfloat16)
 
         if dtype == torch.float8_e4m3fn:
-            def baseline():
-                out = torch._scaled_mm(a, w_t, scale_a=a_scale_col, scale_b=w_scale_row, out_dtype=torch.bfloat16)
+            # Like for like: quantkit's default FP8 mode is fast accumulation (gemm.py), so the
+            # baseline is cuBLAS's fast-accumulation mode; the promoted mode is timed as well.
+            def baseline(fast_accum=True):
+                out = torch._scaled_mm(a, w_t, scale_a=a_scale_col, scale_b=w_scale_row, out_dtype=torch.bfloat16,
+                                       use_fast_accum=fast_accum)
                 if has_bias:
                     out = out + bias
                 return _activation(out, activation)
 
-            baseline_name = "torch._scaled_mm_rowwise+epilogue"
+            baseline_name = "torch._scaled_mm_rowwise_fast_accum+epilogue"
             baseline_ok = True
+            t_promoted = timer(lambda: baseline(False))
+            rows.append({**base, "op": "torch._scaled_mm_rowwise_promoted+epilogue", "ms": t_promoted,
+                         "tflops": _tflops(M, N, K, t_promoted)})
         else:
             def baseline():
                 acc = torch._int_mm(a, w_t)
@@ -185,8 +191,10 @@ def bench_gated_point(M, N, K, dtype_name, activation="silu", device="cuda", tim
 
 def autotune_choices() -> dict:
     """The autotuner's pick per key, to record which configs won."""
-    cache = getattr(gemm._scaled_mm_autotuned, "cache", {})
-    return {str(key): str(cfg) for key, cfg in cache.items()}
+    picks = {}
+    for name, tuner in (("tiled", gemm._scaled_mm_autotuned), ("persistent", gemm_tma._autotuned())):
+        picks.update({f"{name} {key}": str(cfg) for key, cfg in getattr(tuner, "cache", {}).items()})
+    return picks
 
 
 def write_results(rows: list[dict], out_dir, name: str, meta: dict) -> tuple[Path, Path]:
@@ -390,7 +398,9 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False) -> list[dict]:
             a, sa = reference.quantize_per_token(torch.randn(M, K, device=device), dtype)
             w, sw = reference.quantize_per_channel(torch.randn(N, K, device=device), dtype)
             w2, sw2 = torch.cat([w, w.flip(0)]), torch.cat([sw, sw.flip(0)])
-            for cfg in gemm.SMALL_M_CONFIGS + gemm.MEDIUM_M_CONFIGS + gemm.LARGE_M_CONFIGS if not small else []:
+            persistent = [] if gated else gemm_tma.PERSISTENT_CONFIGS
+            for cfg in gemm.SMALL_M_CONFIGS + gemm.MEDIUM_M_CONFIGS + gemm.LARGE_M_CONFIGS + persistent if not small else []:
+                # Persistent configs carry EPILOGUE_SPLIT, which routes them to the TMA kernel.
                 config = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
                 if gated:
                     out = gemm.gated_scaled_mm(a, w2, sa, sw2, "silu", torch.float32, config=config)

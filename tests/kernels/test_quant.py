@@ -86,6 +86,33 @@ def test_rms_norm_quant_rows_per_program(qdtype, rows):
     assert torch.equal(scale, one_row[1]) and torch.equal(new_residual, one_row[2])
 
 
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm_quant_chunked_kernel(qdtype, with_residual):
+    # 300 = 2 full 128-wide chunks + a ragged one: the three passes over the row.
+    M, K = 5, 300
+    x = _x(M, K, torch.bfloat16, seed=6)
+    residual = _x(M, K, torch.bfloat16, seed=7) if with_residual else None
+    weight = torch.randn(K)
+    q, scale, new_residual = quant.rms_norm_quant_per_token(
+        x, weight, 1e-6, qdtype, residual, 1.0, out=_poisoned_q(M, K, qdtype),
+        out_scale=torch.full((M,), float("nan")), config={"chunk_k": 128})
+    ref_q, ref_scale, ref_residual = reference.rms_norm_quant_per_token(x, weight, 1e-6, qdtype, residual, 1.0)
+    if with_residual:
+        assert torch.equal(new_residual, ref_residual)
+    torch.testing.assert_close(scale, ref_scale, rtol=1e-6, atol=0)
+    dequant, ref_dequant = q.float() * scale[:, None], ref_q.float() * ref_scale[:, None]
+    assert (dequant - ref_dequant).norm() / ref_dequant.norm() < 1e-3
+
+
+def test_rms_norm_long_rows_default_to_the_chunked_kernel_without_residual():
+    assert quant.rms_norm_launch_config(14336)["chunk_k"] > 0
+    assert quant.rms_norm_launch_config(14336, has_residual=True)["chunk_k"] == 0
+    assert quant.rms_norm_launch_config(4096)["chunk_k"] == 0
+    assert not quant.per_token_launch_config(14336)["single_pass"]
+    assert quant.per_token_launch_config(4096)["single_pass"]
+
+
 def test_zero_row_gets_min_scale_and_zeros():
     x = torch.zeros(3, 64)
     x[1] = torch.randn(64)
