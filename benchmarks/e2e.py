@@ -1,6 +1,7 @@
 """End-to-end benchmark (HF bf16 vs quantkit fp8/int8, Llama-3-8B shape) + fast-path checks on the GPU.
 
     PYTHONPATH=. python benchmarks/e2e.py [--out benchmarks/results] [--no-checks] [--no-inexact]
+        [--variants hf-bf16,fp8-fast,...] [--deadline S] [--same-process]
 
 Same code as ``quantkit bench model``: ``quantkit.bench.e2e.run_e2e_benchmark``. Writes
 e2e.json (rows, targets, checks, environment), e2e.csv and e2e.png under --out.
@@ -22,10 +23,16 @@ def main() -> None:
     parser.add_argument("--no-inexact", action="store_true", help="skip the exact=False variants")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--deadline", type=float, default=None,
-                        help="seconds after which the optional exact=False variants are skipped")
+                        help="seconds after which the variants not yet started are skipped")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated variants in run order (default: hf-bf16, then per scheme "
+                             "plain, fast-exact, fast)")
+    parser.add_argument("--same-process", action="store_true",
+                        help="measure every variant in this process (memory numbers then mix variants)")
     args = parser.parse_args()
     run_e2e_benchmark(args.out, plot=not args.no_plot, checks=not args.no_checks,
-                      fast_inexact=not args.no_inexact, deadline_s=args.deadline)
+                      fast_inexact=not args.no_inexact, deadline_s=args.deadline, isolate=not args.same_process,
+                      variants=args.variants.split(",") if args.variants else None)
 
 
 if __name__ == "__main__":

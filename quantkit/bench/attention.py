@@ -99,7 +99,7 @@ def bench_prefill(seq: int, block_config=None, head_dim: int = HEAD_DIM, window=
     return row
 
 
-def bench_decode(batch: int, length: int, block_config=None) -> dict:
+def bench_decode(batch: int, length: int, block_config=None, n_splits: int | None = None, eager: bool = True) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(length + batch)
     q = torch.randn(batch, N_Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     k_cache = torch.randn(batch, N_KV_HEADS, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -109,18 +109,20 @@ def bench_decode(batch: int, length: int, block_config=None) -> dict:
     q4 = q[:, :, None, :]
 
     def ours():
-        return attention_kernels.decode_attention(q, k_cache, v_cache, seqlens, scale, block_config=block_config)
+        return attention_kernels.decode_attention(q, k_cache, v_cache, seqlens, scale, block_config=block_config,
+                                                  n_splits=n_splits)
 
     def sdpa():
         return F.scaled_dot_product_attention(q4, k_cache, v_cache, enable_gqa=True)
 
     err = rel_err(ours(), sdpa()[:, :, 0])
     bytes_read = 2.0 * batch * N_KV_HEADS * length * HEAD_DIM * 2
-    ms, sdpa_ms = bench_ms(ours), bench_ms(sdpa)
+    ms, sdpa_ms = (bench_ms(ours), bench_ms(sdpa)) if eager else (float("nan"), float("nan"))
     graph_ms, sdpa_graph_ms = bench_graph_ms(ours), bench_graph_ms(sdpa)
     return {
         "kind": "decode", "batch": batch, "seq": length, "n_q_heads": N_Q_HEADS, "n_kv_heads": N_KV_HEADS,
         "head_dim": HEAD_DIM, "block_config": str(block_config or attention_kernels._decode_config(HEAD_DIM)),
+        "n_splits": n_splits or "plan",
         "quantkit_ms": ms, "sdpa_ms": sdpa_ms, "ratio": sdpa_ms / ms,
         "quantkit_graph_ms": graph_ms, "sdpa_graph_ms": sdpa_graph_ms, "ratio_graph": sdpa_graph_ms / graph_ms,
         "quantkit_graph_gbps": bytes_read / (graph_ms * 1e-3) / 1e9,

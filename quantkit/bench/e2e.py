@@ -8,9 +8,12 @@ Workloads, each timed after warm-up, median of a few runs (CUDA events):
   quantkit: ``quantkit.generate.generate`` (static cache, CUDA-graph decode), decode time / 127.
 - prefill, graph-replayed: the same forward captured as a CUDA graph, replays timed (GPU time:
   eager quantkit prefill at 1x2048 is host-bound, ~50-150 us of Python per Triton launch);
-- peak memory: ``torch.cuda.max_memory_allocated`` over the eager inference workloads of a
-  variant, the peak reset after a warm-up pass (so neither conversion nor the autotuner's
-  benchmarking buffers count); the graph-replayed prefill runs after the peak is read.
+- memory: each variant runs in its own process (``isolate=True``), so nothing an earlier variant
+  left in the caching allocator, cuBLAS workspaces or Triton's autotuner counts against a later
+  one. ``model_bytes`` = memory allocated once the model is built (and quantized/optimized),
+  before any forward: the weights alone. ``peak_bytes`` = ``torch.cuda.max_memory_allocated``
+  over the eager inference workloads after a warm-up pass (compiles and autotuning excluded),
+  ``workload_peak_bytes`` the same per workload; the graph-replayed prefill runs afterwards.
 
 Variants: "hf-bf16" (the baseline), per scheme "plain" (QuantLinears only, HF sdpa attention),
 "fast-exact" (``optimize(exact=True)``: greedy-identical to plain) and "fast" (``exact=False``:
@@ -28,6 +31,9 @@ import gc
 import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +50,7 @@ PREFILL_SHAPES = ((1, 2048), (4, 2048))
 DECODE_BATCHES = (1, 8)
 PROMPT_LEN, NEW_TOKENS = 512, 128
 SCHEMES = ("fp8", "int8")
+MODES = ("plain", "fast-exact", "fast")
 TARGETS = {"prefill_fp8": 1.7, "prefill_int8": 1.4, "decode_b1_ms": 6.0, "memory_ratio": 0.6}
 
 
@@ -182,32 +189,115 @@ def bench_decode_quantkit(model, vocab: int, device, batches=DECODE_BATCHES, pro
 
 
 def _measure(variant: str, model, vocab: int, device, decode_fn, prefill_shapes, decode_batches,
-             prompt_len, new_tokens) -> list[dict]:
+             prompt_len, new_tokens, model_bytes: int | None = None) -> list[dict]:
     # Warm-up first (compiles, autotunes: the autotuner's timing buffers must not count as the
     # model's memory), then the peak is reset and the timed runs measure steady-state inference.
     bench_prefill(model, vocab, device, prefill_shapes, reps=1)
     decode_fn(model, vocab, device, decode_batches, prompt_len, new_tokens, warmup_only=True)
     _reset_peak(device)
-    weights = _allocated(device)
-    rows = bench_prefill(model, vocab, device, prefill_shapes)
-    rows += decode_fn(model, vocab, device, decode_batches, prompt_len, new_tokens)
-    peak = _peak_bytes(device)
+    after_warmup = _allocated(device)
+    rows = []
+    for shape in prefill_shapes:
+        _reset_peak_only(device)
+        rows += bench_prefill(model, vocab, device, (shape,))
+        rows[-1]["workload_peak_bytes"] = _peak_bytes(device)
+    for batch in decode_batches:
+        _reset_peak_only(device)
+        rows += decode_fn(model, vocab, device, (batch,), prompt_len, new_tokens)
+        rows[-1]["workload_peak_bytes"] = _peak_bytes(device)
+    peak = max(row["workload_peak_bytes"] for row in rows)
     graphs = bench_prefill_graph(model, vocab, prefill_shapes) if torch.device(device).type == "cuda" else {}
     for row in rows:
-        row.update(variant=variant, peak_bytes=peak, weight_bytes=weights, **graphs.get(row["workload"], {}))
+        row.update(variant=variant, peak_bytes=peak, weight_bytes=after_warmup, **graphs.get(row["workload"], {}))
+        if model_bytes is not None:
+            row["model_bytes"] = model_bytes
         print(f"{variant:>16s} {row['workload']:>14s}: "
               + (f"{row['tokens_per_s']:9.0f} tok/s" if "tokens_per_s" in row else f"{row['ms_per_token']:7.2f} ms/token")
               + (f" (graph {row['graph_tokens_per_s']:9.0f} tok/s)" if "graph_tokens_per_s" in row else "")
-              + f"  peak {peak / 2**30:6.2f} GiB", flush=True)
+              + f"  peak {row['workload_peak_bytes'] / 2**30:6.2f} GiB", flush=True)
     _reset_peak(device)
     return rows
 
 
+def _reset_peak_only(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def variant_names(schemes=SCHEMES, fast_inexact: bool = True) -> list[str]:
+    """hf-bf16 first, then per scheme plain, fast-exact and (optionally) fast."""
+    modes = MODES if fast_inexact else MODES[:2]
+    return ["hf-bf16"] + [f"{scheme}-{mode}" for scheme in schemes for mode in modes]
+
+
+def prepare_variant(variant: str, config, device) -> torch.nn.Module:
+    """The model of one variant, built on ``device``: bf16 HF, or quantized (+ optimized)."""
+    model = build_model(config, device)
+    if variant == "hf-bf16":
+        return model
+    scheme, _, mode = variant.partition("-")
+    if scheme not in SCHEMES or mode not in MODES:
+        raise ValueError(f"variant {variant!r} is not hf-bf16 or <{'|'.join(SCHEMES)}>-<{'|'.join(MODES)}>")
+    quantize(model, QuantConfig.preset(scheme), progress=False)
+    if mode != "plain":
+        optimize(model, exact=mode == "fast-exact")
+    return model
+
+
+def measure_variant(variant: str, config, device, prefill_shapes=PREFILL_SHAPES, decode_batches=DECODE_BATCHES,
+                    prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS) -> list[dict]:
+    """Build one variant and measure it; ``model_bytes`` is its memory before any forward."""
+    _reset_peak(device)
+    model = prepare_variant(variant, config, device)
+    _reset_peak(device)
+    model_bytes = _allocated(device)
+    decode_fn = bench_decode_hf if variant == "hf-bf16" else bench_decode_quantkit
+    rows = _measure(variant, model, config.vocab_size, device, decode_fn, prefill_shapes, decode_batches,
+                    prompt_len, new_tokens, model_bytes=model_bytes)
+    del model
+    _reset_peak(device)
+    return rows
+
+
+def _variant_process_main(args_json: str, out_path: str) -> None:
+    """Entry point of the per-variant child process (see ``measure_variant_isolated``)."""
+    args = json.loads(args_json)
+    config = (LlamaConfig if args["config_class"] == "LlamaConfig" else Gemma3TextConfig).from_dict(args["config"])
+    rows = measure_variant(args["variant"], config, args["device"], [tuple(s) for s in args["prefill_shapes"]],
+                           tuple(args["decode_batches"]), args["prompt_len"], args["new_tokens"])
+    Path(out_path).write_text(json.dumps(rows, default=str))
+
+
+def measure_variant_isolated(variant: str, config, device, prefill_shapes=PREFILL_SHAPES,
+                             decode_batches=DECODE_BATCHES, prompt_len: int = PROMPT_LEN,
+                             new_tokens: int = NEW_TOKENS, timeout_s: float | None = None) -> list[dict]:
+    """``measure_variant`` in a fresh Python process: its memory numbers are its own.
+
+    A failure (an OOM, a timeout) gives one row with ``error`` instead of stopping the run.
+    """
+    args = dict(variant=variant, config=config.to_dict(), config_class=type(config).__name__, device=str(device),
+                prefill_shapes=[list(s) for s in prefill_shapes], decode_batches=list(decode_batches),
+                prompt_len=prompt_len, new_tokens=new_tokens)
+    repo_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo_root, os.environ.get("PYTHONPATH")) if p)}
+    code = "import sys; from quantkit.bench.e2e import _variant_process_main; _variant_process_main(*sys.argv[1:])"
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = Path(tmp) / "rows.json"
+        try:
+            done = subprocess.run([sys.executable, "-c", code, json.dumps(args), str(out_path)], env=env,
+                                  timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            return [{"variant": variant, "workload": "all", "error": f"timed out after {timeout_s} s"}]
+        if done.returncode != 0 or not out_path.exists():
+            return [{"variant": variant, "workload": "all", "error": f"child process exited with {done.returncode}"}]
+        return json.loads(out_path.read_text())
+
+
 def _add_ratios(rows: list[dict]) -> None:
-    base = {r["workload"]: r for r in rows if r["variant"] == "hf-bf16"}
+    base = {r["workload"]: r for r in rows if r["variant"] == "hf-bf16" and "error" not in r}
     for row in rows:
         ref = base.get(row["workload"])
-        if ref is None:
+        if ref is None or "error" in row:
             continue
         if "tokens_per_s" in row:
             row["speedup_vs_bf16"] = row["tokens_per_s"] / ref["tokens_per_s"]
@@ -218,6 +308,8 @@ def _add_ratios(rows: list[dict]) -> None:
             row["speedup_vs_bf16"] = ref["ms_per_token"] / row["ms_per_token"]
         if ref["peak_bytes"]:
             row["memory_ratio_vs_bf16"] = row["peak_bytes"] / ref["peak_bytes"]
+        if ref.get("model_bytes"):
+            row["model_bytes_ratio_vs_bf16"] = row["model_bytes"] / ref["model_bytes"]
 
 
 def summarize_targets(rows: list[dict]) -> list[dict]:
@@ -240,6 +332,9 @@ def summarize_targets(rows: list[dict]) -> list[dict]:
                     target = TARGETS["decode_b1_ms"]
                     out.append({"target": f"decode_b1 {variant} <= {target} ms/token",
                                 "value": row["ms_per_token"], "met": row["ms_per_token"] <= target})
+    for scheme in SCHEMES:
+        for variant in (f"{scheme}-plain", f"{scheme}-fast-exact", f"{scheme}-fast"):
+            mine = [r for r in rows if r["variant"] == variant]
             if mine and "memory_ratio_vs_bf16" in mine[0]:
                 target = TARGETS["memory_ratio"]
                 out.append({"target": f"peak memory {variant} <= {target}x hf-bf16",
@@ -329,13 +424,17 @@ def run_e2e_benchmark(
     checks: bool = True,
     prefix: str = "e2e",
     deadline_s: float | None = None,
+    isolate: bool = True,
+    variants: list[str] | None = None,
 ) -> list[dict]:
     """Run the end-to-end benchmark (and, with ``checks``, the fast-path correctness checks first).
 
     Writes ``{prefix}.json`` (rows + targets + checks + environment), ``{prefix}.csv`` and
     ``{prefix}.png`` under ``out_dir``; returns the rows. ``config``/``device`` override the
     Llama-3-8B shape and the GPU (small configs on CPU exercise the code path in tests).
-    ``deadline_s``: past this many seconds, the optional exact=False variants are skipped.
+    ``isolate``: each variant in its own process (memory numbers are then the variant's own).
+    ``deadline_s``: past this many seconds, the variants not yet started are skipped (and named).
+    ``variants``: which variants, in this order (default ``variant_names(schemes, fast_inexact)``).
     Results are rewritten after every variant, so a run cut short keeps what it measured.
     """
     from quantkit.bench.common import environment_metadata
@@ -347,44 +446,35 @@ def run_e2e_benchmark(
     meta["model"] = (f"Llama shape: hidden {config.hidden_size}, intermediate {config.intermediate_size}, "
                      f"{config.num_hidden_layers} layers, {config.num_attention_heads}/{config.num_key_value_heads} "
                      f"heads, vocab {config.vocab_size}, random weights, bf16")
-    meta["memory_note"] = ("peak = max_memory_allocated over the eager inference workloads of a variant, reset "
-                           "after a warm-up pass that follows build/quantization (conversion and autotuning peaks "
-                           "not counted); graph-replayed prefill runs after the peak is read")
+    meta["memory_note"] = ("each variant in its own process" if isolate else "all variants in one process") + (
+        "; model_bytes = allocated after build/quantize/optimize, before any forward; peak_bytes = "
+        "max_memory_allocated over the eager inference workloads after a warm-up pass")
     started = time.perf_counter()
     out_dir = Path(out_dir)
     check_rows = run_fast_path_checks(device, inexact=False) if checks else []
-    vocab = config.vocab_size
-    shape = (prefill_shapes, decode_batches, prompt_len, new_tokens)
+    shape = dict(prefill_shapes=prefill_shapes, decode_batches=decode_batches, prompt_len=prompt_len,
+                 new_tokens=new_tokens)
     rows: list[dict] = []
+    skipped: list[str] = []
 
     def save(final: bool = False) -> list[dict]:
         _add_ratios(rows)
         targets = summarize_targets(rows)
-        _write(rows, targets, check_rows, meta, out_dir, prefix, plot and final)
+        _write(rows, targets, check_rows, {**meta, "skipped_variants": skipped}, out_dir, prefix, plot and final)
         return targets
 
-    model = build_model(config, device)
-    rows += _measure("hf-bf16", model, vocab, device, bench_decode_hf, *shape)
-    save()
-    for index, scheme in enumerate(schemes):
-        if index > 0:
-            del model
-            _reset_peak(device)
-            model = build_model(config, device)
-        quantize(model, QuantConfig.preset(scheme), progress=False)
-        rows += _measure(f"{scheme}-plain", model, vocab, device, bench_decode_quantkit, *shape)
-        optimize(model, exact=True)
-        rows += _measure(f"{scheme}-fast-exact", model, vocab, device, bench_decode_quantkit, *shape)
+    for variant in variants or variant_names(schemes, fast_inexact):
+        if deadline_s is not None and time.perf_counter() - started > deadline_s:
+            skipped.append(variant)
+            continue
+        measure = measure_variant_isolated if isolate else measure_variant
+        rows += measure(variant, config, device, **shape)
         save()
-        if fast_inexact and (deadline_s is None or time.perf_counter() - started < deadline_s):
-            optimize(model, exact=False)
-            rows += _measure(f"{scheme}-fast", model, vocab, device, bench_decode_quantkit, *shape)
-            save()
-    del model
-    _reset_peak(device)
     targets = save(final=True)
     for t in targets:
         print(f"{'MET   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']:.3f}", flush=True)
+    if skipped:
+        print(f"skipped (deadline): {', '.join(skipped)}", flush=True)
     return rows
 
 
@@ -425,10 +515,12 @@ def _write(rows, targets, check_rows, meta, out_dir: Path, prefix: str, plot: bo
         ax.set_ylabel(label)
     axes[0].set_title("prefill: filled = eager, dashed outline = CUDA-graph replay", fontsize=9)
     axes[1].axhline(TARGETS["decode_b1_ms"], color="k", ls=":", lw=1)
-    peaks = [next(r["peak_bytes"] for r in rows if r["variant"] == v) / 2**30 for v in variants]
+    peaks = [next((r.get("peak_bytes", 0) for r in rows if r["variant"] == v), 0) / 2**30 for v in variants]
+    weights = [next((r.get("model_bytes", 0) for r in rows if r["variant"] == v), 0) / 2**30 for v in variants]
     axes[2].bar(range(len(variants)), peaks, color=[f"C{i}" for i in range(len(variants))])
+    axes[2].bar(range(len(variants)), weights, fill=False, edgecolor="k", hatch="//", lw=0.8)
     axes[2].set_xticks(range(len(variants)), variants, rotation=30, ha="right")
-    axes[2].set_ylabel("peak GiB (inference)")
+    axes[2].set_ylabel("GiB: peak (bar), model alone (hatched)")
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{meta['model'][:60]}...  {meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  "
                  f"transformers {meta['transformers']}  {meta['date'][:10]}", fontsize=9)

@@ -335,16 +335,33 @@ def _multiprocessor_count(device_index: int) -> int:
 def decode_split_plan(
     batch: int, n_kv_heads: int, max_keys: int, device: torch.device, block_n: int, programs_per_sm: int = 2
 ) -> tuple[int, int]:
-    """(split_len, n_splits): about ``programs_per_sm`` programs per SM, splits of whole blocks."""
+    """(split_len, n_splits) for ``batch * n_kv_heads`` sequences of up to ``max_keys`` keys.
+
+    The kernel is bandwidth-bound and its programs are equal in size, so what counts is how many
+    *waves* of ``programs_per_sm * SMs`` concurrent programs the grid takes, times the blocks
+    each program streams. The first version asked for ~one wave's worth of programs per
+    sequence and rounded up: at batch 8 x 8 kv heads that is 5 splits = 320 programs for 264
+    slots, a second wave of 56 programs with most of the chip idle. Here the split count
+    minimizes waves x blocks-per-split (then prefers fewer splits: less phase-2 work), e.g.
+    4 splits = 256 programs in one wave at batch 8; batch 1 keeps 32 splits.
+    """
     if device.type == "cuda":
         sm_count = _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
-        target_programs = programs_per_sm * sm_count
+        slots = programs_per_sm * sm_count
     else:
-        target_programs = 4  # interpreter: a few splits, so that the combine path is exercised
+        slots = 4  # interpreter: a few splits, so that the combine path is exercised
+    sequences = batch * n_kv_heads
     n_blocks = triton.cdiv(max(max_keys, 1), block_n)
-    n_splits = max(1, min(triton.cdiv(target_programs, batch * n_kv_heads), n_blocks))
-    split_len = triton.cdiv(n_blocks, n_splits) * block_n
-    return split_len, triton.cdiv(max(max_keys, 1), split_len)
+    best = None
+    # More splits than one full wave per sequence never helps; cap the search there.
+    for wanted in range(1, min(n_blocks, triton.cdiv(slots, sequences) * 2) + 1):
+        blocks_per_split = triton.cdiv(n_blocks, wanted)
+        n_splits = triton.cdiv(n_blocks, blocks_per_split)
+        cost = triton.cdiv(sequences * n_splits, slots) * blocks_per_split
+        if best is None or cost < best[0]:
+            best = (cost, n_splits, blocks_per_split)
+    _, n_splits, blocks_per_split = best
+    return blocks_per_split * block_n, n_splits
 
 
 def _decode_config(head_dim: int) -> tuple[int, int, int, int]:
@@ -365,12 +382,14 @@ def decode_attention(
     window: int | None = None,
     max_seqlen: int | None = None,
     block_config: tuple[int, int, int, int] | None = None,
+    n_splits: int | None = None,
 ) -> torch.Tensor:
     """Launch split-KV decode; see ``reference_attention.decode_attention`` for the math.
 
     ``max_seqlen`` (host-side bound on ``cache_seqlens``) both checks for cache overflow and
     sizes the splits; without it the grid covers the whole capacity (CUDA-graph friendly).
-    ``block_config`` = (BLOCK_N, num_warps, num_stages, programs_per_sm) overrides the tuning.
+    ``block_config`` = (BLOCK_N, num_warps, num_stages, programs_per_sm) overrides the tuning and
+    ``n_splits`` the split plan (benchmarks and tests).
     """
     check_decode_inputs(q, k_cache, v_cache, cache_seqlens, window, max_seqlen)
     batch, n_q_heads, head_dim = q.shape
@@ -379,7 +398,12 @@ def decode_attention(
     block_n, num_warps, num_stages, programs_per_sm = block_config or _decode_config(head_dim)
     max_keys = max_seqlen if max_seqlen is not None else capacity
     span = min(max_keys, window) if window is not None else max_keys
-    split_len, n_splits = decode_split_plan(batch, n_kv_heads, span, q.device, block_n, programs_per_sm)
+    if n_splits is None:
+        split_len, n_splits = decode_split_plan(batch, n_kv_heads, span, q.device, block_n, programs_per_sm)
+    else:
+        n_blocks = triton.cdiv(max(span, 1), block_n)
+        split_len = triton.cdiv(n_blocks, max(1, min(n_splits, n_blocks))) * block_n
+        n_splits = triton.cdiv(max(span, 1), split_len)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if q.numel() == 0:
         return out

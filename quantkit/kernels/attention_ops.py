@@ -8,7 +8,10 @@ raise ValueError. Triton is imported on first use of a Triton op only.
 
 Registered ops (namespace ``quantkit``): ``flash_attention``, ``decode_attention``, ``rope``,
 ``rms_norm``, ``rms_norm_residual``, ``layer_norm``, ``layer_norm_residual``. Custom ops may not
-return aliases of their inputs, so norms without a residual are separate ops.
+return aliases of their inputs, so norms without a residual are separate ops. As in
+``triton_ops``, eager calls on plain tensors launch directly (``triton_ops.direct_launch``: the
+op dispatcher's ~20-30 us per call dominated eager prefill); tracing still goes through the ops.
+The Triton launchers validate their inputs themselves, so the direct path checks once.
 """
 
 from typing import Optional
@@ -40,6 +43,12 @@ def _norm_kernels():
     from quantkit.kernels import norm
 
     return norm
+
+
+def _direct(x: torch.Tensor) -> bool:
+    from quantkit.kernels import triton_ops
+
+    return triton_ops.direct_launch(x)
 
 
 # --------------------------------------------------------------------------- registered ops
@@ -161,6 +170,9 @@ def flash_attention(
     ``max_seqlen_q``, a host-side bound on the longest sequence.
     """
     _check_backend(backend)
+    if backend == "triton" and _direct(q):
+        return _attention_kernels().flash_attention(q, k, v, float(scale), window, cu_seqlens_q, cu_seqlens_k,
+                                                    max_seqlen_q)
     check_prefill_inputs(q, k, v, window, cu_seqlens_q, cu_seqlens_k)
     if backend == "triton":
         return _flash_attention_op(q, k, v, float(scale), window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
@@ -179,6 +191,9 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence over a static (B, Hkv, capacity, D) cache; see the twin."""
     _check_backend(backend)
+    if backend == "triton" and _direct(q):
+        return _attention_kernels().decode_attention(q, k_cache, v_cache, cache_seqlens, float(scale), window,
+                                                     max_seqlen)
     check_decode_inputs(q, k_cache, v_cache, cache_seqlens, window, max_seqlen)
     if backend == "triton":
         return _decode_attention_op(q, k_cache, v_cache, cache_seqlens, float(scale), window, max_seqlen)
@@ -190,6 +205,8 @@ def apply_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE on q (B, Hq, S, D) and k (B, Hkv, S, D) with HF's cos/sin (B|1, S, D)."""
     _check_backend(backend)
+    if backend == "triton" and _direct(q):
+        return _rope_kernels().apply_rope(q, k, cos, sin)
     check_rope_inputs(q, k, cos, sin)
     if backend == "triton":
         return _rope_op(q, k, cos, sin)
@@ -206,6 +223,8 @@ def rms_norm(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """RMSNorm (+ fused residual add, + Gemma's ``offset=1``); returns (y, new residual or None)."""
     _check_backend(backend)
+    if backend == "triton" and _direct(x):
+        return _norm_kernels().rms_norm(x, weight, float(eps), residual, float(offset))
     check_norm_inputs(x, weight, residual)
     if backend == "torch":
         return reference.rms_norm(x, weight, eps, residual, offset)
@@ -224,6 +243,8 @@ def layer_norm(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """LayerNorm (+ fused residual add); returns (y, new residual or None)."""
     _check_backend(backend)
+    if backend == "triton" and _direct(x):
+        return _norm_kernels().layer_norm(x, weight, bias, float(eps), residual)
     check_norm_inputs(x, weight, residual, bias)
     if backend == "torch":
         return reference.layer_norm(x, weight, bias, eps, residual)

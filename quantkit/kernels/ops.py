@@ -35,11 +35,18 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     return backend
 
 
-def _triton_ops():
-    # Imported on first use so that the torch path never pays for (or needs) Triton.
-    from quantkit.kernels import triton_ops
+_TRITON_OPS = None
 
-    return triton_ops
+
+def _triton_ops():
+    # Imported on first use so that the torch path never pays for (or needs) Triton; kept in a
+    # global afterwards (an import statement per call costs ~1 us on the eager hot path).
+    global _TRITON_OPS
+    if _TRITON_OPS is None:
+        from quantkit.kernels import triton_ops
+
+        _TRITON_OPS = triton_ops
+    return _TRITON_OPS
 
 
 def scaled_mm(a, w, a_scale, w_scale, bias=None, activation="none", out_dtype=torch.bfloat16, backend="torch"):

@@ -139,11 +139,16 @@ class GatedQuantMLP(nn.Module):
             hidden = ops.gated_scaled_mm(q, self.weight, a_scale, w_scale, self.activation, x.dtype,
                                          backend=self.backend)
         else:
-            gate = ops.scaled_mm(q, self.weight[:size], a_scale, w_scale[:size], None, "none", x.dtype,
-                                 backend=self.backend)
+            # Same arithmetic as the plain path's ``act(gate) * up``; the raw gate is dropped as
+            # soon as it is activated and the product is taken in place (bit-identical to ``*``),
+            # so at most two (M, I) tensors are alive; the plain expression holds three.
+            hidden = self.act_fn(ops.scaled_mm(q, self.weight[:size], a_scale, w_scale[:size], None, "none",
+                                               x.dtype, backend=self.backend))
             up = ops.scaled_mm(q, self.weight[size:], a_scale, w_scale[size:], None, "none", x.dtype,
                                backend=self.backend)
-            hidden = self.act_fn(gate) * up
+            del q
+            hidden = hidden.mul_(up)
+            del up
         return self.down_proj(hidden.reshape(*leading, size))
 
     def extra_repr(self) -> str:

@@ -195,3 +195,61 @@ def test_decode_bad_input_raises_before_launch(backend):
                                        seqlens, 0.1, backend=backend)
     with pytest.raises(ValueError, match="backend"):
         attention_ops.decode_attention(q, cache, cache, seqlens, 0.1, backend="auto")
+
+
+@pytest.mark.parametrize("batch,length,splits", [(8, 32768, 4), (8, 4096, 4), (1, 32768, 32), (1, 1024, 16)])
+def test_decode_split_plan_fills_whole_waves(monkeypatch, batch, length, splits):
+    from quantkit.kernels import attention
+
+    monkeypatch.setattr(attention, "_multiprocessor_count", lambda index: 132)
+    split_len, n_splits = attention.decode_split_plan(batch, 8, length, torch.device("cuda", 0), 64, 2)
+    assert (split_len, n_splits) == (triton_cdiv(length, splits), splits)
+    assert split_len % 64 == 0 and (n_splits - 1) * split_len < length <= n_splits * split_len
+    assert batch * 8 * n_splits <= 2 * 132  # one wave of two programs per SM
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@pytest.mark.parametrize("n_splits", [1, 3, 7, 100])
+def test_decode_any_split_count_matches_twin(n_splits):
+    from quantkit.kernels import attention
+
+    torch.manual_seed(n_splits)
+    q, k_cache, v_cache = torch.randn(2, 4, 64), torch.randn(2, 2, 333, 64), torch.randn(2, 2, 333, 64)
+    seqlens = torch.tensor([333, 70], dtype=torch.int32)
+    out = attention.decode_attention(q, k_cache, v_cache, seqlens, 0.125, n_splits=n_splits)
+    twin = reference_attention.decode_attention(q, k_cache, v_cache, seqlens, 0.125)
+    torch.testing.assert_close(out, twin, **FP32_TOL)
+
+
+def test_eager_calls_launch_directly_and_equal_the_registered_ops(monkeypatch):
+    from quantkit.kernels import triton_ops
+
+    torch.manual_seed(5)
+    q, k, v = torch.randn(1, 4, 37, 64), torch.randn(1, 2, 37, 64), torch.randn(1, 2, 37, 64)
+    x, weight = torch.randn(19, 64), torch.randn(64)
+    cos, sin = torch.randn(1, 37, 64), torch.randn(1, 37, 64)
+
+    def run():
+        return (
+            attention_ops.flash_attention(q, k, v, 0.125, backend="triton"),
+            attention_ops.decode_attention(q[:, :, 0], k, v, torch.tensor([37], dtype=torch.int32), 0.125,
+                                           backend="triton"),
+            attention_ops.rms_norm(x, weight, 1e-6, residual=x.flip(0), backend="triton"),
+            attention_ops.layer_norm(x, weight, None, 1e-6, backend="triton")[0],
+            attention_ops.apply_rope(q, k, cos, sin, backend="triton"),
+        )
+
+    calls = []
+    real = torch.ops.quantkit.flash_attention.default
+    monkeypatch.setattr(attention_ops, "_flash_attention_op", lambda *a: calls.append(a) or real(*a))
+    direct = run()
+    assert calls == []  # eager: no custom-op dispatch
+    monkeypatch.setattr(triton_ops, "DIRECT_EAGER_LAUNCH", False)
+    through_ops = run()
+    assert len(calls) == 1
+    flat = lambda t: [y for x in t for y in (x if isinstance(x, tuple) else (x,)) if y is not None]  # noqa: E731
+    for a, b in zip(flat(direct), flat(through_ops)):
+        assert torch.equal(a, b)

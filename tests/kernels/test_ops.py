@@ -85,3 +85,26 @@ def test_resolve_backend():
     assert ops.resolve_backend("auto", "cpu") == "torch"
     with pytest.raises(ValueError, match="backend='cuda'"):
         ops.resolve_backend("cuda", "cpu")
+
+
+def test_direct_eager_launch_equals_the_registered_ops(monkeypatch):
+    """Eager calls skip the custom-op dispatcher; results are the op's bit for bit, and tracing
+    (torch.compile) still goes through the op (test_module_compiles_fullgraph)."""
+    calls = []
+    real = triton_ops._scaled_mm_op
+    monkeypatch.setattr(triton_ops, "_scaled_mm_op", lambda *a: calls.append(1) or real(*a))
+    for dtype in (torch.int8, torch.float8_e4m3fn):
+        x, _, _, w, w_scale, bias = _operands(dtype)
+        norm_weight = torch.randn(64)
+        results = []
+        for direct in (True, False):
+            monkeypatch.setattr(triton_ops, "DIRECT_EAGER_LAUNCH", direct)
+            q, s = ops.quantize_per_token(x, dtype, backend="triton")
+            q2, s2, res = ops.rms_norm_quant_per_token(x, norm_weight, 1e-6, dtype, x.flip(0), 1.0, backend="triton")
+            results.append((q, s, q2, s2, res, ops.scaled_mm(q, w, s, w_scale, bias, "silu", torch.bfloat16,
+                                                             backend="triton")))
+        for a, b in zip(*results):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    assert len(calls) == 2  # only the DIRECT_EAGER_LAUNCH=False passes went through the op
+    assert not triton_ops.direct_launch(torch.nn.Parameter(torch.randn(2)))  # subclasses take the op
