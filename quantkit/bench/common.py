@@ -24,8 +24,9 @@ def environment_metadata() -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
-        # The device machine gets a copy of the tree without .git: the caller passes the commit.
-        "commit": commit or os.environ.get("QUANTKIT_COMMIT", "unknown"),
+        # The device machine's copy of the tree may have no .git, or a stale one (a run on
+        # 2026-11-22 stamped an old commit): the caller's QUANTKIT_COMMIT wins when set.
+        "commit": os.environ.get("QUANTKIT_COMMIT") or commit or "unknown",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
