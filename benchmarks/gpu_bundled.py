@@ -70,6 +70,9 @@ def streaming_check(tokenizer, blocks: torch.Tensor) -> dict:
     outside = [p for p in host.parameters() if id(p) not in inside]
     largest_block = max(nbytes(b.parameters()) for b in stack)
     model_bytes = nbytes(host.parameters())
+    # Upper bound of one block's GPTQ Hessians (layers reading the same input share one); read
+    # before quantizing, which replaces the Linears.
+    hessians = max(sum(4 * m.in_features ** 2 for m in b.modules() if isinstance(m, torch.nn.Linear)) for b in stack)
     resident = copy.deepcopy(host).cuda()
 
     torch.cuda.empty_cache()
@@ -93,8 +96,6 @@ def streaming_check(tokenizer, blocks: torch.Tensor) -> dict:
                 equal += 1
             else:
                 differ += 1
-    # Upper bound of one block's GPTQ Hessians (layers reading the same input share one).
-    hessians = sum(4 * m.in_features ** 2 for m in stack[0].modules() if isinstance(m, torch.nn.Linear))
     return {
         "recipe": "int8 + SmoothQuant 0.5 + GPTQ",
         "calibration_blocks": list(blocks.shape),
@@ -102,6 +103,10 @@ def streaming_check(tokenizer, blocks: torch.Tensor) -> dict:
         "outside_blocks_bytes": nbytes(outside),
         "largest_block_bytes": largest_block,
         "hessian_bytes_upper_bound_one_block": hessians,
+        # offload.py's bound: SmoothQuant upcasts 16-bit parameters to float32 (outside the blocks:
+        # 16-bit + float32 during the cast), one block in float32, one block's Hessians; the
+        # activations of one calibration batch come on top.
+        "stated_bound_without_activations_bytes": 3 * nbytes(outside) + 2 * largest_block + hessians,
         "streamed_peak_bytes": streamed_peak,
         "resident_peak_bytes": resident_peak,
         "streamed_peak_over_model": streamed_peak / model_bytes,

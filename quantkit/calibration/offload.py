@@ -12,7 +12,10 @@ Memory bound on ``device`` (the caching allocator's peak):
     params outside the blocks + the largest block + one calibration batch's activations in one
     block + the statistics being collected
 
-where the statistics are O(hidden) per layer for SmoothQuant and observers, and for GPTQ the
+with 16-bit parameters counted in float32 while SmoothQuant runs (it computes in float32: the
+parameters outside the blocks are then held in both precisions during the cast, 3x their 16-bit
+size, and each visiting block in float32), where the statistics are O(hidden) per layer for
+SmoothQuant and observers, and for GPTQ the
 Hessians of one block's Linears at a time (``sum K^2 * 4`` bytes over the block's distinct
 inputs: ~1 GiB for a Llama-3-8B block), because ``gptq_quantize_weights(..., per_block=True)``
 collects them block by block and stops each pass after the block it needs.
