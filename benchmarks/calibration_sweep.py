@@ -38,6 +38,7 @@ from quantkit.nn import QuantLinear
 RESULTS = Path(__file__).parent / "results"
 
 SQ = {"smoothquant_alpha": 0.5}  # SmoothQuant at the paper's default strength, for every model
+SQ75 = {"smoothquant_alpha": 0.75}
 # name -> (preset, QuantConfig overrides). Every recipe runs through ``quantkit.quantize``, the same
 # call the CLI makes, so each row is a recipe a user can ask for. Ordered by what the issue asks:
 # the plain presets, each with SmoothQuant / clipping / error compensation, then the combinations.
@@ -69,6 +70,15 @@ RECIPES: dict[str, tuple[str, dict]] = {
     "fp8+sq+keep8": ("fp8", {**SQ, "keep_sensitive": 8}),
     "int8+sq+gptq+wmse": ("int8", {**SQ, "gptq": True, "weight_observer": "mse"}),
     "fp8-static+sq+gptq+keep4": ("fp8-static", {**SQ, "gptq": True, "keep_sensitive": 4}),
+    # Static per-tensor INT8 with a stronger migration (alpha 0.75): per-tensor scales suffer more
+    # from the activations' range, so more of it moves into the per-channel weight scales.
+    "int8-static+sq0.75+amse": ("int8-static", {**SQ75, "activation_observer": "mse"}),
+    "int8-static+sq0.75+amse+keep4": ("int8-static", {**SQ75, "activation_observer": "mse", "keep_sensitive": 4}),
+    "int8-static+sq0.75+amse+gptq+keep4": ("int8-static", {**SQ75, "activation_observer": "mse", "gptq": True,
+                                                           "keep_sensitive": 4}),
+    "int8-static+sq+amse+gptq+keep8": ("int8-static", {**SQ, "activation_observer": "mse", "gptq": True,
+                                                       "keep_sensitive": 8}),
+    "int8-static+sq0.75": ("int8-static", SQ75),
 }
 
 
