@@ -79,6 +79,8 @@ RECIPES: dict[str, tuple[str, dict]] = {
     "int8-static+sq+amse+gptq+keep8": ("int8-static", {**SQ, "activation_observer": "mse", "gptq": True,
                                                        "keep_sensitive": 8}),
     "int8-static+sq0.75": ("int8-static", SQ75),
+    "int8+sq0.75+gptq+keep4": ("int8", {**SQ75, "gptq": True, "keep_sensitive": 4}),
+    "fp8+sq0.75+gptq+keep8": ("fp8", {**SQ75, "gptq": True, "keep_sensitive": 8}),
 }
 
 
