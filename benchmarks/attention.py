@@ -67,6 +67,8 @@ def main():
     parser.add_argument("--sweep-decode", action="store_true")
     parser.add_argument("--profile-host", action="store_true", help="host (Python) cost per decode call")
     parser.add_argument("--quick", action="store_true", help="prefill 4k/16k, decode 1k/32k only")
+    parser.add_argument("--prefill-seqs", type=int, nargs="+", help="prefill sequence lengths (default: all)")
+    parser.add_argument("--graph-rep-ms", type=int, help="CUDA-graph timing budget per measurement (default 100)")
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if not args.no_checks:
@@ -100,6 +102,12 @@ def main():
     if args.profile_host:
         profile_host_overhead()
     kwargs = dict(prefill_seqs=(4096, 16384), decode_lengths=(1024, 32768)) if args.quick else {}
+    if args.prefill_seqs:
+        kwargs["prefill_seqs"] = tuple(args.prefill_seqs)
+    if args.graph_rep_ms:
+        import quantkit.bench.attention as bench_attention
+
+        bench_attention.GRAPH_REP_MS = args.graph_rep_ms
     run_attention_benchmark(out_dir=args.out, **kwargs)
 
 

@@ -371,22 +371,32 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_combine_kernel(
     O_part, LSE_part, O, stride_ob, stride_oh, n_q_heads, n_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
 ):
+    """Second-launch combine, one program per (batch, query head); splits in chunks with an
+    online rescale, so the registers stay bounded at any split count."""
     pid = tl.program_id(0)
     batch = pid // n_q_heads
     head = pid % n_q_heads
-    offs_s = tl.arange(0, BLOCK_SPLITS)
+    offs_c = tl.arange(0, SPLIT_CHUNK)
     offs_d = tl.arange(0, HEAD_DIM)
-    split_ok = offs_s < n_splits
-    row = pid.to(tl.int64) * n_splits + offs_s
-    lse = tl.load(LSE_part + row, mask=split_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # a sequence with no keys: all weights 0
-    weight = tl.exp2(lse - m)
-    part = tl.load(O_part + row[:, None] * HEAD_DIM + offs_d[None, :], mask=split_ok[:, None], other=0.0)
-    total = tl.sum(weight, 0)
-    out = tl.sum(part * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    row0 = pid.to(tl.int64) * n_splits
+    m = tl.max(tl.full([SPLIT_CHUNK], float("-inf"), tl.float32), 0)
+    total = tl.sum(tl.zeros([SPLIT_CHUNK], dtype=tl.float32), 0)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for start in range(0, n_splits, SPLIT_CHUNK):
+        split = start + offs_c
+        ok = split < n_splits
+        lse = tl.load(LSE_part + row0 + split, mask=ok, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no keys so far: all weights 0
+        alpha = tl.exp2(m - m_safe)
+        weight = tl.exp2(lse - m_safe)
+        part = tl.load(O_part + (row0 + split)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(part * weight[:, None], 0)
+        total = total * alpha + tl.sum(weight, 0)
+        m = m_new
+    out = acc / tl.where(total == 0.0, 1.0, total)
     tl.store(O + batch.to(tl.int64) * stride_ob + head * stride_oh + offs_d, out.to(O.dtype.element_ty))
 
 
@@ -436,6 +446,29 @@ def _decode_config(head_dim: int) -> tuple[int, int, int, int]:
     if head_dim == 256:
         return 32, 4, 2, 2
     return 64, 4, 3, 2
+
+
+# The fused combine runs in one program per GQA group, so it pays only while a group's partials
+# are small: 4 heads x 32 splits x d=128 (batch 1, Llama-3-8B shapes) = 16k floats. Beyond that
+# (MQA with 32 heads and hundreds of splits) the combine kernel's one program per query head is
+# faster, and the fused epilogue's unrolled chunks would grow without bound (a d=256 MQA case
+# with 256 splits did not finish compiling in 3 minutes on an H100, 2026-11-23).
+FUSED_COMBINE_MAX_FLOATS = 16384
+COMBINE_CHUNK_FLOATS = 4096  # per unrolled chunk: 32 fp32 registers per thread at 4 warps
+
+
+def decode_epilogue(n_splits: int, group: int, head_dim: int, fuse_combine: bool = True) -> tuple[int, int]:
+    """(EPILOGUE, SPLIT_CHUNK) for a launch: one split writes the output; few partials per group
+    are combined in the same launch, in at most FUSED_COMBINE_MAX_FLOATS / COMBINE_CHUNK_FLOATS
+    unrolled chunks (4); otherwise a second kernel combines them."""
+    if n_splits == 1:
+        return EPILOGUE_FINAL, 1
+    group_p2, block_splits = triton.next_power_of_2(group), triton.next_power_of_2(n_splits)
+    if not fuse_combine or group_p2 * block_splits * head_dim > FUSED_COMBINE_MAX_FLOATS:
+        return EPILOGUE_PARTIAL, 1
+    per_split = group_p2 * head_dim
+    chunk = max(1, 1 << (COMBINE_CHUNK_FLOATS // per_split).bit_length() >> 1)  # a power of two
+    return EPILOGUE_FUSED, min(block_splits, chunk)
 
 
 # Per-device arrival counters of the fused epilogue, one int32 per (batch, kv head) group; zero
@@ -493,21 +526,20 @@ def decode_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if q.numel() == 0:
         return out
-    if n_splits == 1:
-        epilogue = EPILOGUE_FINAL
+    epilogue, split_chunk = decode_epilogue(n_splits, group, head_dim, fuse_combine)
+    if epilogue == EPILOGUE_FINAL:
         o_part = lse_part = out  # never touched
         counters = cache_seqlens
     else:
-        epilogue = EPILOGUE_FUSED if fuse_combine else EPILOGUE_PARTIAL
         # One allocation for both partial buffers: (B, Hq, n_splits, D) then (B, Hq, n_splits).
         rows = batch * n_q_heads * n_splits
         workspace = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=q.device)
         o_part, lse_part = workspace[: rows * head_dim], workspace[rows * head_dim :]
-        counters = _group_counters(q.device, batch * n_kv_heads) if fuse_combine else cache_seqlens
-    group_p2 = triton.next_power_of_2(group)
-    block_splits = triton.next_power_of_2(n_splits)
-    # Fused combine reads GROUP_P2 x SPLIT_CHUNK x D fp32 per chunk: ~4096 values (32 per thread).
-    split_chunk = min(block_splits, max(1, 1 << (4096 // (group_p2 * head_dim)).bit_length() >> 1))
+        fused = epilogue == EPILOGUE_FUSED
+        counters = _group_counters(q.device, batch * n_kv_heads) if fused else cache_seqlens
+    # Constexprs of the fused combine only; fixed otherwise (no extra compiled variants).
+    fused_shape = (triton.next_power_of_2(group), triton.next_power_of_2(n_splits), split_chunk)
+    group_p2, block_splits, split_chunk = fused_shape if epilogue == EPILOGUE_FUSED else (1, 1, 1)
     _decode_split_kernel[(batch * n_kv_heads, n_splits)](
         q, k_cache, v_cache, cache_seqlens, out, o_part, lse_part, counters,
         q.stride(0), q.stride(1),
@@ -524,7 +556,6 @@ def decode_attention(
     if epilogue == EPILOGUE_PARTIAL:
         _decode_combine_kernel[(batch * n_q_heads,)](
             o_part, lse_part, out, out.stride(0), out.stride(1), n_q_heads, n_splits,
-            HEAD_DIM=head_dim, BLOCK_SPLITS=max(16, block_splits),
-            num_warps=4,
+            HEAD_DIM=head_dim, SPLIT_CHUNK=16, num_warps=4,
         )
     return out

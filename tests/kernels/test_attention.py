@@ -261,7 +261,8 @@ FUSED_CASES = [
     (64, 2, 1, None, 5),     # group 2: SPLIT_CHUNK 32, one chunk
     (128, 8, 1, None, 7),    # group 8: SPLIT_CHUNK 4, two chunks
     (256, 8, 8, 130, 3),     # MHA with a window
-    (256, 32, 1, None, 6),   # MQA, 32 heads: SPLIT_CHUNK 1, six chunks
+    (256, 32, 1, None, 2),   # MQA, 32 heads: SPLIT_CHUNK 1, two chunks
+    (64, 32, 1, None, 6),    # MQA, partials too large for one program: the two-launch combine
     (128, 4, 2, None, 1),    # one split: the program writes the output itself
 ]
 
@@ -302,3 +303,31 @@ def test_decode_group_counters_grow_and_keep_the_old_buffer():
     assert grown.numel() > small.numel() and not grown.any()
     assert any(old is small for old in attention._RETIRED_COUNTERS)  # a captured graph may use it
     assert attention._group_counters(torch.device("cpu"), 5) is grown
+
+
+def test_decode_epilogue_choice_bounds_the_fused_combine():
+    from quantkit.kernels import attention
+
+    assert attention.decode_epilogue(1, 4, 128) == (attention.EPILOGUE_FINAL, 1)
+    assert attention.decode_epilogue(32, 4, 128) == (attention.EPILOGUE_FUSED, 8)  # batch 1, Llama-3-8B
+    assert attention.decode_epilogue(4, 4, 128) == (attention.EPILOGUE_FUSED, 4)   # batch 8
+    assert attention.decode_epilogue(4, 4, 128, fuse_combine=False)[0] == attention.EPILOGUE_PARTIAL
+    assert attention.decode_epilogue(141, 32, 256)[0] == attention.EPILOGUE_PARTIAL  # MQA, many splits
+    for n_splits in range(2, 300):
+        for group in (1, 2, 4, 8, 32):
+            for head_dim in (64, 128, 256):
+                epilogue, chunk = attention.decode_epilogue(n_splits, group, head_dim)
+                if epilogue == attention.EPILOGUE_FUSED:
+                    block_splits = attention.triton.next_power_of_2(n_splits)
+                    assert chunk & (chunk - 1) == 0 and block_splits // chunk <= 4  # bounded unroll
+
+
+def test_decode_two_launch_combine_over_many_split_chunks():
+    from quantkit.kernels import attention
+
+    torch.manual_seed(18)
+    q, k_cache, v_cache = torch.randn(2, 2, 64), torch.randn(2, 1, 1100, 64), torch.randn(2, 1, 1100, 64)
+    seqlens = torch.tensor([1100, 5], dtype=torch.int32)  # 18 splits (two chunks of 16); most empty for b=1
+    out = attention.decode_attention(q, k_cache, v_cache, seqlens, 0.125, n_splits=18, fuse_combine=False)
+    torch.testing.assert_close(out, reference_attention.decode_attention(q, k_cache, v_cache, seqlens, 0.125),
+                               **FP32_TOL)
