@@ -17,8 +17,9 @@ Decode (``decode_attention``): flash-decoding. Phase 1 splits each sequence's ca
 chunks, one program per (batch x kv head, chunk), all query heads of a GQA group at once so each
 key/value is read from memory once; it writes a partial output and its log-sum-exp. Phase 2
 combines the chunks, inside the same launch: the last program of a group to finish (an atomic
-arrival counter) does it, so a decode step is one kernel, not two. The grid depends only on shapes and the cache capacity (or the caller's
-``max_seqlen``), never on the lengths' values, so it captures in a CUDA graph.
+arrival counter) does it, so a decode step is one kernel, not two. The grid depends only on
+shapes and the cache capacity (or the caller's ``max_seqlen``), never on the lengths' values, so
+it captures in a CUDA graph.
 """
 
 from __future__ import annotations
