@@ -21,6 +21,7 @@ attention.png plots TFLOP/s (prefill) and GB/s (decode).
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 from pathlib import Path
@@ -41,10 +42,14 @@ DECODE_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 DECODE_BATCHES = (1, 8)
 
 
+# do_bench_cudagraph's budget per measurement (ms of replays; capture costs about as much again).
+GRAPH_REP_MS = 100
+
+
 def bench_graph_ms(fn) -> float:
     import triton.testing
 
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    return triton.testing.do_bench_cudagraph(fn, rep=GRAPH_REP_MS, return_mode="median")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -99,7 +104,10 @@ def bench_prefill(seq: int, block_config=None, head_dim: int = HEAD_DIM, window=
     return row
 
 
-def bench_decode(batch: int, length: int, block_config=None, n_splits: int | None = None, eager: bool = True) -> dict:
+def bench_decode(batch: int, length: int, block_config=None, n_splits: int | None = None, eager: bool = True,
+                 compare_two_launch: bool = False) -> dict:
+    """One decode point vs SDPA. ``compare_two_launch`` also times the unfused combine (second
+    kernel) and a second (ours, SDPA) pair after it: the A/B and the run-to-run spread, same tensors."""
     gen = torch.Generator(device="cuda").manual_seed(length + batch)
     q = torch.randn(batch, N_Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     k_cache = torch.randn(batch, N_KV_HEADS, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -108,18 +116,19 @@ def bench_decode(batch: int, length: int, block_config=None, n_splits: int | Non
     scale = HEAD_DIM**-0.5
     q4 = q[:, :, None, :]
 
-    def ours():
+    def ours(fuse_combine=True):
         return attention_kernels.decode_attention(q, k_cache, v_cache, seqlens, scale, block_config=block_config,
-                                                  n_splits=n_splits)
+                                                  n_splits=n_splits, fuse_combine=fuse_combine)
 
     def sdpa():
         return F.scaled_dot_product_attention(q4, k_cache, v_cache, enable_gqa=True)
 
-    err = rel_err(ours(), sdpa()[:, :, 0])
+    want = sdpa()[:, :, 0]
+    err = rel_err(ours(), want)
     bytes_read = 2.0 * batch * N_KV_HEADS * length * HEAD_DIM * 2
     ms, sdpa_ms = (bench_ms(ours), bench_ms(sdpa)) if eager else (float("nan"), float("nan"))
     graph_ms, sdpa_graph_ms = bench_graph_ms(ours), bench_graph_ms(sdpa)
-    return {
+    row = {
         "kind": "decode", "batch": batch, "seq": length, "n_q_heads": N_Q_HEADS, "n_kv_heads": N_KV_HEADS,
         "head_dim": HEAD_DIM, "block_config": str(block_config or attention_kernels._decode_config(HEAD_DIM)),
         "n_splits": n_splits or "plan",
@@ -128,6 +137,15 @@ def bench_decode(batch: int, length: int, block_config=None, n_splits: int | Non
         "quantkit_graph_gbps": bytes_read / (graph_ms * 1e-3) / 1e9,
         "sdpa_graph_gbps": bytes_read / (sdpa_graph_ms * 1e-3) / 1e9, "rel_err_vs_sdpa": err,
     }
+    if compare_two_launch:
+        two_launch = functools.partial(ours, fuse_combine=False)
+        row["rel_err_two_launch_vs_sdpa"] = rel_err(two_launch(), want)
+        row["two_launch_graph_ms"] = bench_graph_ms(two_launch)
+        row["quantkit_graph_ms_repeat"] = bench_graph_ms(ours)
+        row["sdpa_graph_ms_repeat"] = bench_graph_ms(sdpa)
+        row["ratio_graph_repeat"] = row["sdpa_graph_ms_repeat"] / row["quantkit_graph_ms_repeat"]
+        row["fused_over_two_launch"] = row["two_launch_graph_ms"] / graph_ms
+    return row
 
 
 def run_attention_checks() -> list[dict]:
@@ -160,6 +178,37 @@ def run_attention_checks() -> list[dict]:
         out = attention_kernels.decode_attention(q, kc, vc, seqlens, d**-0.5, window)
         ref = reference_attention.decode_attention(q.float(), kc.float(), vc.float(), seqlens, d**-0.5, window)
         record(f"decode b{batch} h{hq}x{hkv} d{d} w{window} cap{capacity}", rel_err(out, ref))
+    # The fused combine at the shapes where its tiling differs: 32 splits (batch 1), MQA with 32
+    # heads at d=256 (one split per chunk), one split (no combine), and the two-launch variant.
+    for (batch, hq, hkv, d, capacity, kwargs) in [
+        (1, 32, 8, 128, 32768, {}), (1, 32, 1, 256, 9000, {}), (1, 32, 1, 256, 9000, {"n_splits": 2}),
+        (2, 32, 8, 128, 5000, {"n_splits": 1}),
+        (8, 32, 8, 128, 20000, {"fuse_combine": False}), (1, 32, 8, 128, 32768, {"fuse_combine": False}),
+    ]:
+        seqlens = torch.randint(capacity // 2, capacity + 1, (batch,), device="cuda", dtype=torch.int32)
+        q, kc, vc = randn(batch, hq, d), randn(batch, hkv, capacity, d), randn(batch, hkv, capacity, d)
+        out = attention_kernels.decode_attention(q, kc, vc, seqlens, d**-0.5, **kwargs)
+        ref = reference_attention.decode_attention(q.float(), kc.float(), vc.float(), seqlens, d**-0.5)
+        record(f"decode b{batch} h{hq}x{hkv} d{d} cap{capacity} {kwargs}", rel_err(out, ref))
+    # Replays of one captured graph with new lengths in place: the arrival counters must be back
+    # at zero after every replay, or a later replay combines too early (stale or unwritten partials).
+    batch, capacity = 4, 8192
+    q, kc, vc = randn(batch, 32, 128), randn(batch, 8, capacity, 128), randn(batch, 8, capacity, 128)
+    seqlens = torch.full((batch,), capacity, device="cuda", dtype=torch.int32)
+    attention_kernels.decode_attention(q, kc, vc, seqlens, 0.088)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = attention_kernels.decode_attention(q, kc, vc, seqlens, 0.088)
+    worst = 0.0
+    for replay in range(20):
+        seqlens.copy_(torch.randint(1, capacity + 1, (batch,), device="cuda", dtype=torch.int32))
+        q.copy_(randn(batch, 32, 128))
+        graph.replay()
+        ref = reference_attention.decode_attention(q.float(), kc.float(), vc.float(), seqlens, 0.088)
+        worst = max(worst, rel_err(captured, ref))
+    record("decode graph replays x20 b4 new lengths", worst)
+    counters = attention_kernels._GROUP_COUNTERS[q.device]
+    record("decode arrival counters zero after replays", float(counters.abs().sum().item()), limit=0.5)
     q, k = randn(4, 32, 2048, 128), randn(4, 8, 2048, 128)
     cos, sin = randn(4, 2048, 128), randn(4, 2048, 128)
     got = rope_kernels.apply_rope(q, k, cos, sin)
@@ -231,11 +280,14 @@ def run_attention_benchmark(
               f"err {row['rel_err_vs_sdpa']:.1e}", flush=True)
     for batch in decode_batches:
         for length in decode_lengths:
-            row = bench_decode(batch, length)
+            row = bench_decode(batch, length, compare_two_launch=True)
             rows.append(row)
             print(f"decode B={batch} L={length:6d}: eager {row['quantkit_ms'] * 1e3:7.1f} us vs SDPA "
                   f"{row['sdpa_ms'] * 1e3:7.1f} us ({row['ratio']:.2f}x); graph {row['quantkit_graph_ms'] * 1e3:7.1f} "
                   f"us vs {row['sdpa_graph_ms'] * 1e3:7.1f} us ({row['ratio_graph']:.2f}x), "
-                  f"{row['quantkit_graph_gbps']:6.0f} GB/s, err {row['rel_err_vs_sdpa']:.1e}", flush=True)
+                  f"{row['quantkit_graph_gbps']:6.0f} GB/s, err {row['rel_err_vs_sdpa']:.1e}; two-launch "
+                  f"{row['two_launch_graph_ms'] * 1e3:7.1f} us (fused {row['fused_over_two_launch']:.3f}x); repeat "
+                  f"{row['quantkit_graph_ms_repeat'] * 1e3:7.1f} vs {row['sdpa_graph_ms_repeat'] * 1e3:7.1f} us "
+                  f"({row['ratio_graph_repeat']:.3f}x)", flush=True)
     _write(rows, Path(out_dir), meta, plot)
     return rows

@@ -253,3 +253,81 @@ def test_eager_calls_launch_directly_and_equal_the_registered_ops(monkeypatch):
     flat = lambda t: [y for x in t for y in (x if isinstance(x, tuple) else (x,)) if y is not None]  # noqa: E731
     for a, b in zip(flat(direct), flat(through_ops)):
         assert torch.equal(a, b)
+
+
+# (head_dim, n_q_heads, n_kv_heads, window, n_splits): the fused combine's chunking differs with
+# the group size and head_dim (GROUP_P2 x SPLIT_CHUNK x D ~ 4096): one chunk, several, one split each.
+FUSED_CASES = [
+    (64, 2, 1, None, 5),     # group 2: SPLIT_CHUNK 32, one chunk
+    (128, 8, 1, None, 7),    # group 8: SPLIT_CHUNK 4, two chunks
+    (256, 8, 8, 130, 3),     # MHA with a window
+    (256, 32, 1, None, 2),   # MQA, 32 heads: SPLIT_CHUNK 1, two chunks
+    (64, 32, 1, None, 6),    # MQA, partials too large for one program: the two-launch combine
+    (128, 4, 2, None, 1),    # one split: the program writes the output itself
+]
+
+
+@pytest.mark.parametrize(
+    "head_dim,n_q_heads,n_kv_heads,window,n_splits",
+    FUSED_CASES,
+    ids=[f"d{d}-h{hq}x{hkv}-w{w}-splits{n}" for d, hq, hkv, w, n in FUSED_CASES],
+)
+def test_decode_fused_combine_matches_two_launch_combine_and_twin(
+    head_dim, n_q_heads, n_kv_heads, window, n_splits, poisoned_empty
+):
+    from quantkit.kernels import attention
+
+    torch.manual_seed(head_dim * n_q_heads + n_splits)
+    lengths = [0, 1, 65, 383, 400]  # empty, one key, odd, capacity
+    q = torch.randn(len(lengths), n_q_heads, head_dim)
+    k_cache = torch.randn(len(lengths), n_kv_heads, 400, head_dim)
+    v_cache = torch.randn(len(lengths), n_kv_heads, 400, head_dim)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    twin = reference_attention.decode_attention(q, k_cache, v_cache, seqlens, 0.11, window)
+    for _ in range(2):  # a second call sees the counters the first one left: all reset to zero
+        fused = attention.decode_attention(q, k_cache, v_cache, seqlens, 0.11, window, n_splits=n_splits)
+        two_launch = attention.decode_attention(q, k_cache, v_cache, seqlens, 0.11, window, n_splits=n_splits,
+                                                fuse_combine=False)
+        torch.testing.assert_close(fused, twin, **FP32_TOL)
+        torch.testing.assert_close(two_launch, twin, **FP32_TOL)
+        assert torch.equal(fused[0], torch.zeros_like(fused[0]))
+        assert not attention._group_counters(q.device, 1).any()
+
+
+def test_decode_group_counters_grow_and_keep_the_old_buffer():
+    from quantkit.kernels import attention
+
+    small = attention._group_counters(torch.device("cpu"), 3)
+    assert small.dtype == torch.int32 and not small.any()
+    grown = attention._group_counters(torch.device("cpu"), small.numel() + 1)
+    assert grown.numel() > small.numel() and not grown.any()
+    assert any(old is small for old in attention._RETIRED_COUNTERS)  # a captured graph may use it
+    assert attention._group_counters(torch.device("cpu"), 5) is grown
+
+
+def test_decode_epilogue_choice_bounds_the_fused_combine():
+    from quantkit.kernels import attention
+
+    assert attention.decode_epilogue(1, 4, 128) == (attention.EPILOGUE_FINAL, 1)
+    assert attention.decode_epilogue(32, 4, 128) == (attention.EPILOGUE_FUSED, 8)  # batch 1, Llama-3-8B
+    assert attention.decode_epilogue(4, 4, 128) == (attention.EPILOGUE_FUSED, 4)   # batch 8
+    assert attention.decode_epilogue(4, 4, 128, fuse_combine=False)[0] == attention.EPILOGUE_PARTIAL
+    assert attention.decode_epilogue(141, 32, 256)[0] == attention.EPILOGUE_PARTIAL  # MQA, many splits
+    for n_splits in range(2, 300):
+        for group in (1, 2, 4, 8, 32):
+            for head_dim in (64, 128, 256):
+                epilogue, chunk = attention.decode_epilogue(n_splits, group, head_dim)
+                if epilogue == attention.EPILOGUE_FUSED:
+                    block_splits = attention.triton.next_power_of_2(n_splits)
+                    assert chunk & (chunk - 1) == 0 and block_splits // chunk <= 4  # bounded unroll
+
+
+def test_decode_two_launch_combine_over_many_split_chunks():
+    from quantkit.kernels import attention
+
+    torch.manual_seed(18)
+    q, k_cache, v_cache = torch.randn(2, 2, 64), torch.randn(2, 1, 1100, 64), torch.randn(2, 1, 1100, 64)
+    seqlens = torch.tensor([1100, 5], dtype=torch.int32)  # 18 splits (two chunks of 16); most empty for b=1
+    out = attention.decode_attention(q, k_cache, v_cache, seqlens, 0.125, n_splits=18, fuse_combine=False)
+    torch.testing.assert_close(out, reference_attention.decode_attention(q, k_cache, v_cache, seqlens, 0.125),
+                               **FP32_TOL)
