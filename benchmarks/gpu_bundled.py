@@ -73,14 +73,16 @@ def streaming_check(tokenizer, blocks: torch.Tensor) -> dict:
     # Upper bound of one block's GPTQ Hessians (layers reading the same input share one); read
     # before quantizing, which replaces the Linears.
     hessians = max(sum(4 * m.in_features ** 2 for m in b.modules() if isinstance(m, torch.nn.Linear)) for b in stack)
-    resident = copy.deepcopy(host).cuda()
+    resident = copy.deepcopy(host)  # moved to the GPU only after the streamed run is measured
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     start = time.perf_counter()
     quantkit.quantize(host, config, blocks, progress=False, offload_device="cuda")
     streamed_s = time.perf_counter() - start
-    streamed_peak = torch.cuda.max_memory_allocated()
+    streamed_peak = torch.cuda.max_memory_allocated() - before
+    resident = resident.cuda()
     assert all(p.device.type == "cpu" for p in host.parameters()), "the streamed model must end in host memory"
 
     torch.cuda.reset_peak_memory_stats()
