@@ -42,7 +42,8 @@ import triton.testing
 
 from quantkit.kernels import gemm_tma
 from quantkit.kernels.gemm_epilogue import apply_activation, dequant_epilogue, dot_accumulate, grouped_tile
-from quantkit.kernels.quant import cast_for_store, is_interpreted
+from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, config_dict
+from quantkit.kernels.quant import cast_for_store
 from quantkit.kernels.reference import ACTIVATIONS, INT8_MAX, QUANT_DTYPES
 
 ACTIVATION_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}  # none=0 relu=1 silu=2 gelu=3 gelu_tanh=4
@@ -309,13 +310,8 @@ def check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype, ga
     return M, N, K
 
 
-def _is_vector_scale(scale: torch.Tensor, length: int) -> bool:
-    # A 1-element scale is a broadcast scalar even when length == 1 (same result either way).
-    return scale.numel() != 1
-
-
 def _check_runnable(a: torch.Tensor) -> None:
-    if a.device.type != "cuda" and not is_interpreted():
+    if a.device.type != "cuda" and not INTERPRETED:
         raise ValueError(
             f"the Triton kernels need CUDA tensors (a is on {a.device}); use backend='torch' on CPU "
             "or set TRITON_INTERPRET=1 before importing quantkit"
@@ -335,26 +331,43 @@ KERNELS = ("auto", "tiled", "persistent")
 PERSISTENT_MIN_M = 1024
 
 
+_TILED = CachedLaunch(_scaled_mm_kernel)
+# Autotuned configs per tuning key, read back from the autotuner after its first run for a key:
+# later calls launch the plain JIT kernel with it (no Autotuner/Heuristics pass per call).
+_TUNED_TILED: dict = {}
+
+
 def _launch_tiled(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, config):
     M, K = a.shape
     N = out.shape[1]
-    args = (a, w, out, a_scale, w_scale, bias if bias is not None else a_scale,
-            M, N, K, m_bucket(M), a.stride(0), w.stride(0), out.stride(0))
-    if is_interpreted() or config is not None:
-        cfg = dict(config or INTERPRETER_CONFIG)
-        num_warps = cfg.pop("num_warps", 4)
-        num_stages = cfg.pop("num_stages", 3)
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-        _scaled_mm_kernel[grid](
-            *args, **flags, GATED=gated, INTERPRETED=is_interpreted(), EVEN_K=K % cfg["BLOCK_K"] == 0,
-            FP8_FAST_ACCUM=fp8_fast_accum, FP8_PROMOTE_K=min(cfg["BLOCK_K"], 128), **cfg,
-            num_warps=num_warps, num_stages=num_stages,
-        )
-    else:
-        def grid(meta):
-            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+    bias_arg = bias if bias is not None else a_scale
+    bucket = m_bucket(M)
+    args = (a, w, out, a_scale, w_scale, bias_arg, M, N, K, bucket, a.stride(0), w.stride(0), out.stride(0))
+    tune_key = (N, K, bucket, gated, fp8_fast_accum, *flags.values(), a.dtype, out.dtype, bias_arg.dtype)
+    if config is None:
+        if INTERPRETED:
+            config = INTERPRETER_CONFIG
+        else:
+            config = _TUNED_TILED.get(tune_key)
+            if config is None:
+                def grid(meta):
+                    return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-        _scaled_mm_autotuned[grid](*args, **flags, GATED=gated, INTERPRETED=False, FP8_FAST_ACCUM=fp8_fast_accum)
+                _scaled_mm_autotuned[grid](*args, **flags, GATED=gated, INTERPRETED=False,
+                                           FP8_FAST_ACCUM=fp8_fast_accum)
+                _TUNED_TILED[tune_key] = config_dict(_scaled_mm_autotuned.best_config)
+                return out
+    cfg = dict(config)
+    num_warps = cfg.pop("num_warps", 4)
+    num_stages = cfg.pop("num_stages", 3)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    constexprs = dict(flags, GATED=gated, INTERPRETED=INTERPRETED, EVEN_K=K % cfg["BLOCK_K"] == 0,
+                      FP8_FAST_ACCUM=fp8_fast_accum, FP8_PROMOTE_K=min(cfg["BLOCK_K"], 128), **cfg)
+    # N, K and the row strides are specialized by value; M and M_BUCKET are do_not_specialize'd
+    # (only their int64-ness matters).
+    key = (tune_key, tuple(cfg.values()), num_warps, num_stages, args[10], args[11], args[12],
+           M >= 2**31, aligned(a, w, out, a_scale, w_scale, bias_arg))
+    _TILED(key, grid, args, constexprs, num_warps, num_stages)
     return out
 
 
@@ -362,15 +375,16 @@ def _pick_kernel(kernel, a, w, out, gated, config) -> str:
     if kernel == "auto" and config is not None:
         # An explicit config names its kernel by its keys (only the persistent one splits its epilogue).
         kernel = "persistent" if "EPILOGUE_SPLIT" in config else "tiled"
-    eligible = not gated and gemm_tma.descriptors_ok(a, w, out)
+    if kernel == "auto":
+        if a.shape[0] < PERSISTENT_MIN_M:
+            return "tiled"
+        return "persistent" if gemm_tma.descriptors_ok(a, w, out) else "tiled"
     if kernel == "persistent":
-        if not eligible:
+        if not gemm_tma.descriptors_ok(a, w, out):
             raise ValueError(
-                "kernel='persistent' needs a non-gated GEMM with 16-byte aligned a, w and out (base pointers and "
-                "row strides; out's row is N * element size bytes): use kernel='auto' or 'tiled'"
+                "kernel='persistent' needs 16-byte aligned a, w and out (base pointers and row strides; out's row "
+                "is N * element size bytes): use kernel='auto' or 'tiled'"
             )
-        return "persistent"
-    if kernel == "auto" and eligible and a.shape[0] >= PERSISTENT_MIN_M:
         return "persistent"
     return "tiled"
 
@@ -388,25 +402,19 @@ def _launch(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, confi
         raise ValueError("K=0: nothing to multiply; the GEMM needs K >= 16")
     is_int8 = a.dtype == torch.int8
     fp8_fast_accum = bool(fp8_fast_accum) and not is_int8  # meaningless for INT8: one compiled variant
+    # A 1-element scale is a broadcast scalar even when M or N == 1 (same result either way).
     flags = dict(
         IS_INT8=is_int8,
-        A_PER_TOKEN=_is_vector_scale(a_scale, M),
-        W_PER_CHANNEL=_is_vector_scale(w_scale, w.shape[0]),
+        A_PER_TOKEN=a_scale.numel() != 1,
+        W_PER_CHANNEL=w_scale.numel() != 1,
         HAS_BIAS=bias is not None,
         ACTIVATION=ACTIVATION_CODES[activation],
         RAW_ACC=raw_acc,
     )
-
-    def run_tiled():
-        return _launch_tiled(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, config)
-
-    def run_persistent():
-        return gemm_tma.launch_persistent(a, w, out, a_scale, w_scale, bias, flags, m_bucket(M), fp8_fast_accum,
-                                          is_interpreted(), config)
-
     if _pick_kernel(kernel, a, w, out, gated, config) == "persistent":
-        return run_persistent()
-    return run_tiled()
+        return gemm_tma.launch_persistent(a, w, out, a_scale, w_scale, bias, flags, m_bucket(M), fp8_fast_accum,
+                                          INTERPRETED, config, gated=gated)
+    return _launch_tiled(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, config)
 
 
 def _output(out, M, N, dtype, device):
@@ -438,13 +446,16 @@ def scaled_mm(a, w, a_scale, w_scale, bias=None, activation="none", out_dtype=to
 
 
 def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype=torch.bfloat16, config=None,
-                    out=None, fp8_fast_accum: bool = True):
-    """``act(gate) * up`` for a stacked (2N, K) [gate; up] weight -> (M, N), one GEMM, one write (tiled kernel)."""
+                    out=None, fp8_fast_accum: bool = True, kernel: str = "auto"):
+    """``act(gate) * up`` for a stacked (2N, K) [gate; up] weight -> (M, N), one GEMM, one write.
+
+    ``kernel`` as for ``scaled_mm``: "auto" takes the persistent TMA kernel from PERSISTENT_MIN_M rows.
+    """
     M, N, _ = check_scaled_mm_args(a, w_gate_up, a_scale, w_scale, None, activation, out_dtype, gated=True)
     _check_runnable(a)
     out = _output(out, M, N, out_dtype, a.device)
     return _launch(a, w_gate_up, a_scale, w_scale, None, out, activation, gated=True, raw_acc=False, config=config,
-                   fp8_fast_accum=fp8_fast_accum, kernel="tiled")
+                   fp8_fast_accum=fp8_fast_accum, kernel=kernel)
 
 
 def int8_matmul_accumulator(a, w, config=None, out=None, kernel="auto"):
