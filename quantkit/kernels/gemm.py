@@ -42,7 +42,7 @@ import triton.testing
 
 from quantkit.kernels import gemm_tma
 from quantkit.kernels.gemm_epilogue import apply_activation, dequant_epilogue, dot_accumulate, grouped_tile
-from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, config_dict
+from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, config_dict, next_power_of_2
 from quantkit.kernels.quant import cast_for_store
 from quantkit.kernels.reference import ACTIVATIONS, INT8_MAX, QUANT_DTYPES
 
@@ -189,7 +189,7 @@ LARGE_M_CONFIGS = [
 
 def m_bucket(M: int) -> int:
     """Autotune key for M: a new batch size retunes only when it crosses a power of two."""
-    return triton.next_power_of_2(max(1, min(M, 4096)))
+    return next_power_of_2(max(1, min(M, 4096)))
 
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -327,7 +327,9 @@ KERNELS = ("auto", "tiled", "persistent")
 # kernel="auto" takes the persistent TMA kernel from this M on (measured on an H100 at
 # M = 1024 and 4096, all four Llama-3-8B shapes, INT8 and both FP8 modes: persistent 2-15 %
 # faster than tiled everywhere); below it the GEMM is partly weight-bandwidth bound and the
-# tiled kernel's small/medium-M configs apply.
+# tiled kernel's small/medium-M configs apply. The gated GEMM takes it for INT8 only (H100,
+# gate_up 2 x 14336 x 4096, M = 1024 / 4096 / 8192: INT8 persistent 6-9 % faster than tiled,
+# FP8 persistent 5-13 % slower; benchmarks/NOTES-gemm.md, session 3).
 PERSISTENT_MIN_M = 1024
 
 
@@ -335,39 +337,48 @@ _TILED = CachedLaunch(_scaled_mm_kernel)
 # Autotuned configs per tuning key, read back from the autotuner after its first run for a key:
 # later calls launch the plain JIT kernel with it (no Autotuner/Heuristics pass per call).
 _TUNED_TILED: dict = {}
+# Per tuning key, everything a launch with the tuned config needs (built once).
+_TILED_PLANS: dict = {}
+# Order of the epilogue flags in the tuple _launch builds (kernel parameter names).
+FLAG_NAMES = ("IS_INT8", "A_PER_TOKEN", "W_PER_CHANNEL", "HAS_BIAS", "ACTIVATION", "RAW_ACC")
 
 
-def _launch_tiled(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, config):
+def _tiled_plan(config: dict, flags: tuple, gated: bool, fp8_fast_accum: bool, K: int) -> tuple:
+    cfg = dict(config)
+    num_warps = cfg.pop("num_warps", 4)
+    num_stages = cfg.pop("num_stages", 3)
+    constexprs = dict(zip(FLAG_NAMES, flags), GATED=gated, INTERPRETED=INTERPRETED, EVEN_K=K % cfg["BLOCK_K"] == 0,
+                      FP8_FAST_ACCUM=fp8_fast_accum, FP8_PROMOTE_K=min(cfg["BLOCK_K"], 128), **cfg)
+    return cfg["BLOCK_M"], cfg["BLOCK_N"], constexprs, num_warps, num_stages, (*cfg.values(), num_warps, num_stages)
+
+
+def _launch_tiled(a, w, out, a_scale, w_scale, bias, flags: tuple, gated, fp8_fast_accum, config):
     M, K = a.shape
     N = out.shape[1]
     bias_arg = bias if bias is not None else a_scale
     bucket = m_bucket(M)
     args = (a, w, out, a_scale, w_scale, bias_arg, M, N, K, bucket, a.stride(0), w.stride(0), out.stride(0))
-    tune_key = (N, K, bucket, gated, fp8_fast_accum, *flags.values(), a.dtype, out.dtype, bias_arg.dtype)
-    if config is None:
-        if INTERPRETED:
-            config = INTERPRETER_CONFIG
-        else:
+    tune_key = (N, K, bucket, gated, fp8_fast_accum, flags, a.dtype, out.dtype, bias_arg.dtype)
+    if config is None and not INTERPRETED:
+        plan = _TILED_PLANS.get(tune_key)
+        if plan is None:
             config = _TUNED_TILED.get(tune_key)
             if config is None:
                 def grid(meta):
-                    return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+                    return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)
 
-                _scaled_mm_autotuned[grid](*args, **flags, GATED=gated, INTERPRETED=False,
+                _scaled_mm_autotuned[grid](*args, **dict(zip(FLAG_NAMES, flags)), GATED=gated, INTERPRETED=False,
                                            FP8_FAST_ACCUM=fp8_fast_accum)
                 _TUNED_TILED[tune_key] = config_dict(_scaled_mm_autotuned.best_config)
                 return out
-    cfg = dict(config)
-    num_warps = cfg.pop("num_warps", 4)
-    num_stages = cfg.pop("num_stages", 3)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-    constexprs = dict(flags, GATED=gated, INTERPRETED=INTERPRETED, EVEN_K=K % cfg["BLOCK_K"] == 0,
-                      FP8_FAST_ACCUM=fp8_fast_accum, FP8_PROMOTE_K=min(cfg["BLOCK_K"], 128), **cfg)
-    # N, K and the row strides are specialized by value; M and M_BUCKET are do_not_specialize'd
-    # (only their int64-ness matters).
-    key = (tune_key, tuple(cfg.values()), num_warps, num_stages, args[10], args[11], args[12],
-           M >= 2**31, aligned(a, w, out, a_scale, w_scale, bias_arg))
-    _TILED(key, grid, args, constexprs, num_warps, num_stages)
+            plan = _TILED_PLANS[tune_key] = _tiled_plan(config, flags, gated, fp8_fast_accum, K)
+    else:
+        plan = _tiled_plan(config or INTERPRETER_CONFIG, flags, gated, fp8_fast_accum, K)
+    block_m, block_n, constexprs, num_warps, num_stages, config_key = plan
+    # N, K and the row strides are specialized by value (N and K are in tune_key); M and
+    # M_BUCKET are do_not_specialize'd (only their int64-ness matters).
+    key = (tune_key, config_key, args[10], args[11], args[12], M >= 2**31, aligned(a, w, out, a_scale, w_scale, bias_arg))
+    _TILED(key, (cdiv(M, block_m) * cdiv(N, block_n),), args, constexprs, num_warps, num_stages)
     return out
 
 
@@ -376,7 +387,7 @@ def _pick_kernel(kernel, a, w, out, gated, config) -> str:
         # An explicit config names its kernel by its keys (only the persistent one splits its epilogue).
         kernel = "persistent" if "EPILOGUE_SPLIT" in config else "tiled"
     if kernel == "auto":
-        if a.shape[0] < PERSISTENT_MIN_M:
+        if a.shape[0] < PERSISTENT_MIN_M or (gated and a.dtype != torch.int8):
             return "tiled"
         return "persistent" if gemm_tma.descriptors_ok(a, w, out) else "tiled"
     if kernel == "persistent":
@@ -402,15 +413,10 @@ def _launch(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, confi
         raise ValueError("K=0: nothing to multiply; the GEMM needs K >= 16")
     is_int8 = a.dtype == torch.int8
     fp8_fast_accum = bool(fp8_fast_accum) and not is_int8  # meaningless for INT8: one compiled variant
-    # A 1-element scale is a broadcast scalar even when M or N == 1 (same result either way).
-    flags = dict(
-        IS_INT8=is_int8,
-        A_PER_TOKEN=a_scale.numel() != 1,
-        W_PER_CHANNEL=w_scale.numel() != 1,
-        HAS_BIAS=bias is not None,
-        ACTIVATION=ACTIVATION_CODES[activation],
-        RAW_ACC=raw_acc,
-    )
+    # In FLAG_NAMES order. A 1-element scale is a broadcast scalar even when M or N == 1 (same
+    # result either way).
+    flags = (is_int8, a_scale.numel() != 1, w_scale.numel() != 1, bias is not None, ACTIVATION_CODES[activation],
+             raw_acc)
     if _pick_kernel(kernel, a, w, out, gated, config) == "persistent":
         return gemm_tma.launch_persistent(a, w, out, a_scale, w_scale, bias, flags, m_bucket(M), fp8_fast_accum,
                                           INTERPRETED, config, gated=gated)
@@ -449,7 +455,8 @@ def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype
                     out=None, fp8_fast_accum: bool = True, kernel: str = "auto"):
     """``act(gate) * up`` for a stacked (2N, K) [gate; up] weight -> (M, N), one GEMM, one write.
 
-    ``kernel`` as for ``scaled_mm``: "auto" takes the persistent TMA kernel from PERSISTENT_MIN_M rows.
+    ``kernel`` as for ``scaled_mm``: "auto" takes the persistent TMA kernel from PERSISTENT_MIN_M rows
+    for INT8 (for FP8 the tiled kernel measured faster).
     """
     M, N, _ = check_scaled_mm_args(a, w_gate_up, a_scale, w_scale, None, activation, out_dtype, gated=True)
     _check_runnable(a)

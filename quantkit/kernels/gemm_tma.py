@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from quantkit.kernels.launch import CachedLaunch, aligned, config_dict
+from quantkit.kernels.launch import CachedLaunch, aligned, cdiv, config_dict
 from quantkit.kernels.gemm_epilogue import dequant_epilogue, dot_accumulate, grouped_tile
 from quantkit.kernels.quant import cast_for_store
 
@@ -158,6 +158,10 @@ PERSISTENT_CONFIGS = [
     _cfg(128, 256, 64, 8, 4),
     _cfg(128, 128, 256, 8, 3),
     _cfg(128, 256, 128, 8, 4, group_m=16),
+    # Session 3 (H100, M=1024): 128x128x128 / 4 warps / 5 stages took FP8 6144x4096 from 44.4 to
+    # 40.0 us and INT8 from 52.5 to 50.6 us; 128x256 with GROUP_M=4 was the best FP8 4096x4096.
+    _cfg(128, 128, 128, 4, 5, split=1),
+    _cfg(128, 256, 128, 8, 4, group_m=4),
 ]
 
 # Gated (two accumulators, gate and up, and two weight tiles per K step): 128x128 output tiles
@@ -250,7 +254,8 @@ _MAX_WEIGHT_DESCRIPTORS = 4096
 
 
 def weight_descriptor(w: torch.Tensor, block_n: int, block_k: int) -> _Descriptor:
-    key = (w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), w.dtype, block_n, block_k, w.device.index)
+    # Addresses are unique across devices (unified virtual addressing): no device in the key.
+    key = (w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), w.dtype, block_n, block_k)
     desc = _WEIGHT_DESCRIPTORS.get(key)
     if desc is None:
         if len(_WEIGHT_DESCRIPTORS) >= _MAX_WEIGHT_DESCRIPTORS:
@@ -261,37 +266,13 @@ def weight_descriptor(w: torch.Tensor, block_n: int, block_k: int) -> _Descripto
 
 
 _PERSISTENT = CachedLaunch(_scaled_mm_persistent_kernel)
-# Autotuned config per tuning key (see gemm._TUNED_TILED).
+# Autotuned config per tuning key (see gemm._TUNED_TILED), and per key the launch plan built from it.
 _TUNED: dict = {}
+_PLANS: dict = {}
+FLAG_NAMES = ("IS_INT8", "A_PER_TOKEN", "W_PER_CHANNEL", "HAS_BIAS", "ACTIVATION", "RAW_ACC")
 
 
-def launch_persistent(a, w, out, a_scale, w_scale, bias, flags: dict, m_bucket: int, fp8_fast_accum: bool,
-                      interpreted: bool, config: dict | None = None, gated: bool = False):
-    """Launch the persistent kernel; ``config`` (tiles, warps, stages) bypasses autotuning.
-
-    ``gated``: ``w`` is the stacked (2N, K) [gate; up] weight and ``out`` (M, N) gets act(gate) * up.
-    """
-    M, K = a.shape
-    N = out.shape[1]
-    bias_arg = bias if bias is not None else a_scale
-    sms = INTERPRETER_NUM_SMS if interpreted else num_sms(a.device.index or 0)
-    kernel_flags = dict(
-        IS_INT8=flags["IS_INT8"], A_PER_TOKEN=flags["A_PER_TOKEN"], W_PER_CHANNEL=flags["W_PER_CHANNEL"],
-        HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=flags["ACTIVATION"], RAW_ACC=flags["RAW_ACC"], GATED=gated,
-        OUT_CODE=OUT_CODES[out.dtype], INTERPRETED=interpreted, FP8_FAST_ACCUM=fp8_fast_accum, NUM_SMS=sms,
-    )
-    tune_key = (N, K, m_bucket, *kernel_flags.values(), a.dtype, bias_arg.dtype)
-    if config is None:
-        if interpreted:
-            config = INTERPRETER_CONFIG
-        else:
-            config = _TUNED.get(tune_key)
-            if config is None:
-                tuner = _autotuned(gated)
-                _autotune_and_launch(tuner, a, w, out, a_scale, w_scale, bias_arg, M, N, K, m_bucket, sms,
-                                     kernel_flags)
-                _TUNED[tune_key] = config_dict(tuner.best_config)
-                return out
+def _plan(config: dict, kernel_flags: dict) -> tuple:
     cfg = dict(config)
     num_warps = cfg.pop("num_warps", 4)
     num_stages = cfg.pop("num_stages", 3)
@@ -299,7 +280,42 @@ def launch_persistent(a, w, out, a_scale, w_scale, bias, flags: dict, m_bucket: 
     cfg.setdefault("EPILOGUE_SPLIT", 1)
     cfg.setdefault("WARP_SPECIALIZE", False)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    constexprs = dict(kernel_flags, FP8_PROMOTE_K=min(bk, 128), **cfg)
     out_box = [bm, bn // cfg["EPILOGUE_SPLIT"]]
+    return bm, bn, bk, out_box, constexprs, num_warps, num_stages, (*cfg.values(), num_warps, num_stages)
+
+
+def launch_persistent(a, w, out, a_scale, w_scale, bias, flags: tuple, m_bucket: int, fp8_fast_accum: bool,
+                      interpreted: bool, config: dict | None = None, gated: bool = False):
+    """Launch the persistent kernel; ``config`` (tiles, warps, stages) bypasses autotuning.
+
+    ``flags``: the epilogue flags in FLAG_NAMES order. ``gated``: ``w`` is the stacked (2N, K)
+    [gate; up] weight and ``out`` (M, N) gets act(gate) * up.
+    """
+    M, K = a.shape
+    N = out.shape[1]
+    bias_arg = bias if bias is not None else a_scale
+    tune_key = (N, K, m_bucket, flags, gated, out.dtype, interpreted, fp8_fast_accum, a.dtype, bias_arg.dtype)
+    plan = _PLANS.get(tune_key) if config is None and not interpreted else None
+    if plan is None:
+        sms = INTERPRETER_NUM_SMS if interpreted else num_sms(a.device.index or 0)
+        kernel_flags = dict(zip(FLAG_NAMES, flags), GATED=gated, OUT_CODE=OUT_CODES[out.dtype], INTERPRETED=interpreted,
+                            FP8_FAST_ACCUM=fp8_fast_accum, NUM_SMS=sms)
+        if config is None:
+            if interpreted:
+                config = INTERPRETER_CONFIG
+            else:
+                config = _TUNED.get(tune_key)
+                if config is None:
+                    tuner = _autotuned(gated)
+                    _autotune_and_launch(tuner, a, w, out, a_scale, w_scale, bias_arg, M, N, K, m_bucket, sms,
+                                         kernel_flags)
+                    _TUNED[tune_key] = config_dict(tuner.best_config)
+                    return out
+                plan = _PLANS[tune_key] = _plan(config, kernel_flags)
+        if plan is None:
+            plan = _plan(config, kernel_flags)
+    bm, bn, bk, out_box, constexprs, num_warps, num_stages, config_key = plan
     tail = (a_scale, w_scale, bias_arg, M, N, K, m_bucket)
     args = (_Descriptor(a, [M, K], [a.stride(0), 1], [bm, bk]), weight_descriptor(w, bn, bk),
             _Descriptor(out, [M, N], [out.stride(0), 1], out_box), *tail)
@@ -308,12 +324,11 @@ def launch_persistent(a, w, out, a_scale, w_scale, bias, flags: dict, m_bucket: 
         return (TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
                 TensorDescriptor.from_tensor(out, out_box), *tail)
 
-    constexprs = dict(kernel_flags, FP8_PROMOTE_K=min(bk, 128), **cfg)
     # Descriptors are specialized on dtype and box only; N and K by value; M / M_BUCKET are not
     # specialized (only their int64-ness matters).
-    key = (tune_key, tuple(cfg.values()), num_warps, num_stages, M >= 2**31, aligned(a_scale, w_scale, bias_arg))
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    _PERSISTENT(key, (min(sms, tiles),), args, constexprs, num_warps, num_stages, triton_args=triton_args)
+    key = (tune_key, config_key, M >= 2**31, aligned(a_scale, w_scale, bias_arg))
+    grid = (min(constexprs["NUM_SMS"], cdiv(M, bm) * cdiv(N, bn)),)
+    _PERSISTENT(key, grid, args, constexprs, num_warps, num_stages, triton_args=triton_args)
     return out
 
 
@@ -325,6 +340,6 @@ def _autotune_and_launch(tuner, a, w, out, a_scale, w_scale, bias_arg, M, N, K, 
     out_desc = TensorDescriptor.from_tensor(out, [first["BLOCK_M"], first["BLOCK_N"] // first["EPILOGUE_SPLIT"]])
 
     def grid(meta):
-        return (min(sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+        return (min(sms, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
 
     tuner[grid](a_desc, w_desc, out_desc, a_scale, w_scale, bias_arg, M, N, K, m_bucket, **kernel_flags)

@@ -40,9 +40,24 @@ def int_spec(value: int) -> tuple[bool, bool, bool]:
     return value == 1, value % 16 == 0, not -(2**31) <= value < 2**31
 
 
-def aligned(*tensors) -> tuple[bool, ...]:
-    """16-byte alignment of each pointer (triton specializes pointers on it)."""
-    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
+def aligned(*tensors) -> int:
+    """Bit i set when pointer i is not 16-byte aligned (triton specializes pointers on it)."""
+    bits = 0
+    for i, t in enumerate(tensors):
+        if t.data_ptr() % 16:
+            bits |= 1 << i
+    return bits
+
+
+# Plain-Python twins of triton.cdiv / triton.next_power_of_2 for the launchers: triton's are
+# ``constexpr_function`` wrappers (usable inside kernels) that cost microseconds per host call.
+def cdiv(x: int, y: int) -> int:
+    return -(-x // y)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n, for n >= 1."""
+    return 1 << (n - 1).bit_length()
 
 
 def _hook_active(hook) -> bool:

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.launch import INTERPRETED as _INTERPRETED
-from quantkit.kernels.launch import CachedLaunch, aligned, int_spec
+from quantkit.kernels.launch import CachedLaunch, aligned, cdiv, int_spec, next_power_of_2
 from quantkit.kernels.reference_attention import check_norm_inputs
 
 
@@ -71,7 +71,7 @@ _LAYER_NORM = CachedLaunch(_layer_norm_kernel)
 def _launch_shape(x: torch.Tensor) -> tuple[int, int, int, int, int]:
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_power_of_2(n_cols)
     # Interpreter cost is per program: many rows each. On the GPU one row a program is enough
     # once rows are long; short rows share a program so that each moves a useful tile.
     block_m = 16 if _INTERPRETED else max(1, min(16, 4096 // block_n))
@@ -94,7 +94,7 @@ def rms_norm(
         res_out_arg = res_out if res_out is not None else y
         key = (x.dtype, weight.dtype, residual is not None, n_cols, int_spec(n_rows), block_m, block_n, num_warps,
                aligned(x, res_arg, weight, y, res_out_arg))
-        _RMS_NORM(key, (triton.cdiv(n_rows, block_m),),
+        _RMS_NORM(key, (cdiv(n_rows, block_m),),
                   (x, res_arg, weight, y, res_out_arg, n_rows, n_cols, float(eps), float(offset)),
                   dict(HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n), num_warps, 3)
     return y, res_out
@@ -116,7 +116,7 @@ def layer_norm(
         res_out_arg = res_out if res_out is not None else y
         key = (x.dtype, weight.dtype, bias_arg.dtype, residual is not None, bias is not None, n_cols, int_spec(n_rows),
                block_m, block_n, num_warps, aligned(x, res_arg, weight, bias_arg, y, res_out_arg))
-        _LAYER_NORM(key, (triton.cdiv(n_rows, block_m),),
+        _LAYER_NORM(key, (cdiv(n_rows, block_m),),
                     (x, res_arg, weight, bias_arg, y, res_out_arg, n_rows, n_cols, float(eps)),
                     dict(HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m,
                          BLOCK_N=block_n), num_warps, 3)

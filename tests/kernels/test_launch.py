@@ -119,7 +119,17 @@ def test_int_spec_and_alignment():
     assert launch.int_spec(32) == (False, True, False)
     assert launch.int_spec(2**31) == (False, True, True)
     base = torch.empty(64, dtype=torch.int8)
-    assert launch.aligned(base, base[1:]) == (base.data_ptr() % 16 == 0, False)
+    assert base.data_ptr() % 16 == 0
+    assert launch.aligned(base, base[1:], base[16:]) == 0b010
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 16, 17, 1000, 4096, 14336])
+def test_host_cdiv_and_next_power_of_2_equal_tritons(n):
+    import triton
+
+    assert launch.next_power_of_2(n) == triton.next_power_of_2(n)
+    for d in (1, 3, 16, 128):
+        assert launch.cdiv(n, d) == triton.cdiv(n, d)
 
 
 def test_weight_descriptor_is_cached_per_layout_and_holds_no_reference():
