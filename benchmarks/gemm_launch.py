@@ -257,6 +257,9 @@ EXTRA_CONFIGS = {
 }
 
 
+AUTO_ONLY = False
+
+
 def config_point(M, N, K, timer):
     rows = []
     x, w_bf16, *_ = _q_operands(M, N, K, torch.int8)
@@ -272,8 +275,14 @@ def config_point(M, N, K, timer):
             t_base = timer(fn)
             rows.append({**base, "op": "torch._scaled_mm_fast", "ms": t_base})
         else:
+            def int_mm():
+                acc = torch._int_mm(a, w.t())
+                return (acc.float() * sa.view(-1, 1) * sw.view(1, -1)).to(torch.bfloat16)
+
             t_base = None
-        for name, cfg in [("auto", None)] + list(EXTRA_CONFIGS.items()):
+            t_int_mm = timer(int_mm)
+            rows.append({**base, "op": "torch._int_mm+epilogue", "ms": t_int_mm})
+        for name, cfg in [("auto", None)] + ([] if AUTO_ONLY else list(EXTRA_CONFIGS.items())):
             def ours(cfg=cfg):
                 return gemm.scaled_mm(a, w, sa, sw, None, "none", torch.bfloat16, config=cfg,
                                       kernel="auto" if cfg is None else "persistent")
@@ -287,6 +296,8 @@ def config_point(M, N, K, timer):
             row = {**base, "op": f"{dtype_name}_{name}", "ms": ms, "rel_err": err, "x_bf16": t_bf16 / ms}
             if t_base:
                 row["x_scaled_mm_fast"] = t_base / ms
+            else:
+                row["x_int_mm"] = t_int_mm / ms
             rows.append(row)
             print(f"cfg M={M} {N}x{K} {row['op']:34s} {ms*1e3:7.1f} us  x{row['x_bf16']:.2f} bf16"
                   + (f"  x{row['x_scaled_mm_fast']:.2f} _scaled_mm" if t_base else "") + f"  err {err:.1e}",
@@ -299,7 +310,12 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--deadline", type=float, default=380.0)
     parser.add_argument("--skip", default="")
+    parser.add_argument("--auto-only", action="store_true", help="configs part: kernel='auto' only, all 4 shapes")
     args = parser.parse_args()
+    global AUTO_ONLY
+    AUTO_ONLY = args.auto_only
+    config_shapes = (((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)) if args.auto_only
+                     else ((4096, 4096), (6144, 4096)))
     skip = set(args.skip.split(","))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -317,7 +333,7 @@ def main():
         ("host", host_times),
         ("gated", lambda: [r for M in (1024, 4096, 8192) if left(args.deadline) > 60
                            for r in gated_point(M, 14336, 4096, bench_graph_ms)]),
-        ("configs", lambda: [r for N, K in ((4096, 4096), (6144, 4096)) if left(args.deadline) > 40
+        ("configs", lambda: [r for N, K in config_shapes if left(args.deadline) > 40
                              for r in config_point(1024, N, K, bench_graph_ms)]),
     ]
     for name, part in parts:
