@@ -16,9 +16,12 @@ Layers: ``_scaled_mm_kernel`` (@triton.jit) -> ``scaled_mm`` / ``gated_scaled_mm
 
 Two kernels: this file's tiled kernel (one program per output tile, pointer loads, the gated
 variant, every M) and the persistent TMA kernel of ``gemm_tma.py`` (large M). For
-M >= PERSISTENT_MIN_M (and 16-byte aligned operands), ``kernel="auto"`` takes the persistent one.
+M >= PERSISTENT_MIN_M (and 16-byte aligned operands), ``kernel="auto"`` takes the persistent one
+(the gated GEMM: for INT8 only, see PERSISTENT_MIN_M).
 
-Tuning: autotuned over a few configs per M bucket (key N, K, M_BUCKET) on the GPU; decode sizes
+Tuning: autotuned over a few configs per M bucket (key N, K, M_BUCKET) on the GPU, once per key:
+the chosen config is then cached with a launch plan and the compiled kernel is launched directly
+(``launch.CachedLaunch``: no autotuner or JIT binding pass per eager call); decode sizes
 (M <= 16) get GEMV-like configs (a 16-row tile, narrow N tiles, long K tiles, deep pipelines) so
 that enough programs stream the weight to saturate memory bandwidth. Under the interpreter one
 fixed config is used (autotune with several configs fails there; cost is per program).
@@ -339,8 +342,8 @@ _TILED = CachedLaunch(_scaled_mm_kernel)
 _TUNED_TILED: dict = {}
 # Per tuning key, everything a launch with the tuned config needs (built once).
 _TILED_PLANS: dict = {}
-# Order of the epilogue flags in the tuple _launch builds (kernel parameter names).
-FLAG_NAMES = ("IS_INT8", "A_PER_TOKEN", "W_PER_CHANNEL", "HAS_BIAS", "ACTIVATION", "RAW_ACC")
+# Order of the epilogue flags in the tuple _launch builds (kernel parameter names, both kernels).
+FLAG_NAMES = gemm_tma.FLAG_NAMES
 
 
 def _tiled_plan(config: dict, flags: tuple, gated: bool, fp8_fast_accum: bool, K: int) -> tuple:

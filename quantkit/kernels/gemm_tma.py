@@ -9,7 +9,12 @@ different machinery:
   in L2); the K loop and the tile loop are flattened into one software pipeline, so the loads of
   the next tile are in flight while this tile's epilogue runs;
 - the epilogue optionally stores the tile in two halves (fewer live registers, half the
-  shared-memory staging buffer for the TMA store).
+  shared-memory staging buffer for the TMA store);
+- GATED: the stacked [gate; up] weight, gate rows n and up rows N + n loaded per K step into two
+  accumulators, ``act(gate) * up`` in the tiled kernel's arithmetic.
+
+Eager launches go through ``launch.CachedLaunch`` with light descriptor objects (the weight's
+cached by layout); triton's own path, on a key's first call, gets real ``TensorDescriptor``s.
 
 Host descriptors (not ``tl.make_tensor_descriptor``) because device-built ones need a global
 scratch allocator (``triton.set_allocator``); both work on triton 3.6 (GPU) and the 3.9

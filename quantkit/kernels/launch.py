@@ -13,8 +13,10 @@ stream, the function handle, the packed metadata, hooks, then every bound argume
 order, constexprs included: ``JITFunction.run`` and ``CompiledKernel[grid]`` on triton 3.6 and
 3.9). The caller's key must determine the compiled binary: constexprs and launch options, tensor
 dtypes and 16-byte alignment of every pointer, and every integer argument triton specializes
-(its value, or ``int_spec`` of it for ``do_not_specialize`` ones and values that vary per call),
-plus the device. A key a call has never seen goes through triton (compiling if needed).
+(its value, or ``int_spec`` of it for ``do_not_specialize`` ones and values that vary per call);
+``CachedLaunch`` adds the current device. A key a call has never seen goes through triton
+(compiling if needed). Skipped on the cached path: triton's check that module globals a kernel
+read at compile time are unchanged (quantkit's kernels read only constants).
 
 Under the interpreter (``TRITON_INTERPRET=1``, the CPU tests) ``kernel[grid]`` returns no
 compiled kernel, so every call goes through triton; with a profiler's launch hook installed
@@ -119,9 +121,9 @@ class CachedLaunch:
             compiled, tail = entry
             grid_1 = grid[1] if len(grid) > 1 else 1
             grid_2 = grid[2] if len(grid) > 2 else 1
+            # launch metadata, enter hook, exit hook: none (launch_hooks_active() is False).
             compiled.run(grid[0], grid_1, grid_2, self._stream_of(device), compiled.function,
-                         compiled.packed_metadata, None, None, None,
-                         *args, *tail)
+                         compiled.packed_metadata, None, None, None, *args, *tail)
             return
         compiled = self.kernel[grid](*(triton_args() if triton_args else args), **constexprs, num_warps=num_warps,
                                      num_stages=num_stages)
