@@ -192,7 +192,8 @@ def bench_gated_point(M, N, K, dtype_name, activation="silu", device="cuda", tim
 def autotune_choices() -> dict:
     """The autotuner's pick per key, to record which configs won."""
     picks = {}
-    for name, tuner in (("tiled", gemm._scaled_mm_autotuned), ("persistent", gemm_tma._autotuned())):
+    for name, tuner in (("tiled", gemm._scaled_mm_autotuned), ("persistent", gemm_tma._autotuned()),
+                        ("persistent_gated", gemm_tma._autotuned(True))):
         picks.update({f"{name} {key}": str(cfg) for key, cfg in getattr(tuner, "cache", {}).items()})
     return picks
 

@@ -16,9 +16,12 @@ Layers: ``_scaled_mm_kernel`` (@triton.jit) -> ``scaled_mm`` / ``gated_scaled_mm
 
 Two kernels: this file's tiled kernel (one program per output tile, pointer loads, the gated
 variant, every M) and the persistent TMA kernel of ``gemm_tma.py`` (large M). For
-M >= PERSISTENT_MIN_M (and 16-byte aligned operands), ``kernel="auto"`` takes the persistent one.
+M >= PERSISTENT_MIN_M (and 16-byte aligned operands), ``kernel="auto"`` takes the persistent one
+(the gated GEMM: for INT8 only, see PERSISTENT_MIN_M).
 
-Tuning: autotuned over a few configs per M bucket (key N, K, M_BUCKET) on the GPU; decode sizes
+Tuning: autotuned over a few configs per M bucket (key N, K, M_BUCKET) on the GPU, once per key:
+the chosen config is then cached with a launch plan and the compiled kernel is launched directly
+(``launch.CachedLaunch``: no autotuner or JIT binding pass per eager call); decode sizes
 (M <= 16) get GEMV-like configs (a 16-row tile, narrow N tiles, long K tiles, deep pipelines) so
 that enough programs stream the weight to saturate memory bandwidth. Under the interpreter one
 fixed config is used (autotune with several configs fails there; cost is per program).
@@ -42,7 +45,8 @@ import triton.testing
 
 from quantkit.kernels import gemm_tma
 from quantkit.kernels.gemm_epilogue import apply_activation, dequant_epilogue, dot_accumulate, grouped_tile
-from quantkit.kernels.quant import cast_for_store, is_interpreted
+from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, config_dict, next_power_of_2
+from quantkit.kernels.quant import cast_for_store
 from quantkit.kernels.reference import ACTIVATIONS, INT8_MAX, QUANT_DTYPES
 
 ACTIVATION_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}  # none=0 relu=1 silu=2 gelu=3 gelu_tanh=4
@@ -188,7 +192,7 @@ LARGE_M_CONFIGS = [
 
 def m_bucket(M: int) -> int:
     """Autotune key for M: a new batch size retunes only when it crosses a power of two."""
-    return triton.next_power_of_2(max(1, min(M, 4096)))
+    return next_power_of_2(max(1, min(M, 4096)))
 
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -309,13 +313,8 @@ def check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype, ga
     return M, N, K
 
 
-def _is_vector_scale(scale: torch.Tensor, length: int) -> bool:
-    # A 1-element scale is a broadcast scalar even when length == 1 (same result either way).
-    return scale.numel() != 1
-
-
 def _check_runnable(a: torch.Tensor) -> None:
-    if a.device.type != "cuda" and not is_interpreted():
+    if a.device.type != "cuda" and not INTERPRETED:
         raise ValueError(
             f"the Triton kernels need CUDA tensors (a is on {a.device}); use backend='torch' on CPU "
             "or set TRITON_INTERPRET=1 before importing quantkit"
@@ -331,30 +330,58 @@ KERNELS = ("auto", "tiled", "persistent")
 # kernel="auto" takes the persistent TMA kernel from this M on (measured on an H100 at
 # M = 1024 and 4096, all four Llama-3-8B shapes, INT8 and both FP8 modes: persistent 2-15 %
 # faster than tiled everywhere); below it the GEMM is partly weight-bandwidth bound and the
-# tiled kernel's small/medium-M configs apply.
+# tiled kernel's small/medium-M configs apply. The gated GEMM takes it for INT8 only (H100,
+# gate_up 2 x 14336 x 4096, M = 1024 / 4096 / 8192: INT8 persistent 6-9 % faster than tiled,
+# FP8 persistent 5-13 % slower; benchmarks/NOTES-gemm.md, session 3).
 PERSISTENT_MIN_M = 1024
 
 
-def _launch_tiled(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, config):
+_TILED = CachedLaunch(_scaled_mm_kernel)
+# Autotuned configs per tuning key, read back from the autotuner after its first run for a key:
+# later calls launch the plain JIT kernel with it (no Autotuner/Heuristics pass per call).
+_TUNED_TILED: dict = {}
+# Per tuning key, everything a launch with the tuned config needs (built once).
+_TILED_PLANS: dict = {}
+# Order of the epilogue flags in the tuple _launch builds (kernel parameter names, both kernels).
+FLAG_NAMES = gemm_tma.FLAG_NAMES
+
+
+def _tiled_plan(config: dict, flags: tuple, gated: bool, fp8_fast_accum: bool, K: int) -> tuple:
+    cfg = dict(config)
+    num_warps = cfg.pop("num_warps", 4)
+    num_stages = cfg.pop("num_stages", 3)
+    constexprs = dict(zip(FLAG_NAMES, flags), GATED=gated, INTERPRETED=INTERPRETED, EVEN_K=K % cfg["BLOCK_K"] == 0,
+                      FP8_FAST_ACCUM=fp8_fast_accum, FP8_PROMOTE_K=min(cfg["BLOCK_K"], 128), **cfg)
+    return cfg["BLOCK_M"], cfg["BLOCK_N"], constexprs, num_warps, num_stages, (*cfg.values(), num_warps, num_stages)
+
+
+def _launch_tiled(a, w, out, a_scale, w_scale, bias, flags: tuple, gated, fp8_fast_accum, config):
     M, K = a.shape
     N = out.shape[1]
-    args = (a, w, out, a_scale, w_scale, bias if bias is not None else a_scale,
-            M, N, K, m_bucket(M), a.stride(0), w.stride(0), out.stride(0))
-    if is_interpreted() or config is not None:
-        cfg = dict(config or INTERPRETER_CONFIG)
-        num_warps = cfg.pop("num_warps", 4)
-        num_stages = cfg.pop("num_stages", 3)
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-        _scaled_mm_kernel[grid](
-            *args, **flags, GATED=gated, INTERPRETED=is_interpreted(), EVEN_K=K % cfg["BLOCK_K"] == 0,
-            FP8_FAST_ACCUM=fp8_fast_accum, FP8_PROMOTE_K=min(cfg["BLOCK_K"], 128), **cfg,
-            num_warps=num_warps, num_stages=num_stages,
-        )
-    else:
-        def grid(meta):
-            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+    bias_arg = bias if bias is not None else a_scale
+    bucket = m_bucket(M)
+    args = (a, w, out, a_scale, w_scale, bias_arg, M, N, K, bucket, a.stride(0), w.stride(0), out.stride(0))
+    tune_key = (N, K, bucket, gated, fp8_fast_accum, flags, a.dtype, out.dtype, bias_arg.dtype)
+    if config is None and not INTERPRETED:
+        plan = _TILED_PLANS.get(tune_key)
+        if plan is None:
+            config = _TUNED_TILED.get(tune_key)
+            if config is None:
+                def grid(meta):
+                    return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)
 
-        _scaled_mm_autotuned[grid](*args, **flags, GATED=gated, INTERPRETED=False, FP8_FAST_ACCUM=fp8_fast_accum)
+                _scaled_mm_autotuned[grid](*args, **dict(zip(FLAG_NAMES, flags)), GATED=gated, INTERPRETED=False,
+                                           FP8_FAST_ACCUM=fp8_fast_accum)
+                _TUNED_TILED[tune_key] = config_dict(_scaled_mm_autotuned.best_config)
+                return out
+            plan = _TILED_PLANS[tune_key] = _tiled_plan(config, flags, gated, fp8_fast_accum, K)
+    else:
+        plan = _tiled_plan(config or INTERPRETER_CONFIG, flags, gated, fp8_fast_accum, K)
+    block_m, block_n, constexprs, num_warps, num_stages, config_key = plan
+    # N, K and the row strides are specialized by value (N and K are in tune_key); M and
+    # M_BUCKET are do_not_specialize'd (only their int64-ness matters).
+    key = (tune_key, config_key, args[10], args[11], args[12], M >= 2**31, aligned(a, w, out, a_scale, w_scale, bias_arg))
+    _TILED(key, (cdiv(M, block_m) * cdiv(N, block_n),), args, constexprs, num_warps, num_stages)
     return out
 
 
@@ -362,15 +389,16 @@ def _pick_kernel(kernel, a, w, out, gated, config) -> str:
     if kernel == "auto" and config is not None:
         # An explicit config names its kernel by its keys (only the persistent one splits its epilogue).
         kernel = "persistent" if "EPILOGUE_SPLIT" in config else "tiled"
-    eligible = not gated and gemm_tma.descriptors_ok(a, w, out)
+    if kernel == "auto":
+        if a.shape[0] < PERSISTENT_MIN_M or (gated and a.dtype != torch.int8):
+            return "tiled"
+        return "persistent" if gemm_tma.descriptors_ok(a, w, out) else "tiled"
     if kernel == "persistent":
-        if not eligible:
+        if not gemm_tma.descriptors_ok(a, w, out):
             raise ValueError(
-                "kernel='persistent' needs a non-gated GEMM with 16-byte aligned a, w and out (base pointers and "
-                "row strides; out's row is N * element size bytes): use kernel='auto' or 'tiled'"
+                "kernel='persistent' needs 16-byte aligned a, w and out (base pointers and row strides; out's row "
+                "is N * element size bytes): use kernel='auto' or 'tiled'"
             )
-        return "persistent"
-    if kernel == "auto" and eligible and a.shape[0] >= PERSISTENT_MIN_M:
         return "persistent"
     return "tiled"
 
@@ -388,25 +416,14 @@ def _launch(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, confi
         raise ValueError("K=0: nothing to multiply; the GEMM needs K >= 16")
     is_int8 = a.dtype == torch.int8
     fp8_fast_accum = bool(fp8_fast_accum) and not is_int8  # meaningless for INT8: one compiled variant
-    flags = dict(
-        IS_INT8=is_int8,
-        A_PER_TOKEN=_is_vector_scale(a_scale, M),
-        W_PER_CHANNEL=_is_vector_scale(w_scale, w.shape[0]),
-        HAS_BIAS=bias is not None,
-        ACTIVATION=ACTIVATION_CODES[activation],
-        RAW_ACC=raw_acc,
-    )
-
-    def run_tiled():
-        return _launch_tiled(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, config)
-
-    def run_persistent():
-        return gemm_tma.launch_persistent(a, w, out, a_scale, w_scale, bias, flags, m_bucket(M), fp8_fast_accum,
-                                          is_interpreted(), config)
-
+    # In FLAG_NAMES order. A 1-element scale is a broadcast scalar even when M or N == 1 (same
+    # result either way).
+    flags = (is_int8, a_scale.numel() != 1, w_scale.numel() != 1, bias is not None, ACTIVATION_CODES[activation],
+             raw_acc)
     if _pick_kernel(kernel, a, w, out, gated, config) == "persistent":
-        return run_persistent()
-    return run_tiled()
+        return gemm_tma.launch_persistent(a, w, out, a_scale, w_scale, bias, flags, m_bucket(M), fp8_fast_accum,
+                                          INTERPRETED, config, gated=gated)
+    return _launch_tiled(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, config)
 
 
 def _output(out, M, N, dtype, device):
@@ -438,13 +455,17 @@ def scaled_mm(a, w, a_scale, w_scale, bias=None, activation="none", out_dtype=to
 
 
 def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype=torch.bfloat16, config=None,
-                    out=None, fp8_fast_accum: bool = True):
-    """``act(gate) * up`` for a stacked (2N, K) [gate; up] weight -> (M, N), one GEMM, one write (tiled kernel)."""
+                    out=None, fp8_fast_accum: bool = True, kernel: str = "auto"):
+    """``act(gate) * up`` for a stacked (2N, K) [gate; up] weight -> (M, N), one GEMM, one write.
+
+    ``kernel`` as for ``scaled_mm``: "auto" takes the persistent TMA kernel from PERSISTENT_MIN_M rows
+    for INT8 (for FP8 the tiled kernel measured faster).
+    """
     M, N, _ = check_scaled_mm_args(a, w_gate_up, a_scale, w_scale, None, activation, out_dtype, gated=True)
     _check_runnable(a)
     out = _output(out, M, N, out_dtype, a.device)
     return _launch(a, w_gate_up, a_scale, w_scale, None, out, activation, gated=True, raw_acc=False, config=config,
-                   fp8_fast_accum=fp8_fast_accum, kernel="tiled")
+                   fp8_fast_accum=fp8_fast_accum, kernel=kernel)
 
 
 def int8_matmul_accumulator(a, w, config=None, out=None, kernel="auto"):

@@ -9,7 +9,12 @@ different machinery:
   in L2); the K loop and the tile loop are flattened into one software pipeline, so the loads of
   the next tile are in flight while this tile's epilogue runs;
 - the epilogue optionally stores the tile in two halves (fewer live registers, half the
-  shared-memory staging buffer for the TMA store).
+  shared-memory staging buffer for the TMA store);
+- GATED: the stacked [gate; up] weight, gate rows n and up rows N + n loaded per K step into two
+  accumulators, ``act(gate) * up`` in the tiled kernel's arithmetic.
+
+Eager launches go through ``launch.CachedLaunch`` with light descriptor objects (the weight's
+cached by layout); triton's own path, on a key's first call, gets real ``TensorDescriptor``s.
 
 Host descriptors (not ``tl.make_tensor_descriptor``) because device-built ones need a global
 scratch allocator (``triton.set_allocator``); both work on triton 3.6 (GPU) and the 3.9
@@ -28,6 +33,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from quantkit.kernels.launch import CachedLaunch, aligned, cdiv, config_dict
 from quantkit.kernels.gemm_epilogue import dequant_epilogue, dot_accumulate, grouped_tile
 from quantkit.kernels.quant import cast_for_store
 
@@ -63,6 +69,7 @@ def _scaled_mm_persistent_kernel(
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     RAW_ACC: tl.constexpr,
+    GATED: tl.constexpr,
     OUT_CODE: tl.constexpr,
     INTERPRETED: tl.constexpr,
     FP8_FAST_ACCUM: tl.constexpr,
@@ -89,12 +96,21 @@ def _scaled_mm_persistent_kernel(
         off_wn = pid_n * BLOCK_N
         if IS_INT8:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+            if GATED:
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if GATED:
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             a = a_desc.load([off_am, ki * BLOCK_K])
             w = w_desc.load([off_wn, ki * BLOCK_K])
             acc = dot_accumulate(a, w.T, acc, IS_INT8, FP8_FAST_ACCUM, FP8_PROMOTE_K)
+            if GATED:
+                # The up rows sit N rows below the gate rows in the stacked weight. A gate tile
+                # that runs past N reads up rows: those columns are clipped at the store.
+                w_up = w_desc.load([N + off_wn, ki * BLOCK_K])
+                acc_up = dot_accumulate(a, w_up.T, acc_up, IS_INT8, FP8_FAST_ACCUM, FP8_PROMOTE_K)
 
         tile_id_c += NUM_SMS
         pid_m, pid_n = grouped_tile(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
@@ -108,6 +124,11 @@ def _scaled_mm_persistent_kernel(
             offs_n = off_n + tl.arange(0, BLOCK_N)
             out = dequant_epilogue(acc, offs_m, offs_n, M, N, a_scale_ptr, w_scale_ptr, bias_ptr,
                                    A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, ACTIVATION)
+            if GATED:
+                # act(gate) * up, the tiled kernel's arithmetic (gemm.py), N = output columns.
+                up = dequant_epilogue(acc_up, offs_m, offs_n + N, M, 2 * N, a_scale_ptr, w_scale_ptr, bias_ptr,
+                                      A_PER_TOKEN, W_PER_CHANNEL, False, 0)
+                out = out * up
             _store_tile(out_desc, off_m, off_n, out, OUT_CODE, INTERPRETED, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
 
 
@@ -142,6 +163,21 @@ PERSISTENT_CONFIGS = [
     _cfg(128, 256, 64, 8, 4),
     _cfg(128, 128, 256, 8, 3),
     _cfg(128, 256, 128, 8, 4, group_m=16),
+    # Session 3 (H100, M=1024): 128x128x128 / 4 warps / 5 stages took FP8 6144x4096 from 44.4 to
+    # 40.0 us and INT8 from 52.5 to 50.6 us; 128x256 with GROUP_M=4 was the best FP8 4096x4096.
+    _cfg(128, 128, 128, 4, 5, split=1),
+    _cfg(128, 256, 128, 8, 4, group_m=4),
+]
+
+# Gated (two accumulators, gate and up, and two weight tiles per K step): 128x128 output tiles
+# hold the registers of a 128x256 plain tile; shared memory per stage is A + 2 W tiles.
+GATED_CONFIGS = [
+    _cfg(128, 128, 128, 8, 3),
+    _cfg(128, 128, 128, 8, 4),
+    _cfg(128, 128, 64, 8, 4),
+    _cfg(128, 128, 64, 8, 5),
+    _cfg(128, 64, 128, 4, 4),
+    _cfg(128, 128, 128, 8, 4, group_m=16),
 ]
 
 # Interpreter: few, big tiles (cost is per program) and 3 "SMs", so each program walks several
@@ -160,13 +196,13 @@ def _autotune_bench(fn, quantiles=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _autotuned():
+def _autotuned(gated: bool = False):
     import inspect
 
     extra = {"do_bench": _autotune_bench} if "do_bench" in inspect.signature(triton.autotune).parameters else {}
     return triton.autotune(
-        configs=PERSISTENT_CONFIGS,
-        key=["N", "K", "M_BUCKET", "IS_INT8", "FP8_FAST_ACCUM", "HAS_BIAS", "ACTIVATION", "OUT_CODE"],
+        configs=GATED_CONFIGS if gated else PERSISTENT_CONFIGS,
+        key=["N", "K", "M_BUCKET", "IS_INT8", "FP8_FAST_ACCUM", "HAS_BIAS", "ACTIVATION", "OUT_CODE", "GATED"],
         **extra,
     )(triton.heuristics({"FP8_PROMOTE_K": _fp8_promote_k})(_scaled_mm_persistent_kernel))
 
@@ -185,38 +221,130 @@ def descriptors_ok(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
     )
 
 
-def launch_persistent(a, w, out, a_scale, w_scale, bias, flags: dict, m_bucket: int, fp8_fast_accum: bool,
-                      interpreted: bool, config: dict | None = None):
-    """Launch the persistent kernel; ``config`` (tiles, warps, stages) bypasses autotuning."""
+class _Address:
+    """Stands in for a tensor inside a cached descriptor: the launcher reads only ``data_ptr()``
+    (and the dtype), and the cache must not keep the weight alive."""
+
+    __slots__ = ("address", "dtype")
+
+    def __init__(self, address: int, dtype: torch.dtype) -> None:
+        self.address = address
+        self.dtype = dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+class _Descriptor:
+    """The fields triton's launcher reads from a host ``TensorDescriptor`` (3.6: base, shape,
+    strides, padding; 3.9 adds round_f32_to_tf32), without its per-object validation: used only
+    on the cached launch path, for operands ``descriptors_ok`` already checked."""
+
+    __slots__ = ("base", "shape", "strides", "block_shape", "padding", "round_f32_to_tf32")
+
+    def __init__(self, base, shape, strides, block_shape) -> None:
+        self.base = base
+        self.shape = shape
+        self.strides = strides
+        self.block_shape = block_shape
+        self.padding = "zero"
+        self.round_f32_to_tf32 = False
+
+
+# Weight descriptors by everything a TMA descriptor holds (address, shape, strides, dtype, box):
+# a new weight, or another tensor reusing a freed weight's address with other shapes, gets its
+# own entry, and an entry that matches describes the same bytes. Bounded: cleared when full.
+_WEIGHT_DESCRIPTORS: dict = {}
+_MAX_WEIGHT_DESCRIPTORS = 4096
+
+
+def weight_descriptor(w: torch.Tensor, block_n: int, block_k: int) -> _Descriptor:
+    # Addresses are unique across devices (unified virtual addressing): no device in the key.
+    key = (w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), w.dtype, block_n, block_k)
+    desc = _WEIGHT_DESCRIPTORS.get(key)
+    if desc is None:
+        if len(_WEIGHT_DESCRIPTORS) >= _MAX_WEIGHT_DESCRIPTORS:
+            _WEIGHT_DESCRIPTORS.clear()
+        desc = _Descriptor(_Address(key[0], w.dtype), [w.shape[0], w.shape[1]], [w.stride(0), 1], [block_n, block_k])
+        _WEIGHT_DESCRIPTORS[key] = desc
+    return desc
+
+
+_PERSISTENT = CachedLaunch(_scaled_mm_persistent_kernel)
+# Autotuned config per tuning key (see gemm._TUNED_TILED), and per key the launch plan built from it.
+_TUNED: dict = {}
+_PLANS: dict = {}
+FLAG_NAMES = ("IS_INT8", "A_PER_TOKEN", "W_PER_CHANNEL", "HAS_BIAS", "ACTIVATION", "RAW_ACC")
+
+
+def _plan(config: dict, kernel_flags: dict) -> tuple:
+    cfg = dict(config)
+    num_warps = cfg.pop("num_warps", 4)
+    num_stages = cfg.pop("num_stages", 3)
+    cfg.setdefault("GROUP_M", 8)
+    cfg.setdefault("EPILOGUE_SPLIT", 1)
+    cfg.setdefault("WARP_SPECIALIZE", False)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    constexprs = dict(kernel_flags, FP8_PROMOTE_K=min(bk, 128), **cfg)
+    out_box = [bm, bn // cfg["EPILOGUE_SPLIT"]]
+    return bm, bn, bk, out_box, constexprs, num_warps, num_stages, (*cfg.values(), num_warps, num_stages)
+
+
+def launch_persistent(a, w, out, a_scale, w_scale, bias, flags: tuple, m_bucket: int, fp8_fast_accum: bool,
+                      interpreted: bool, config: dict | None = None, gated: bool = False):
+    """Launch the persistent kernel; ``config`` (tiles, warps, stages) bypasses autotuning.
+
+    ``flags``: the epilogue flags in FLAG_NAMES order. ``gated``: ``w`` is the stacked (2N, K)
+    [gate; up] weight and ``out`` (M, N) gets act(gate) * up.
+    """
     M, K = a.shape
     N = out.shape[1]
-    explicit = interpreted or config is not None
-    cfg = dict(config or INTERPRETER_CONFIG) if explicit else dict(PERSISTENT_CONFIGS[0].kwargs)
-    split = cfg.get("EPILOGUE_SPLIT", 1)
-    a_desc = TensorDescriptor.from_tensor(a, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
-    w_desc = TensorDescriptor.from_tensor(w, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
-    out_desc = TensorDescriptor.from_tensor(out, [cfg["BLOCK_M"], cfg["BLOCK_N"] // split])
-    sms = INTERPRETER_NUM_SMS if interpreted else num_sms(a.device.index or 0)
-    args = (a_desc, w_desc, out_desc, a_scale, w_scale, bias if bias is not None else a_scale, M, N, K, m_bucket)
-    kernel_flags = dict(
-        IS_INT8=flags["IS_INT8"], A_PER_TOKEN=flags["A_PER_TOKEN"], W_PER_CHANNEL=flags["W_PER_CHANNEL"],
-        HAS_BIAS=flags["HAS_BIAS"], ACTIVATION=flags["ACTIVATION"], RAW_ACC=flags["RAW_ACC"],
-        OUT_CODE=OUT_CODES[out.dtype], INTERPRETED=interpreted, FP8_FAST_ACCUM=fp8_fast_accum, NUM_SMS=sms,
-    )
-    if explicit:
-        num_warps = cfg.pop("num_warps", 4)
-        num_stages = cfg.pop("num_stages", 3)
-        cfg.setdefault("GROUP_M", 8)
-        cfg.setdefault("EPILOGUE_SPLIT", 1)
-        cfg.setdefault("WARP_SPECIALIZE", False)
-        tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
-        _scaled_mm_persistent_kernel[(min(sms, tiles),)](
-            *args, **kernel_flags, FP8_PROMOTE_K=min(cfg["BLOCK_K"], 128), **cfg,
-            num_warps=num_warps, num_stages=num_stages,
-        )
-    else:
-        def grid(meta):
-            return (min(sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+    bias_arg = bias if bias is not None else a_scale
+    tune_key = (N, K, m_bucket, flags, gated, out.dtype, interpreted, fp8_fast_accum, a.dtype, bias_arg.dtype)
+    plan = _PLANS.get(tune_key) if config is None and not interpreted else None
+    if plan is None:
+        sms = INTERPRETER_NUM_SMS if interpreted else num_sms(a.device.index or 0)
+        kernel_flags = dict(zip(FLAG_NAMES, flags), GATED=gated, OUT_CODE=OUT_CODES[out.dtype], INTERPRETED=interpreted,
+                            FP8_FAST_ACCUM=fp8_fast_accum, NUM_SMS=sms)
+        if config is None:
+            if interpreted:
+                config = INTERPRETER_CONFIG
+            else:
+                config = _TUNED.get(tune_key)
+                if config is None:
+                    tuner = _autotuned(gated)
+                    _autotune_and_launch(tuner, a, w, out, a_scale, w_scale, bias_arg, M, N, K, m_bucket, sms,
+                                         kernel_flags)
+                    _TUNED[tune_key] = config_dict(tuner.best_config)
+                    return out
+                plan = _PLANS[tune_key] = _plan(config, kernel_flags)
+        if plan is None:
+            plan = _plan(config, kernel_flags)
+    bm, bn, bk, out_box, constexprs, num_warps, num_stages, config_key = plan
+    tail = (a_scale, w_scale, bias_arg, M, N, K, m_bucket)
+    args = (_Descriptor(a, [M, K], [a.stride(0), 1], [bm, bk]), weight_descriptor(w, bn, bk),
+            _Descriptor(out, [M, N], [out.stride(0), 1], out_box), *tail)
 
-        _autotuned()[grid](*args, **kernel_flags)
+    def triton_args():
+        return (TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
+                TensorDescriptor.from_tensor(out, out_box), *tail)
+
+    # Descriptors are specialized on dtype and box only; N and K by value; M / M_BUCKET are not
+    # specialized (only their int64-ness matters).
+    key = (tune_key, config_key, M >= 2**31, aligned(a_scale, w_scale, bias_arg))
+    grid = (min(constexprs["NUM_SMS"], cdiv(M, bm) * cdiv(N, bn)),)
+    _PERSISTENT(key, grid, args, constexprs, num_warps, num_stages, triton_args=triton_args)
     return out
+
+
+def _autotune_and_launch(tuner, a, w, out, a_scale, w_scale, bias_arg, M, N, K, m_bucket, sms, kernel_flags):
+    # The descriptors are built before the autotuner picks a config; each config's pre_hook sets its tiles.
+    first = tuner.configs[0].kwargs
+    a_desc = TensorDescriptor.from_tensor(a, [first["BLOCK_M"], first["BLOCK_K"]])
+    w_desc = TensorDescriptor.from_tensor(w, [first["BLOCK_N"], first["BLOCK_K"]])
+    out_desc = TensorDescriptor.from_tensor(out, [first["BLOCK_M"], first["BLOCK_N"] // first["EPILOGUE_SPLIT"]])
+
+    def grid(meta):
+        return (min(sms, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
+
+    tuner[grid](a_desc, w_desc, out_desc, a_scale, w_scale, bias_arg, M, N, K, m_bucket, **kernel_flags)

@@ -9,15 +9,13 @@ The fused RMSNorm + quantization kernel for quantized layers lives in ``quant.py
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from quantkit.kernels.launch import INTERPRETED as _INTERPRETED
+from quantkit.kernels.launch import CachedLaunch, aligned, cdiv, int_spec, next_power_of_2
 from quantkit.kernels.reference_attention import check_norm_inputs
-
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -66,10 +64,14 @@ def _layer_norm_kernel(
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
+_RMS_NORM = CachedLaunch(_rms_norm_kernel)
+_LAYER_NORM = CachedLaunch(_layer_norm_kernel)
+
+
 def _launch_shape(x: torch.Tensor) -> tuple[int, int, int, int, int]:
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_power_of_2(n_cols)
     # Interpreter cost is per program: many rows each. On the GPU one row a program is enough
     # once rows are long; short rows share a program so that each moves a useful tile.
     block_m = 16 if _INTERPRETED else max(1, min(16, 4096 // block_n))
@@ -88,11 +90,13 @@ def rms_norm(
     res_out = torch.empty_like(x) if residual is not None else None
     n_rows, n_cols, block_m, block_n, num_warps = _launch_shape(x)
     if n_rows:
-        _rms_norm_kernel[(triton.cdiv(n_rows, block_m),)](
-            x, residual if residual is not None else x, weight, y, res_out if res_out is not None else y,
-            n_rows, n_cols, float(eps), float(offset),
-            HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        )
+        res_arg = residual if residual is not None else x
+        res_out_arg = res_out if res_out is not None else y
+        key = (x.dtype, weight.dtype, residual is not None, n_cols, int_spec(n_rows), block_m, block_n, num_warps,
+               aligned(x, res_arg, weight, y, res_out_arg))
+        _RMS_NORM(key, (cdiv(n_rows, block_m),),
+                  (x, res_arg, weight, y, res_out_arg, n_rows, n_cols, float(eps), float(offset)),
+                  dict(HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n), num_warps, 3)
     return y, res_out
 
 
@@ -107,10 +111,13 @@ def layer_norm(
     res_out = torch.empty_like(x) if residual is not None else None
     n_rows, n_cols, block_m, block_n, num_warps = _launch_shape(x)
     if n_rows:
-        _layer_norm_kernel[(triton.cdiv(n_rows, block_m),)](
-            x, residual if residual is not None else x, weight, bias if bias is not None else weight, y,
-            res_out if res_out is not None else y, n_rows, n_cols, float(eps),
-            HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        )
+        res_arg = residual if residual is not None else x
+        bias_arg = bias if bias is not None else weight
+        res_out_arg = res_out if res_out is not None else y
+        key = (x.dtype, weight.dtype, bias_arg.dtype, residual is not None, bias is not None, n_cols, int_spec(n_rows),
+               block_m, block_n, num_warps, aligned(x, res_arg, weight, bias_arg, y, res_out_arg))
+        _LAYER_NORM(key, (cdiv(n_rows, block_m),),
+                    (x, res_arg, weight, bias_arg, y, res_out_arg, n_rows, n_cols, float(eps)),
+                    dict(HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m,
+                         BLOCK_N=block_n), num_warps, 3)
     return y, res_out

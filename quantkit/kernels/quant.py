@@ -13,12 +13,11 @@ some values across a rounding boundary), then rounded half-to-even like ``torch.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, int_spec, next_power_of_2
 from quantkit.kernels.reference import FP8_MAX, INT8_MAX, MIN_SCALE, QUANT_DTYPES, qmax_of
 
 # A whole row stays in registers up to this many elements (one read of the input); longer rows
@@ -34,8 +33,9 @@ FLOAT_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def is_interpreted() -> bool:
-    """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1, read at import:
+    the kernels are defined for one mode or the other)."""
+    return INTERPRETED
 
 
 def tl_dtype_of(dtype: torch.dtype):
@@ -266,6 +266,12 @@ def _rms_norm_quant_chunked_kernel(
     tl.store(scale_ptr + row, scale)
 
 
+_PER_TOKEN = CachedLaunch(_quantize_per_token_kernel)
+_PER_TENSOR = CachedLaunch(_quantize_per_tensor_kernel)
+_RMS_NORM_QUANT = CachedLaunch(_rms_norm_quant_kernel)
+_RMS_NORM_QUANT_CHUNKED = CachedLaunch(_rms_norm_quant_chunked_kernel)
+
+
 # ----------------------------------------------------------------------------------------------
 # Validation (shared by the launchers and the ops' fake implementations: shapes and dtypes only)
 # ----------------------------------------------------------------------------------------------
@@ -310,7 +316,7 @@ def check_rms_norm_args(x, weight, residual) -> None:
 
 
 def _check_runnable(x: torch.Tensor) -> None:
-    if x.device.type != "cuda" and not is_interpreted():
+    if x.device.type != "cuda" and not INTERPRETED:
         raise ValueError(
             f"the Triton kernels need CUDA tensors (x is on {x.device}); use backend='torch' on CPU "
             "or set TRITON_INTERPRET=1 before importing quantkit"
@@ -360,6 +366,23 @@ def rms_norm_launch_config(K: int, has_residual: bool = False) -> dict:
     return {"rows": 1, "num_warps": None, "chunk_k": 0}
 
 
+_PER_TOKEN_PLANS: dict = {}
+
+
+def _per_token_plan(K: int, x_dtype: torch.dtype, dtype: torch.dtype, config: dict | None) -> tuple:
+    cfg = {**per_token_launch_config(K), **(config or {})}
+    single_pass = cfg["single_pass"]
+    block_k = next_power_of_2(K) if single_pass else min(cfg["chunk_k"], next_power_of_2(K))
+    rows = cfg["rows"]
+    num_warps = cfg["num_warps"] or _row_warps(block_k * rows)
+    constexprs = dict(QMAX=qmax_of(dtype), MIN_SCALE_C=MIN_SCALE, IS_FP8=dtype == torch.float8_e4m3fn, BLOCK_K=block_k,
+                      ROWS=rows, SINGLE_PASS=single_pass, KEEP_INPUT_DTYPE=cfg["keep_input_dtype"],
+                      INTERPRETED=INTERPRETED)
+    # Everything the compiled kernel depends on besides the per-call strides, M and alignment.
+    plan_id = (x_dtype, K, *constexprs.values(), num_warps)
+    return rows, constexprs, num_warps, plan_id
+
+
 def quantize_per_token(x: torch.Tensor, dtype: torch.dtype, out=None, out_scale=None,
                        config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) float -> (q (M, K) dtype, scale (M,) fp32); one read of x when K <= 16384.
@@ -377,16 +400,16 @@ def quantize_per_token(x: torch.Tensor, dtype: torch.dtype, out=None, out_scale=
         return q, scale
     if K == 0:
         return q, scale.fill_(MIN_SCALE)
-    cfg = {**per_token_launch_config(K), **(config or {})}
-    single_pass = cfg["single_pass"]
-    block_k = triton.next_power_of_2(K) if single_pass else min(cfg["chunk_k"], triton.next_power_of_2(K))
-    rows = cfg["rows"]
-    _quantize_per_token_kernel[(triton.cdiv(M, rows),)](
-        x, q, scale, M, K, x.stride(0), q.stride(0),
-        QMAX=qmax_of(dtype), MIN_SCALE_C=MIN_SCALE, IS_FP8=dtype == torch.float8_e4m3fn,
-        BLOCK_K=block_k, ROWS=rows, SINGLE_PASS=single_pass, KEEP_INPUT_DTYPE=cfg["keep_input_dtype"],
-        INTERPRETED=is_interpreted(), num_warps=cfg["num_warps"] or _row_warps(block_k * rows),
-    )
+    plan_key = (K, x.dtype, dtype)
+    plan = _PER_TOKEN_PLANS.get(plan_key) if config is None else None
+    if plan is None:
+        plan = _per_token_plan(K, x.dtype, dtype, config)
+        if config is None:
+            _PER_TOKEN_PLANS[plan_key] = plan
+    rows, constexprs, num_warps, plan_id = plan
+    x_stride, q_stride = x.stride(0), q.stride(0)
+    key = (plan_id, x_stride, q_stride, int_spec(M), aligned(x, q, scale))
+    _PER_TOKEN(key, (cdiv(M, rows),), (x, q, scale, M, K, x_stride, q_stride), constexprs, num_warps, 3)
     return q, scale
 
 
@@ -409,12 +432,12 @@ def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     q = _output(out, (M, K), dtype, x.device, "out")
     if M == 0 or K == 0:
         return q
-    block_k = min(CHUNK_K, triton.next_power_of_2(K))
-    _quantize_per_tensor_kernel[(M, triton.cdiv(K, block_k))](
-        x, q, scale, K, x.stride(0), q.stride(0),
-        IS_FP8=dtype == torch.float8_e4m3fn, BLOCK_K=block_k, INTERPRETED=is_interpreted(),
-        num_warps=_row_warps(block_k),
-    )
+    block_k = min(CHUNK_K, next_power_of_2(K))
+    is_fp8 = dtype == torch.float8_e4m3fn
+    num_warps = _row_warps(block_k)
+    key = (x.dtype, is_fp8, K, x.stride(0), q.stride(0), block_k, num_warps, aligned(x, q, scale))
+    _PER_TENSOR(key, (M, cdiv(K, block_k)), (x, q, scale, K, x.stride(0), q.stride(0)),
+                dict(IS_FP8=is_fp8, BLOCK_K=block_k, INTERPRETED=INTERPRETED), num_warps, 3)
     return q
 
 
@@ -445,28 +468,27 @@ def rms_norm_quant_per_token(
         return q, scale, new_residual
     if K == 0:
         return q, scale.fill_(MIN_SCALE), new_residual
-    block_k = triton.next_power_of_2(K)
+    block_k = next_power_of_2(K)
     cfg = {**rms_norm_launch_config(K, residual is not None), **(config or {})}
     # Unused pointers still need a tensor; x itself is a harmless stand-in.
     residual_arg = residual if residual is not None else x
     new_residual_arg = new_residual if new_residual is not None else x
+    is_fp8 = dtype == torch.float8_e4m3fn
+    has_residual = residual is not None
+    args = (x, residual_arg, new_residual_arg, weight, q, scale, M, K, x.stride(0), residual_arg.stride(0),
+            new_residual_arg.stride(0), q.stride(0), float(eps), float(offset))
+    constexprs = dict(QMAX=qmax_of(dtype), MIN_SCALE_C=MIN_SCALE, IS_FP8=is_fp8, HAS_RESIDUAL=has_residual)
     if cfg["chunk_k"]:
         block_k = min(cfg["chunk_k"], block_k)
-        _rms_norm_quant_chunked_kernel[(M,)](
-            x, residual_arg, new_residual_arg, weight, q, scale,
-            M, K, x.stride(0), residual_arg.stride(0), new_residual_arg.stride(0), q.stride(0), float(eps),
-            float(offset), QMAX=qmax_of(dtype), MIN_SCALE_C=MIN_SCALE, IS_FP8=dtype == torch.float8_e4m3fn,
-            HAS_RESIDUAL=residual is not None, BLOCK_K=block_k, INTERPRETED=is_interpreted(),
-            num_warps=cfg["num_warps"] or _row_warps(block_k),
-        )
-        return q, scale, new_residual
-    _rms_norm_quant_kernel[(triton.cdiv(M, cfg["rows"]),)](
-        x, residual_arg, new_residual_arg, weight, q, scale,
-        M, K, x.stride(0), residual_arg.stride(0), new_residual_arg.stride(0), q.stride(0), float(eps), float(offset),
-        QMAX=qmax_of(dtype), MIN_SCALE_C=MIN_SCALE, IS_FP8=dtype == torch.float8_e4m3fn,
-        HAS_RESIDUAL=residual is not None, BLOCK_K=block_k, ROWS=cfg["rows"], INTERPRETED=is_interpreted(),
-        num_warps=cfg["num_warps"] or _row_warps(block_k * cfg["rows"]),
-    )
+        launch, grid, rows = _RMS_NORM_QUANT_CHUNKED, (M,), 1
+        constexprs.update(BLOCK_K=block_k, INTERPRETED=INTERPRETED)
+    else:
+        launch, grid, rows = _RMS_NORM_QUANT, (cdiv(M, cfg["rows"]),), cfg["rows"]
+        constexprs.update(BLOCK_K=block_k, ROWS=rows, INTERPRETED=INTERPRETED)
+    num_warps = cfg["num_warps"] or _row_warps(block_k * rows)
+    key = (x.dtype, weight.dtype, is_fp8, has_residual, K, args[8], args[9], args[10], args[11], int_spec(M),
+           block_k, rows, num_warps, aligned(x, residual_arg, new_residual_arg, weight, q, scale))
+    launch(key, grid, args, constexprs, num_warps, 3)
     return q, scale, new_residual
 
 

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantkit.kernels.launch import cdiv
 from quantkit.kernels.reference_attention import check_rope_inputs
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -79,7 +80,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     block_s = 64 if _INTERPRETED else 16
     cos_batch_stride = 0 if cos.shape[0] == 1 else cos.stride(0)
     sin_batch_stride = 0 if sin.shape[0] == 1 else sin.stride(0)
-    _rope_kernel[(batch, triton.cdiv(seqlen, block_s))](
+    _rope_kernel[(batch, cdiv(seqlen, block_s))](
         q, k, cos, sin, q_out, k_out,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),

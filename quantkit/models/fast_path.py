@@ -27,9 +27,10 @@ model, so greedy generations cannot change:
 ``exact=False`` uses the fused gated kernel and the Triton norms everywhere (16-bit rounding
 differs from the plain path at the ~1e-3 relative level).
 
-q/k/v are not fused: transformers' attention modules call the three projections separately,
-and fusing them would need forked attention code; it would save two activation quantizations and
-two launches per layer, not weight bytes.
+q/k/v: transformers' attention modules call the three projections separately on the same hidden
+states; ``FusedQKV`` stacks their weights and (exact=False) serves all three from one activation
+quantization and one GEMM, recognising the repeated input by identity (see its docstring). That
+saves two quantizations and four launches per layer; exact mode keeps three GEMMs.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ _TORCH_ACTIVATIONS = {
 @dataclass
 class OptimizeReport:
     fused_mlps: list[str] = field(default_factory=list)
+    fused_qkv: list[str] = field(default_factory=list)
     exact_gated_kernel_mlps: list[str] = field(default_factory=list)
     swapped_norms: list[str] = field(default_factory=list)
     kept_norms: list[str] = field(default_factory=list)
@@ -68,6 +70,7 @@ class OptimizeReport:
     def __str__(self) -> str:
         return (
             f"fused {len(self.fused_mlps)} gated MLPs ({len(self.exact_gated_kernel_mlps)} on the gated kernel), "
+            f"{len(self.fused_qkv)} q/k/v projections, "
             f"swapped {len(self.swapped_norms)} RMSNorms (kept {len(self.kept_norms)}), attention={self.attention}"
         )
 
@@ -154,6 +157,107 @@ class GatedQuantMLP(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, intermediate_size={self.intermediate_size}, "
                 f"weight={self.quant_dtype}, activation={self.activation}, exact={self.exact}, backend={self.backend}")
+
+
+class FusedQKV(nn.Module):
+    """The stacked [q; k; v] weights of one attention block, one quantization and one GEMM for all three.
+
+    transformers' attention modules call ``q_proj``, ``k_proj`` and ``v_proj`` on the same hidden
+    states; the three become ``QKVProjection`` views of this module. With ``exact=False`` the
+    first of them (in any order) quantizes the input once and runs one GEMM over the stacked
+    weight; the others take their columns of that output while the same input tensor (same
+    object, same version counter) comes back, and the stash is dropped once all three took
+    theirs. Exact mode (and tracing) runs each projection as the plain QuantLinear does, on its
+    rows of the stacked weight: same kernels, shapes and autotune keys, so the same bits.
+    The value projection's output is copied to a contiguous tensor: it lives through attention,
+    and a view would keep the whole (M, q + k + v) output alive.
+    """
+
+    def __init__(self, projections: list[QuantLinear], copy_output: list[bool], exact: bool) -> None:
+        super().__init__()
+        first = projections[0]
+        self.in_features = first.in_features
+        self.quant_dtype = first.quant_dtype
+        self.backend = first.backend
+        self.static_input = first.static_input
+        self.exact = exact
+        self.sizes = [p.out_features for p in projections]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self.copy_output = list(copy_output)
+        self.register_buffer("weight", torch.cat([p.weight for p in projections], dim=0))
+        self.register_buffer("weight_scale", torch.cat([p.weight_scale for p in projections], dim=0))
+        if first.bias is not None:
+            self.register_buffer("bias", torch.cat([p.bias for p in projections], dim=0))
+        else:
+            self.bias = None
+        self.input_scale = first.input_scale.clone() if first.static_input else None
+        self._stash = None
+
+    def _gemm(self, x2d: torch.Tensor, start: int, stop: int, out_dtype: torch.dtype) -> torch.Tensor:
+        q, a_scale = quantize_input(self, x2d)
+        whole = start == 0 and stop == self.weight.shape[0]
+        return ops.scaled_mm(
+            q, self.weight if whole else self.weight[start:stop], a_scale,
+            self.weight_scale.view(-1) if whole else self.weight_scale.view(-1)[start:stop],
+            None if self.bias is None else (self.bias if whole else self.bias[start:stop]), "none", out_dtype,
+            backend=self.backend)
+
+    def project(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        leading = x.shape[:-1]
+        start, size = self.offsets[index], self.sizes[index]
+        x2d = x.reshape(-1, self.in_features)
+        if self.exact or torch.compiler.is_compiling():
+            return self._gemm(x2d, start, start + size, x.dtype).reshape(*leading, size)
+        # Inference-mode tensors keep no version counter (and cannot be changed outside
+        # inference mode): for them the identity of the object is the check.
+        version = None if x.is_inference() else x._version
+        stash = self._stash
+        if stash is None or stash[0] is not x or stash[1] != version or index in stash[3]:
+            stash = self._stash = [x, version, self._gemm(x2d, 0, self.weight.shape[0], x.dtype), set()]
+        stash[3].add(index)
+        if len(stash[3]) == len(self.sizes):
+            self._stash = None
+        part = stash[2][:, start:start + size]
+        if self.copy_output[index]:
+            part = part.contiguous()
+        return part.reshape(*leading, size)
+
+    def extra_repr(self) -> str:
+        return f"sizes={self.sizes}, in_features={self.in_features}, weight={self.quant_dtype}, exact={self.exact}"
+
+
+class QKVProjection(nn.Module):
+    """``q_proj`` / ``k_proj`` / ``v_proj`` of a ``FusedQKV`` (which is registered on the attention module)."""
+
+    def __init__(self, fused: FusedQKV, index: int) -> None:
+        super().__init__()
+        # A plain attribute, not a submodule: the fused module is registered once, on the attention module.
+        object.__setattr__(self, "fused", fused)
+        self.index = index
+        self.in_features = fused.in_features
+        self.out_features = fused.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.project(x, self.index)
+
+    def extra_repr(self) -> str:
+        return f"index={self.index}, out_features={self.out_features}"
+
+
+QKV_NAMES = ("q_proj", "k_proj", "v_proj")
+
+
+def _qkv_fusable(module: nn.Module) -> bool:
+    parts = [getattr(module, name, None) for name in QKV_NAMES]
+    if not all(isinstance(p, QuantLinear) for p in parts):
+        return False
+    first = parts[0]
+    same = all(p.in_features == first.in_features and p.quant_dtype == first.quant_dtype
+               and p.backend == first.backend and p.static_input == first.static_input
+               and p.activation == "none" and (p.bias is None) == (first.bias is None) for p in parts)
+    if same and first.static_input:
+        same = all(torch.equal(p.input_scale, first.input_scale) for p in parts)
+    return same
 
 
 class FastRMSNorm(nn.Module):
@@ -246,11 +350,13 @@ def _model_backend(model: nn.Module) -> str:
 
 
 @torch.no_grad()
-def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms: bool = True) -> nn.Module:
+def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms: bool = True,
+             qkv: bool = True) -> nn.Module:
     """Rewrite a quantized model in place for end-to-end inference and return it.
 
     exact: keep greedy outputs bit-identical to the plain QuantLinear model (see module docs).
     attention / norms: switch attention to the "quantkit" function / swap RMSNorm modules.
+    qkv: stack q/k/v projections into a ``FusedQKV`` (one quantization + one GEMM when exact=False).
     The report is attached as ``model.quantkit_fast_path``.
     """
     backend = _model_backend(model)
@@ -277,6 +383,18 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
     for name, module in model.named_modules():
         if isinstance(module, GatedQuantMLP) and module.uses_gated_kernel(_float_dtype(model)):
             report.exact_gated_kernel_mlps.append(name)
+        if isinstance(module, FusedQKV):
+            module.exact = exact
+            report.fused_qkv.append(name.rpartition(".")[0])
+    if qkv:
+        for name, module in list(model.named_modules()):
+            if not _qkv_fusable(module):
+                continue
+            fused = FusedQKV([getattr(module, n) for n in QKV_NAMES], [n == "v_proj" for n in QKV_NAMES], exact)
+            module.qkv_fused = fused
+            for index, proj_name in enumerate(QKV_NAMES):
+                setattr(module, proj_name, QKVProjection(fused, index))
+            report.fused_qkv.append(name)
     if norms:
         for name, module in list(model.named_modules()):
             if not type(module).__name__.endswith("RMSNorm"):

@@ -295,3 +295,52 @@ def test_bad_kernel_choice_raises():
     # The same call on kernel="auto" falls back to the tiled kernel.
     out = gemm.scaled_mm(a, w, sa, sw, None, "none", torch.float32)
     _assert_matches_reference(out, reference.scaled_mm(a, w, sa, sw, None, "none", torch.float32), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("fp8_fast_accum", [True, False], ids=["fast_accum", "promoted"])
+@pytest.mark.parametrize("M,N,K", PERSISTENT_SHAPES, ids=[f"M{m}_N{n}_K{k}" for m, n, k in PERSISTENT_SHAPES])
+def test_persistent_gated_matches_reference_and_the_tiled_kernel(dtype, fp8_fast_accum, M, N, K):
+    a, a_scale, w, w_scale, _ = _operands(M, N, K, dtype, seed=3 * M + K, n_weight_rows=2 * N)
+    ref = reference.gated_scaled_mm(a, w, a_scale, w_scale, "silu", torch.float32)
+    outs = {}
+    for kernel in ("persistent", "tiled"):
+        outs[kernel] = gemm.gated_scaled_mm(a, w, a_scale, w_scale, "silu", torch.float32,
+                                            out=_poisoned(M, N, torch.float32), fp8_fast_accum=fp8_fast_accum,
+                                            kernel=kernel)
+        _assert_matches_reference(outs[kernel], ref, torch.float32)
+    gate = reference.fp64_scaled_mm(a, w[:N], a_scale, w_scale[:N], None, "silu")
+    up = reference.fp64_scaled_mm(a, w[N:], a_scale, w_scale[N:])
+    assert _rel_err(outs["persistent"], gate * up) < 1e-6
+    if dtype == torch.int8:
+        # Exact int32 accumulators and the same epilogue arithmetic: the two kernels agree bit for bit.
+        assert torch.equal(outs["persistent"], outs["tiled"])
+
+
+def test_persistent_gated_scalar_weight_scale_bf16_out():
+    M, N, K = 70, 40, 96
+    a, a_scale, w, w_scale, _ = _operands(M, N, K, torch.int8, seed=12, n_weight_rows=2 * N)
+    w_scale = w_scale[:1].clone()
+    out = gemm.gated_scaled_mm(a, w, a_scale, w_scale, "gelu_tanh", torch.bfloat16,
+                               out=_poisoned(M, N, torch.bfloat16), kernel="persistent")
+    _assert_matches_reference(out, reference.gated_scaled_mm(a, w, a_scale, w_scale, "gelu_tanh", torch.bfloat16),
+                              torch.bfloat16)
+
+
+def test_auto_takes_the_persistent_gated_kernel_for_large_m_int8(monkeypatch):
+    from quantkit.kernels import gemm_tma
+
+    calls = []
+    real = gemm_tma.launch_persistent
+    monkeypatch.setattr(gemm_tma, "launch_persistent", lambda *a, **kw: calls.append(kw.get("gated")) or real(*a, **kw))
+    a, a_scale, w, w_scale, _ = _operands(gemm.PERSISTENT_MIN_M, 32, 64, torch.int8, seed=2, n_weight_rows=64)
+    out = gemm.gated_scaled_mm(a, w, a_scale, w_scale, "silu", torch.float32)
+    assert calls == [True]
+    _assert_matches_reference(out, reference.gated_scaled_mm(a, w, a_scale, w_scale, "silu", torch.float32),
+                              torch.float32)
+    # FP8 gated stays on the tiled kernel (measured faster on an H100).
+    calls.clear()
+    a, a_scale, w, w_scale, _ = _operands(gemm.PERSISTENT_MIN_M, 32, 64, torch.float8_e4m3fn, seed=2,
+                                          n_weight_rows=64)
+    gemm.gated_scaled_mm(a, w, a_scale, w_scale, "silu", torch.float32)
+    assert calls == []

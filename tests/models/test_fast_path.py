@@ -12,7 +12,7 @@ from torch import nn
 
 import quantkit
 from quantkit.config import QuantConfig
-from quantkit.models.fast_path import FastRMSNorm, GatedQuantMLP, kernel_activation_of, optimize
+from quantkit.models.fast_path import FastRMSNorm, FusedQKV, GatedQuantMLP, QKVProjection, kernel_activation_of, optimize
 from quantkit.nn import QuantLinear
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
@@ -138,3 +138,59 @@ def test_norm_swap_matches_gemma_offset():
 )
 def test_activation_is_found_by_probing(act, want):
     assert kernel_activation_of(act) == want
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_inexact_fused_qkv_is_one_gemm_and_equal_for_int8(arch, monkeypatch):
+    # INT8 on the torch backend: exact int32 accumulation and a per-element epilogue, so one GEMM
+    # over the stacked [q; k; v] weight gives the three projections' bits.
+    plain = _quantized(arch, "int8", torch.float32)
+    fast = optimize(copy.deepcopy(plain), exact=False, norms=False)
+    layers = plain.config.num_hidden_layers
+    assert len(fast.quantkit_fast_path.fused_qkv) == layers
+    attn = fast.model.layers[0].self_attn
+    assert isinstance(attn.qkv_fused, FusedQKV) and isinstance(attn.q_proj, QKVProjection)
+    reference = optimize(copy.deepcopy(plain), exact=False, norms=False, qkv=False)
+    from quantkit.kernels import ops
+
+    calls = []
+    real = ops.scaled_mm
+    monkeypatch.setattr(ops, "scaled_mm", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    ids = torch.randint(3, plain.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        got = fast(ids).logits
+        n_fused = len(calls)
+        want = reference(ids).logits
+    assert torch.equal(got, want)
+    assert len(calls) - n_fused - n_fused == 2 * layers  # q/k/v: 1 GEMM per layer instead of 3
+    assert all(fast.model.layers[i].self_attn.qkv_fused._stash is None for i in range(layers))
+
+
+def test_fused_qkv_recomputes_for_a_new_or_changed_input_and_copies_v():
+    plain = _quantized("llama", "int8", torch.float32)
+    attn = plain.model.layers[0].self_attn
+    q_lin, k_lin, v_lin = attn.q_proj, attn.k_proj, attn.v_proj
+    optimize(plain, exact=False, norms=False, attention=False)
+    q_proj, k_proj, v_proj = attn.q_proj, attn.k_proj, attn.v_proj
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 5, plain.config.hidden_size, generator=gen)
+    y = torch.randn(2, 5, plain.config.hidden_size, generator=gen)
+    with torch.no_grad():
+        q = q_proj(x)
+        assert not q.is_contiguous()  # a view of the stacked output
+        k_other = k_proj(y)  # another input: computed for y, not taken from x's stash
+        assert torch.equal(k_other, k_lin(y))
+        x.mul_(2.0)  # changed in place: the version counter moves, the stash is stale
+        assert torch.equal(k_proj(x), k_lin(x))
+        assert torch.equal(q_proj(x), q_lin(x))
+        v = v_proj(x)
+        assert v.is_contiguous() and torch.equal(v, v_lin(x))
+        assert torch.equal(q, q_lin(x / 2.0))
+
+
+def test_optimize_again_switches_fused_qkv_exactness():
+    model = optimize(_quantized("llama", "fp8", torch.float32), exact=False)
+    assert all(not m.exact for m in model.modules() if isinstance(m, FusedQKV))
+    optimize(model, exact=True)
+    assert all(m.exact for m in model.modules() if isinstance(m, FusedQKV))
+    assert len(model.quantkit_fast_path.fused_qkv) == model.config.num_hidden_layers

@@ -1,0 +1,136 @@
+"""Lean eager launches: a @triton.jit kernel's compiled binary cached per key and launched directly.
+
+``kernel[grid](*args, **constexprs)`` re-derives on every call what our launchers already know:
+it binds the arguments and specializes each integer and pointer (alignment, == 1, % 16), hashes
+the specialization into a cache key, checks the kernel's globals, builds launch metadata, and
+(through ``triton.autotune`` / ``triton.heuristics``) rebuilds argument dicts and the autotune
+key. Measured on an H100 host (benchmarks/NOTES-e2e.md): ~50 us per launch of the ~23-argument
+GEMM, ~111 us with the autotuner, against ~10-20 us of GPU time per kernel in an eager prefill.
+
+``CachedLaunch`` keeps the ``CompiledKernel`` that the first ``kernel[grid](...)`` call for a key
+returned and launches it afterwards with triton's own argument convention (the grid, the current
+stream, the function handle, the packed metadata, hooks, then every bound argument in signature
+order, constexprs included: ``JITFunction.run`` and ``CompiledKernel[grid]`` on triton 3.6 and
+3.9). The caller's key must determine the compiled binary: constexprs and launch options, tensor
+dtypes and 16-byte alignment of every pointer, and every integer argument triton specializes
+(its value, or ``int_spec`` of it for ``do_not_specialize`` ones and values that vary per call);
+``CachedLaunch`` adds the current device. A key a call has never seen goes through triton
+(compiling if needed). Skipped on the cached path: triton's check that module globals a kernel
+read at compile time are unchanged (quantkit's kernels read only constants).
+
+Under the interpreter (``TRITON_INTERPRET=1``, the CPU tests) ``kernel[grid]`` returns no
+compiled kernel, so every call goes through triton; with a profiler's launch hook installed
+(``knobs.runtime.launch_enter_hook`` / ``launch_exit_hook``) too, so it sees every launch with
+its metadata; otherwise the cached path passes no launch metadata and no hooks (triton itself
+builds the metadata and calls its empty hook chains on every launch).
+"""
+
+from __future__ import annotations
+
+import os
+
+from triton import knobs
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# Set to False to send every launch through triton's own path (benchmarks compare the two).
+ENABLED = True
+
+
+def int_spec(value: int) -> tuple[bool, bool, bool]:
+    """What triton's specialization of an integer argument depends on: == 1, % 16 == 0, needs int64."""
+    return value == 1, value % 16 == 0, not -(2**31) <= value < 2**31
+
+
+def aligned(*tensors) -> int:
+    """Bit i set when pointer i is not 16-byte aligned (triton specializes pointers on it)."""
+    bits = 0
+    for i, t in enumerate(tensors):
+        if t.data_ptr() % 16:
+            bits |= 1 << i
+    return bits
+
+
+# Plain-Python twins of triton.cdiv / triton.next_power_of_2 for the launchers: triton's are
+# ``constexpr_function`` wrappers (usable inside kernels) that cost microseconds per host call.
+def cdiv(x: int, y: int) -> int:
+    return -(-x // y)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n, for n >= 1."""
+    return 1 << (n - 1).bit_length()
+
+
+def _hook_active(hook) -> bool:
+    # triton >= 3.4 keeps an always-present HookChain (a list of callables) in knobs; earlier
+    # versions a plain callable or None.
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return True if calls is None else bool(calls)
+
+
+def launch_hooks_active() -> bool:
+    """True while a profiler (or anything else) hooks kernel launches: then triton's path runs."""
+    return _hook_active(knobs.runtime.launch_enter_hook) or _hook_active(knobs.runtime.launch_exit_hook)
+
+
+def _driver():
+    from triton.runtime import driver
+
+    return driver.active
+
+
+class CachedLaunch:
+    """Launch ``kernel`` (a ``@triton.jit`` function) through a per-key cache of compiled kernels."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.compiled: dict = {}
+        self._arg_names = list(kernel.arg_names)
+        self._stream_of = None
+        self._current_device = None
+
+    def _constexpr_tail(self, n_args: int, constexprs: dict) -> tuple:
+        names = self._arg_names[n_args:]
+        missing = [name for name in names if name not in constexprs]
+        if missing:
+            raise ValueError(f"{self.kernel.__name__}: pass every argument after the first {n_args} by name; "
+                             f"missing {missing}")
+        return tuple(constexprs[name] for name in names)
+
+    def __call__(self, key, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int,
+                 triton_args=None) -> None:
+        """Launch on ``grid`` (a 1-3 tuple). ``args`` are the positional runtime arguments, in
+        signature order, ``constexprs`` every later argument by name. ``triton_args`` (a
+        callable returning a tuple like ``args``) builds the arguments for triton's own path
+        when they must differ from the cached path's, e.g. validated ``TensorDescriptor``s
+        where the cached path passes lighter objects with the same fields."""
+        if not ENABLED or INTERPRETED or key is None:
+            self.kernel[grid](*(triton_args() if triton_args else args), **constexprs, num_warps=num_warps,
+                              num_stages=num_stages)
+            return
+        if self._stream_of is None:
+            drv = _driver()
+            self._stream_of = drv.get_current_stream
+            self._current_device = drv.get_current_device
+        device = self._current_device()
+        entry = self.compiled.get((device, key))
+        if entry is not None and not launch_hooks_active():
+            compiled, tail = entry
+            grid_1 = grid[1] if len(grid) > 1 else 1
+            grid_2 = grid[2] if len(grid) > 2 else 1
+            # launch metadata, enter hook, exit hook: none (launch_hooks_active() is False).
+            compiled.run(grid[0], grid_1, grid_2, self._stream_of(device), compiled.function,
+                         compiled.packed_metadata, None, None, None, *args, *tail)
+            return
+        compiled = self.kernel[grid](*(triton_args() if triton_args else args), **constexprs, num_warps=num_warps,
+                                     num_stages=num_stages)
+        if hasattr(compiled, "packed_metadata"):
+            self.compiled[(device, key)] = (compiled, self._constexpr_tail(len(args), constexprs))
+
+
+def config_dict(config) -> dict:
+    """A ``triton.Config`` as the explicit-config dict our launchers take (kwargs + warps/stages)."""
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
