@@ -27,6 +27,20 @@ PRESETS: dict[str, tuple[str, str]] = {
     "fp8-static": ("fp8", "static"),
 }
 
+# Calibration recipes by name. "accurate" is the combination measured best per scheme on held-out
+# text (README "Calibration recipes", benchmarks/results/calibration_sweep.md). The values depend on
+# the scheme only, never on the model: SmoothQuant moves more of the range into the weights for
+# INT8 (uniform grid) than for FP8 (floating grid, whose relative error barely depends on range).
+RECIPES: dict[str, dict[str, dict[str, Any]]] = {
+    "plain": {scheme: {} for scheme in PRESETS},
+    "accurate": {
+        "int8": {"smoothquant_alpha": 0.75, "gptq": True, "keep_sensitive": 4},
+        "fp8": {"smoothquant_alpha": 0.5, "gptq": True, "keep_sensitive": 8},
+        "int8-static": {"smoothquant_alpha": 0.75, "activation_observer": "mse", "gptq": True, "keep_sensitive": 4},
+        "fp8-static": {"smoothquant_alpha": 0.5, "gptq": True, "keep_sensitive": 4},
+    },
+}
+
 
 class UnknownSchemeError(ValueError):
     """A scheme name or a checkpoint's quantization_config that this version cannot handle."""
@@ -77,12 +91,19 @@ class QuantConfig:
             object.__setattr__(self, "ignore", (self.ignore,) if isinstance(self.ignore, str) else tuple(self.ignore))
 
     @classmethod
-    def preset(cls, scheme: str, **overrides: Any) -> "QuantConfig":
-        """The named recipe (``int8``, ``int8-static``, ``fp8``, ``fp8-static``) with optional overrides."""
+    def preset(cls, scheme: str, recipe: str = "plain", **overrides: Any) -> "QuantConfig":
+        """The named scheme (``int8``, ``int8-static``, ``fp8``, ``fp8-static``) calibrated by ``recipe``.
+
+        recipe: ``"plain"`` (no calibration algorithm beyond what the scheme needs) or
+        ``"accurate"`` (``RECIPES["accurate"][scheme]``); ``overrides`` win over the recipe's values.
+        """
         if scheme not in PRESETS:
             raise UnknownSchemeError(f"unknown scheme {scheme!r}; choose one of {', '.join(PRESETS)}")
+        if recipe not in RECIPES:
+            raise ValueError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
         weight_type, activations = PRESETS[scheme]
-        return cls(weight_type=weight_type, activations=activations, name=scheme, **overrides)
+        return cls(weight_type=weight_type, activations=activations, name=scheme,
+                   **{**RECIPES[recipe][scheme], **overrides})
 
     def replace(self, **changes: Any) -> "QuantConfig":
         return dataclasses.replace(self, **changes)

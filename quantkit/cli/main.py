@@ -29,6 +29,9 @@ bench_app = typer.Typer(help="Kernel and end-to-end benchmarks (need a CUDA GPU)
 app.add_typer(bench_app, name="bench")
 
 DEFAULT_DATASET = "wikipedia-excerpt"
+# Calibration blocks as long as a typical served context: static ranges and SmoothQuant statistics
+# measured on 512-token blocks under-cover later positions (benchmarks/results/calibration_sweep.md).
+DEFAULT_CALIBRATION_SEQ_LEN = 2048
 
 
 def fail(message: str) -> None:
@@ -89,9 +92,12 @@ def quantize(
     model: str = typer.Argument(..., help="HF model directory, hub id, .gguf file, or 'gemma3-270m' (bundled)."),
     output: Path = typer.Option(..., "--output", "-o", help="Directory to write the quantized checkpoint to."),
     scheme: str = typer.Option("fp8", help="int8 | int8-static | fp8 | fp8-static"),
+    recipe: str = typer.Option("plain", help="plain | accurate (the measured best calibration recipe of the scheme; "
+                                             "the flags below override its parts)."),
     dataset: str = typer.Option(DEFAULT_DATASET, help="Calibration text: HF dataset name[:config], .txt file/folder, or 'wikipedia-excerpt'."),
-    num_samples: int = typer.Option(64, min=1, help="Calibration blocks."),
-    seq_len: int = typer.Option(512, min=2, help="Tokens per calibration block."),
+    num_samples: int = typer.Option(16, min=1, help="Calibration blocks."),
+    seq_len: Optional[int] = typer.Option(None, min=2, help="Tokens per calibration block (default: 2048, or the model's "
+                                                             "context if shorter; calibrate on contexts as long as you will run)."),
     device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
     backend: str = typer.Option("auto", help="auto | triton | torch"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
@@ -106,10 +112,12 @@ def quantize(
     """Calibrate, quantize and save MODEL as a compressed-tensors checkpoint."""
     import quantkit
 
+    # Flags left at their defaults do not override the recipe's choices.
+    flags = {"smoothquant_alpha": smoothquant, "gptq": gptq or None, "keep_sensitive": keep_sensitive or None,
+             "weight_observer": None if weight_observer == "absmax" else weight_observer,
+             "activation_observer": None if activation_observer == "absmax" else activation_observer}
     config = quantkit.QuantConfig.preset(
-        scheme, backend=backend, smoothquant_alpha=smoothquant, gptq=gptq, weight_observer=weight_observer,
-        activation_observer=activation_observer, keep_sensitive=keep_sensitive,
-    )
+        scheme, recipe=recipe, backend=backend, **{k: v for k, v in flags.items() if v is not None})
     if output.exists() and not overwrite:
         fail(f"output directory {str(output)!r} already exists; pass --overwrite to replace it")
     device = _device(device)
@@ -124,6 +132,9 @@ def quantize(
         source, tokenizer = quantkit.load_model(model, device=device)
     blocks = None
     if config.needs_calibration:
+        if seq_len is None:
+            seq_len = min(DEFAULT_CALIBRATION_SEQ_LEN, getattr(source.config, "max_position_embeddings", None)
+                          or DEFAULT_CALIBRATION_SEQ_LEN)
         blocks = quantkit.prepare_calibration_data(tokenizer, dataset, num_samples, seq_len, model=source)
     qmodel = quantkit.quantize(source, config, blocks, offload_device=device if offload else None)
     quantkit.save(qmodel, output, tokenizer=tokenizer, overwrite=overwrite)

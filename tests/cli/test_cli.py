@@ -231,3 +231,21 @@ def test_quantize_offload_streams_blocks_and_saves(llama_dir, text_dir, tmp_path
 def test_bad_smoothquant_alpha(llama_dir, tmp_path):
     result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--scheme", "int8", "--smoothquant", 1.5)
     assert_user_error(result, "smoothquant_alpha=1.5")
+
+
+def test_accurate_recipe_is_recorded_and_flags_override_it(llama_dir, text_dir, tmp_path):
+    out = tmp_path / "acc"
+    result = invoke("quantize", llama_dir, "-o", out, "--scheme", "int8", "--recipe", "accurate", "--dataset", text_dir,
+                    "--num-samples", 2, "--keep-sensitive", 2)
+    assert result.exit_code == 0, result.output
+    recipe = json.loads((out / "config.json").read_text())["quantization_config"]["quantkit"]
+    # The recipe's choices, except keep_sensitive, which the flag overrode (the recipe says 4).
+    assert recipe["smoothquant_alpha"] == 0.75 and recipe["gptq"] is True
+    assert recipe["keep_sensitive"] == 2
+    assert "converted 12 Linear layers" in result.stdout
+
+
+def test_unknown_recipe(llama_dir, tmp_path, text_dir):
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--dataset", text_dir, "--recipe", "best")
+    assert_user_error(result, "unknown recipe 'best'", "accurate")
+    assert not (tmp_path / "out").exists()

@@ -189,3 +189,15 @@ def test_static_calibration_observes_a_quantized_lm_head(llama_dir, text_dir):
     qmodel = quantkit.quantize(model, quantkit.QuantConfig.preset("int8-static", ignore=()),
                                _blocks(tokenizer, text_dir, n=2, seq_len=32))
     assert isinstance(qmodel.lm_head, QuantLinear) and qmodel.lm_head.input_scale.item() > 1e-6
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int8-static", "fp8-static"])
+def test_accurate_recipe_depends_on_the_scheme_only(scheme):
+    accurate = quantkit.QuantConfig.preset(scheme, recipe="accurate")
+    plain = quantkit.QuantConfig.preset(scheme)
+    assert accurate.smoothquant_alpha in (0.5, 0.75) and accurate.gptq and accurate.keep_sensitive > 0
+    assert plain.smoothquant_alpha is None and not plain.gptq and plain.keep_sensitive == 0
+    # Explicit values win over the recipe's.
+    assert quantkit.QuantConfig.preset(scheme, recipe="accurate", gptq=False).gptq is False
+    with pytest.raises(ValueError, match="unknown recipe 'best'"):
+        quantkit.QuantConfig.preset(scheme, recipe="best")
