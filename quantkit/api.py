@@ -14,7 +14,7 @@ from quantkit.calibration.offload import check_offload, stream_blocks
 from quantkit.calibration.report import build_report
 from quantkit.calibration.sensitivity import most_sensitive, rank_layers
 from quantkit.calibration.smoothquant import smooth_model
-from quantkit.calibration.weights import search_weight_clip
+from quantkit.calibration.weights import weight_amax as observed_weight_amax
 from quantkit.calibration.data import calibration_blocks, load_texts, tokenize_stream
 from quantkit.config import QuantConfig
 from quantkit.convert import ConversionReport, convert_model, target_linears
@@ -102,10 +102,11 @@ def _quantize(model: nn.Module, config: QuantConfig, calibration_data: torch.Ten
     if config.gptq:
         quantized_weights = gptq_quantize_weights(
             model, calibration_data, list(targets), dtype, weight_observer=config.weight_observer, progress=progress,
-            per_block=per_block,
+            per_block=per_block, percentile=config.percentile,
         )
-    elif config.weight_observer == "mse":
-        weight_amax = {name: search_weight_clip(linear.weight.detach(), dtype) for name, linear in targets.items()}
+    elif config.weight_observer != "absmax":
+        weight_amax = {name: observed_weight_amax(linear.weight, dtype, config.weight_observer, config.percentile)
+                       for name, linear in targets.items()}
     report: ConversionReport = convert_model(
         model, config, backend, input_amax=input_amax, weight_amax=weight_amax,
         quantized_weights=quantized_weights, extra_ignore=kept,

@@ -16,7 +16,7 @@ import torch
 WEIGHT_TYPES = ("int8", "fp8")
 ACTIVATION_MODES = ("dynamic", "static")
 ACTIVATION_OBSERVERS = ("absmax", "percentile", "mse")
-WEIGHT_OBSERVERS = ("absmax", "mse")
+WEIGHT_OBSERVERS = ("absmax", "percentile", "mse")
 BACKENDS = ("auto", "triton", "torch")
 
 # scheme name -> (weight type, activation mode)

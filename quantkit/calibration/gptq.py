@@ -19,7 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from quantkit.calibration.calibrate import check_blocks, forward_backbone
-from quantkit.calibration.weights import search_weight_clip
+from quantkit.calibration.weights import WEIGHT_OBSERVERS, weight_amax
 from quantkit.kernels.reference import MIN_SCALE, cast_to_quantized, qmax_of, scale_from_amax
 
 
@@ -185,6 +185,7 @@ def gptq_quantize_weights(
     progress: bool = True,
     weight_observer: str = "absmax",
     batch_size: int = 4,
+    percentile: float = 99.99,
     act_order: bool = True,
     per_block: bool = False,
     first_token_weight: float = 1.0,
@@ -193,16 +194,17 @@ def gptq_quantize_weights(
 
     Returns ``{name: (q_weight (N, K) of ``dtype``, weight_scale float32 (N,))}`` with
     ``q_weight * weight_scale[:, None] ~= weight``, ready for ``QuantLinear.from_linear(...,
-    quantized_weight=...)``. weight_observer: "absmax" (scale from the row max) or "mse" (clip
-    search of ``weights.search_weight_clip``, weighted by the inputs' mean square).
+    quantized_weight=...)``. weight_observer: "absmax" (scale from the row max), "percentile"
+    (``percentile`` of the row's |w|) or "mse" (clip search of ``weights.search_weight_clip``,
+    weighted by the inputs' mean square).
     Statistics come from the unquantized model. per_block: collect them one decoder block at a
     time (each pass stops after that block), so only one block's Hessians exist at once: the
     bound that streaming (``calibration.offload``) needs; otherwise all layers at once, one pass.
     The rounding runs where the statistics were gathered; results land on each weight's device.
     """
     qmax_of(dtype)  # validates: torch.int8 or torch.float8_e4m3fn
-    if weight_observer not in ("absmax", "mse"):
-        raise ValueError(f"weight_observer={weight_observer!r} must be 'absmax' or 'mse'")
+    if weight_observer not in WEIGHT_OBSERVERS:
+        raise ValueError(f"weight_observer={weight_observer!r} is not one of {WEIGHT_OBSERVERS}")
     if not layer_names:
         return {}
     modules = dict(model.named_modules())
@@ -224,20 +226,17 @@ def gptq_quantize_weights(
                                         first_token_weight)
             for name in names:
                 result[name] = _gptq_layer(modules[name].weight.detach(), hessians[name].hessian, dtype, block_size,
-                                           damp, act_order, weight_observer)
+                                           damp, act_order, weight_observer, percentile)
                 bar.update()
             del hessians
     return result
 
 
 def _gptq_layer(weight: torch.Tensor, H: torch.Tensor, dtype: torch.dtype, block_size: int, damp: float,
-                act_order: bool, weight_observer: str) -> tuple[torch.Tensor, torch.Tensor]:
+                act_order: bool, weight_observer: str, percentile: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer: scales from the observer, GPTQ rounding on the Hessian's device, results on the weight's."""
     w = weight.to(H.device)
-    if weight_observer == "mse":
-        amax = search_weight_clip(w, dtype, column_weight=torch.diag(H).clamp_min(0))
-    else:
-        amax = w.float().abs().amax(dim=1)
+    amax = weight_amax(w, dtype, weight_observer, percentile, column_weight=torch.diag(H).clamp_min(0))
     scale = scale_from_amax(amax, dtype)
     q = gptq_quantize(w, H, scale, dtype, block_size, damp, act_order)
     return q.to(weight.device), scale.to(weight.device)

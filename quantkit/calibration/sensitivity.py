@@ -25,7 +25,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from quantkit.calibration.calibrate import check_blocks, forward_backbone, input_device
-from quantkit.calibration.weights import search_weight_clip
+from quantkit.calibration.weights import weight_amax
 from quantkit.config import QuantConfig
 from quantkit.convert import target_linears
 from quantkit.kernels.reference import quantize_per_channel, quantize_per_tensor, quantize_per_token, scale_from_amax
@@ -39,14 +39,10 @@ def target_layers(model: nn.Module, config: QuantConfig) -> dict[str, nn.Linear]
 
 
 def fake_quantized_weight(weight: torch.Tensor, config: QuantConfig) -> torch.Tensor:
-    """The weight after per-channel quantize -> dequantize (clip search if ``weight_observer='mse'``)."""
+    """The weight after per-channel quantize -> dequantize, ranges from the recipe's weight observer."""
     dtype = config.torch_dtype
     w = weight.detach().float()
-    if config.weight_observer == "mse":
-        amax = search_weight_clip(w, dtype)
-    else:
-        amax = w.abs().amax(dim=1)
-    q, scale = quantize_per_channel(w, dtype, amax)
+    q, scale = quantize_per_channel(w, dtype, weight_amax(w, dtype, config.weight_observer, config.percentile))
     return (q.float() * scale[:, None]).to(weight.dtype)
 
 

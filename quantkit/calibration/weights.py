@@ -1,4 +1,4 @@
-"""Per-output-channel weight clipping search: the amax whose quantization error is smallest.
+"""Per-output-channel weight ranges: absmax, a percentile of |w|, or the clip whose quantization error is smallest.
 
 Round-to-nearest with ``scale = row_absmax / qmax`` spends the whole grid on the row's single
 largest weight; clipping a little (a ratio of the absmax) shrinks the step for every other weight.
@@ -18,6 +18,35 @@ from quantkit.kernels.reference import MIN_SCALE, cast_to_quantized, qmax_of
 WEIGHT_CLIP_RATIOS = tuple(0.5 + 0.5 * i / 50 for i in range(51))
 # Rows are processed in chunks so the temporary (rows x K) copies stay near 64 MiB of float32.
 CHUNK_ELEMENTS = 1 << 24
+WEIGHT_OBSERVERS = ("absmax", "percentile", "mse")
+
+
+def weight_amax(
+    weight: torch.Tensor,
+    dtype: torch.dtype,
+    observer: str = "absmax",
+    percentile: float = 99.99,
+    column_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-row clipping magnitude (N,) float32 of ``weight`` (N, K) as ``observer`` says.
+
+    "absmax": the row's largest |w| (no clipping). "percentile": the ``percentile``-th of the row's
+    |w| (nearest rank, so 100 is the absmax). "mse": ``search_weight_clip`` (``column_weight``
+    weighs its error per input column).
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D (N, K); got shape {tuple(weight.shape)}")
+    if observer == "mse":
+        return search_weight_clip(weight, dtype, column_weight=column_weight)
+    w = weight.detach().float().abs()
+    if observer == "absmax":
+        return w.amax(dim=1)
+    if observer == "percentile":
+        if not 0.0 < percentile <= 100.0:
+            raise ValueError(f"percentile={percentile} must be in (0, 100]")
+        k = max(1, min(w.shape[1], int(round(percentile / 100.0 * w.shape[1]))))
+        return w.kthvalue(k, dim=1).values
+    raise ValueError(f"weight observer={observer!r} is not one of {WEIGHT_OBSERVERS}")
 
 
 def search_weight_clip(

@@ -103,8 +103,9 @@ def quantize(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     smoothquant: Optional[float] = typer.Option(None, help="SmoothQuant migration strength alpha in [0, 1] (0.5 is the default recipe)."),
     gptq: bool = typer.Option(False, "--gptq", help="Error-compensated (GPTQ) weight rounding."),
-    weight_observer: str = typer.Option("absmax", help="absmax | mse (per-channel clipping search)."),
+    weight_observer: str = typer.Option("absmax", help="absmax | percentile | mse (per-channel clipping search)."),
     activation_observer: str = typer.Option("absmax", help="absmax | percentile | mse (static schemes)."),
+    percentile: float = typer.Option(99.99, help="Percentile of |x| or |w| the percentile observers clip at."),
     keep_sensitive: int = typer.Option(0, min=0, help="Keep the N most sensitive layers in 16 bits."),
     report: Optional[Path] = typer.Option(None, help="Write the JSON calibration report here."),
     offload: bool = typer.Option(False, "--offload", help="Keep the model in host memory and calibrate on --device one decoder block at a time (models larger than the GPU)."),
@@ -115,7 +116,8 @@ def quantize(
     # Flags left at their defaults do not override the recipe's choices.
     flags = {"smoothquant_alpha": smoothquant, "gptq": gptq or None, "keep_sensitive": keep_sensitive or None,
              "weight_observer": None if weight_observer == "absmax" else weight_observer,
-             "activation_observer": None if activation_observer == "absmax" else activation_observer}
+             "activation_observer": None if activation_observer == "absmax" else activation_observer,
+             "percentile": None if percentile == 99.99 else percentile}
     config = quantkit.QuantConfig.preset(
         scheme, recipe=recipe, backend=backend, **{k: v for k, v in flags.items() if v is not None})
     if output.exists() and not overwrite:

@@ -44,7 +44,7 @@ import triton.language as tl
 import triton.testing
 
 from quantkit.kernels import gemm_tma
-from quantkit.kernels.gemm_epilogue import apply_activation, dequant_epilogue, dot_accumulate, grouped_tile
+from quantkit.kernels.gemm_epilogue import dequant_epilogue, dot_accumulate, grouped_tile
 from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, config_dict, next_power_of_2
 from quantkit.kernels.quant import cast_for_store
 from quantkit.kernels.reference import ACTIVATIONS, INT8_MAX, QUANT_DTYPES

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from quantkit.calibration.weights import search_weight_clip
+from quantkit.calibration.weights import search_weight_clip, weight_amax
 from quantkit.kernels.reference import cast_to_quantized, qmax_of
 
 DTYPES = [pytest.param(torch.int8, id="int8"), pytest.param(torch.float8_e4m3fn, id="fp8")]
@@ -69,3 +69,36 @@ def test_bad_inputs():
         search_weight_clip(torch.randn(3, 5), torch.int8, column_weight=torch.ones(4))
     with pytest.raises(ValueError, match="ratios"):
         search_weight_clip(torch.randn(3, 5), torch.int8, ratios=(0.0, 1.0))
+
+
+def test_weight_observers_on_a_known_distribution():
+    # Rows of 1000 |w| values 0.001, 0.002, ..., 1.000 in random order and sign, one row scaled by 7.
+    torch.manual_seed(3)
+    base = torch.arange(1, 1001, dtype=torch.float32) / 1000
+    rows = [base[torch.randperm(1000)] * torch.where(torch.rand(1000) < 0.5, -1.0, 1.0) for _ in range(3)]
+    w = torch.stack(rows) * torch.tensor([[1.0], [7.0], [0.5]])
+    expected_max = torch.tensor([1.0, 7.0, 0.5])
+    torch.testing.assert_close(weight_amax(w, torch.int8, "absmax"), expected_max)
+    # Nearest rank: the 99th percentile of 1000 values is the 990th smallest, 0.990 of the row max.
+    torch.testing.assert_close(weight_amax(w, torch.int8, "percentile", 99.0), 0.99 * expected_max)
+    torch.testing.assert_close(weight_amax(w, torch.int8, "percentile", 100.0), expected_max)
+    mse = weight_amax(w, torch.int8, "mse")
+    assert bool((mse <= expected_max + 1e-6).all()) and bool((mse >= 0.5 * expected_max).all())
+    with pytest.raises(ValueError, match="observer='median'"):
+        weight_amax(w, torch.int8, "median")
+    with pytest.raises(ValueError, match="percentile=0"):
+        weight_amax(w, torch.int8, "percentile", 0.0)
+
+
+def test_percentile_weight_observer_runs_through_quantize():
+    import quantkit
+    from tests.tiny import make_model
+
+    model = make_model("llama", vocab_size=300)
+    weights = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    config = quantkit.QuantConfig.preset("int8", weight_observer="percentile", percentile=99.0, backend="torch")
+    quantkit.quantize(model, config, progress=False)
+    name = "model.layers.0.mlp.down_proj"
+    layer = model.get_submodule(name)
+    amax = weight_amax(weights[name], torch.int8, "percentile", 99.0)
+    torch.testing.assert_close(layer.weight_scale.view(-1), amax / 127)

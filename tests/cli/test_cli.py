@@ -249,3 +249,10 @@ def test_unknown_recipe(llama_dir, tmp_path, text_dir):
     result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--dataset", text_dir, "--recipe", "best")
     assert_user_error(result, "unknown recipe 'best'", "accurate")
     assert not (tmp_path / "out").exists()
+
+
+def test_bad_percentile(llama_dir, tmp_path, text_dir):
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--dataset", text_dir,
+                    "--weight-observer", "percentile", "--percentile", 120)
+    assert_user_error(result, "percentile=120", "(0, 100]")
+    assert not (tmp_path / "out").exists()
