@@ -106,13 +106,17 @@ def apply_rope(
     """Rotary embedding, rotate-half convention (HF Llama/Gemma).
 
     q (B, Hq, S, D), k (B, Hkv, S, D), cos/sin (B, S, D) (HF's layout: both halves repeated).
-    Returns new (q, k) in their input dtypes; the rotation runs in float32.
+    Returns new (q, k) in their input dtypes, rounded as HF's eager function rounds: each product
+    and the sum to the input dtype (each op computed in float32).
     """
-    cos = cos.float()[:, None]
-    sin = sin.float()[:, None]
-    q_out = q.float() * cos + rotate_half(q.float()) * sin
-    k_out = k.float() * cos + rotate_half(k.float()) * sin
-    return q_out.to(q.dtype), k_out.to(k.dtype)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        c, s = cos.float()[:, None], sin.float()[:, None]
+        xf = x.float()
+        # (x * cos) and (rotate_half(x) * sin), each rounded to x.dtype, then summed and rounded.
+        return ((xf * c).to(x.dtype).float() + (rotate_half(xf) * s).to(x.dtype).float()).to(x.dtype)
+
+    return rotate(q), rotate(k)
 
 
 def rms_norm(

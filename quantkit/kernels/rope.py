@@ -8,8 +8,11 @@ position, with ``x = [x1, x2]`` split at ``D / 2`` and HF's cos/sin (both halves
     out1 = x1 * cos[:D/2] - x2 * sin[:D/2]
     out2 = x2 * cos[D/2:] + x1 * sin[D/2:]
 
-in float32, cast once to the input dtype. Inputs may be strided views (HF's (B, H, S, D) after
-a transpose); outputs are new contiguous (B, H, S, D) tensors.
+rounded as HF's eager ``q * cos + rotate_half(q) * sin`` rounds it: each product, then the sum,
+to the input dtype (each computed in float32, as PyTorch's 16-bit elementwise kernels do; a
+product of two 16-bit floats is exact in float32). For float16/bfloat16 inputs the result is
+bit-identical to HF's function; for float32 it is HF's up to fused multiply-adds. Inputs may be
+strided views (HF's (B, H, S, D) after a transpose); outputs are new contiguous (B, H, S, D).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.launch import cdiv
+from quantkit.kernels.quant import cast_for_store
 from quantkit.kernels.reference_attention import check_rope_inputs
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -29,15 +33,21 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 @triton.jit
 def _rotate_heads(
     X, OUT, x_off, o_off, stride_xh, stride_xs, stride_oh, stride_os, n_heads,
-    offs_s, offs_h, s_ok, cos1, cos2, sin1, sin2, HALF: tl.constexpr,
+    offs_s, offs_h, s_ok, cos1, cos2, sin1, sin2, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     for head in range(n_heads):
         x_ptrs = X + x_off + head * stride_xh + offs_s[:, None] * stride_xs + offs_h[None, :]
         x1 = tl.load(x_ptrs, mask=s_ok[:, None], other=0.0).to(tl.float32)
         x2 = tl.load(x_ptrs + HALF, mask=s_ok[:, None], other=0.0).to(tl.float32)
         o_ptrs = OUT + o_off + head * stride_oh + offs_s[:, None] * stride_os + offs_h[None, :]
-        tl.store(o_ptrs, (x1 * cos1 - x2 * sin1).to(OUT.dtype.element_ty), mask=s_ok[:, None])
-        tl.store(o_ptrs + HALF, (x2 * cos2 + x1 * sin2).to(OUT.dtype.element_ty), mask=s_ok[:, None])
+        dtype = OUT.dtype.element_ty
+        # Round each product, then the sum, to the output dtype: HF's eager rounding, bit for bit.
+        x1c = cast_for_store(x1 * cos1, dtype, INTERPRETED).to(tl.float32)
+        x2s = cast_for_store(x2 * sin1, dtype, INTERPRETED).to(tl.float32)
+        x2c = cast_for_store(x2 * cos2, dtype, INTERPRETED).to(tl.float32)
+        x1s = cast_for_store(x1 * sin2, dtype, INTERPRETED).to(tl.float32)
+        tl.store(o_ptrs, cast_for_store(x1c - x2s, dtype, INTERPRETED), mask=s_ok[:, None])
+        tl.store(o_ptrs + HALF, cast_for_store(x2c + x1s, dtype, INTERPRETED), mask=s_ok[:, None])
 
 
 @triton.jit
@@ -49,7 +59,7 @@ def _rope_kernel(
     stride_qob, stride_qoh, stride_qos,
     stride_kob, stride_koh, stride_kos,
     seqlen, n_q_heads, n_kv_heads,
-    HALF: tl.constexpr, BLOCK_S: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_S: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     batch = tl.program_id(0).to(tl.int64)
     offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -63,9 +73,9 @@ def _rope_kernel(
     sin1 = tl.load(sin_ptrs, mask=s_ok[:, None], other=0.0).to(tl.float32)
     sin2 = tl.load(sin_ptrs + HALF, mask=s_ok[:, None], other=0.0).to(tl.float32)
     _rotate_heads(Q, Q_OUT, batch * stride_qb, batch * stride_qob, stride_qh, stride_qs, stride_qoh, stride_qos,
-                  n_q_heads, offs_s, offs_h, s_ok, cos1, cos2, sin1, sin2, HALF)
+                  n_q_heads, offs_s, offs_h, s_ok, cos1, cos2, sin1, sin2, HALF, INTERPRETED)
     _rotate_heads(K, K_OUT, batch * stride_kb, batch * stride_kob, stride_kh, stride_ks, stride_koh, stride_kos,
-                  n_kv_heads, offs_s, offs_h, s_ok, cos1, cos2, sin1, sin2, HALF)
+                  n_kv_heads, offs_s, offs_h, s_ok, cos1, cos2, sin1, sin2, HALF, INTERPRETED)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,6 +98,6 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         q_out.stride(0), q_out.stride(1), q_out.stride(2),
         k_out.stride(0), k_out.stride(1), k_out.stride(2),
         seqlen, n_q_heads, n_kv_heads,
-        HALF=head_dim // 2, BLOCK_S=block_s, num_warps=4,
+        HALF=head_dim // 2, BLOCK_S=block_s, INTERPRETED=_INTERPRETED, num_warps=4,
     )
     return q_out, k_out

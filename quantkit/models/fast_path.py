@@ -13,6 +13,8 @@ structure, never by architecture name:
   the same function; Gemma's ``(1 + w)`` is found by probing, not by name.
 - Attention runs through the "quantkit" function registered with transformers'
   ``AttentionInterface`` (flash prefill, split-KV decode).
+- RoPE (exact=False, CUDA): the modeling file's ``apply_rotary_pos_emb`` is routed to one
+  launch for q and k while a marked attention module runs (``fast_rope``).
 
 Exactness. ``exact=True`` (default) keeps every rewrite bit-identical to the plain QuantLinear
 model, so greedy generations cannot change:
@@ -45,6 +47,7 @@ from torch import nn
 from quantkit.kernels import attention_ops, ops
 from quantkit.kernels.reference import ACTIVATIONS
 from quantkit.models.fast_attention import register_quantkit_attention
+from quantkit.models.fast_rope import enable_fused_rope
 from quantkit.nn import QuantLinear
 from quantkit.nn.linear import quantize_input
 
@@ -65,13 +68,15 @@ class OptimizeReport:
     exact_gated_kernel_mlps: list[str] = field(default_factory=list)
     swapped_norms: list[str] = field(default_factory=list)
     kept_norms: list[str] = field(default_factory=list)
+    fused_rope: list[str] = field(default_factory=list)
     attention: str | None = None
 
     def __str__(self) -> str:
         return (
             f"fused {len(self.fused_mlps)} gated MLPs ({len(self.exact_gated_kernel_mlps)} on the gated kernel), "
             f"{len(self.fused_qkv)} q/k/v projections, "
-            f"swapped {len(self.swapped_norms)} RMSNorms (kept {len(self.kept_norms)}), attention={self.attention}"
+            f"swapped {len(self.swapped_norms)} RMSNorms (kept {len(self.kept_norms)}), "
+            f"one-launch RoPE in {len(self.fused_rope)} attention modules, attention={self.attention}"
         )
 
 
@@ -351,12 +356,14 @@ def _model_backend(model: nn.Module) -> str:
 
 @torch.no_grad()
 def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms: bool = True,
-             qkv: bool = True) -> nn.Module:
+             qkv: bool = True, rope: bool = True) -> nn.Module:
     """Rewrite a quantized model in place for end-to-end inference and return it.
 
     exact: keep greedy outputs bit-identical to the plain QuantLinear model (see module docs).
     attention / norms: switch attention to the "quantkit" function / swap RMSNorm modules.
     qkv: stack q/k/v projections into a ``FusedQKV`` (one quantization + one GEMM when exact=False).
+    rope: with exact=False, rotate q and k in one launch on CUDA (``fast_rope``; same bits as HF's
+    eager RoPE in 16 bits, measured on the GPU before it enters exact mode).
     The report is attached as ``model.quantkit_fast_path``.
     """
     backend = _model_backend(model)
@@ -405,6 +412,8 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
                 continue
             _set_submodule(model, name, FastRMSNorm(module.weight, _norm_epsilon(module), offset, backend))
             report.swapped_norms.append(name)
+    if rope and not exact:
+        report.fused_rope = enable_fused_rope(model)
     if attention:
         device = next(model.parameters()).device
         name = register_quantkit_attention(backend=backend, device=device)

@@ -1,0 +1,99 @@
+"""RoPE in one launch for the fast path, without forking any modeling code.
+
+transformers' attention modules (Llama, Mistral, Qwen2, Gemma-3, ...) rotate q and k by calling
+the module-level function ``apply_rotary_pos_emb(q, k, cos, sin)`` of their modeling file: about
+ten elementwise kernels per layer in eager PyTorch (two products, ``rotate_half``'s slices,
+negation and concatenation, one sum, for q and again for k). transformers has no extension point
+for it, so ``enable_fused_rope`` swaps that function, in the modeling modules the model's
+attention layers come from, for a dispatcher:
+
+- inside a forward of an attention module that ``enable_fused_rope`` marked (a thread-local
+  depth counter set by forward hooks), on CUDA 16-bit tensors the kernel takes, it runs
+  ``attention_ops.apply_rope``: one launch for q and k, rounding as the eager function rounds,
+  so the result has the same bits;
+- everywhere else (other models of the same architecture in the process, CPU tensors, float32,
+  shapes or layouts the kernel does not take, extra arguments) it calls the original function.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from quantkit.kernels import attention_ops
+from quantkit.kernels.reference_attention import check_rope_inputs
+
+_FUNCTION = "apply_rotary_pos_emb"
+_ACTIVE = threading.local()
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _active() -> bool:
+    # Under torch.compile the original function is traced (the compiler fuses it on its own).
+    return not torch.compiler.is_compiling() and getattr(_ACTIVE, "depth", 0) > 0
+
+
+def _kernel_takes(q, k, cos, sin) -> bool:
+    if not (isinstance(q, torch.Tensor) and q.is_cuda and q.dtype in _DTYPES):
+        return False
+    if any(not isinstance(t, torch.Tensor) or t.dtype != q.dtype for t in (k, cos, sin)):
+        return False
+    try:
+        check_rope_inputs(q, k, cos, sin)
+    except ValueError:
+        return False
+    return True
+
+
+def _dispatcher(original: Callable) -> Callable:
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        unsqueeze_dim = kwargs.get("unsqueeze_dim", 1)
+        if _active() and not args and set(kwargs) <= {"unsqueeze_dim"} and unsqueeze_dim == 1 \
+                and _kernel_takes(q, k, cos, sin):
+            return attention_ops.apply_rope(q, k, cos, sin, backend="triton")
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb.quantkit_original = original
+    return apply_rotary_pos_emb
+
+
+def _enter(_module, _args) -> None:
+    if not torch.compiler.is_compiling():
+        _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
+
+
+def _leave(_module, _args, _output) -> None:
+    if not torch.compiler.is_compiling():
+        _ACTIVE.depth = max(0, getattr(_ACTIVE, "depth", 0) - 1)
+
+
+def is_rope_attention(module: nn.Module) -> bool:
+    """An attention module whose modeling file rotates q/k through ``apply_rotary_pos_emb``."""
+    source = sys.modules.get(type(module).__module__)
+    return (hasattr(module, "q_proj") and hasattr(module, "k_proj") and source is not None
+            and callable(getattr(source, _FUNCTION, None)))
+
+
+def enable_fused_rope(model: nn.Module) -> list[str]:
+    """Route the RoPE of ``model``'s attention modules through the one-launch kernel; returns their names.
+
+    Idempotent: a module already marked, or a modeling module already swapped, is left as is.
+    """
+    names = []
+    for name, module in model.named_modules():
+        if not is_rope_attention(module):
+            continue
+        source = sys.modules[type(module).__module__]
+        current = getattr(source, _FUNCTION)
+        if not hasattr(current, "quantkit_original"):
+            setattr(source, _FUNCTION, _dispatcher(current))
+        if not getattr(module, "quantkit_fused_rope", False):
+            module.register_forward_pre_hook(_enter)
+            module.register_forward_hook(_leave, always_call=True)
+            module.quantkit_fused_rope = True
+        names.append(name)
+    return names
