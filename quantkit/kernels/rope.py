@@ -8,11 +8,13 @@ position, with ``x = [x1, x2]`` split at ``D / 2`` and HF's cos/sin (both halves
     out1 = x1 * cos[:D/2] - x2 * sin[:D/2]
     out2 = x2 * cos[D/2:] + x1 * sin[D/2:]
 
-rounded as HF's eager ``q * cos + rotate_half(q) * sin`` rounds it: each product, then the sum,
-to the input dtype (each computed in float32, as PyTorch's 16-bit elementwise kernels do; a
-product of two 16-bit floats is exact in float32). For float16/bfloat16 inputs the result is
-bit-identical to HF's function; for float32 it is HF's up to fused multiply-adds. Inputs may be
-strided views (HF's (B, H, S, D) after a transpose); outputs are new contiguous (B, H, S, D).
+written to round as HF's eager ``q * cos + rotate_half(q) * sin`` rounds: each product, then the
+sum, to the input dtype (each computed in float32, as PyTorch's 16-bit elementwise kernels do).
+Under the CPU interpreter that gives HF's bits in float16/bfloat16 (tests). On an H100 with
+triton 3.6 it did not (``benchmarks/results/rope_check_h100.json``: 0 of 6 shapes bit-equal;
+the compiler may drop the float32 -> 16-bit -> float32 round trips, not verified), so the fast
+path uses this kernel only where it promises no bit-exactness (``optimize(exact=False)``). Inputs
+may be strided views (HF's (B, H, S, D) after a transpose); outputs are new contiguous tensors.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def _rotate_heads(
         x2 = tl.load(x_ptrs + HALF, mask=s_ok[:, None], other=0.0).to(tl.float32)
         o_ptrs = OUT + o_off + head * stride_oh + offs_s[:, None] * stride_os + offs_h[None, :]
         dtype = OUT.dtype.element_ty
-        # Round each product, then the sum, to the output dtype: HF's eager rounding, bit for bit.
+        # Round each product, then the sum, to the output dtype, as HF's eager ops do.
         x1c = cast_for_store(x1 * cos1, dtype, INTERPRETED).to(tl.float32)
         x2s = cast_for_store(x2 * sin1, dtype, INTERPRETED).to(tl.float32)
         x2c = cast_for_store(x2 * cos2, dtype, INTERPRETED).to(tl.float32)

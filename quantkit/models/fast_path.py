@@ -362,8 +362,8 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
     exact: keep greedy outputs bit-identical to the plain QuantLinear model (see module docs).
     attention / norms: switch attention to the "quantkit" function / swap RMSNorm modules.
     qkv: stack q/k/v projections into a ``FusedQKV`` (one quantization + one GEMM when exact=False).
-    rope: with exact=False, rotate q and k in one launch on CUDA (``fast_rope``; same bits as HF's
-    eager RoPE in 16 bits, measured on the GPU before it enters exact mode).
+    rope: with exact=False, rotate q and k in one launch on CUDA (``fast_rope``; not bit-equal to
+    HF's eager RoPE on the GPU, so exact mode keeps HF's).
     The report is attached as ``model.quantkit_fast_path``.
     """
     backend = _model_backend(model)
