@@ -10,11 +10,13 @@ position, with ``x = [x1, x2]`` split at ``D / 2`` and HF's cos/sin (both halves
 
 written to round as HF's eager ``q * cos + rotate_half(q) * sin`` rounds: each product, then the
 sum, to the input dtype (each computed in float32, as PyTorch's 16-bit elementwise kernels do).
-Under the CPU interpreter that gives HF's bits in float16/bfloat16 (tests). On an H100 with
-triton 3.6 it did not (``benchmarks/results/rope_check_h100.json``: 0 of 6 shapes bit-equal;
-the compiler may drop the float32 -> 16-bit -> float32 round trips, not verified), so the fast
-path uses this kernel only where it promises no bit-exactness (``optimize(exact=False)``). Inputs
-may be strided views (HF's (B, H, S, D) after a transpose); outputs are new contiguous tensors.
+The roundings are done on the float32 bits (``_round_to_grid``), not by a float32 -> 16-bit ->
+float32 round trip: on an H100 with triton 3.6 the round-trip version was not bit-equal to HF
+(``benchmarks/results/rope_check_h100.json``, 0 of 6 shapes), consistent with the compiler
+dropping the round trips and contracting into FMAs. Bit operations cannot be folded away, and
+the kernel is compiled without FMA contraction, so float32 inputs also round as torch does.
+Inputs may be strided views (HF's (B, H, S, D) after a transpose); outputs are new contiguous
+tensors.
 """
 
 from __future__ import annotations
@@ -26,16 +28,42 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.launch import cdiv
-from quantkit.kernels.quant import cast_for_store
+from quantkit.kernels.quant import round_half_even, round_to_bf16_grid
 from quantkit.kernels.reference_attention import check_rope_inputs
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
+def _round_to_fp16_grid(x):
+    """Round fp32 to the nearest float16 value (ties to even), still as fp32, through its bits.
+
+    Normal range: drop 13 of the 23 mantissa bits with round-half-even. Below 2**-14 float16 is
+    subnormal with a fixed spacing of 2**-24: scale, round to an integer, scale back (exact).
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    lsb = (bits >> 13) & 1
+    normal = ((bits + 0xFFF + lsb) & -8192).to(tl.float32, bitcast=True)
+    subnormal = round_half_even(x * 16777216.0) * 5.9604644775390625e-08
+    subnormal = tl.where(x < 0, -tl.abs(subnormal), subnormal)
+    return tl.where(tl.abs(x) < 6.103515625e-05, subnormal, normal)
+
+
+@triton.jit
+def _round_to_grid(x, DTYPE: tl.constexpr):
+    """fp32 x rounded to DTYPE's nearest value (still fp32): the later cast to DTYPE is exact."""
+    if DTYPE == tl.bfloat16:
+        return round_to_bf16_grid(x)
+    elif DTYPE == tl.float16:
+        return _round_to_fp16_grid(x)
+    else:
+        return x
+
+
+@triton.jit
 def _rotate_heads(
     X, OUT, x_off, o_off, stride_xh, stride_xs, stride_oh, stride_os, n_heads,
-    offs_s, offs_h, s_ok, cos1, cos2, sin1, sin2, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
+    offs_s, offs_h, s_ok, cos1, cos2, sin1, sin2, HALF: tl.constexpr,
 ):
     for head in range(n_heads):
         x_ptrs = X + x_off + head * stride_xh + offs_s[:, None] * stride_xs + offs_h[None, :]
@@ -44,12 +72,12 @@ def _rotate_heads(
         o_ptrs = OUT + o_off + head * stride_oh + offs_s[:, None] * stride_os + offs_h[None, :]
         dtype = OUT.dtype.element_ty
         # Round each product, then the sum, to the output dtype, as HF's eager ops do.
-        x1c = cast_for_store(x1 * cos1, dtype, INTERPRETED).to(tl.float32)
-        x2s = cast_for_store(x2 * sin1, dtype, INTERPRETED).to(tl.float32)
-        x2c = cast_for_store(x2 * cos2, dtype, INTERPRETED).to(tl.float32)
-        x1s = cast_for_store(x1 * sin2, dtype, INTERPRETED).to(tl.float32)
-        tl.store(o_ptrs, cast_for_store(x1c - x2s, dtype, INTERPRETED), mask=s_ok[:, None])
-        tl.store(o_ptrs + HALF, cast_for_store(x2c + x1s, dtype, INTERPRETED), mask=s_ok[:, None])
+        x1c = _round_to_grid(x1 * cos1, dtype)
+        x2s = _round_to_grid(x2 * sin1, dtype)
+        x2c = _round_to_grid(x2 * cos2, dtype)
+        x1s = _round_to_grid(x1 * sin2, dtype)
+        tl.store(o_ptrs, _round_to_grid(x1c - x2s, dtype).to(dtype), mask=s_ok[:, None])
+        tl.store(o_ptrs + HALF, _round_to_grid(x2c + x1s, dtype).to(dtype), mask=s_ok[:, None])
 
 
 @triton.jit
@@ -61,7 +89,7 @@ def _rope_kernel(
     stride_qob, stride_qoh, stride_qos,
     stride_kob, stride_koh, stride_kos,
     seqlen, n_q_heads, n_kv_heads,
-    HALF: tl.constexpr, BLOCK_S: tl.constexpr, INTERPRETED: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     batch = tl.program_id(0).to(tl.int64)
     offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -75,9 +103,9 @@ def _rope_kernel(
     sin1 = tl.load(sin_ptrs, mask=s_ok[:, None], other=0.0).to(tl.float32)
     sin2 = tl.load(sin_ptrs + HALF, mask=s_ok[:, None], other=0.0).to(tl.float32)
     _rotate_heads(Q, Q_OUT, batch * stride_qb, batch * stride_qob, stride_qh, stride_qs, stride_qoh, stride_qos,
-                  n_q_heads, offs_s, offs_h, s_ok, cos1, cos2, sin1, sin2, HALF, INTERPRETED)
+                  n_q_heads, offs_s, offs_h, s_ok, cos1, cos2, sin1, sin2, HALF)
     _rotate_heads(K, K_OUT, batch * stride_kb, batch * stride_kob, stride_kh, stride_ks, stride_koh, stride_kos,
-                  n_kv_heads, offs_s, offs_h, s_ok, cos1, cos2, sin1, sin2, HALF, INTERPRETED)
+                  n_kv_heads, offs_s, offs_h, s_ok, cos1, cos2, sin1, sin2, HALF)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,6 +128,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         q_out.stride(0), q_out.stride(1), q_out.stride(2),
         k_out.stride(0), k_out.stride(1), k_out.stride(2),
         seqlen, n_q_heads, n_kv_heads,
-        HALF=head_dim // 2, BLOCK_S=block_s, INTERPRETED=_INTERPRETED, num_warps=4,
+        HALF=head_dim // 2, BLOCK_S=block_s, num_warps=4,
+        # No FMA contraction: each product is rounded on its own, as in torch's eager ops.
+        enable_fp_fusion=False,
     )
     return q_out, k_out

@@ -64,3 +64,19 @@ def test_rope_bad_input_raises(backend):
         attention_ops.apply_rope(q[..., :48], k[..., :48], cos[..., :48], sin[..., :48], backend=backend)
     with pytest.raises(ValueError, match="dtype"):
         attention_ops.apply_rope(q.to(torch.float64), k, cos, sin, backend=backend)
+
+
+@pytest.mark.parametrize("dtype,magnitude", [(torch.float16, 1e-4), (torch.float16, 3e3), (torch.bfloat16, 1e-30),
+                                             (torch.float32, 3.0)])
+def test_rope_rounding_at_range_edges_bit_equal_to_hf(dtype, magnitude):
+    """Products in float16's subnormal range (below 2**-14), near its overflow, bfloat16's tiny
+    values, and float32 (no FMA contraction): the kernel's bit-level rounding still gives HF's bits."""
+    torch.manual_seed(11)
+    q = (magnitude * torch.randn(2, 3, 37, 64)).to(dtype)
+    k = (magnitude * torch.randn(2, 1, 37, 64)).to(dtype)
+    cos, sin = (t.to(dtype) for t in hf_cos_sin(2, 37, 64))
+    q_out, k_out = attention_ops.apply_rope(q, k, cos, sin, backend="triton")
+    q_hf, k_hf = apply_rotary_pos_emb(q, k, cos, sin)
+    if dtype == torch.float16 and magnitude < 1:
+        assert (q_hf.abs() < 2**-14).float().mean() > 0.3  # the subnormal path is exercised
+    assert torch.equal(q_out, q_hf) and torch.equal(k_out, k_hf)
