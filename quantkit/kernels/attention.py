@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.kernels.attention_decode import (  # noqa: F401  (decode names re-exported)
+from quantkit.kernels.attention_decode import (
     _GROUP_COUNTERS,
     _INTERPRETED,
     _M_INIT,
@@ -42,6 +42,13 @@ from quantkit.kernels.attention_decode import (  # noqa: F401  (decode names re-
     decode_split_plan,
 )
 from quantkit.kernels.reference_attention import check_prefill_inputs
+
+# Decode names stay importable from here (callers and tests predate the split).
+__all__ = [
+    "flash_attention", "decode_attention", "decode_split_plan", "decode_epilogue", "DecodeConfig",
+    "EPILOGUE_FINAL", "EPILOGUE_FUSED", "EPILOGUE_PARTIAL", "FUSED_COMBINE_MAX_FLOATS", "COMBINE_CHUNK_FLOATS",
+    "LOG2E", "_decode_config", "_group_counters", "_GROUP_COUNTERS", "_RETIRED_COUNTERS", "_prefill_config",
+]
 
 
 # ---------------------------------------------------------------------------------------------

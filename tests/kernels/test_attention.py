@@ -347,7 +347,7 @@ LOAD_VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", list(LOAD_VARIANTS), ids=list(LOAD_VARIANTS))
-@pytest.mark.parametrize("layout", ["contiguous", "sliced", "transposed"])
+@pytest.mark.parametrize("layout", ["contiguous", "sliced", "transposed", "padded-rows"])
 def test_decode_load_variants_match_twin(variant, layout, poisoned_empty):
     from quantkit.kernels import attention_decode
 
@@ -358,13 +358,16 @@ def test_decode_load_variants_match_twin(variant, layout, poisoned_empty):
     if layout == "transposed":
         k_cache = torch.randn(batch, capacity, n_kv_heads, head_dim).transpose(1, 2)
         v_cache = torch.randn(batch, capacity, n_kv_heads, head_dim).transpose(1, 2)
+    elif layout == "padded-rows":  # rows of 65 floats: not 16-byte aligned, no TMA row view
+        k_cache = torch.randn(batch, n_kv_heads, capacity, head_dim + 1)[..., :head_dim]
+        v_cache = torch.randn(batch, n_kv_heads, capacity, head_dim + 1)[..., :head_dim]
     else:
         k_cache, v_cache = torch.randn(shape), torch.randn(shape)
         if layout == "sliced":
             k_cache, v_cache = k_cache[:, :, :capacity], v_cache[:, :, :capacity]
         else:
             k_cache, v_cache = k_cache[:, :, :capacity].contiguous(), v_cache[:, :, :capacity].contiguous()
-    assert (attention_decode.cache_rows(k_cache) is None) == (layout == "transposed")
+    assert (attention_decode.cache_rows(k_cache) is None) == (layout in ("transposed", "padded-rows"))
     q = torch.randn(batch, n_q_heads, head_dim)
     lengths = [0, 1, 97, 150]
     seqlens = torch.tensor(lengths, dtype=torch.int32)
