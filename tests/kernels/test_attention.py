@@ -199,10 +199,11 @@ def test_decode_bad_input_raises_before_launch(backend):
 
 @pytest.mark.parametrize("batch,length,splits", [(8, 32768, 4), (8, 4096, 4), (1, 32768, 32), (1, 1024, 16)])
 def test_decode_split_plan_fills_whole_waves(monkeypatch, batch, length, splits):
-    from quantkit.kernels import attention
+    from quantkit.kernels import attention_decode
 
-    monkeypatch.setattr(attention, "_multiprocessor_count", lambda index: 132)
-    split_len, n_splits = attention.decode_split_plan(batch, 8, length, torch.device("cuda", 0), 64, 2)
+    monkeypatch.setattr(attention_decode, "_multiprocessor_count", lambda index: 132)
+    attention_decode.decode_split_plan.cache_clear()
+    split_len, n_splits = attention_decode.decode_split_plan(batch, 8, length, torch.device("cuda", 0), 64, 2)
     assert (split_len, n_splits) == (triton_cdiv(length, splits), splits)
     assert split_len % 64 == 0 and (n_splits - 1) * split_len < length <= n_splits * split_len
     assert batch * 8 * n_splits <= 2 * 132  # one wave of two programs per SM
@@ -331,3 +332,65 @@ def test_decode_two_launch_combine_over_many_split_chunks():
     out = attention.decode_attention(q, k_cache, v_cache, seqlens, 0.125, n_splits=18, fuse_combine=False)
     torch.testing.assert_close(out, reference_attention.decode_attention(q, k_cache, v_cache, seqlens, 0.125),
                                **FP32_TOL)
+
+
+# Session-4 load paths of the split kernel (DecodeConfig): each must equal the twin, with odd
+# lengths (a partial last block), an empty sequence, a sliding window, and caches that are views
+# (sliced capacity, a transposed (B, L, H, D) layout that the TMA row view cannot take).
+LOAD_VARIANTS = {
+    "pointer-k-rows": dict(k_rows=True),
+    "pointer-evict": dict(evict_first=True),
+    "prefetch": dict(prefetch_first=True),
+    "tma": dict(loads="tma"),
+    "tma-prefetch": dict(loads="tma", prefetch_first=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(LOAD_VARIANTS), ids=list(LOAD_VARIANTS))
+@pytest.mark.parametrize("layout", ["contiguous", "sliced", "transposed", "padded-rows"])
+def test_decode_load_variants_match_twin(variant, layout, poisoned_empty):
+    from quantkit.kernels import attention_decode
+
+    torch.manual_seed(len(variant) * 7 + len(layout))
+    batch, n_q_heads, n_kv_heads, head_dim, capacity = 4, 8, 2, 64, 200
+    config = attention_decode.DecodeConfig(32, 4, 1, 2, **LOAD_VARIANTS[variant])
+    shape = (batch, n_kv_heads, capacity + 37, head_dim)
+    if layout == "transposed":
+        k_cache = torch.randn(batch, capacity, n_kv_heads, head_dim).transpose(1, 2)
+        v_cache = torch.randn(batch, capacity, n_kv_heads, head_dim).transpose(1, 2)
+    elif layout == "padded-rows":  # rows of 65 floats: not 16-byte aligned, no TMA row view
+        k_cache = torch.randn(batch, n_kv_heads, capacity, head_dim + 1)[..., :head_dim]
+        v_cache = torch.randn(batch, n_kv_heads, capacity, head_dim + 1)[..., :head_dim]
+    else:
+        k_cache, v_cache = torch.randn(shape), torch.randn(shape)
+        if layout == "sliced":
+            k_cache, v_cache = k_cache[:, :, :capacity], v_cache[:, :, :capacity]
+        else:
+            k_cache, v_cache = k_cache[:, :, :capacity].contiguous(), v_cache[:, :, :capacity].contiguous()
+    assert (attention_decode.cache_rows(k_cache) is None) == (layout in ("transposed", "padded-rows"))
+    q = torch.randn(batch, n_q_heads, head_dim)
+    lengths = [0, 1, 97, 150]
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    twin_k, twin_v = k_cache.clone(), v_cache.clone()
+    for b, length in enumerate(lengths):
+        # Slots past a sequence's length hold NaN: a variant that lets them into a sum shows.
+        k_cache[b, :, length:], v_cache[b, :, length:] = float("nan"), float("nan")
+    for window, max_seqlen, n_splits in ((None, None, None), (None, 150, 3), (40, None, 2)):
+        out = attention_decode.decode_attention(q, k_cache, v_cache, seqlens, 0.13, window, max_seqlen,
+                                                block_config=config, n_splits=n_splits)
+        twin = reference_attention.decode_attention(q, twin_k, twin_v, seqlens, 0.13, window)
+        torch.testing.assert_close(out, twin, **FP32_TOL)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+def test_decode_config_accepts_the_old_tuple_and_rejects_bad_values():
+    from quantkit.kernels import attention, attention_decode
+
+    assert attention_decode.DecodeConfig.of((64, 4, 3, 2)) == attention_decode.DecodeConfig()
+    assert attention.DecodeConfig is attention_decode.DecodeConfig  # re-exported
+    assert attention.decode_attention is attention_decode.decode_attention
+    for bad in (dict(block_n=48), dict(num_warps=3), dict(loads="cp.async"), dict(programs_per_sm=0)):
+        with pytest.raises(ValueError):
+            attention_decode.DecodeConfig(**bad)
+    with pytest.raises(ValueError, match="block_config"):
+        attention_decode.DecodeConfig.of((64, 4, 3))
