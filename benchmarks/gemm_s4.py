@@ -135,12 +135,14 @@ def _compile_worker(job):
         return {"dtype": dtype_name, "config": config, "error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
-def precompile(jobs, workers):
+def precompile(jobs, workers, timeout):
     import multiprocessing as mp
 
     t = time.time()
+    # The pool is terminated on leaving the block, also after a timeout (the timing process then
+    # compiles what is missing itself).
     with mp.get_context("spawn").Pool(workers) as pool:
-        results = pool.map(_compile_worker, jobs, chunksize=1)
+        results = pool.map_async(_compile_worker, jobs, chunksize=1).get(timeout=timeout)
     errors = [r for r in results if "error" in r]
     print(f"precompiled {len(jobs)} kernels with {workers} workers in {time.time() - t:.1f}s"
           + (f", {len(errors)} failed: {errors}" if errors else ""), flush=True)
@@ -362,7 +364,7 @@ def main():
                     jobs.append((dtype_name, c))
         workers = args.workers or max(2, min(12, (os.cpu_count() or 4) - 2))
     try:
-        result["precompile"] = precompile(jobs, workers)
+        result["precompile"] = precompile(jobs, workers, timeout=max(10.0, min(120.0, left(args.deadline) - 90)))
     except Exception:  # noqa: BLE001 - compiling in the timing process instead is only slower
         traceback.print_exc()
         result["precompile"] = {"error": traceback.format_exc()}
