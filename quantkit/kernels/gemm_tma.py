@@ -8,8 +8,15 @@ different machinery:
 - one program per SM walking output tiles in grouped order (GROUP_M row-tiles share weight tiles
   in L2); the K loop and the tile loop are flattened into one software pipeline, so the loads of
   the next tile are in flight while this tile's epilogue runs;
-- the epilogue optionally stores the tile in two halves (fewer live registers, half the
-  shared-memory staging buffer for the TMA store);
+- the epilogue optionally stores the tile in two halves or four quarters (fewer live registers,
+  a smaller shared-memory staging buffer for the TMA store);
+- CTAS_PER_SM programs per SM (the tile stride is NUM_SMS * CTAS_PER_SM): with 2, two CTAs of a
+  small-tile config share an SM, so one issues tensor-core work while the other waits;
+- A_IN_REGISTERS (for INT8): the A tile reaches wgmma from registers. Two facts of triton 3.6's
+  INT8 path on Hopper, read from PTX compiled for sm_90 (benchmarks/NOTES-gemm.md, session 4):
+  the wgmma of a dot with an int32 accumulator is never made asynchronous (the MMAv3 pipeliner
+  only does so for fp32 accumulators: a ``wgmma.wait_group 0`` follows every K step), and INT8
+  wgmma is capped at N=224, so a 256-wide tile issues two N=128 instructions per K step;
 - GATED: the stacked [gate; up] weight, gate rows n and up rows N + n loaded per K step into two
   accumulators, ``act(gate) * up`` in the tiled kernel's arithmetic.
 
@@ -50,13 +57,27 @@ def _store_tile(out_desc, off_m, off_n, out, OUT_CODE: tl.constexpr, INTERPRETED
         out = out.to(tl.float16)
     elif OUT_CODE == 2:
         out = out.to(tl.float32)
-    if EPILOGUE_SPLIT == 2:
+    if EPILOGUE_SPLIT == 1:
+        out_desc.store([off_m, off_n], out)
+    else:
         halves = tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
         left, right = tl.split(halves)
-        out_desc.store([off_m, off_n], left)
-        out_desc.store([off_m, off_n + BLOCK_N // 2], right)
-    else:
-        out_desc.store([off_m, off_n], out)
+        if EPILOGUE_SPLIT == 2:
+            out_desc.store([off_m, off_n], left)
+            out_desc.store([off_m, off_n + BLOCK_N // 2], right)
+        else:
+            # Quarters: a quarter-size staging buffer in shared memory (room for one more
+            # pipeline stage at 128x256 tiles).
+            _store_halves(out_desc, off_m, off_n, left, BLOCK_M, BLOCK_N // 2)
+            _store_halves(out_desc, off_m, off_n + BLOCK_N // 2, right, BLOCK_M, BLOCK_N // 2)
+
+
+@triton.jit
+def _store_halves(out_desc, off_m, off_n, out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    halves = tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+    left, right = tl.split(halves)
+    out_desc.store([off_m, off_n], left)
+    out_desc.store([off_m, off_n + BLOCK_N // 2], right)
 
 
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])
@@ -81,7 +102,12 @@ def _scaled_mm_persistent_kernel(
     GROUP_M: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    CTAS_PER_SM: tl.constexpr,
+    A_IN_REGISTERS: tl.constexpr,
 ):
+    # NUM_SMS * CTAS_PER_SM programs walk the tiles with that stride (the launch grid, or fewer
+    # programs when there are fewer tiles).
+    NUM_PROGRAMS = NUM_SMS * CTAS_PER_SM
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -89,8 +115,8 @@ def _scaled_mm_persistent_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     # The epilogue recomputes its tile from its own counter rather than reusing the loop's
     # (pid_m, pid_n): with the loops flattened, the pipeliner may already be on the next tile.
-    tile_id_c = start_pid - NUM_SMS
-    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+    tile_id_c = start_pid - NUM_PROGRAMS
+    for tile_id in tl.range(start_pid, num_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_am = pid_m * BLOCK_M
         off_wn = pid_n * BLOCK_N
@@ -104,6 +130,12 @@ def _scaled_mm_persistent_kernel(
                 acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             a = a_desc.load([off_am, ki * BLOCK_K])
+            if A_IN_REGISTERS and not INTERPRETED:
+                # An identity move the compiler cannot fold: the A tile then reaches wgmma from
+                # registers (ldmatrix once per K step) instead of shared memory. For INT8, whose
+                # wgmma triton caps at N=224 (so a 256-wide tile issues two N=128 instructions
+                # per K step), both halves then share A rather than each re-reading it.
+                a = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [a], dtype=a.dtype, is_pure=True, pack=4)
             w = w_desc.load([off_wn, ki * BLOCK_K])
             acc = dot_accumulate(a, w.T, acc, IS_INT8, FP8_FAST_ACCUM, FP8_PROMOTE_K)
             if GATED:
@@ -112,7 +144,7 @@ def _scaled_mm_persistent_kernel(
                 w_up = w_desc.load([N + off_wn, ki * BLOCK_K])
                 acc_up = dot_accumulate(a, w_up.T, acc_up, IS_INT8, FP8_FAST_ACCUM, FP8_PROMOTE_K)
 
-        tile_id_c += NUM_SMS
+        tile_id_c += NUM_PROGRAMS
         pid_m, pid_n = grouped_tile(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -138,10 +170,10 @@ def _scaled_mm_persistent_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _cfg(bm, bn, bk, warps, stages, split=2, group_m=8, ws=False):
+def _cfg(bm, bn, bk, warps, stages, split=2, group_m=8, ws=False, ctas=1, a_regs=False):
     return triton.Config(
         {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "EPILOGUE_SPLIT": split,
-         "WARP_SPECIALIZE": ws},
+         "WARP_SPECIALIZE": ws, "CTAS_PER_SM": ctas, "A_IN_REGISTERS": a_regs},
         num_warps=warps, num_stages=stages, pre_hook=_set_block_shapes,
     )
 
@@ -183,7 +215,7 @@ GATED_CONFIGS = [
 # Interpreter: few, big tiles (cost is per program) and 3 "SMs", so each program walks several
 # tiles and the persistent loop, the grouped order and the split store all run in the tests.
 INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 2, "EPILOGUE_SPLIT": 2,
-                      "WARP_SPECIALIZE": False}
+                      "WARP_SPECIALIZE": False, "CTAS_PER_SM": 1, "A_IN_REGISTERS": False}
 INTERPRETER_NUM_SMS = 3
 
 
@@ -284,7 +316,13 @@ def _plan(config: dict, kernel_flags: dict) -> tuple:
     cfg.setdefault("GROUP_M", 8)
     cfg.setdefault("EPILOGUE_SPLIT", 1)
     cfg.setdefault("WARP_SPECIALIZE", False)
+    cfg.setdefault("CTAS_PER_SM", 1)
+    cfg.setdefault("A_IN_REGISTERS", False)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if cfg["EPILOGUE_SPLIT"] not in (1, 2, 4) or bn % cfg["EPILOGUE_SPLIT"]:
+        raise ValueError(f"EPILOGUE_SPLIT={cfg['EPILOGUE_SPLIT']} must be 1, 2 or 4 and divide BLOCK_N={bn}")
+    if not (isinstance(cfg["CTAS_PER_SM"], int) and cfg["CTAS_PER_SM"] >= 1):
+        raise ValueError(f"CTAS_PER_SM={cfg['CTAS_PER_SM']!r} must be a positive int (programs per SM)")
     constexprs = dict(kernel_flags, FP8_PROMOTE_K=min(bk, 128), **cfg)
     out_box = [bm, bn // cfg["EPILOGUE_SPLIT"]]
     return bm, bn, bk, out_box, constexprs, num_warps, num_stages, (*cfg.values(), num_warps, num_stages)
@@ -332,7 +370,7 @@ def launch_persistent(a, w, out, a_scale, w_scale, bias, flags: tuple, m_bucket:
     # Descriptors are specialized on dtype and box only; N and K by value; M / M_BUCKET are not
     # specialized (only their int64-ness matters).
     key = (tune_key, config_key, M >= 2**31, aligned(a_scale, w_scale, bias_arg))
-    grid = (min(constexprs["NUM_SMS"], cdiv(M, bm) * cdiv(N, bn)),)
+    grid = (min(constexprs["NUM_SMS"] * constexprs["CTAS_PER_SM"], cdiv(M, bm) * cdiv(N, bn)),)
     _PERSISTENT(key, grid, args, constexprs, num_warps, num_stages, triton_args=triton_args)
     return out
 
@@ -345,6 +383,6 @@ def _autotune_and_launch(tuner, a, w, out, a_scale, w_scale, bias_arg, M, N, K, 
     out_desc = TensorDescriptor.from_tensor(out, [first["BLOCK_M"], first["BLOCK_N"] // first["EPILOGUE_SPLIT"]])
 
     def grid(meta):
-        return (min(sms, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
+        return (min(sms * meta["CTAS_PER_SM"], cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
 
     tuner[grid](a_desc, w_desc, out_desc, a_scale, w_scale, bias_arg, M, N, K, m_bucket, **kernel_flags)

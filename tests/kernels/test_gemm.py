@@ -260,6 +260,49 @@ def test_persistent_scalar_scales_no_bias(dtype, activation):
                               torch.float32)
 
 
+# Session-4 persistent options: the epilogue stored in quarters, two programs per SM (a longer
+# tile stride: each program walks fewer tiles), the A tile routed through registers (an identity
+# move on the GPU; plumbing only under the interpreter).
+PERSISTENT_OPTIONS = [
+    {"EPILOGUE_SPLIT": 4},
+    {"CTAS_PER_SM": 2},
+    {"EPILOGUE_SPLIT": 4, "CTAS_PER_SM": 2, "A_IN_REGISTERS": True, "GROUP_M": 1},
+]
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("options", PERSISTENT_OPTIONS, ids=["quarters", "two_per_sm", "all"])
+def test_persistent_options_match_reference_exactly(dtype, options):
+    M, N, K = 257, 200, 208  # 5 x 4 tiles of 64 on 3 (or 6) programs; N tail of 8 columns
+    a, a_scale, w, w_scale, bias = _operands(M, N, K, dtype, seed=11)
+    config = {**gemm_tma_interpreter_config(), **options, "num_warps": 4, "num_stages": 3}
+    out = gemm.scaled_mm(a, w, a_scale, w_scale, bias, "silu", torch.bfloat16, out=_poisoned(M, N, torch.bfloat16),
+                         config=config, kernel="persistent")
+    ref = reference.scaled_mm(a, w, a_scale, w_scale, bias, "silu", torch.bfloat16)
+    if dtype == torch.int8:
+        assert torch.equal(out, ref)  # exact int32 accumulator, the reference's epilogue order
+    else:
+        _assert_matches_reference(out, ref, torch.bfloat16)
+    if dtype == torch.int8:
+        acc = gemm.int8_matmul_accumulator(a, w, config=config, kernel="persistent",
+                                           out=torch.full((M, N), -7, dtype=torch.int32))
+        assert torch.equal(acc, reference.int8_matmul_exact(a, w))
+
+
+def gemm_tma_interpreter_config():
+    from quantkit.kernels import gemm_tma
+
+    return dict(gemm_tma.INTERPRETER_CONFIG)
+
+
+@pytest.mark.parametrize("bad,match", [({"EPILOGUE_SPLIT": 3}, "EPILOGUE_SPLIT=3"),
+                                       ({"CTAS_PER_SM": 0}, "CTAS_PER_SM=0")])
+def test_bad_persistent_config_raises(bad, match):
+    a, a_scale, w, w_scale, _ = _operands(16, 64, 64, torch.int8, seed=2)
+    with pytest.raises(ValueError, match=match):
+        gemm.scaled_mm(a, w, a_scale, w_scale, config={**gemm_tma_interpreter_config(), **bad}, kernel="persistent")
+
+
 def test_auto_takes_the_persistent_kernel_for_large_m_when_interpreted(monkeypatch):
     from quantkit.kernels import gemm_tma
 
