@@ -131,7 +131,8 @@ def test_quantize_per_token_at_rounding_ties_and_signed_zeros(qdtype, variant):
     else:
         grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
         mids = (grid[:-1] + grid[1:]) / 2
-        points = mids[torch.randint(0, len(mids), (M, K), generator=gen)] * (torch.randint(0, 2, (M, K), generator=gen) * 2 - 1)
+        signs = torch.randint(0, 2, (M, K), generator=gen) * 2 - 1
+        points = mids[torch.randint(0, len(mids), (M, K), generator=gen)] * signs
     x = (points.double() * scale.double()[:, None]).float()
     x = (x.view(torch.int32) + torch.randint(-2, 3, (M, K), generator=gen, dtype=torch.int32)).view(torch.float32)
     x[:, 0] = amax
