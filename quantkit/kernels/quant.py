@@ -6,9 +6,13 @@ Each kernel has a launcher (validate, allocate, pick the grid) and a torch twin 
 torch.library custom ops.
 
 Numerics match the reference bit for bit where the math allows it: the scale is
-``max(amax / qmax, MIN_SCALE)`` and values are *divided* by it with IEEE division
-(``div_rn``: Triton's plain ``/`` is an approximate division on NVIDIA GPUs, which would move
-some values across a rounding boundary), then rounded half-to-even like ``torch.round``.
+``max(amax / qmax, MIN_SCALE)`` and values are *divided* by it, rounded like IEEE division
+(Triton's plain ``/`` is an approximate division on NVIDIA GPUs, which would move some values
+across a rounding boundary), then rounded half-to-even like ``torch.round``. The dynamic
+kernels divide with the row's reciprocal and one FMA correction (``divide_by_scale``), which
+gives the correctly rounded quotient in three FMA-unit operations instead of ``div_rn``'s ~10
+with a branch: these kernels move 3 bytes per element, and at H100 bandwidth the division was
+most of their instruction budget (benchmarks/NOTES-quant.md).
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ CHUNK_K = 4096
 # Per-token quantization keeps the row in registers up to this K (measured: faster than chunks
 # at K=4096, slower at K=14336).
 SINGLE_PASS_PER_TOKEN_K = 8192
+# tl.load / tl.store eviction policies of the chunked kernels' ``evict`` option: the first read
+# of a row asks L1/L2 to keep it (it is read again), the re-read and the output go first.
+KEEP_POLICY, STREAM_POLICY = "evict_last", "evict_first"
 
 FLOAT_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -78,8 +85,9 @@ def round_to_e4m3_grid(x):
     to_units = ((127 - ulp_exponent) << 23).to(tl.float32, bitcast=True)
     from_units = ((127 + ulp_exponent) << 23).to(tl.float32, bitcast=True)
     rounded = round_half_even(x * to_units) * from_units
-    # (x + c) - c yields +0 for small negative x; torch keeps the sign (-0), so keep it too.
-    return tl.where(x < 0, -tl.abs(rounded), rounded)
+    # (x + c) - c yields +0 for small negative x and for -0; torch keeps the sign (-0), so keep
+    # it too (from the sign bit: -0 < 0 is false).
+    return tl.where(bits < 0, -tl.abs(rounded), rounded)
 
 
 @triton.jit
@@ -117,6 +125,61 @@ def quantize_with_scale(x, scale, IS_FP8: tl.constexpr, INTERPRETED: tl.constexp
         return round_half_even(scaled).to(tl.int8)
 
 
+@triton.jit
+def scale_from_amax(amax, QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr):
+    """The reference's ``scale_from_amax``: ``max(amax / qmax, MIN_SCALE)`` with IEEE division."""
+    return tl.maximum(tl.math.div_rn(amax, QMAX), MIN_SCALE_C)
+
+
+@triton.jit
+def divide_by_scale(x, scale, inv_scale):
+    """``x / scale`` rounded to nearest like IEEE division, given ``inv_scale = div_rn(1, scale)``.
+
+    One multiply gives a quotient within about an ulp; the remainder ``x - scale * quotient`` is
+    exact in an FMA, and one more FMA rounds ``quotient + remainder / scale`` correctly
+    (Markstein's correction; it is the fast path of the GPU's own ``div.rn.f32`` minus its
+    range check and branch, which only matter for quotients near the ends of the float32 range,
+    far from the |x / scale| <= 448 used here). Checked bit for bit against IEEE division in the
+    tests (near-tie and near-midpoint quotients included) and on the GPU.
+    """
+    quotient = x * inv_scale
+    # The remainder is formed negated, scale * quotient - x: for x = -0 it is then +0 and the
+    # final sum -0 + -0 keeps the sign that IEEE division gives (x - scale * quotient would be
+    # +0, and +0 + -0 = +0: a different float8 bit pattern). The negations are free FMA operand
+    # modifiers.
+    negated_remainder = tl.fma(scale, quotient, -x)
+    return tl.fma(-negated_remainder, inv_scale, quotient)
+
+
+@triton.jit
+def quantize_with_row_scale(x, scale, inv_scale, IS_FP8: tl.constexpr, FAST_DIVIDE: tl.constexpr,
+                            INTERPRETED: tl.constexpr):
+    """Quantize x with the scale derived from its own row's amax (|x| <= amax).
+
+    Bit-equal to ``quantize_with_scale``. Because ``scale >= amax / qmax`` up to one rounding,
+    ``|x / scale| <= qmax * (1 + 2**-23)``, which rounds onto the grid's end: no clamp needed.
+    INT8: adding 1.5 * 2**23 rounds half-to-even and leaves the integer in the low bits of the
+    float's pattern (0x4B400000 ends in a zero byte), so its low byte is already the int8.
+    FP8: the GPU's fp32 -> e4m3 conversion rounds to nearest even and saturates.
+    """
+    if not FAST_DIVIDE:
+        q = quantize_with_scale(x, scale, IS_FP8, INTERPRETED)
+    elif IS_FP8:
+        scaled = divide_by_scale(x, scale, inv_scale)
+        if INTERPRETED:
+            scaled = round_to_e4m3_grid(scaled)
+        q = scaled.to(tl.float8e4nv)
+    else:
+        q = (divide_by_scale(x, scale, inv_scale) + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+    return q
+
+
+@triton.jit
+def inverse_rms(sum_sq, K, eps):
+    """``1 / sqrt(sum_sq / K + eps)`` with IEEE division and square root (the twin's rounding)."""
+    return tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(sum_sq, K + 0.0) + eps))
+
+
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
@@ -128,6 +191,7 @@ def _quantize_per_token_kernel(
     M, K, stride_xm, stride_qm,
     QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr, IS_FP8: tl.constexpr,
     BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SINGLE_PASS: tl.constexpr, KEEP_INPUT_DTYPE: tl.constexpr,
+    FAST_DIVIDE: tl.constexpr, STAGES: tl.constexpr, KEEP: tl.constexpr, STREAM: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     # ROWS rows per program: more bytes in flight per program for short rows.
@@ -145,22 +209,28 @@ def _quantize_per_token_kernel(
             amax = tl.max(tl.abs(x_in), axis=1).to(tl.float32)
         else:
             amax = tl.max(tl.abs(x_in.to(tl.float32)), axis=1)
-        scale = tl.maximum(tl.math.div_rn(amax, QMAX), MIN_SCALE_C)
-        q = quantize_with_scale(x_in.to(tl.float32), scale[:, None], IS_FP8, INTERPRETED)
+        scale = scale_from_amax(amax, QMAX, MIN_SCALE_C)
+        inv_scale = tl.math.div_rn(1.0, scale)
+        q = quantize_with_row_scale(x_in.to(tl.float32), scale[:, None], inv_scale[:, None], IS_FP8, FAST_DIVIDE,
+                                    INTERPRETED)
         tl.store(q_rows + cols, q, mask=mask)
     else:
         running_amax = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
+        # STAGES > 1 software-pipelines the chunk loads (asynchronous copies through shared
+        # memory): more of the row in flight per program.
+        for start in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             mask = row_mask[:, None] & (start + cols < K)
-            x = tl.load(x_rows + start + cols, mask=mask, other=0.0).to(tl.float32)
-            running_amax = tl.maximum(running_amax, tl.abs(x))
+            x = tl.load(x_rows + start + cols, mask=mask, other=0.0, eviction_policy=KEEP)
+            running_amax = tl.maximum(running_amax, tl.abs(x.to(tl.float32)))
         amax = tl.max(running_amax, axis=1)
-        scale = tl.maximum(tl.math.div_rn(amax, QMAX), MIN_SCALE_C)
+        scale = scale_from_amax(amax, QMAX, MIN_SCALE_C)
+        inv_scale = tl.math.div_rn(1.0, scale)
         # Second pass over the row: it was read a moment ago, so it comes from L2, not memory.
-        for start in range(0, K, BLOCK_K):
+        for start in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             mask = row_mask[:, None] & (start + cols < K)
-            x = tl.load(x_rows + start + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_rows + start + cols, quantize_with_scale(x, scale[:, None], IS_FP8, INTERPRETED), mask=mask)
+            x = tl.load(x_rows + start + cols, mask=mask, other=0.0, eviction_policy=STREAM).to(tl.float32)
+            q = quantize_with_row_scale(x, scale[:, None], inv_scale[:, None], IS_FP8, FAST_DIVIDE, INTERPRETED)
+            tl.store(q_rows + start + cols, q, mask=mask, eviction_policy=STREAM)
     tl.store(scale_ptr + rows, scale, mask=row_mask)
 
 
@@ -183,7 +253,8 @@ def _rms_norm_quant_kernel(
     x_ptr, residual_ptr, new_residual_ptr, weight_ptr, q_ptr, scale_ptr,
     M, K, stride_xm, stride_rm, stride_nrm, stride_qm, eps, offset,
     QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr, IS_FP8: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, INTERPRETED: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, FAST_DIVIDE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
@@ -201,15 +272,19 @@ def _rms_norm_quant_kernel(
         tl.store(new_residual_ptr + rows[:, None] * stride_nrm + cols[None, :], summed, mask=mask)
         x = summed
     x = x.to(tl.float32)
-    mean_square = tl.sum(x * x, axis=1) / K
-    rstd = 1.0 / tl.math.sqrt_rn(mean_square + eps)
+    rstd = inverse_rms(tl.sum(x * x, axis=1), K, eps)
     # One load of the weight serves ROWS rows.
-    weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    normed = x * rstd[:, None] * (offset + weight)[None, :]
-    amax = tl.max(tl.abs(normed), axis=1)
-    scale = tl.maximum(tl.math.div_rn(amax, QMAX), MIN_SCALE_C)
-    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :],
-             quantize_with_scale(normed, scale[:, None], IS_FP8, INTERPRETED), mask=mask)
+    weight = offset + tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    # normed = (x * (offset + w)) * rstd, in that order (the twin's): rstd > 0 and rounding is
+    # monotone, so max|normed| == max|x * (offset + w)| * rstd exactly, which the chunked
+    # kernel relies on to find the scale in the same pass as the sum of squares.
+    weighted = x * weight[None, :]
+    amax = tl.max(tl.abs(weighted), axis=1) * rstd
+    scale = scale_from_amax(amax, QMAX, MIN_SCALE_C)
+    inv_scale = tl.math.div_rn(1.0, scale)
+    q = quantize_with_row_scale(weighted * rstd[:, None], scale[:, None], inv_scale[:, None], IS_FP8, FAST_DIVIDE,
+                                INTERPRETED)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
     tl.store(scale_ptr + rows, scale, mask=row_mask)
 
 
@@ -218,51 +293,70 @@ def _rms_norm_quant_chunked_kernel(
     x_ptr, residual_ptr, new_residual_ptr, weight_ptr, q_ptr, scale_ptr,
     M, K, stride_xm, stride_rm, stride_nrm, stride_qm, eps, offset,
     QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr, IS_FP8: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr, TWO_PASS: tl.constexpr, FAST_DIVIDE: tl.constexpr,
+    STAGES: tl.constexpr, KEEP: tl.constexpr, STREAM: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    """Long rows in BLOCK_K chunks, three passes: sum of squares, amax of the normed row, quantize.
+    """Long rows in BLOCK_K chunks: a row in registers (the whole-row kernel) caps the programs
+    per SM at one or two; chunks keep many rows in flight and the later reads hit L2.
 
-    A row in registers (the single-pass kernel) caps the programs per SM at one or two; chunks
-    keep many rows in flight and the second and third reads of a row hit L2. The per-element
-    arithmetic is the single-pass kernel's; only the order of the sum of squares differs.
+    Two passes (TWO_PASS): pass 1 sums squares and takes max|x * (offset + w)| together (the
+    scale is that max times rstd, exactly: see ``_rms_norm_quant_kernel``); pass 2 quantizes.
+    Three passes (the earlier design, kept for comparison): sum of squares, max|normed|,
+    quantize; bit-equal to two passes. With a residual, pass 1 writes the new residual and the
+    later passes read it back (one input instead of two, and correct when ``out_residual``
+    aliases ``x`` or ``residual``).
     """
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     x_row = x_ptr + row * stride_xm
     r_row = residual_ptr + row * stride_rm
+    if HAS_RESIDUAL:
+        normed_src = new_residual_ptr + row * stride_nrm
+    else:
+        normed_src = x_row
     sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
+    running_amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for start in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         mask = start + cols < K
-        x = tl.load(x_row + start + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
-            x = cast_for_store(x.to(tl.float32) + tl.load(r_row + start + cols, mask=mask, other=0.0).to(tl.float32),
+            # x and residual are read once; the new residual is read again.
+            x = tl.load(x_row + start + cols, mask=mask, other=0.0, eviction_policy=STREAM)
+            x = cast_for_store(x.to(tl.float32) + tl.load(r_row + start + cols, mask=mask, other=0.0,
+                                                          eviction_policy=STREAM).to(tl.float32),
                                x_ptr.dtype.element_ty, INTERPRETED)
-            tl.store(new_residual_ptr + row * stride_nrm + start + cols, x, mask=mask)
+            tl.store(normed_src + start + cols, x, mask=mask, eviction_policy=KEEP)
+        else:
+            x = tl.load(x_row + start + cols, mask=mask, other=0.0, eviction_policy=KEEP)
         x = x.to(tl.float32)
         sum_sq += x * x
-    rstd = 1.0 / tl.math.sqrt_rn(tl.sum(sum_sq, axis=0) / K + eps)
-    running_amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
+        if TWO_PASS:
+            # The weight is re-read by every row: ask the caches to keep it.
+            weight = offset + tl.load(weight_ptr + start + cols, mask=mask, other=0.0,
+                                      eviction_policy="evict_last").to(tl.float32)
+            running_amax = tl.maximum(running_amax, tl.abs(x * weight))
+    rstd = inverse_rms(tl.sum(sum_sq, axis=0), K, eps)
+    if HAS_RESIDUAL:
+        # The next passes read the new residual that other threads of this program stored.
+        tl.debug_barrier()
+    if TWO_PASS:
+        amax = tl.max(running_amax, axis=0) * rstd
+    else:
+        for start in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            mask = start + cols < K
+            x = tl.load(normed_src + start + cols, mask=mask, other=0.0, eviction_policy=KEEP).to(tl.float32)
+            weight = offset + tl.load(weight_ptr + start + cols, mask=mask, other=0.0,
+                                      eviction_policy="evict_last").to(tl.float32)
+            running_amax = tl.maximum(running_amax, tl.abs((x * weight) * rstd))
+        amax = tl.max(running_amax, axis=0)
+    scale = scale_from_amax(amax, QMAX, MIN_SCALE_C)
+    inv_scale = tl.math.div_rn(1.0, scale)
+    for start in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         mask = start + cols < K
-        x = tl.load(x_row + start + cols, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            # Recomputed from both inputs rather than re-read from new_residual: no ordering
-            # question between this program's stores and loads.
-            x = cast_for_store(x.to(tl.float32) + tl.load(r_row + start + cols, mask=mask, other=0.0).to(tl.float32),
-                               x_ptr.dtype.element_ty, INTERPRETED)
-        weight = tl.load(weight_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-        running_amax = tl.maximum(running_amax, tl.abs(x.to(tl.float32) * rstd * (offset + weight)))
-    scale = tl.maximum(tl.math.div_rn(tl.max(running_amax, axis=0), QMAX), MIN_SCALE_C)
-    for start in range(0, K, BLOCK_K):
-        mask = start + cols < K
-        x = tl.load(x_row + start + cols, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            x = cast_for_store(x.to(tl.float32) + tl.load(r_row + start + cols, mask=mask, other=0.0).to(tl.float32),
-                               x_ptr.dtype.element_ty, INTERPRETED)
-        weight = tl.load(weight_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-        normed = x.to(tl.float32) * rstd * (offset + weight)
-        tl.store(q_ptr + row * stride_qm + start + cols, quantize_with_scale(normed, scale, IS_FP8, INTERPRETED),
-                 mask=mask)
+        x = tl.load(normed_src + start + cols, mask=mask, other=0.0, eviction_policy=STREAM).to(tl.float32)
+        weight = offset + tl.load(weight_ptr + start + cols, mask=mask, other=0.0,
+                                  eviction_policy="evict_last").to(tl.float32)
+        q = quantize_with_row_scale((x * weight) * rstd, scale, inv_scale, IS_FP8, FAST_DIVIDE, INTERPRETED)
+        tl.store(q_ptr + row * stride_qm + start + cols, q, mask=mask, eviction_policy=STREAM)
     tl.store(scale_ptr + row, scale)
 
 
@@ -348,35 +442,80 @@ def per_token_launch_config(K: int) -> dict:
     chunks, twice (the second read hits L2): a 14336-element row in registers allows one or two
     programs per SM, too few bytes in flight (H100, K=14336: 1.9-2.2 TB/s whole-row vs
     2.1-2.6 TB/s chunked, benchmarks/NOTES-gemm.md).
+
+    Keys (``config=`` of ``quantize_per_token`` overrides any of them): ``single_pass`` (whole
+    row in registers), ``chunk_k``, ``rows`` per program, ``keep_input_dtype`` (16-bit row in
+    registers), ``num_warps`` (None: from the block size), ``fast_divide`` (reciprocal + FMA
+    correction instead of IEEE division; same bits), ``stages`` (software pipelining of the
+    chunk loops; 1 = none), ``evict`` (cache eviction hints on the chunked passes).
     """
     single_pass = K <= SINGLE_PASS_PER_TOKEN_K
     return {"single_pass": single_pass, "chunk_k": CHUNK_K, "rows": 1, "keep_input_dtype": False,
-            "num_warps": None if single_pass else 8}
+            "num_warps": None if single_pass else 8, "fast_divide": True, "stages": 1, "evict": False}
 
 
 def rms_norm_launch_config(K: int, has_residual: bool = False) -> dict:
     """Launch parameters of the fused RMSNorm + per-token kernel (tuned on an H100).
 
-    ``chunk_k`` (0 = the whole row in registers) selects the three-pass chunked kernel: faster
-    for long rows without a residual (K=14336: 1.5-1.7 -> 1.8-2.2 TB/s); with a residual the
-    chunked passes re-read two inputs and the whole-row kernel stays ahead (2.3-2.65 TB/s).
+    ``chunk_k`` (0 = the whole row in registers) selects the chunked kernel: faster for long
+    rows without a residual (K=14336: 1.5-1.7 -> 1.8-2.2 TB/s with three passes); with a
+    residual the whole-row kernel stays ahead (2.3-2.65 TB/s). ``passes`` (2 or 3),
+    ``stages`` and ``evict`` apply to the chunked kernel, ``rows`` to the whole-row one;
+    ``num_warps`` (None: from the block size) and ``fast_divide`` to both.
     """
     if K > SINGLE_PASS_PER_TOKEN_K and not has_residual:
-        return {"rows": 1, "num_warps": 8, "chunk_k": 2048}
-    return {"rows": 1, "num_warps": None, "chunk_k": 0}
+        return {"rows": 1, "num_warps": 8, "chunk_k": 2048, "passes": 2, "fast_divide": True, "stages": 1,
+                "evict": False}
+    return {"rows": 1, "num_warps": None, "chunk_k": 0, "passes": 2, "fast_divide": True, "stages": 1, "evict": False}
+
+
+def _launch_config(defaults: dict, config: dict | None, name: str) -> dict:
+    unknown = set(config or {}) - set(defaults)
+    if unknown:
+        raise ValueError(f"unknown {name} keys {sorted(unknown)}; known: {sorted(defaults)}")
+    cfg = {**defaults, **(config or {})}
+    if cfg.get("passes", 2) not in (2, 3):
+        raise ValueError(f"passes={cfg['passes']}; the chunked RMSNorm kernel makes 2 or 3 passes")
+    if int(cfg["stages"]) < 1:
+        raise ValueError(f"stages={cfg['stages']}; use 1 (no pipelining) or more")
+    return cfg
+
+
+def _policies(evict: bool) -> dict:
+    return {"KEEP": KEEP_POLICY, "STREAM": STREAM_POLICY} if evict else {"KEEP": "", "STREAM": ""}
 
 
 _PER_TOKEN_PLANS: dict = {}
+_RMS_PLANS: dict = {}
+
+
+def _rms_norm_plan(K: int, has_residual: bool, dtype: torch.dtype, config: dict | None) -> tuple:
+    cfg = _launch_config(rms_norm_launch_config(K, has_residual), config, "RMSNorm config")
+    constexprs = dict(QMAX=qmax_of(dtype), MIN_SCALE_C=MIN_SCALE, IS_FP8=dtype == torch.float8_e4m3fn,
+                      HAS_RESIDUAL=has_residual)
+    if cfg["chunk_k"]:
+        block_k, launch, rows = min(cfg["chunk_k"], next_power_of_2(K)), _RMS_NORM_QUANT_CHUNKED, 1
+        constexprs.update(BLOCK_K=block_k, TWO_PASS=cfg["passes"] == 2, FAST_DIVIDE=bool(cfg["fast_divide"]),
+                          STAGES=int(cfg["stages"]), **_policies(cfg["evict"]), INTERPRETED=INTERPRETED)
+    else:
+        block_k, launch, rows = next_power_of_2(K), _RMS_NORM_QUANT, cfg["rows"]
+        constexprs.update(BLOCK_K=block_k, ROWS=rows, FAST_DIVIDE=bool(cfg["fast_divide"]), INTERPRETED=INTERPRETED)
+    num_warps = cfg["num_warps"] or _row_warps(block_k * rows)
+    plan_id = (launch is _RMS_NORM_QUANT_CHUNKED, K, *constexprs.values(), num_warps)
+    return launch, rows, constexprs, num_warps, plan_id
 
 
 def _per_token_plan(K: int, x_dtype: torch.dtype, dtype: torch.dtype, config: dict | None) -> tuple:
-    cfg = {**per_token_launch_config(K), **(config or {})}
+    cfg = _launch_config(per_token_launch_config(K), config, "per-token config")
     single_pass = cfg["single_pass"]
+    if single_pass and K > MAX_SINGLE_PASS_K:
+        raise ValueError(f"single_pass with K={K} > {MAX_SINGLE_PASS_K}: the row would not fit in registers")
     block_k = next_power_of_2(K) if single_pass else min(cfg["chunk_k"], next_power_of_2(K))
     rows = cfg["rows"]
     num_warps = cfg["num_warps"] or _row_warps(block_k * rows)
     constexprs = dict(QMAX=qmax_of(dtype), MIN_SCALE_C=MIN_SCALE, IS_FP8=dtype == torch.float8_e4m3fn, BLOCK_K=block_k,
                       ROWS=rows, SINGLE_PASS=single_pass, KEEP_INPUT_DTYPE=cfg["keep_input_dtype"],
+                      FAST_DIVIDE=bool(cfg["fast_divide"]), STAGES=int(cfg["stages"]), **_policies(cfg["evict"]),
                       INTERPRETED=INTERPRETED)
     # Everything the compiled kernel depends on besides the per-call strides, M and alignment.
     plan_id = (x_dtype, K, *constexprs.values(), num_warps)
@@ -468,26 +607,22 @@ def rms_norm_quant_per_token(
         return q, scale, new_residual
     if K == 0:
         return q, scale.fill_(MIN_SCALE), new_residual
-    block_k = next_power_of_2(K)
-    cfg = {**rms_norm_launch_config(K, residual is not None), **(config or {})}
-    # Unused pointers still need a tensor; x itself is a harmless stand-in.
-    residual_arg = residual if residual is not None else x
-    new_residual_arg = new_residual if new_residual is not None else x
-    is_fp8 = dtype == torch.float8_e4m3fn
     has_residual = residual is not None
+    plan_key = (K, has_residual, dtype)
+    plan = _RMS_PLANS.get(plan_key) if config is None else None
+    if plan is None:
+        plan = _rms_norm_plan(K, has_residual, dtype, config)
+        if config is None:
+            _RMS_PLANS[plan_key] = plan
+    launch, rows, constexprs, num_warps, plan_id = plan
+    # Unused pointers still need a tensor; x itself is a harmless stand-in.
+    residual_arg = residual if has_residual else x
+    new_residual_arg = new_residual if has_residual else x
     args = (x, residual_arg, new_residual_arg, weight, q, scale, M, K, x.stride(0), residual_arg.stride(0),
             new_residual_arg.stride(0), q.stride(0), float(eps), float(offset))
-    constexprs = dict(QMAX=qmax_of(dtype), MIN_SCALE_C=MIN_SCALE, IS_FP8=is_fp8, HAS_RESIDUAL=has_residual)
-    if cfg["chunk_k"]:
-        block_k = min(cfg["chunk_k"], block_k)
-        launch, grid, rows = _RMS_NORM_QUANT_CHUNKED, (M,), 1
-        constexprs.update(BLOCK_K=block_k, INTERPRETED=INTERPRETED)
-    else:
-        launch, grid, rows = _RMS_NORM_QUANT, (cdiv(M, cfg["rows"]),), cfg["rows"]
-        constexprs.update(BLOCK_K=block_k, ROWS=rows, INTERPRETED=INTERPRETED)
-    num_warps = cfg["num_warps"] or _row_warps(block_k * rows)
-    key = (x.dtype, weight.dtype, is_fp8, has_residual, K, args[8], args[9], args[10], args[11], int_spec(M),
-           block_k, rows, num_warps, aligned(x, residual_arg, new_residual_arg, weight, q, scale))
+    key = (plan_id, x.dtype, weight.dtype, args[8], args[9], args[10], args[11], int_spec(M),
+           aligned(x, residual_arg, new_residual_arg, weight, q, scale))
+    grid = (cdiv(M, rows),)
     launch(key, grid, args, constexprs, num_warps, 3)
     return q, scale, new_residual
 

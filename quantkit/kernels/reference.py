@@ -179,6 +179,23 @@ def rms_norm_fp32(
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight.float()), new_residual
 
 
+def sqrt_rn(t: torch.Tensor) -> torch.Tensor:
+    """float32 square root rounded to nearest (IEEE), on any device.
+
+    torch's vectorized CPU sqrt is not always correctly rounded (it can be one ulp off), the
+    kernels' ``sqrt_rn`` is. The float64 root rounded to float32 is at most one ulp off; the
+    correctly rounded one is the float32 whose rounding interval holds sqrt(t), and midpoints
+    of float32 neighbours (25 bits) square exactly in float64, so the comparisons are exact.
+    """
+    root = torch.sqrt(t.double()).float()
+    t64 = t.double()
+    for toward, wrong_side in ((math.inf, lambda mid: mid * mid < t64), (-math.inf, lambda mid: mid * mid > t64)):
+        neighbour = torch.nextafter(root, torch.full_like(root, toward))
+        mid = (root.double() + neighbour.double()) / 2
+        root = torch.where(wrong_side(mid) & (root > 0) & torch.isfinite(neighbour), neighbour, root)
+    return root
+
+
 def rms_norm_quant_per_token(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -190,9 +207,24 @@ def rms_norm_quant_per_token(
     """RMSNorm (+ residual) followed by per-token quantization of the normed rows.
 
     Quantizes the float32 normed values directly (the fused kernel never rounds them to 16 bits).
+    The norm is rounded as the kernels round it, which differs from ``rms_norm_fp32`` (the
+    order HF's modules use, kept there for exact module matches): ``normed = (x * (offset + w))
+    * rstd`` with ``rstd = 1 / sqrt(sum(x**2) / K + eps)`` in IEEE division and square root
+    (not torch.rsqrt, which is approximate on CUDA). Multiplying by rstd last lets the kernel
+    find the row's scale in the same pass as the sum of squares: rstd > 0 and rounding is
+    monotone, so ``max|normed| == max|x * (offset + w)| * rstd`` exactly. Kernel and twin then
+    agree bit for bit whenever their sums of squares agree (always, when the sum is exact in
+    float32, e.g. few-bit inputs; otherwise the summation order may move rstd by an ulp).
     Returns (q (M, K), scale (M,) fp32, new residual or None).
     """
-    normed, new_residual = rms_norm_fp32(x, weight, eps, residual, offset)
+    new_residual = None
+    if residual is not None:
+        x = new_residual = (x.float() + residual.float()).to(x.dtype)
+    xf = x.float()
+    # Divide by tensors: torch turns division by a Python scalar into a multiplication on CUDA.
+    row_length = torch.tensor(float(xf.shape[-1]), dtype=torch.float32, device=xf.device)
+    rstd = torch.ones((), device=xf.device) / sqrt_rn(xf.pow(2).sum(-1, keepdim=True) / row_length + eps)
+    normed = (xf * (offset + weight.float())) * rstd
     q, scale = quantize_per_token(normed, dtype)
     return q, scale, new_residual
 

@@ -1,12 +1,17 @@
 """Activation-quantization kernels under the interpreter, against reference.py.
 
-Per-token and per-tensor quantization are bit-exact with the reference (same IEEE division,
-same round-half-even); the fused RMSNorm sums squares in another order, so its scale may differ
-in the last bits and a value on a rounding boundary may move by one step.
+Per-token and per-tensor quantization are bit-exact with the reference (same IEEE-rounded
+division, same round-half-even). The fused RMSNorm rounds its norm like its twin, so the two
+are bit-exact whenever their sums of squares agree: always for few-bit inputs, whose sum is
+exact in float32 in any order; on random data the summation order may move rstd by an ulp
+(scale within 1e-6, a value on a rounding boundary one step off).
 """
 
+import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from quantkit.kernels import quant, reference
 
@@ -54,7 +59,10 @@ LAUNCH_VARIANTS = {
     "rows2": {"rows": 2},
     "rows4_w4": {"rows": 4, "num_warps": 4},
     "two_pass_c128_rows2": {"single_pass": False, "chunk_k": 128, "rows": 2},
+    "two_pass_c128_pipelined_evict": {"single_pass": False, "chunk_k": 128, "stages": 3, "evict": True},
     "keep_input_dtype": {"keep_input_dtype": True},
+    "ieee_division": {"fast_divide": False},
+    "two_pass_ieee_division": {"single_pass": False, "chunk_k": 64, "fast_divide": False},
 }
 
 
@@ -69,6 +77,148 @@ def test_quantize_per_token_launch_variants_bit_exact(qdtype, variant):
     ref_q, ref_scale = reference.quantize_per_token(x, qdtype)
     assert torch.equal(scale, ref_scale)
     assert torch.equal(q.view(torch.int8), ref_q.view(torch.int8))
+
+
+@triton.jit
+def _divide_kernel(x_ptr, scale_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + offs, mask=mask, other=1.0)
+    scale = tl.load(scale_ptr + offs, mask=mask, other=1.0)
+    tl.store(out_ptr + offs, quant.divide_by_scale(x, scale, tl.math.div_rn(1.0, scale)), mask=mask)
+
+
+def _hard_quotients(n=1 << 16, seed=0):
+    """(x, scale) pairs whose IEEE quotient is hard to round: near int8 ties, near float8
+    midpoints, near float32 midpoints, signed zeros, scales with all-ones mantissas."""
+    rng = np.random.default_rng(seed)
+    amax = np.exp(rng.uniform(-25, 25, n)).astype(np.float32)
+    scale = np.maximum(amax / np.float32(rng.choice([127.0, 448.0], n)), np.float32(1e-12)).astype(np.float32)
+    ones = (scale.view(np.int32) | np.int32(0x7FFFFF)).view(np.float32)
+    scale = np.where(rng.random(n) < 0.2, ones, scale).astype(np.float32)
+    e4m3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy().astype(np.float64)
+    fp8_mid = (e4m3[:-1] + e4m3[1:]) / 2
+    near = rng.uniform(-448, 448, n).astype(np.float32)
+    fp32_mid = (near.astype(np.float64) + np.nextafter(near, np.float32(np.inf))) / 2
+    targets = np.stack([rng.integers(-127, 127, n) + 0.5, fp8_mid[rng.integers(0, len(fp8_mid), n)], fp32_mid,
+                        rng.uniform(-127, 127, n)])[rng.integers(0, 4, n), np.arange(n)]
+    x = (targets * scale.astype(np.float64)).astype(np.float32)
+    x = (x.view(np.int32) + rng.integers(-2, 3, n).astype(np.int32)).view(np.float32)
+    x[:64] = np.where(np.arange(64) % 2 == 0, np.float32(0.0), np.float32(-0.0))
+    return torch.from_numpy(x), torch.from_numpy(scale)
+
+
+def test_divide_by_scale_is_ieee_division():
+    # The fast path of the dynamic quantizers: reciprocal + one FMA correction must round
+    # exactly like x / scale (sign of zero included), also where rounding is hardest.
+    x, scale = _hard_quotients()
+    out = torch.full_like(x, float("nan"))
+    _divide_kernel[(1,)](x, scale, out, x.numel(), BLOCK=x.numel())
+    assert torch.equal(out.view(torch.int32), (x / scale).view(torch.int32))
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("variant", ["whole_row", "two_pass"])
+def test_quantize_per_token_at_rounding_ties_and_signed_zeros(qdtype, variant):
+    # Each row's largest |x| fixes its scale; the others sit a few ulps around the points where
+    # the quantized value changes (x = (k + 1/2) * scale for int8, float8 midpoints), plus +-0.
+    M, K = 6, 512
+    gen = torch.Generator().manual_seed(9)
+    amax = torch.exp(torch.empty(M).uniform_(-8, 8, generator=gen))
+    scale = reference.scale_from_amax(amax, qdtype)
+    if qdtype == torch.int8:
+        points = torch.randint(-127, 127, (M, K), generator=gen) + 0.5
+    else:
+        grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+        mids = (grid[:-1] + grid[1:]) / 2
+        signs = torch.randint(0, 2, (M, K), generator=gen) * 2 - 1
+        points = mids[torch.randint(0, len(mids), (M, K), generator=gen)] * signs
+    x = (points.double() * scale.double()[:, None]).float()
+    x = (x.view(torch.int32) + torch.randint(-2, 3, (M, K), generator=gen, dtype=torch.int32)).view(torch.float32)
+    x[:, 0] = amax
+    x[:, 1], x[:, 2] = 0.0, -0.0
+    config = {} if variant == "whole_row" else {"single_pass": False, "chunk_k": 128}
+    q, got_scale = quant.quantize_per_token(x, qdtype, out=_poisoned_q(M, K, qdtype), config=config)
+    ref_q, ref_scale = reference.quantize_per_token(x, qdtype)
+    assert torch.equal(got_scale, ref_scale)
+    assert torch.equal(q.view(torch.int8), ref_q.view(torch.int8))
+
+
+def _few_bit(M, K, dtype, seed):
+    # Multiples of 1/4 up to 2: every square and every partial sum is exact in float32, so the
+    # sum of squares is the same in any order and kernel and twin must agree bit for bit.
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(-8, 9, (M, K), generator=gen) / 4).to(dtype)
+
+
+RMS_VARIANTS = {
+    "whole_row": {"chunk_k": 0},
+    "whole_row_rows2": {"chunk_k": 0, "rows": 2},
+    "whole_row_ieee_division": {"chunk_k": 0, "fast_divide": False},
+    "chunked_two_pass": {"chunk_k": 128, "passes": 2},
+    "chunked_three_pass": {"chunk_k": 128, "passes": 3},
+    "chunked_pipelined_evict": {"chunk_k": 64, "passes": 2, "stages": 3, "evict": True},
+    "chunked_ieee_division": {"chunk_k": 128, "passes": 3, "fast_divide": False},
+}
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("variant", RMS_VARIANTS)
+def test_rms_norm_quant_bit_exact_when_the_sum_of_squares_is_exact(qdtype, with_residual, variant):
+    M, K = 5, 300
+    x = _few_bit(M, K, torch.bfloat16, seed=10)
+    x[0, :7] = 0.0  # zeros times negative (offset + w): -0 normed values (a float8 bit pattern of their own)
+    residual = _few_bit(M, K, torch.bfloat16, seed=11) if with_residual else None
+    weight = torch.randn(K, generator=torch.Generator().manual_seed(12)).bfloat16()
+    q, scale, new_residual = quant.rms_norm_quant_per_token(
+        x, weight, 1e-6, qdtype, residual, 1.0, out=_poisoned_q(M, K, qdtype),
+        out_scale=torch.full((M,), float("nan")), config=RMS_VARIANTS[variant])
+    ref_q, ref_scale, ref_residual = reference.rms_norm_quant_per_token(x, weight, 1e-6, qdtype, residual, 1.0)
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(q.view(torch.int8), ref_q.view(torch.int8))
+    if with_residual:
+        assert torch.equal(new_residual, ref_residual)
+
+
+@pytest.mark.parametrize("chunk_k", [0, 1024], ids=["whole_row", "chunked"])
+def test_rms_norm_quant_rounds_the_norm_in_the_twins_order(chunk_k):
+    # (x * w') * rstd and (x * rstd) * w' differ in the last bit for about half the elements;
+    # float8's coarse grid turns ~1 in 2000 of those into another quantized value, so 64k
+    # elements tell the two orders apart (the scale alone would not: it uses the max identity).
+    M, K = 16, 4096
+    x = _few_bit(M, K, torch.bfloat16, seed=20)
+    weight = torch.randn(K, generator=torch.Generator().manual_seed(21)).bfloat16()
+    q, scale, _ = quant.rms_norm_quant_per_token(x, weight, 1e-6, torch.float8_e4m3fn, None, 1.0,
+                                                 config={"chunk_k": chunk_k})
+    ref_q, ref_scale, _ = reference.rms_norm_quant_per_token(x, weight, 1e-6, torch.float8_e4m3fn, None, 1.0)
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(q.view(torch.int8), ref_q.view(torch.int8))
+
+
+@pytest.mark.parametrize("chunk_k", [0, 128], ids=["whole_row", "chunked"])
+@pytest.mark.parametrize("alias", ["x", "residual"])
+def test_add_rms_norm_quant_in_place_residual(chunk_k, alias):
+    # out_residual may be one of the inputs (an in-place residual stream update).
+    M, K = 4, 300
+    x, residual = _x(M, K, torch.bfloat16, seed=13), _x(M, K, torch.bfloat16, seed=14)
+    weight = torch.randn(K)
+    want = quant.rms_norm_quant_per_token(x, weight, 1e-6, torch.int8, residual, 0.0, config={"chunk_k": chunk_k})
+    x2, residual2 = x.clone(), residual.clone()
+    target = x2 if alias == "x" else residual2
+    got = quant.rms_norm_quant_per_token(x2, weight, 1e-6, torch.int8, residual2, 0.0, out_residual=target,
+                                         config={"chunk_k": chunk_k})
+    assert got[2].data_ptr() == target.data_ptr()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_sqrt_rn_is_correctly_rounded():
+    # torch's vectorized CPU sqrt can be an ulp off; the twin's must round like sqrt_rn.
+    gen = np.random.default_rng(3)
+    t = np.concatenate([np.exp(gen.uniform(-80, 80, 200_000)), [0.0, 1.0, 2.0, 4.0, np.inf]]).astype(np.float32)
+    got = reference.sqrt_rn(torch.from_numpy(t))
+    assert torch.equal(got.view(torch.int32), torch.from_numpy(np.sqrt(t)).view(torch.int32))
 
 
 @pytest.mark.parametrize("qdtype", QDTYPES)
@@ -89,14 +239,18 @@ def test_rms_norm_quant_rows_per_program(qdtype, rows):
 @pytest.mark.parametrize("qdtype", QDTYPES)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 def test_rms_norm_quant_chunked_kernel(qdtype, with_residual):
-    # 300 = 2 full 128-wide chunks + a ragged one: the three passes over the row.
+    # 300 = 2 full 128-wide chunks + a ragged one. Random data: the sum of squares is rounded,
+    # in another order than the twin's, so the twin is matched to rounding; two and three
+    # passes share the order and must agree exactly (max|normed| == max|x * w'| * rstd).
     M, K = 5, 300
     x = _x(M, K, torch.bfloat16, seed=6)
     residual = _x(M, K, torch.bfloat16, seed=7) if with_residual else None
     weight = torch.randn(K)
     q, scale, new_residual = quant.rms_norm_quant_per_token(
         x, weight, 1e-6, qdtype, residual, 1.0, out=_poisoned_q(M, K, qdtype),
-        out_scale=torch.full((M,), float("nan")), config={"chunk_k": 128})
+        out_scale=torch.full((M,), float("nan")), config={"chunk_k": 128, "passes": 2})
+    three = quant.rms_norm_quant_per_token(x, weight, 1e-6, qdtype, residual, 1.0, config={"chunk_k": 128, "passes": 3})
+    assert torch.equal(q.view(torch.int8), three[0].view(torch.int8)) and torch.equal(scale, three[1])
     ref_q, ref_scale, ref_residual = reference.rms_norm_quant_per_token(x, weight, 1e-6, qdtype, residual, 1.0)
     if with_residual:
         assert torch.equal(new_residual, ref_residual)
@@ -204,9 +358,13 @@ def test_rms_norm_quant_against_unfused_float64():
                                                 torch.randn(4, 8, dtype=torch.bfloat16)), "residual.dtype"),
         (lambda: quant.rms_norm_quant_per_token(torch.randn(4, 8), torch.randn(8), 1e-6, torch.int8,
                                                 torch.randn(4, 9)), "residual shape"),
+        (lambda: quant.quantize_per_token(torch.randn(4, 8), torch.int8, config={"chunk": 64}), "unknown"),
+        (lambda: quant.rms_norm_quant_per_token(torch.randn(4, 8), torch.randn(8), 1e-6, torch.int8,
+                                                config={"chunk_k": 64, "passes": 4}), "passes"),
+        (lambda: quant.quantize_per_token(torch.randn(4, 8), torch.int8, config={"stages": 0}), "stages"),
     ],
     ids=["int_input", "bad_qdtype", "non_contiguous", "3d", "scale_numel", "scale_dtype", "weight_shape",
-         "residual_dtype", "residual_shape"],
+         "residual_dtype", "residual_shape", "unknown_config_key", "passes", "stages"],
 )
 def test_bad_input_raises_clear_value_error(call, match):
     with pytest.raises(ValueError, match=match):
