@@ -14,7 +14,9 @@ The roundings are done on the float32 bits (``_round_to_grid``), not by a float3
 float32 round trip: on an H100 with triton 3.6 the round-trip version was not bit-equal to HF
 (``benchmarks/results/rope_check_h100.json``, 0 of 6 shapes), consistent with the compiler
 dropping the round trips and contracting into FMAs. Bit operations cannot be folded away, and
-the kernel is compiled without FMA contraction, so float32 inputs also round as torch does.
+the kernel is compiled without FMA contraction, so float32 inputs also round as torch does: the
+same H100 check then gave HF's bits in 9 of 9 cases (bf16, fp16, fp32; prefill and decode
+shapes; ``rope_check_s4_h100.json``).
 Inputs may be strided views (HF's (B, H, S, D) after a transpose); outputs are new contiguous
 tensors.
 """
@@ -27,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.kernels.launch import cdiv
+from quantkit.kernels.gemm_tma import num_sms
+from quantkit.kernels.launch import cdiv, next_power_of_2
 from quantkit.kernels.quant import round_half_even, round_to_bf16_grid
 from quantkit.kernels.reference_attention import check_rope_inputs
 
@@ -62,10 +65,10 @@ def _round_to_grid(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def _rotate_heads(
-    X, OUT, x_off, o_off, stride_xh, stride_xs, stride_oh, stride_os, n_heads,
+    X, OUT, x_off, o_off, stride_xh, stride_xs, stride_oh, stride_os, head_lo, head_hi,
     offs_s, offs_h, s_ok, cos1, cos2, sin1, sin2, HALF: tl.constexpr,
 ):
-    for head in range(n_heads):
+    for head in range(head_lo, head_hi):
         x_ptrs = X + x_off + head * stride_xh + offs_s[:, None] * stride_xs + offs_h[None, :]
         x1 = tl.load(x_ptrs, mask=s_ok[:, None], other=0.0).to(tl.float32)
         x2 = tl.load(x_ptrs + HALF, mask=s_ok[:, None], other=0.0).to(tl.float32)
@@ -88,10 +91,13 @@ def _rope_kernel(
     stride_cb, stride_cs, stride_sb, stride_ss,
     stride_qob, stride_qoh, stride_qos,
     stride_kob, stride_koh, stride_kos,
-    seqlen, n_q_heads, n_kv_heads,
+    seqlen, n_q_heads, n_kv_heads, heads_per_program,
     HALF: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     batch = tl.program_id(0).to(tl.int64)
+    # Heads [first, last) of the q heads followed by the k heads; empty ranges loop zero times.
+    first = tl.program_id(2) * heads_per_program
+    last = tl.minimum(first + heads_per_program, n_q_heads + n_kv_heads)
     offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_h = tl.arange(0, HALF)
     s_ok = offs_s < seqlen
@@ -103,13 +109,29 @@ def _rope_kernel(
     sin1 = tl.load(sin_ptrs, mask=s_ok[:, None], other=0.0).to(tl.float32)
     sin2 = tl.load(sin_ptrs + HALF, mask=s_ok[:, None], other=0.0).to(tl.float32)
     _rotate_heads(Q, Q_OUT, batch * stride_qb, batch * stride_qob, stride_qh, stride_qs, stride_qoh, stride_qos,
-                  n_q_heads, offs_s, offs_h, s_ok, cos1, cos2, sin1, sin2, HALF)
+                  tl.minimum(first, n_q_heads), tl.minimum(last, n_q_heads),
+                  offs_s, offs_h, s_ok, cos1, cos2, sin1, sin2, HALF)
     _rotate_heads(K, K_OUT, batch * stride_kb, batch * stride_kob, stride_kh, stride_ks, stride_koh, stride_kos,
-                  n_kv_heads, offs_s, offs_h, s_ok, cos1, cos2, sin1, sin2, HALF)
+                  tl.maximum(first - n_q_heads, 0), tl.maximum(last - n_q_heads, 0),
+                  offs_s, offs_h, s_ok, cos1, cos2, sin1, sin2, HALF)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch RoPE on q and k; see ``reference_attention.apply_rope`` for the math."""
+def _heads_per_program(q: torch.Tensor, n_heads: int, position_programs: int) -> int:
+    """Every head in one program (cos/sin loaded once) unless that leaves SMs idle (decode:
+    batch x 1 position): then split the heads until there are ~2 programs per SM."""
+    if not q.is_cuda:
+        return n_heads
+    target = 2 * num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    groups = max(1, min(n_heads, target // position_programs))
+    return cdiv(n_heads, groups)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               heads_per_program: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch RoPE on q and k; see ``reference_attention.apply_rope`` for the math.
+
+    ``heads_per_program`` (tests) overrides the launch's split of the q + k heads over programs.
+    """
     check_rope_inputs(q, k, cos, sin)
     batch, n_q_heads, seqlen, head_dim = q.shape
     n_kv_heads = k.shape[1]
@@ -117,17 +139,23 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if q.numel() == 0:
         return q_out, k_out
-    block_s = 64 if _INTERPRETED else 16
+    block_s = min(64 if _INTERPRETED else 16, next_power_of_2(seqlen))
+    position_programs = batch * cdiv(seqlen, block_s)
+    n_heads = n_q_heads + n_kv_heads
+    if heads_per_program is None:
+        heads_per_program = _heads_per_program(q, n_heads, position_programs)
+    if heads_per_program < 1:
+        raise ValueError(f"heads_per_program={heads_per_program}; pass a positive number of heads")
     cos_batch_stride = 0 if cos.shape[0] == 1 else cos.stride(0)
     sin_batch_stride = 0 if sin.shape[0] == 1 else sin.stride(0)
-    _rope_kernel[(batch, cdiv(seqlen, block_s))](
+    _rope_kernel[(batch, cdiv(seqlen, block_s), cdiv(n_heads, heads_per_program))](
         q, k, cos, sin, q_out, k_out,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         cos_batch_stride, cos.stride(1), sin_batch_stride, sin.stride(1),
         q_out.stride(0), q_out.stride(1), q_out.stride(2),
         k_out.stride(0), k_out.stride(1), k_out.stride(2),
-        seqlen, n_q_heads, n_kv_heads,
+        seqlen, n_q_heads, n_kv_heads, heads_per_program,
         HALF=head_dim // 2, BLOCK_S=block_s, num_warps=4,
         # No FMA contraction: each product is rounded on its own, as in torch's eager ops.
         enable_fp_fusion=False,

@@ -13,8 +13,9 @@ structure, never by architecture name:
   the same function; Gemma's ``(1 + w)`` is found by probing, not by name.
 - Attention runs through the "quantkit" function registered with transformers'
   ``AttentionInterface`` (flash prefill, split-KV decode).
-- RoPE (exact=False, CUDA): the modeling file's ``apply_rotary_pos_emb`` is routed to one
-  launch for q and k while a marked attention module runs (``fast_rope``).
+- RoPE (CUDA, 16-bit): the modeling file's ``apply_rotary_pos_emb`` is routed to one launch
+  for q and k while a marked attention module runs (``fast_rope``); the kernel rounds as HF's
+  eager function does, bit for bit, so both modes use it.
 
 Exactness. ``exact=True`` (default) keeps every rewrite bit-identical to the plain QuantLinear
 model, so greedy generations cannot change:
@@ -362,8 +363,8 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
     exact: keep greedy outputs bit-identical to the plain QuantLinear model (see module docs).
     attention / norms: switch attention to the "quantkit" function / swap RMSNorm modules.
     qkv: stack q/k/v projections into a ``FusedQKV`` (one quantization + one GEMM when exact=False).
-    rope: with exact=False, rotate q and k in one launch on CUDA (``fast_rope``; not bit-equal to
-    HF's eager RoPE on the GPU, so exact mode keeps HF's).
+    rope: rotate q and k in one launch on CUDA (``fast_rope``; bit-equal to HF's eager RoPE, so
+    exact mode uses it too).
     The report is attached as ``model.quantkit_fast_path``.
     """
     backend = _model_backend(model)
@@ -412,7 +413,7 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
                 continue
             _set_submodule(model, name, FastRMSNorm(module.weight, _norm_epsilon(module), offset, backend))
             report.swapped_norms.append(name)
-    if rope and not exact:
+    if rope:
         report.fused_rope = enable_fused_rope(model)
     if attention:
         device = next(model.parameters()).device

@@ -9,9 +9,9 @@ attention layers come from, for a dispatcher:
 
 - inside a forward of an attention module that ``enable_fused_rope`` marked (a thread-local
   depth counter set by forward hooks), on CUDA 16-bit tensors the kernel takes, it runs
-  ``attention_ops.apply_rope``: one launch for q and k. It is written to round as the eager
-  function does, but on the GPU it was measured not bit-equal to it (``kernels/rope.py``), so
-  ``optimize`` enables it only with ``exact=False``;
+  ``attention_ops.apply_rope``: one launch for q and k. It rounds as the eager function does
+  (bit-equal on an H100 in bf16, fp16 and fp32: ``benchmarks/results/rope_check_s4_h100.json``),
+  so ``optimize`` enables it in exact mode too;
 - everywhere else (other models of the same architecture in the process, CPU tensors, float32,
   shapes or layouts the kernel does not take, extra arguments) it calls the original function.
 """

@@ -80,3 +80,20 @@ def test_rope_rounding_at_range_edges_bit_equal_to_hf(dtype, magnitude):
     if dtype == torch.float16 and magnitude < 1:
         assert (q_hf.abs() < 2**-14).float().mean() > 0.3  # the subnormal path is exercised
     assert torch.equal(q_out, q_hf) and torch.equal(k_out, k_hf)
+
+
+@pytest.mark.parametrize("seq,heads_per_program", [(1, 1), (1, 3), (19, 2), (70, 5)])
+def test_rope_heads_split_over_programs(seq, heads_per_program, poisoned_empty):
+    """Decode-shaped launches split the q + k heads over programs (ranges straddling the q/k
+    boundary included): every head rotated once, HF's bits, nothing written twice or skipped."""
+    from quantkit.kernels import rope
+
+    torch.manual_seed(seq)
+    q = (2 * torch.randn(3, 5, seq, 64)).to(torch.bfloat16)
+    k = (2 * torch.randn(3, 2, seq, 64)).to(torch.bfloat16)
+    cos, sin = (t.to(torch.bfloat16) for t in hf_cos_sin(3, seq, 64))
+    q_out, k_out = rope.apply_rope(q, k, cos, sin, heads_per_program=heads_per_program)
+    q_hf, k_hf = apply_rotary_pos_emb(q, k, cos, sin)
+    assert torch.equal(q_out, q_hf) and torch.equal(k_out, k_hf)
+    with pytest.raises(ValueError, match="heads_per_program=0"):
+        rope.apply_rope(q, k, cos, sin, heads_per_program=0)

@@ -74,12 +74,16 @@ def test_float32_and_cpu_fall_back_to_hf():
             restore_modeling_modules()
 
 
-def test_optimize_reports_fused_rope_only_when_inexact():
+def test_optimize_reports_fused_rope_in_both_modes_unless_disabled():
+    """The kernel rounds as HF's eager function (bit-equal on an H100, rope_check_s4_h100.json),
+    so exact mode routes RoPE too; rope=False keeps HF's function."""
     model = make_model("llama-hd64", vocab_size=300)
     qmodel = quantkit.quantize(model, quantkit.QuantConfig.preset("int8", backend="torch"), progress=False)
     try:
-        quantkit.optimize(qmodel, exact=True)
+        quantkit.optimize(qmodel, exact=True, rope=False)
         assert qmodel.quantkit_fast_path.fused_rope == []
+        quantkit.optimize(qmodel, exact=True)
+        assert len(qmodel.quantkit_fast_path.fused_rope) == 2
         quantkit.optimize(qmodel, exact=False)
         assert len(qmodel.quantkit_fast_path.fused_rope) == 2
         assert "one-launch RoPE in 2 attention modules" in str(qmodel.quantkit_fast_path)
