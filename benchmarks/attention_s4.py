@@ -61,7 +61,7 @@ VARIANTS = {
     "k_rows": DecodeConfig(64, 4, 3, 2, k_rows=True),
     "warps8": DecodeConfig(64, 8, 3, 2),
     "stages4": DecodeConfig(64, 4, 4, 2),
-    "sm3": DecodeConfig(64, 4, 3, 3),  # triton 3.9 gives 70 KB of shared memory: 3 fit per SM
+    "sm3": DecodeConfig(64, 4, 3, 3),  # 70 KB of shared memory (triton 3.9 on sm_90): 3 fit per SM
     "tma": DecodeConfig(64, 4, 3, 2, loads="tma"),
     "tma_prefetch": DecodeConfig(64, 4, 3, 2, loads="tma", prefetch_first=True),
     "tma_stages4": DecodeConfig(64, 4, 4, 2, loads="tma"),

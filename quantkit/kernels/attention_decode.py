@@ -21,6 +21,11 @@ against SDPA by ``benchmarks/attention_s4.py``):
   (bounded by the host-side key limit, so it never leaves the cache), so the first memory wave
   does not wait for the ``cache_seqlens`` load; keys past the length are masked out of the scores
   and zeroed in V (they may hold anything). Not with a sliding window (its start needs the length).
+
+Measured (H100, session 4, NOTES-attention.md): TMA with 128-key tiles, one program per SM, is the
+head_dim-128 default. On the 64-key pointer kernel: evict_first changed < 0.5 %, K as rows
+< 0.5 % (+1.7 % at batch 8, 1k), 8 warps lost 0.6-17 %, prefetch_first lost up to 8 % (gained
+2 % at batch 1, 1k; cause not measured). They stay selectable for A/B runs.
 """
 
 from __future__ import annotations
@@ -338,13 +343,21 @@ def decode_split_plan(
     return blocks_per_split * block_n, n_splits
 
 
-def _decode_config(head_dim: int, batch: int | None = None, max_keys: int | None = None) -> DecodeConfig:
-    """The split kernel's config for a head_dim (``batch``/``max_keys`` reserved for per-regime
-    choices; the session-4 sweep decides)."""
+# head_dim 128 (Llama-3-8B shapes): 128-key TMA tiles, 3 stages (136 KiB of shared memory, one
+# program per SM). Of 14 variants timed against SDPA on an H100 (2026-11-23, NOTES-attention.md,
+# session 4) the only one >= 1.0x at every point of batch 1 and 8, 1k-32k: 1.001-1.314x; the pointer
+# kernel before it (64, 4, 3, 2) was 0.989-0.990x at batch 8, 16k-32k. head_dim 64 and 256: untimed.
+DEFAULT_DECODE_D128 = DecodeConfig(128, 4, 3, 1, loads="tma")
+
+
+def _decode_config(head_dim: int) -> DecodeConfig:
+    """The split kernel's config for a head_dim."""
     if _INTERPRETED:
         return DecodeConfig(64, 4, 1, 2)
     if head_dim == 256:
         return DecodeConfig(32, 4, 2, 2)
+    if head_dim == 128:
+        return DEFAULT_DECODE_D128
     return DecodeConfig(64, 4, 3, 2)
 
 
@@ -442,7 +455,7 @@ def decode_attention(
     group = n_q_heads // n_kv_heads
     max_keys = max_seqlen if max_seqlen is not None else capacity
     span = min(max_keys, window) if window is not None else max_keys
-    config = DecodeConfig.of(block_config) if block_config is not None else _decode_config(head_dim, batch, span)
+    config = DecodeConfig.of(block_config) if block_config is not None else _decode_config(head_dim)
     block_n = config.block_n
     if n_splits is None:
         split_len, n_splits = decode_split_plan(batch, n_kv_heads, span, q.device, block_n, config.programs_per_sm)

@@ -197,16 +197,24 @@ def test_decode_bad_input_raises_before_launch(backend):
         attention_ops.decode_attention(q, cache, cache, seqlens, 0.1, backend="auto")
 
 
-@pytest.mark.parametrize("batch,length,splits", [(8, 32768, 4), (8, 4096, 4), (1, 32768, 32), (1, 1024, 16)])
-def test_decode_split_plan_fills_whole_waves(monkeypatch, batch, length, splits):
+# (batch, length, block_n, programs_per_sm, splits): the pointer kernel's (64-key tiles, two per SM)
+# and the head_dim-128 default's (128-key TMA tiles, one per SM).
+PLAN_CASES = [(8, 32768, 64, 2, 4), (8, 4096, 64, 2, 4), (1, 32768, 64, 2, 32), (1, 1024, 64, 2, 16),
+              (8, 32768, 128, 1, 2), (8, 1024, 128, 1, 2), (1, 32768, 128, 1, 16), (1, 1024, 128, 1, 8)]
+
+
+@pytest.mark.parametrize("batch,length,block_n,per_sm,splits", PLAN_CASES)
+def test_decode_split_plan_fills_whole_waves(monkeypatch, batch, length, block_n, per_sm, splits):
     from quantkit.kernels import attention_decode
 
     monkeypatch.setattr(attention_decode, "_multiprocessor_count", lambda index: 132)
     attention_decode.decode_split_plan.cache_clear()
-    split_len, n_splits = attention_decode.decode_split_plan(batch, 8, length, torch.device("cuda", 0), 64, 2)
+    split_len, n_splits = attention_decode.decode_split_plan(batch, 8, length, torch.device("cuda", 0), block_n,
+                                                             per_sm)
     assert (split_len, n_splits) == (triton_cdiv(length, splits), splits)
-    assert split_len % 64 == 0 and (n_splits - 1) * split_len < length <= n_splits * split_len
-    assert batch * 8 * n_splits <= 2 * 132  # one wave of two programs per SM
+    assert split_len % block_n == 0 and (n_splits - 1) * split_len < length <= n_splits * split_len
+    assert batch * 8 * n_splits <= per_sm * 132  # one wave
+    attention_decode.decode_split_plan.cache_clear()  # the patched SM count must not leak
 
 
 def triton_cdiv(a: int, b: int) -> int:
