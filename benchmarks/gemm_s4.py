@@ -1,6 +1,7 @@
 """Session-4 GPU round for issue 3's large-M GEMM targets (Llama-3-8B shapes, M in {1024, 4096}).
 
     PYTHONUNBUFFERED=1 QUANTKIT_COMMIT=<sha> python benchmarks/gemm_s4.py --out $OUT/gemm --deadline 200
+    ... --round 2   # follow-up: GROUP_M at M=4096 and the updated autotune set (gemm_s4_round2.json)
     TRITON_INTERPRET=1 python benchmarks/gemm_s4.py --out /tmp/s4 --smoke      # CPU dry run, tiny shapes
 
 Targets: FP8 >= 1.0x torch._scaled_mm rowwise (use_fast_accum=True; ours fast too), INT8 >= 1.5x
@@ -97,6 +98,23 @@ CANDIDATES = {
         "128x128x128_w4_s3_q4_x2": pcfg(128, 128, 128, 4, 3, split=4, ctas=2),
         "128x128x64_w4_s5_x2": pcfg(128, 128, 64, 4, 5, ctas=2),
         **COMMON,
+    },
+}
+# Round 2 (--round 2): the weight is re-read from memory num_pid_m / GROUP_M times at M=4096
+# (32 row-tiles of 128): GROUP_M 16 beat 8 and 4 at 28672x4096 in round 1, so try grouping all
+# row-tiles (32), for FP8 and for INT8's two-CTAs-per-SM config; "auto" is the updated set.
+ROUND2 = {
+    torch.int8: {
+        "128x128x128_w4_s3_q4_x2": pcfg(128, 128, 128, 4, 3, split=4, ctas=2),
+        "128x128x128_w4_s3_q4_x2_g16": pcfg(128, 128, 128, 4, 3, split=4, ctas=2, group_m=16),
+        "128x128x128_w4_s3_q4_x2_g32": pcfg(128, 128, 128, 4, 3, split=4, ctas=2, group_m=32),
+    },
+    FP8: {
+        "128x256x128_w8_s4_q4_g16": pcfg(128, 256, 128, 8, 4, split=4, group_m=16),
+        "128x256x128_w8_s4_q4_g32": pcfg(128, 256, 128, 8, 4, split=4, group_m=32),
+        "128x256x128_w8_s3_q4_g32": pcfg(128, 256, 128, 8, 3, split=4, group_m=32),
+        "128x256x128_w8_s4_q4": pcfg(128, 256, 128, 8, 4, split=4),
+        "256x128x128_w8_s3_q4_g16": pcfg(256, 128, 128, 8, 3, split=4, group_m=16),
     },
 }
 SMOKE_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 2, "EPILOGUE_SPLIT": 4,
@@ -326,6 +344,8 @@ def main():
     parser.add_argument("--deadline", type=float, default=200.0)
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter dry run on tiny shapes")
     parser.add_argument("--workers", type=int, default=0, help="compile processes (0: from the CPU count)")
+    parser.add_argument("--round", type=int, default=1, choices=(1, 2),
+                        help="1: all candidates at all 8 points; 2: GROUP_M follow-up (ROUND2) at M=4096 + 2 points")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -333,12 +353,14 @@ def main():
     meta["timer"] = ("bench_graph_ms (CUDA-graph replay, L2 flushed before each call); median of 3 interleaved "
                      "rounds for baselines, auto and the 2 best candidates per dtype, 1 round otherwise")
     meta["deadline_s"] = args.deadline
+    meta["round"] = args.round
     print(meta, flush=True)
     result = {"meta": meta, "rows": [], "errors": []}
 
     def save():
         result["elapsed_s"] = time.time() - T0
-        Path(out, "gemm_s4.json").write_text(json.dumps(result, indent=1, default=str))
+        name = "gemm_s4.json" if args.round == 1 else f"gemm_s4_round{args.round}.json"
+        Path(out, name).write_text(json.dumps(result, indent=1, default=str))
 
     if args.smoke:
         candidates = {dt: {"smoke_q4_x2": SMOKE_CONFIG, "smoke_default": dict(gemm_tma.INTERPRETER_CONFIG)}
@@ -348,8 +370,12 @@ def main():
         jobs = [("int8", SMOKE_CONFIG), ("fp8", SMOKE_CONFIG)]
         workers = 2
     else:
-        candidates = CANDIDATES
-        points = [(1024, N, K) for N, K in SHAPES_1024] + [(4096, N, K) for N, K in SHAPES_4096]
+        if args.round == 1:
+            candidates = CANDIDATES
+            points = [(1024, N, K) for N, K in SHAPES_1024] + [(4096, N, K) for N, K in SHAPES_4096]
+        else:
+            candidates = ROUND2
+            points = [(4096, N, K) for N, K in SHAPES_4096] + [(1024, 4096, 4096), (1024, 6144, 4096)]
         timer = bench_graph_ms
         jobs = []
         for dtype_name, dtype in (("fp8", FP8), ("int8", torch.int8)):

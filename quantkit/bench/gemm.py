@@ -192,9 +192,12 @@ def bench_gated_point(M, N, K, dtype_name, activation="silu", device="cuda", tim
 def autotune_choices() -> dict:
     """The autotuner's pick per key, to record which configs won."""
     picks = {}
-    for name, tuner in (("tiled", gemm._scaled_mm_autotuned), ("persistent", gemm_tma._autotuned()),
+    # launch_persistent calls _autotuned(gated) positionally: the same lru_cache entries.
+    for name, tuner in (("tiled", gemm._scaled_mm_autotuned), ("persistent", gemm_tma._autotuned(False)),
                         ("persistent_gated", gemm_tma._autotuned(True))):
         picks.update({f"{name} {key}": str(cfg) for key, cfg in getattr(tuner, "cache", {}).items()})
+    # The launchers' own record (what later calls launch), keyed by their tuning keys.
+    picks.update({f"persistent_tuned {key}": str(cfg) for key, cfg in gemm_tma._TUNED.items()})
     return picks
 
 

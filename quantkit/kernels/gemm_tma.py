@@ -12,11 +12,15 @@ different machinery:
   a smaller shared-memory staging buffer for the TMA store);
 - CTAS_PER_SM programs per SM (the tile stride is NUM_SMS * CTAS_PER_SM): with 2, two CTAs of a
   small-tile config share an SM, so one issues tensor-core work while the other waits;
-- A_IN_REGISTERS (for INT8): the A tile reaches wgmma from registers. Two facts of triton 3.6's
-  INT8 path on Hopper, read from PTX compiled for sm_90 (benchmarks/NOTES-gemm.md, session 4):
-  the wgmma of a dot with an int32 accumulator is never made asynchronous (the MMAv3 pipeliner
-  only does so for fp32 accumulators: a ``wgmma.wait_group 0`` follows every K step), and INT8
-  wgmma is capped at N=224, so a 256-wide tile issues two N=128 instructions per K step;
+  Why INT8 wants that, read from PTX compiled for sm_90 with triton 3.6 (benchmarks/NOTES-gemm.md,
+  session 4): the wgmma of a dot with an int32 accumulator is never made asynchronous (the MMAv3
+  pipeliner does so for fp32 accumulators only), so a ``wgmma.wait_group 0`` drains the tensor
+  cores after every K step; FP8's dot keeps one K step in flight. Measured on an H100: INT8
+  128x128 tiles, two CTAs per SM, 4-10 % faster than the best one-CTA config at 6 of 8 points;
+- A_IN_REGISTERS (experimental, off): the A tile reaches wgmma from registers. INT8 wgmma is
+  capped at N=224 by triton, so a 256-wide tile issues two N=128 instructions per K step, each
+  reading A from shared memory; with A in registers they share it. Measured 2-4 % slower (H100,
+  7 of 8 points): kept as an option for benchmarks only;
 - GATED: the stacked [gate; up] weight, gate rows n and up rows N + n loaded per K step into two
   accumulators, ``act(gate) * up`` in the tiled kernel's arithmetic.
 
@@ -186,6 +190,12 @@ def _set_block_shapes(nargs):
     nargs["out_desc"].block_shape = [bm, bn // nargs["EPILOGUE_SPLIT"]]
 
 
+# Session 4 (H100), INT8 only: two 4-warp CTAs per SM hide each other's synchronous wgmma drains
+# (module docstring); the fastest INT8 config at 6 of the 8 Llama-3-8B points at M = 1024 / 4096,
+# 4-10 % faster than the best one-CTA config there (1 % slower at the other two). FP8
+# (asynchronous wgmma) was 4-17 % slower with it: pruned for FP8.
+INT8_TWO_PER_SM = _cfg(128, 128, 128, 4, 3, split=4, ctas=2)
+
 PERSISTENT_CONFIGS = [
     _cfg(128, 256, 128, 8, 3),
     _cfg(128, 256, 128, 8, 4),
@@ -194,12 +204,22 @@ PERSISTENT_CONFIGS = [
     _cfg(128, 128, 128, 4, 4, split=1),
     _cfg(128, 256, 64, 8, 4),
     _cfg(128, 128, 256, 8, 3),
-    _cfg(128, 256, 128, 8, 4, group_m=16),
+    # Session 4 (H100): the epilogue in quarters; with GROUP_M=16 the fastest FP8 config at 6 of
+    # the 8 Llama-3-8B points at M = 1024 / 4096 (0.6-4 % faster than the session-3 autotuned pick).
+    _cfg(128, 256, 128, 8, 4, split=4, group_m=16),
+    _cfg(128, 256, 128, 8, 4, split=4),
     # Session 3 (H100, M=1024): 128x128x128 / 4 warps / 5 stages took FP8 6144x4096 from 44.4 to
     # 40.0 us and INT8 from 52.5 to 50.6 us; 128x256 with GROUP_M=4 was the best FP8 4096x4096.
     _cfg(128, 128, 128, 4, 5, split=1),
     _cfg(128, 256, 128, 8, 4, group_m=4),
+    INT8_TWO_PER_SM,
 ]
+INT8_ONLY = {id(INT8_TWO_PER_SM)}
+
+
+def _prune_by_dtype(configs, named_args, **kwargs):
+    is_int8 = named_args.get("IS_INT8", kwargs.get("IS_INT8"))
+    return [c for c in configs if is_int8 or id(c) not in INT8_ONLY]
 
 # Gated (two accumulators, gate and up, and two weight tiles per K step): 128x128 output tiles
 # hold the registers of a 128x256 plain tile; shared memory per stage is A + 2 W tiles.
@@ -235,6 +255,7 @@ def _autotuned(gated: bool = False):
     return triton.autotune(
         configs=GATED_CONFIGS if gated else PERSISTENT_CONFIGS,
         key=["N", "K", "M_BUCKET", "IS_INT8", "FP8_FAST_ACCUM", "HAS_BIAS", "ACTIVATION", "OUT_CODE", "GATED"],
+        prune_configs_by={"early_config_prune": _prune_by_dtype},
         **extra,
     )(triton.heuristics({"FP8_PROMOTE_K": _fp8_promote_k})(_scaled_mm_persistent_kernel))
 

@@ -289,6 +289,18 @@ def test_persistent_options_match_reference_exactly(dtype, options):
         assert torch.equal(acc, reference.int8_matmul_exact(a, w))
 
 
+def test_two_ctas_per_sm_config_is_tuned_for_int8_only():
+    from quantkit.kernels import gemm_tma
+
+    configs = gemm_tma.PERSISTENT_CONFIGS
+    two_per_sm = [c for c in configs if c.kwargs["CTAS_PER_SM"] == 2]
+    assert two_per_sm, "the INT8 two-CTAs-per-SM config should be in the autotune set"
+    int8_pool = gemm_tma._prune_by_dtype(configs, {}, IS_INT8=True)
+    fp8_pool = gemm_tma._prune_by_dtype(configs, {}, IS_INT8=False)
+    assert int8_pool == configs
+    assert fp8_pool == [c for c in configs if c not in two_per_sm]
+
+
 def gemm_tma_interpreter_config():
     from quantkit.kernels import gemm_tma
 
