@@ -49,7 +49,8 @@ FP8 = torch.float8_e4m3fn
 DTYPES = (("int8", torch.int8), ("fp8", FP8))
 EPS, OFFSET = 1e-6, 1.0  # Gemma's (1 + w): the offset path is the general one
 
-PER_TOKEN_LONG = {  # K = 14336
+# Round 1 (session 4, first GPU run; defaults were the session-3 structure + fast division).
+R1_PER_TOKEN_LONG = {  # K = 14336
     "s3_default": {"single_pass": False, "chunk_k": 4096, "num_warps": 8, "fast_divide": False},
     "c4096_w8": {"single_pass": False, "chunk_k": 4096, "num_warps": 8},
     "c4096_w8_evict": {"single_pass": False, "chunk_k": 4096, "num_warps": 8, "evict": True},
@@ -60,12 +61,12 @@ PER_TOKEN_LONG = {  # K = 14336
     "whole_w16": {"single_pass": True, "num_warps": 16},
     "whole_w32": {"single_pass": True, "num_warps": 32},
 }
-PER_TOKEN_SHORT = {  # K = 4096
+R1_PER_TOKEN_SHORT = {  # K = 4096
     "s3_default": {"single_pass": True, "num_warps": 8, "fast_divide": False},
     "whole_w8": {"single_pass": True, "num_warps": 8},
     "whole_w4": {"single_pass": True, "num_warps": 4},
 }
-RMS_LONG = {  # K = 14336, no residual
+R1_RMS_LONG = {  # K = 14336, no residual
     "s3_default": {"chunk_k": 2048, "num_warps": 8, "passes": 3, "fast_divide": False},
     "c2048_w8_p3": {"chunk_k": 2048, "num_warps": 8, "passes": 3},
     "c2048_w8": {"chunk_k": 2048, "num_warps": 8},
@@ -76,12 +77,12 @@ RMS_LONG = {  # K = 14336, no residual
     "whole_w16": {"chunk_k": 0, "num_warps": 16},
     "whole_w32": {"chunk_k": 0, "num_warps": 32},
 }
-RMS_SHORT = {  # K = 4096, no residual
+R1_RMS_SHORT = {  # K = 4096, no residual
     "s3_default": {"chunk_k": 0, "num_warps": 8, "fast_divide": False},
     "whole_w8": {"chunk_k": 0, "num_warps": 8},
     "whole_w4": {"chunk_k": 0, "num_warps": 4},
 }
-ADD_RMS_LONG = {  # K = 14336, with residual
+R1_ADD_RMS_LONG = {  # K = 14336, with residual
     "s3_default": {"chunk_k": 0, "num_warps": 16, "fast_divide": False},
     "whole_w16": {"chunk_k": 0, "num_warps": 16},
     "whole_w32": {"chunk_k": 0, "num_warps": 32},
@@ -89,22 +90,70 @@ ADD_RMS_LONG = {  # K = 14336, with residual
     "c2048_w8_s3_evict": {"chunk_k": 2048, "num_warps": 8, "stages": 3, "evict": True},
     "c4096_w8_evict": {"chunk_k": 4096, "num_warps": 8, "evict": True},
 }
-ADD_RMS_SHORT = {  # K = 4096, with residual
+R1_ADD_RMS_SHORT = {  # K = 4096, with residual
     "s3_default": {"chunk_k": 0, "num_warps": 8, "fast_divide": False},
     "whole_w8": {"chunk_k": 0, "num_warps": 8},
     "whole_w4": {"chunk_k": 0, "num_warps": 4},
 }
+# Round 2 (after round 1 set the defaults: per-token long rows c8192_w16_evict, the norm whole-row
+# with ~32 elements per thread): the division's zero-sign fix and the new defaults, checked and
+# timed against session 3 again, plus the variants round 1 left open.
+PER_TOKEN_LONG = {  # K = 14336
+    "s3_default": {"single_pass": False, "chunk_k": 4096, "num_warps": 8, "fast_divide": False},
+    "default": {},
+    "c8192_w16": {"single_pass": False, "chunk_k": 8192, "num_warps": 16},
+    "c8192_w32_evict": {"single_pass": False, "chunk_k": 8192, "num_warps": 32, "evict": True},
+    "c4096_w16_evict": {"single_pass": False, "chunk_k": 4096, "num_warps": 16, "evict": True},
+    "whole_w16": {"single_pass": True, "num_warps": 16},
+    "whole_w16_evict": {"single_pass": True, "num_warps": 16, "evict": True},
+    "whole_w8": {"single_pass": True, "num_warps": 8},
+}
+PER_TOKEN_SHORT = {  # K = 4096
+    "s3_default": {"single_pass": True, "num_warps": 8, "fast_divide": False},
+    "default": {},
+    "whole_w8_evict": {"single_pass": True, "num_warps": 8, "evict": True},
+}
+RMS_LONG = {  # K = 14336, no residual
+    "s3_default": {"chunk_k": 2048, "num_warps": 8, "passes": 3, "fast_divide": False},
+    "default": {},
+    "whole_w16_evict": {"chunk_k": 0, "num_warps": 16, "evict": True},
+    "whole_w8": {"chunk_k": 0, "num_warps": 8},
+    "c8192_w16": {"chunk_k": 8192, "num_warps": 16},
+    "c8192_w16_evict": {"chunk_k": 8192, "num_warps": 16, "evict": True},
+    "c4096_w16": {"chunk_k": 4096, "num_warps": 16},
+}
+RMS_SHORT = {  # K = 4096, no residual
+    "s3_default": {"chunk_k": 0, "num_warps": 8, "fast_divide": False},
+    "default": {},
+    "whole_w4_evict": {"chunk_k": 0, "num_warps": 4, "evict": True},
+}
+ADD_RMS_LONG = {  # K = 14336, with residual
+    "s3_default": {"chunk_k": 0, "num_warps": 16, "fast_divide": False},
+    "default": {},
+    "whole_w16_evict": {"chunk_k": 0, "num_warps": 16, "evict": True},
+    "c2048_w8_s3_evict": {"chunk_k": 2048, "num_warps": 8, "stages": 3, "evict": True},
+}
+ADD_RMS_SHORT = {  # K = 4096, with residual
+    "s3_default": {"chunk_k": 0, "num_warps": 8, "fast_divide": False},
+    "default": {},
+    "whole_w4_evict": {"chunk_k": 0, "num_warps": 4, "evict": True},
+}
+ROUNDS = {
+    1: (R1_PER_TOKEN_LONG, R1_PER_TOKEN_SHORT, R1_RMS_LONG, R1_RMS_SHORT, R1_ADD_RMS_LONG, R1_ADD_RMS_SHORT),
+    2: (PER_TOKEN_LONG, PER_TOKEN_SHORT, RMS_LONG, RMS_SHORT, ADD_RMS_LONG, ADD_RMS_SHORT),
+}
 OPS = ("quantize_per_token", "rms_norm_quant", "add_rms_norm_quant")
 # Per-token tie rows are float32 (exact ulp offsets), a separate compile per variant: probe the
 # two kernel shapes (chunked, whole row) on their fast-division variants only.
-TIE_CHECK_VARIANTS = ("c4096_w8", "whole_w16", "whole_w8")
+TIE_CHECK_VARIANTS = ("c4096_w8", "whole_w16", "whole_w8", "default")
 
 
-def variants_for(op: str, K: int) -> dict:
+def variants_for(op: str, K: int, round_: int = 2) -> dict:
+    pt_long, pt_short, rms_long, rms_short, add_long, add_short = ROUNDS[round_]
     long = K > quant.SINGLE_PASS_PER_TOKEN_K
-    return {"quantize_per_token": PER_TOKEN_LONG if long else PER_TOKEN_SHORT,
-            "rms_norm_quant": RMS_LONG if long else RMS_SHORT,
-            "add_rms_norm_quant": ADD_RMS_LONG if long else ADD_RMS_SHORT}[op]
+    return {"quantize_per_token": pt_long if long else pt_short,
+            "rms_norm_quant": rms_long if long else rms_short,
+            "add_rms_norm_quant": add_long if long else add_short}[op]
 
 
 def left(deadline: float) -> float:
@@ -189,15 +238,16 @@ class Point:
         self.scale = torch.empty(rows, dtype=torch.float32, device=device)
         self.new_residual = torch.empty(rows, K, dtype=x.dtype, device=device)
 
-    def call(self, op, cfg, x=None, residual=None):
+    def call(self, op, cfg, x=None, residual=None, weight=None):
         x = self.x if x is None else x
+        weight = self.weight if weight is None else weight
         if op == "quantize_per_token":
             q, s = quant.quantize_per_token(x, self.dtype, out=self.q[: x.shape[0]], out_scale=self.scale[: x.shape[0]],
                                             config=cfg)
             return q, s, None
         res = (self.residual if residual is None else residual) if op == "add_rms_norm_quant" else None
         return quant.rms_norm_quant_per_token(
-            x, self.weight, EPS, self.dtype, res, OFFSET, out=self.q[: x.shape[0]], out_scale=self.scale[: x.shape[0]],
+            x, weight, EPS, self.dtype, res, OFFSET, out=self.q[: x.shape[0]], out_scale=self.scale[: x.shape[0]],
             out_residual=self.new_residual[: x.shape[0]] if res is not None else None, config=cfg)
 
 
@@ -210,7 +260,7 @@ def _compiled_info(launcher, before: set) -> dict:
     return {"regs": getattr(kernel, "n_regs", None), "spills": getattr(kernel, "n_spills", None)}
 
 
-def run_point(M, K, device, timers, ceilings, rows, deadline, smoke):
+def run_point(M, K, device, timers, ceilings, rows, deadline, smoke, round_):
     from quantkit.bench.quant import copy_bandwidth_gbs, quant_bytes
 
     gen = torch.Generator(device=device).manual_seed(M + K)
@@ -219,6 +269,9 @@ def run_point(M, K, device, timers, ceilings, rows, deadline, smoke):
     residual = torch.randn(M, K, device=device, generator=gen).to(torch.bfloat16)
     weight = (1 + 0.1 * torch.randn(K, device=device, generator=gen)).to(torch.bfloat16)
     check_rows = 8 if smoke else 64
+    # offset + w < 0 for some columns: zeros of the few-bit rows give -0 normed values, whose
+    # float8 pattern (0x80) the division must keep.
+    probe_weight = torch.randn(K, device=device, generator=gen).to(torch.bfloat16)
     same_copy = {}
     for op in OPS:
         n_bytes = quant_bytes(op, M, K)
@@ -242,15 +295,18 @@ def run_point(M, K, device, timers, ceilings, rows, deadline, smoke):
                 ref = reference.rms_norm_quant_per_token(x, weight, EPS, dtype, residual if has_res else None, OFFSET)
                 probe_x = few_bit(check_rows, K, device, seed=1)
                 probe_res = few_bit(check_rows, K, device, seed=2) if has_res else None
-                probe_ref = reference.rms_norm_quant_per_token(probe_x, weight, EPS, dtype, probe_res, OFFSET)
+                probe_ref = reference.rms_norm_quant_per_token(probe_x, probe_weight, EPS, dtype, probe_res, OFFSET)
             group_first = {}
-            for name, cfg in variants_for(op, K).items():
+            for name, cfg in variants_for(op, K, round_).items():
                 if left(deadline) < 8:
                     print(f"deadline: stopping before {op} {dtype_name} {name} M={M} K={K}", flush=True)
                     return
                 row = {"op": f"{op}_{dtype_name}", "variant": name, "config": cfg, "M": M, "K": K, "bytes": n_bytes}
-                launcher = quant._PER_TOKEN if op == "quantize_per_token" else (
-                    quant._RMS_NORM_QUANT_CHUNKED if cfg.get("chunk_k") else quant._RMS_NORM_QUANT)
+                if op == "quantize_per_token":
+                    launcher = quant._PER_TOKEN
+                else:
+                    chunked = {**quant.rms_norm_launch_config(K, has_res), **cfg}["chunk_k"]
+                    launcher = quant._RMS_NORM_QUANT_CHUNKED if chunked else quant._RMS_NORM_QUANT
                 before = set(launcher.compiled)
                 probe_this = op != "quantize_per_token" or name in TIE_CHECK_VARIANTS
                 try:
@@ -258,8 +314,9 @@ def run_point(M, K, device, timers, ceilings, rows, deadline, smoke):
                     out = [t.clone() if t is not None else None for t in point.call(op, cfg)]
                     row["first_call_s"] = time.time() - t_compile
                     row.update(_compiled_info(launcher, before))
-                    probe = ([t.clone() if t is not None else None for t in point.call(op, cfg, probe_x, probe_res)]
-                             if probe_this else None)
+                    probe_w = None if op == "quantize_per_token" else probe_weight
+                    probe = ([t.clone() if t is not None else None
+                              for t in point.call(op, cfg, probe_x, probe_res, probe_w)] if probe_this else None)
                 except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a result
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                     rows.append(row)
@@ -335,6 +392,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--deadline", type=float, default=200.0, help="stop (writing results) before this many seconds")
+    parser.add_argument("--round", type=int, default=2, choices=sorted(ROUNDS),
+                        help="variant set: 1 = the first GPU run's, 2 = after its defaults were set")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU interpreter: checks the script runs")
     args = parser.parse_args()
@@ -363,7 +422,7 @@ def main():
         copy_bytes = 2 << 30  # a 1 GiB copy: 2 GiB moved
 
     meta = environment_metadata()
-    meta.update(script="benchmarks/quant_s4.py", smoke=smoke, eps=EPS, offset=OFFSET,
+    meta.update(script="benchmarks/quant_s4.py", round=args.round, smoke=smoke, eps=EPS, offset=OFFSET,
                 timers={"graph": "bench_graph_ms: CUDA-graph replay of 10 x (256 MB L2 flush, op) minus flushes",
                         "do_bench": "triton.testing.do_bench median, warmup 10 ms, rep 50 ms (L2 cleared per rep)"},
                 defaults={"per_token_14336": quant.per_token_launch_config(14336),
@@ -390,7 +449,7 @@ def main():
             print(f"deadline: skipping K={K} M={M}", flush=True)
             continue
         try:
-            run_point(M, K, device, timers, ceilings, rows, args.deadline, smoke)
+            run_point(M, K, device, timers, ceilings, rows, args.deadline, smoke, args.round)
         except Exception:  # noqa: BLE001 - keep what finished, report the rest
             traceback.print_exc()
             meta.setdefault("errors", []).append(traceback.format_exc()[-2000:])

@@ -27,13 +27,15 @@ from quantkit.kernels.reference import FP8_MAX, INT8_MAX, MIN_SCALE, QUANT_DTYPE
 # A whole row stays in registers up to this many elements (one read of the input); longer rows
 # take two passes (the second mostly hits L2).
 MAX_SINGLE_PASS_K = 16384
-# Chunk width of the two-pass path and the static quantizer.
+# Chunk width of the static quantizer (and of the per-token kernel's short-row configs).
 CHUNK_K = 4096
+# Chunk width of the per-token kernel's two passes over long rows (measured, NOTES-quant.md).
+PER_TOKEN_CHUNK_K = 8192
 # Per-token quantization keeps the row in registers up to this K (measured: faster than chunks
 # at K=4096, slower at K=14336).
 SINGLE_PASS_PER_TOKEN_K = 8192
-# tl.load / tl.store eviction policies of the chunked kernels' ``evict`` option: the first read
-# of a row asks L1/L2 to keep it (it is read again), the re-read and the output go first.
+# tl.load / tl.store eviction policies of the ``evict`` launch option: what is read again (the
+# first read of a chunked row, the norm weight) asks L1/L2 to keep it; the rest goes first.
 KEEP_POLICY, STREAM_POLICY = "evict_last", "evict_first"
 
 FLOAT_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -143,12 +145,14 @@ def divide_by_scale(x, scale, inv_scale):
     tests (near-tie and near-midpoint quotients included) and on the GPU.
     """
     quotient = x * inv_scale
-    # The remainder is formed negated, scale * quotient - x: for x = -0 it is then +0 and the
-    # final sum -0 + -0 keeps the sign that IEEE division gives (x - scale * quotient would be
-    # +0, and +0 + -0 = +0: a different float8 bit pattern). The negations are free FMA operand
-    # modifiers.
-    negated_remainder = tl.fma(scale, quotient, -x)
-    return tl.fma(-negated_remainder, inv_scale, quotient)
+    # The remainder is formed negated, scale * quotient - x, and multiplied by -inv_scale: for
+    # x = -0 the product is then -0 and the final sum -0 + -0 keeps the sign that IEEE division
+    # gives (x - scale * quotient is +0, and +0 + -0 = +0: another float8 bit pattern).
+    # Negations are written as products with -1: Triton's unary minus is 0 - x, which is not a
+    # negation at +0 and costs an FADD per element (on triton 3.6 it also pushed the whole-row
+    # INT8 kernel to 110-201 registers); x * -1 folds into the FMA's operand modifier.
+    negated_remainder = tl.fma(scale, quotient, x * -1.0)
+    return tl.fma(negated_remainder, inv_scale * -1.0, quotient)
 
 
 @triton.jit
@@ -202,7 +206,7 @@ def _quantize_per_token_kernel(
     cols = tl.arange(0, BLOCK_K)[None, :]
     if SINGLE_PASS:
         mask = row_mask[:, None] & (cols < K)
-        x_in = tl.load(x_rows + cols, mask=mask, other=0.0)
+        x_in = tl.load(x_rows + cols, mask=mask, other=0.0, eviction_policy=STREAM)
         if KEEP_INPUT_DTYPE and not INTERPRETED:
             # |x| and max are exact in the input dtype: the row can stay 16-bit in registers
             # until it is quantized (half the registers per row: more rows in flight per SM).
@@ -213,7 +217,7 @@ def _quantize_per_token_kernel(
         inv_scale = tl.math.div_rn(1.0, scale)
         q = quantize_with_row_scale(x_in.to(tl.float32), scale[:, None], inv_scale[:, None], IS_FP8, FAST_DIVIDE,
                                     INTERPRETED)
-        tl.store(q_rows + cols, q, mask=mask)
+        tl.store(q_rows + cols, q, mask=mask, eviction_policy=STREAM)
     else:
         running_amax = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
         # STAGES > 1 software-pipelines the chunk loads (asynchronous copies through shared
@@ -254,27 +258,29 @@ def _rms_norm_quant_kernel(
     M, K, stride_xm, stride_rm, stride_nrm, stride_qm, eps, offset,
     QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr, IS_FP8: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, FAST_DIVIDE: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    KEEP: tl.constexpr, STREAM: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
+    # KEEP / STREAM: cache eviction hints (or ""): the weight is read by every row, the rest once.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
     cols = tl.arange(0, BLOCK_K)
     col_mask = cols < K
     mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0, eviction_policy=STREAM)
     if HAS_RESIDUAL:
         summed = x.to(tl.float32) + tl.load(
-            residual_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0
+            residual_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0, eviction_policy=STREAM
         ).to(tl.float32)
         # The residual stream stays in the activation dtype (as in the model), and the norm
         # reads the rounded sum, exactly as the unfused model would.
         summed = cast_for_store(summed, x_ptr.dtype.element_ty, INTERPRETED)
-        tl.store(new_residual_ptr + rows[:, None] * stride_nrm + cols[None, :], summed, mask=mask)
+        tl.store(new_residual_ptr + rows[:, None] * stride_nrm + cols[None, :], summed, mask=mask,
+                 eviction_policy=STREAM)
         x = summed
     x = x.to(tl.float32)
     rstd = inverse_rms(tl.sum(x * x, axis=1), K, eps)
     # One load of the weight serves ROWS rows.
-    weight = offset + tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    weight = offset + tl.load(weight_ptr + cols, mask=col_mask, other=0.0, eviction_policy=KEEP).to(tl.float32)
     # normed = (x * (offset + w)) * rstd, in that order (the twin's): rstd > 0 and rounding is
     # monotone, so max|normed| == max|x * (offset + w)| * rstd exactly, which the chunked
     # kernel relies on to find the scale in the same pass as the sum of squares.
@@ -284,7 +290,7 @@ def _rms_norm_quant_kernel(
     inv_scale = tl.math.div_rn(1.0, scale)
     q = quantize_with_row_scale(weighted * rstd[:, None], scale[:, None], inv_scale[:, None], IS_FP8, FAST_DIVIDE,
                                 INTERPRETED)
-    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask, eviction_policy=STREAM)
     tl.store(scale_ptr + rows, scale, mask=row_mask)
 
 
@@ -427,6 +433,12 @@ def _row_warps(block_k: int) -> int:
     return max(1, min(16, block_k // 512))
 
 
+def _norm_row_warps(block_k: int) -> int:
+    # The fused norm holds ~32 elements per thread (H100, 2026-11-23: K=4096 rows on 4 warps
+    # 3-8 % faster than on 8, K=14336 on 16 warps 1.6x faster than on 32; NOTES-quant.md).
+    return max(1, min(16, block_k // 1024))
+
+
 def _output(out, shape, dtype, device, name):
     if out is None:
         return torch.empty(shape, dtype=dtype, device=device)
@@ -438,34 +450,36 @@ def _output(out, shape, dtype, device, name):
 def per_token_launch_config(K: int) -> dict:
     """Launch parameters of the per-token kernel for rows of K elements (tuned on an H100).
 
-    Rows up to 8192 elements stay in registers (one read). Longer rows go in 4096-element
-    chunks, twice (the second read hits L2): a 14336-element row in registers allows one or two
-    programs per SM, too few bytes in flight (H100, K=14336: 1.9-2.2 TB/s whole-row vs
-    2.1-2.6 TB/s chunked, benchmarks/NOTES-gemm.md).
+    Rows up to 8192 elements stay in registers (one read). Longer rows go in two passes of
+    8192-wide chunks on 16 warps with eviction hints (the first read asks the caches to keep the
+    row, the re-read and the output go first). H100, K=14336 (benchmarks/NOTES-quant.md,
+    2026-11-23): 2.80-2.85 TB/s at M=4096 and 3.03 TB/s at M=16384, against 2.07-2.26 and
+    2.40-2.61 for session 3's 4096-wide chunks on 8 warps with IEEE division.
 
     Keys (``config=`` of ``quantize_per_token`` overrides any of them): ``single_pass`` (whole
     row in registers), ``chunk_k``, ``rows`` per program, ``keep_input_dtype`` (16-bit row in
     registers), ``num_warps`` (None: from the block size), ``fast_divide`` (reciprocal + FMA
     correction instead of IEEE division; same bits), ``stages`` (software pipelining of the
-    chunk loops; 1 = none), ``evict`` (cache eviction hints on the chunked passes).
+    chunk loops; 1 = none), ``evict`` (cache eviction hints).
     """
-    single_pass = K <= SINGLE_PASS_PER_TOKEN_K
-    return {"single_pass": single_pass, "chunk_k": CHUNK_K, "rows": 1, "keep_input_dtype": False,
-            "num_warps": None if single_pass else 8, "fast_divide": True, "stages": 1, "evict": False}
+    if K <= SINGLE_PASS_PER_TOKEN_K:
+        return {"single_pass": True, "chunk_k": CHUNK_K, "rows": 1, "keep_input_dtype": False, "num_warps": None,
+                "fast_divide": True, "stages": 1, "evict": False}
+    return {"single_pass": False, "chunk_k": PER_TOKEN_CHUNK_K, "rows": 1, "keep_input_dtype": False, "num_warps": 16,
+            "fast_divide": True, "stages": 1, "evict": True}
 
 
 def rms_norm_launch_config(K: int, has_residual: bool = False) -> dict:
     """Launch parameters of the fused RMSNorm + per-token kernel (tuned on an H100).
 
-    ``chunk_k`` (0 = the whole row in registers) selects the chunked kernel: faster for long
-    rows without a residual (K=14336: 1.5-1.7 -> 1.8-2.2 TB/s with three passes); with a
-    residual the whole-row kernel stays ahead (2.3-2.65 TB/s). ``passes`` (2 or 3),
-    ``stages`` and ``evict`` apply to the chunked kernel, ``rows`` to the whole-row one;
-    ``num_warps`` (None: from the block size) and ``fast_divide`` to both.
+    The whole row stays in registers (one read of each input), ~32 elements per thread (4 warps
+    at K=4096, 16 at K=14336). H100, 2026-11-23 (NOTES-quant.md): with the cheaper division it
+    beat every chunked variant at K=14336 without a residual (2.38-2.43 TB/s at M=4096, 2.59-2.67
+    at M=16384; best chunked 2.16-2.21 / 2.42-2.46), and with a residual (2.88 / 3.01-3.02).
+    ``chunk_k`` > 0 selects the chunked kernel (``passes`` 2 or 3, ``stages``); ``rows`` applies
+    to the whole-row one; ``num_warps`` (None: from the block size), ``fast_divide`` and
+    ``evict`` (cache eviction hints) to both.
     """
-    if K > SINGLE_PASS_PER_TOKEN_K and not has_residual:
-        return {"rows": 1, "num_warps": 8, "chunk_k": 2048, "passes": 2, "fast_divide": True, "stages": 1,
-                "evict": False}
     return {"rows": 1, "num_warps": None, "chunk_k": 0, "passes": 2, "fast_divide": True, "stages": 1, "evict": False}
 
 
@@ -499,9 +513,11 @@ def _rms_norm_plan(K: int, has_residual: bool, dtype: torch.dtype, config: dict 
                           STAGES=int(cfg["stages"]), **_policies(cfg["evict"]), INTERPRETED=INTERPRETED)
     else:
         block_k, launch, rows = next_power_of_2(K), _RMS_NORM_QUANT, cfg["rows"]
-        constexprs.update(BLOCK_K=block_k, ROWS=rows, FAST_DIVIDE=bool(cfg["fast_divide"]), INTERPRETED=INTERPRETED)
-    num_warps = cfg["num_warps"] or _row_warps(block_k * rows)
-    plan_id = (launch is _RMS_NORM_QUANT_CHUNKED, K, *constexprs.values(), num_warps)
+        constexprs.update(BLOCK_K=block_k, ROWS=rows, FAST_DIVIDE=bool(cfg["fast_divide"]), **_policies(cfg["evict"]),
+                          INTERPRETED=INTERPRETED)
+    chunked = launch is _RMS_NORM_QUANT_CHUNKED
+    num_warps = cfg["num_warps"] or (_row_warps(block_k) if chunked else _norm_row_warps(block_k * rows))
+    plan_id = (chunked, K, *constexprs.values(), num_warps)
     return launch, rows, constexprs, num_warps, plan_id
 
 

@@ -61,6 +61,7 @@ LAUNCH_VARIANTS = {
     "two_pass_c128_rows2": {"single_pass": False, "chunk_k": 128, "rows": 2},
     "two_pass_c128_pipelined_evict": {"single_pass": False, "chunk_k": 128, "stages": 3, "evict": True},
     "keep_input_dtype": {"keep_input_dtype": True},
+    "whole_row_evict": {"evict": True},
     "ieee_division": {"fast_divide": False},
     "two_pass_ieee_division": {"single_pass": False, "chunk_k": 64, "fast_divide": False},
 }
@@ -155,6 +156,7 @@ RMS_VARIANTS = {
     "whole_row": {"chunk_k": 0},
     "whole_row_rows2": {"chunk_k": 0, "rows": 2},
     "whole_row_ieee_division": {"chunk_k": 0, "fast_divide": False},
+    "whole_row_evict": {"chunk_k": 0, "evict": True},
     "chunked_two_pass": {"chunk_k": 128, "passes": 2},
     "chunked_three_pass": {"chunk_k": 128, "passes": 3},
     "chunked_pipelined_evict": {"chunk_k": 64, "passes": 2, "stages": 3, "evict": True},
@@ -259,12 +261,15 @@ def test_rms_norm_quant_chunked_kernel(qdtype, with_residual):
     assert (dequant - ref_dequant).norm() / ref_dequant.norm() < 1e-3
 
 
-def test_rms_norm_long_rows_default_to_the_chunked_kernel_without_residual():
-    assert quant.rms_norm_launch_config(14336)["chunk_k"] > 0
-    assert quant.rms_norm_launch_config(14336, has_residual=True)["chunk_k"] == 0
-    assert quant.rms_norm_launch_config(4096)["chunk_k"] == 0
-    assert not quant.per_token_launch_config(14336)["single_pass"]
+def test_launch_defaults_follow_the_h100_measurements():
+    # NOTES-quant.md (2026-11-23): the fused norm keeps the row in registers at every K; per-token
+    # quantization of long rows goes in two passes of 8192-wide chunks with eviction hints.
+    for K, residual in ((4096, False), (14336, False), (14336, True)):
+        assert quant.rms_norm_launch_config(K, residual)["chunk_k"] == 0
+    long_rows = quant.per_token_launch_config(14336)
+    assert not long_rows["single_pass"] and long_rows["chunk_k"] == 8192 and long_rows["evict"]
     assert quant.per_token_launch_config(4096)["single_pass"]
+    assert quant._norm_row_warps(4096) == 4 and quant._norm_row_warps(16384) == 16
 
 
 def test_zero_row_gets_min_scale_and_zeros():
