@@ -210,16 +210,14 @@ def few_bit(M: int, K: int, device, seed: int) -> torch.Tensor:
     return (torch.randint(-8, 9, (M, K), generator=gen) / 4).to(torch.bfloat16).to(device)
 
 
-def order_group(op: str, cfg: dict, K: int) -> tuple:
-    """Variants with equal keys sum squares in the same order (chunk width and warps fix the
-    per-lane accumulation and the reduction tree), so their outputs must be bit-equal."""
+def order_group(op: str, cfg: dict, K: int, dtype) -> tuple:
+    """Variants with equal keys sum squares in the same order (the kernel, chunk width, rows per
+    program and warps fix the per-lane accumulation and the reduction tree), so their outputs
+    must be bit-equal. Read from the launcher's own plan, defaults included."""
     if op == "quantize_per_token":
         return ("per_token",)
-    defaults = quant.rms_norm_launch_config(K, op == "add_rms_norm_quant")
-    full = {**defaults, **cfg}
-    chunk = min(full["chunk_k"], quant.next_power_of_2(K)) if full["chunk_k"] else 0
-    warps = full["num_warps"] or quant._row_warps(chunk or quant.next_power_of_2(K))
-    return (op, chunk, warps)
+    launch, rows, constexprs, num_warps, _ = quant._rms_norm_plan(K, op == "add_rms_norm_quant", dtype, cfg)
+    return (op, launch is quant._RMS_NORM_QUANT_CHUNKED, constexprs["BLOCK_K"], rows, num_warps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,7 +329,7 @@ def run_point(M, K, device, timers, ceilings, rows, deadline, smoke, round_):
                 else:
                     close = _close_to_twin(out[0], out[1], ref[0], ref[1])
                     residual_exact = _same(out[2], ref[2])
-                    key = order_group(op, cfg, K)
+                    key = order_group(op, cfg, K, dtype)
                     first = group_first.setdefault(key, (name, out))
                     same_order_exact = _same(out[0], first[1][0]) and _same(out[1], first[1][1])
                     row["check"] = {"few_bit_exact": probe_exact, "random_close": close,

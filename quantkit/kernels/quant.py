@@ -433,10 +433,11 @@ def _row_warps(block_k: int) -> int:
     return max(1, min(16, block_k // 512))
 
 
-def _norm_row_warps(block_k: int) -> int:
-    # The fused norm holds ~32 elements per thread (H100, 2026-11-23: K=4096 rows on 4 warps
-    # 3-8 % faster than on 8, K=14336 on 16 warps 1.6x faster than on 32; NOTES-quant.md).
-    return max(1, min(16, block_k // 1024))
+def _norm_row_warps(block_k: int, has_residual: bool) -> int:
+    # Measured on an H100 (2026-11-23, NOTES-quant.md): K=4096 rows on 4 warps (3-8 % ahead of
+    # 8); K=14336 rows on 8 warps without a residual (2-3 % ahead of 16, 1.7x ahead of 32) and
+    # on 16 with one (96-100 % of the copy bandwidth; 32 warps 10-13 % behind).
+    return max(1, min(16 if has_residual else 8, block_k // 1024))
 
 
 def _output(out, shape, dtype, device, name):
@@ -472,10 +473,11 @@ def per_token_launch_config(K: int) -> dict:
 def rms_norm_launch_config(K: int, has_residual: bool = False) -> dict:
     """Launch parameters of the fused RMSNorm + per-token kernel (tuned on an H100).
 
-    The whole row stays in registers (one read of each input), ~32 elements per thread (4 warps
-    at K=4096, 16 at K=14336). H100, 2026-11-23 (NOTES-quant.md): with the cheaper division it
-    beat every chunked variant at K=14336 without a residual (2.38-2.43 TB/s at M=4096, 2.59-2.67
-    at M=16384; best chunked 2.16-2.21 / 2.42-2.46), and with a residual (2.88 / 3.01-3.02).
+    The whole row stays in registers (one read of each input; warps from ``_norm_row_warps``:
+    4 at K=4096, 8 at K=14336, 16 with a residual). H100, 2026-11-23 (NOTES-quant.md): with the
+    cheaper division it beat every chunked variant at K=14336, without a residual (2.49-2.52
+    TB/s at M=4096, 2.72-2.77 at M=16384; best chunked 2.16-2.21 / 2.42-2.46) and with one
+    (2.87-2.88 / 3.00).
     ``chunk_k`` > 0 selects the chunked kernel (``passes`` 2 or 3, ``stages``); ``rows`` applies
     to the whole-row one; ``num_warps`` (None: from the block size), ``fast_divide`` and
     ``evict`` (cache eviction hints) to both.
@@ -516,7 +518,7 @@ def _rms_norm_plan(K: int, has_residual: bool, dtype: torch.dtype, config: dict 
         constexprs.update(BLOCK_K=block_k, ROWS=rows, FAST_DIVIDE=bool(cfg["fast_divide"]), **_policies(cfg["evict"]),
                           INTERPRETED=INTERPRETED)
     chunked = launch is _RMS_NORM_QUANT_CHUNKED
-    num_warps = cfg["num_warps"] or (_row_warps(block_k) if chunked else _norm_row_warps(block_k * rows))
+    num_warps = cfg["num_warps"] or (_row_warps(block_k) if chunked else _norm_row_warps(block_k * rows, has_residual))
     plan_id = (chunked, K, *constexprs.values(), num_warps)
     return launch, rows, constexprs, num_warps, plan_id
 

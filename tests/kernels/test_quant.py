@@ -269,7 +269,8 @@ def test_launch_defaults_follow_the_h100_measurements():
     long_rows = quant.per_token_launch_config(14336)
     assert not long_rows["single_pass"] and long_rows["chunk_k"] == 8192 and long_rows["evict"]
     assert quant.per_token_launch_config(4096)["single_pass"]
-    assert quant._norm_row_warps(4096) == 4 and quant._norm_row_warps(16384) == 16
+    assert quant._norm_row_warps(4096, False) == quant._norm_row_warps(4096, True) == 4
+    assert quant._norm_row_warps(16384, False) == 8 and quant._norm_row_warps(16384, True) == 16
 
 
 def test_zero_row_gets_min_scale_and_zeros():
