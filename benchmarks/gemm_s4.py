@@ -2,6 +2,7 @@
 
     PYTHONUNBUFFERED=1 QUANTKIT_COMMIT=<sha> python benchmarks/gemm_s4.py --out $OUT/gemm --deadline 200
     ... --round 2   # follow-up: GROUP_M at M=4096 and the updated autotune set (gemm_s4_round2.json)
+    ... --round 3   # auto with graph-timed autotuning + round winners, all 8 points (gemm_s4_round3.json)
     TRITON_INTERPRET=1 python benchmarks/gemm_s4.py --out /tmp/s4 --smoke      # CPU dry run, tiny shapes
 
 Targets: FP8 >= 1.0x torch._scaled_mm rowwise (use_fast_accum=True; ours fast too), INT8 >= 1.5x
@@ -116,6 +117,13 @@ ROUND2 = {
         "128x256x128_w8_s4_q4": pcfg(128, 256, 128, 8, 4, split=4),
         "256x128x128_w8_s3_q4_g16": pcfg(256, 128, 128, 8, 3, split=4, group_m=16),
     },
+}
+# Round 3 (--round 3): the updated autotune set as "auto" (autotuned with CUDA-graph timing) at
+# all 8 points, next to the configs that won rounds 1-2.
+ROUND3 = {
+    torch.int8: {"128x128x128_w4_s3_q4_x2": pcfg(128, 128, 128, 4, 3, split=4, ctas=2)},
+    FP8: {"128x256x128_w8_s4_q4_g16": pcfg(128, 256, 128, 8, 4, split=4, group_m=16),
+          "128x128x128_w4_s5_h1": pcfg(128, 128, 128, 4, 5, split=1)},
 }
 SMOKE_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 2, "EPILOGUE_SPLIT": 4,
                 "WARP_SPECIALIZE": False, "CTAS_PER_SM": 2, "A_IN_REGISTERS": True, "num_warps": 4, "num_stages": 3}
@@ -344,8 +352,9 @@ def main():
     parser.add_argument("--deadline", type=float, default=200.0)
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter dry run on tiny shapes")
     parser.add_argument("--workers", type=int, default=0, help="compile processes (0: from the CPU count)")
-    parser.add_argument("--round", type=int, default=1, choices=(1, 2),
-                        help="1: all candidates at all 8 points; 2: GROUP_M follow-up (ROUND2) at M=4096 + 2 points")
+    parser.add_argument("--round", type=int, default=1, choices=(1, 2, 3),
+                        help="1: all candidates at all 8 points; 2: GROUP_M follow-up (ROUND2) at M=4096 + 2 points; "
+                             "3: auto (graph-timed autotuning) and the round winners at all 8 points")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -373,9 +382,12 @@ def main():
         if args.round == 1:
             candidates = CANDIDATES
             points = [(1024, N, K) for N, K in SHAPES_1024] + [(4096, N, K) for N, K in SHAPES_4096]
-        else:
+        elif args.round == 2:
             candidates = ROUND2
             points = [(4096, N, K) for N, K in SHAPES_4096] + [(1024, 4096, 4096), (1024, 6144, 4096)]
+        else:
+            candidates = ROUND3
+            points = [(1024, N, K) for N, K in SHAPES_1024] + [(4096, N, K) for N, K in SHAPES_4096]
         timer = bench_graph_ms
         jobs = []
         for dtype_name, dtype in (("fp8", FP8), ("int8", torch.int8)):

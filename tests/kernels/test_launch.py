@@ -145,3 +145,128 @@ def test_weight_descriptor_is_cached_per_layout_and_holds_no_reference():
     del w, other
     gc.collect()
     assert ref() is None, "the descriptor cache must not keep a replaced weight alive"
+
+
+# ---------------------------------------------------------------------------------------------- GEMM launchers
+# The GEMM launchers on the GPU path, driven with a counting fake kernel: for every config of
+# every autotune set (persistent, persistent gated, tiled), INT8 and FP8, one launch goes through
+# triton (compile or cache load) and every later launch with the same key is a direct launch.
+
+
+class _CountingKernel:
+    def __init__(self):
+        self.triton_calls = 0
+        self.compiled = _FakeCompiled()
+
+    def __getitem__(self, grid):
+        def launch_(*args, **kwargs):
+            self.triton_calls += 1
+            return self.compiled
+
+        return launch_
+
+
+@pytest.fixture
+def gemm_gpu_mode(gpu_mode, monkeypatch):
+    from quantkit.kernels import gemm
+
+    monkeypatch.setattr(gemm, "INTERPRETED", False)
+    monkeypatch.setattr(gemm_tma, "num_sms", lambda device_index: 132)
+    for module, name in ((gemm_tma, "_TUNED"), (gemm_tma, "_PLANS"), (gemm, "_TUNED_TILED"), (gemm, "_TILED_PLANS")):
+        monkeypatch.setattr(module, name, {})
+    kernels = {}
+    for module, name in ((gemm_tma, "_PERSISTENT"), (gemm, "_TILED")):
+        cached = launch.CachedLaunch(getattr(module, name).kernel)
+        cached.kernel = kernels[name] = _CountingKernel()
+        monkeypatch.setattr(module, name, cached)
+    return kernels
+
+
+def _quantized(M, N, K, dtype):
+    from quantkit.kernels import reference
+
+    a, a_scale = reference.quantize_per_token(torch.randn(M, K), dtype)
+    w, w_scale = reference.quantize_per_channel(torch.randn(N, K), dtype)
+    return a, a_scale, w, w_scale
+
+
+def _launches(kernel, fn, calls=3):
+    before_triton, before_direct = kernel.triton_calls, len(kernel.compiled.runs)
+    for _ in range(calls):
+        fn()
+    return kernel.triton_calls - before_triton, len(kernel.compiled.runs) - before_direct
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_every_autotune_config_launches_directly_after_the_first_call(gemm_gpu_mode, dtype):
+    from quantkit.kernels import gemm
+    from quantkit.kernels.launch import config_dict
+
+    M, N, K = 2048, 512, 256
+    flags = (dtype == torch.int8, True, True, False, 0, False)
+    a, sa, w, sw = _quantized(M, N, K, dtype)
+    _, _, w2, sw2 = _quantized(M, 2 * N, K, dtype)
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    persistent = gemm_gpu_mode["_PERSISTENT"]
+    for gated, configs, weight, scale in ((False, gemm_tma.PERSISTENT_CONFIGS, w, sw),
+                                          (True, gemm_tma.GATED_CONFIGS, w2, sw2)):
+        for c in configs:
+            assert _launches(persistent, lambda: gemm_tma.launch_persistent(
+                a, weight, out, sa, scale, None, flags, 2048, True, False, config=config_dict(c), gated=gated)
+            ) == (1, 2), (gated, c)
+    tiled = gemm_gpu_mode["_TILED"]
+    seen = set()
+    for c in gemm.SMALL_M_CONFIGS + gemm.MEDIUM_M_CONFIGS + gemm.LARGE_M_CONFIGS:
+        cfg = config_dict(c)
+        new = str(cfg) not in seen
+        seen.add(str(cfg))
+        assert _launches(tiled, lambda: gemm._launch_tiled(
+            a[:100], w, torch.empty(100, N, dtype=torch.bfloat16), sa[:100], sw, None, flags, False, True, cfg)
+        ) == (int(new), 3 - int(new)), c
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_tuned_plain_calls_launch_directly(gemm_gpu_mode, dtype):
+    """The eager path: a tuning key's autotuned config (planted here, as the autotuner leaves it)
+    -> launch plan -> one triton launch, then direct launches, for each config of the set."""
+    from quantkit.kernels import gemm
+    from quantkit.kernels.launch import config_dict
+
+    M, N, K = 2048, 512, 256
+    a, sa, w, sw = _quantized(M, N, K, dtype)
+    persistent = gemm_gpu_mode["_PERSISTENT"]
+    for c in gemm_tma.PERSISTENT_CONFIGS:
+        gemm_tma._TUNED.clear()
+        gemm_tma._PLANS.clear()
+        gemm_tma._PERSISTENT.compiled.clear()
+        flags = (dtype == torch.int8, True, True, False, 0, False)
+        tune_key = (N, K, gemm.m_bucket(M), flags, False, torch.bfloat16, False, dtype != torch.int8, dtype,
+                    torch.float32)
+        gemm_tma._TUNED[tune_key] = config_dict(c)
+        # gemm.scaled_mm after its validation (which wants CUDA tensors outside the interpreter).
+        assert _launches(persistent, lambda: gemm._launch(a, w, sa, sw, None, torch.empty(M, N, dtype=torch.bfloat16),
+                                                          "none", gated=False, raw_acc=False)) == (1, 2), c
+        assert list(gemm_tma._PLANS) == [tune_key]
+
+
+def test_autotune_timer_uses_graph_replay_and_falls_back_to_do_bench(monkeypatch):
+    import triton.testing
+
+    eager = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: eager.append(kw) or [7.0, 7.0, 7.0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(gemm_tma, "_graph_bench_ms", lambda fn: 0.025)
+    # The autotuner asks for quantiles (0.5, 0.2, 0.8) and compares the lists.
+    assert gemm_tma._autotune_bench(lambda: None, quantiles=(0.5, 0.2, 0.8)) == [0.025] * 3
+    assert gemm_tma._autotune_bench(lambda: None) == 0.025 and not eager
+
+    def refused(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(gemm_tma, "_graph_bench_ms", refused)
+    assert gemm_tma._autotune_bench(lambda: None, quantiles=(0.5, 0.2, 0.8)) == [7.0] * 3
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(gemm_tma, "_graph_bench_ms", lambda fn: pytest.fail("no capture inside a capture"))
+    assert gemm_tma._autotune_bench(lambda: None, quantiles=(0.5, 0.2, 0.8)) == [7.0] * 3
+    assert len(eager) == 2
