@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from quantkit.kernels import gemm, gemm_tma, reference, triton_ops
 from quantkit.bench.common import bench_ms, environment_metadata
+from quantkit.kernels import gemm, gemm_tma, reference, triton_ops
+from quantkit.kernels.launch import median_replay_ms
 
 # Llama-3-8B projections (N, K): qkv, o, gate+up (stacked), down.
 LLAMA3_8B_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
@@ -59,18 +60,7 @@ def bench_graph_ms(fn, reps: int = 10, replays: int = 15) -> float:
                 if with_fn:
                     fn()
         graphs[name] = graph
-    times = {}
-    for name, graph in graphs.items():
-        graph.replay()
-        samples = []
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        times[name] = sorted(samples)[len(samples) // 2]
+    times = {name: median_replay_ms(graph, replays) for name, graph in graphs.items()}
     del graphs
     return max(times["both"] - times["flush"], 1e-6) / reps
 

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from quantkit.kernels.launch import CachedLaunch, aligned, cdiv, config_dict
+from quantkit.kernels.launch import CachedLaunch, aligned, cdiv, config_dict, median_replay_ms
 from quantkit.kernels.gemm_epilogue import dequant_epilogue, dot_accumulate, grouped_tile
 from quantkit.kernels.quant import cast_for_store
 
@@ -266,18 +266,7 @@ def _graph_bench_ms(fn) -> float:
                         fn()
             graphs[name] = graph
     torch.cuda.current_stream().wait_stream(side)
-    times = {}
-    for name, graph in graphs.items():
-        graph.replay()
-        samples = []
-        for _ in range(_GRAPH_BENCH_REPLAYS):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        times[name] = sorted(samples)[len(samples) // 2]
+    times = {name: median_replay_ms(graph, _GRAPH_BENCH_REPLAYS) for name, graph in graphs.items()}
     return max(times["both"] - times["flush"], 1e-6) / _GRAPH_BENCH_REPS
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from triton import knobs
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -134,3 +135,17 @@ class CachedLaunch:
 def config_dict(config) -> dict:
     """A ``triton.Config`` as the explicit-config dict our launchers take (kwargs + warps/stages)."""
     return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+def median_replay_ms(graph, replays: int) -> float:
+    """Median GPU time (ms) of ``replays`` replays of a captured CUDA graph, after one warm-up."""
+    graph.replay()
+    samples = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return sorted(samples)[len(samples) // 2]
