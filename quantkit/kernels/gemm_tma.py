@@ -277,14 +277,18 @@ def _autotune_bench(fn, quantiles=None):
     on the H100 host) against GEMMs of 25-45 us at M=1024: host time leaked into the timings and
     the pick among close configs changed from run to run (FP8 6144x4096, M=1024: 39.5 us in one
     H100 run, 44.4 us in the next; benchmarks/NOTES-gemm.md, session 4). Falls back to do_bench
-    where a graph cannot be captured (a capture already in progress on this stream).
+    where CUDA refuses the timing graph. Tuning cannot run inside the caller's own capture (any
+    timer synchronizes): that is an error naming the fix, not a broken capture.
     """
-    if not torch.cuda.is_current_stream_capturing():
-        try:
-            ms = _graph_bench_ms(fn)
-            return [ms] * len(quantiles) if quantiles else ms
-        except RuntimeError:  # graph capture refused (e.g. by another capture): time eagerly
-            torch.cuda.synchronize()
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "a quantkit GEMM shape is being autotuned inside a CUDA graph capture; run the model "
+            "once eagerly on the same shapes (a warm-up call) before capturing it")
+    try:
+        ms = _graph_bench_ms(fn)
+        return [ms] * len(quantiles) if quantiles else ms
+    except RuntimeError:  # the timing graph was refused: time eagerly
+        torch.cuda.synchronize()
     return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
 

@@ -97,7 +97,8 @@ def round_to_bf16_grid(x):
     """Round fp32 to the nearest bfloat16 value (ties to even), still as fp32.
 
     The interpreter's fp32 -> bf16 cast truncates; pre-rounding makes it exact. The GPU's cast
-    already rounds to nearest even, so callers use this only when interpreted.
+    already rounds to nearest even; RoPE uses this on the GPU too, because bit operations cannot
+    be folded away by the compiler the way a cast round trip can.
     """
     bits = x.to(tl.int32, bitcast=True)
     lsb = (bits >> 16) & 1

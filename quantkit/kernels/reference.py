@@ -182,18 +182,11 @@ def rms_norm_fp32(
 def sqrt_rn(t: torch.Tensor) -> torch.Tensor:
     """float32 square root rounded to nearest (IEEE), on any device.
 
-    torch's vectorized CPU sqrt is not always correctly rounded (it can be one ulp off), the
-    kernels' ``sqrt_rn`` is. The float64 root rounded to float32 is at most one ulp off; the
-    correctly rounded one is the float32 whose rounding interval holds sqrt(t), and midpoints
-    of float32 neighbours (25 bits) square exactly in float64, so the comparisons are exact.
+    torch's vectorized CPU float32 sqrt is not always correctly rounded (it can be one ulp off);
+    the kernels' ``sqrt_rn`` is. The float64 root rounded to float32 is: float64 carries more
+    than 2 * 24 + 2 bits, so rounding twice cannot land on the wrong side of a float32 midpoint.
     """
-    root = torch.sqrt(t.double()).float()
-    t64 = t.double()
-    for toward, wrong_side in ((math.inf, lambda mid: mid * mid < t64), (-math.inf, lambda mid: mid * mid > t64)):
-        neighbour = torch.nextafter(root, torch.full_like(root, toward))
-        mid = (root.double() + neighbour.double()) / 2
-        root = torch.where(wrong_side(mid) & (root > 0) & torch.isfinite(neighbour), neighbour, root)
-    return root
+    return torch.sqrt(t.double()).float()
 
 
 def rms_norm_quant_per_token(
