@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from quantkit.kernels.launch import num_sms
 from quantkit.kernels.reference_attention import check_decode_inputs
 
 # bf16 arithmetic is wrong in Triton's CPU interpreter: upcast after loading when interpreted.
@@ -304,11 +305,6 @@ def _decode_combine_kernel(
     tl.store(O + batch.to(tl.int64) * stride_ob + head * stride_oh + offs_d, out.to(O.dtype.element_ty))
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessor_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 @functools.lru_cache(maxsize=256)
 def decode_split_plan(
     batch: int, n_kv_heads: int, max_keys: int, device: torch.device, block_n: int, programs_per_sm: int = 2
@@ -325,7 +321,7 @@ def decode_split_plan(
     is a Python loop of up to ~70 steps, paid on every eager call otherwise.
     """
     if device.type == "cuda":
-        sm_count = _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+        sm_count = num_sms(device.index if device.index is not None else torch.cuda.current_device())
         slots = programs_per_sm * sm_count
     else:
         slots = 4  # interpreter: a few splits, so that the combine path is exercised

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from quantkit.kernels.launch import CachedLaunch, aligned, cdiv, config_dict, median_replay_ms
+from quantkit.kernels.launch import CachedLaunch, aligned, cdiv, config_dict, median_replay_ms, num_sms
 from quantkit.kernels.gemm_epilogue import dequant_epilogue, dot_accumulate, grouped_tile
 from quantkit.kernels.quant import cast_for_store
 
@@ -303,11 +303,6 @@ def _autotuned(gated: bool = False):
         prune_configs_by={"early_config_prune": _prune_by_dtype},
         **extra,
     )(triton.heuristics({"FP8_PROMOTE_K": _fp8_promote_k})(_scaled_mm_persistent_kernel))
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def descriptors_ok(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:

@@ -27,6 +27,7 @@ builds the metadata and calls its empty hook chains on every launch).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -149,3 +150,9 @@ def median_replay_ms(graph, replays: int) -> float:
         end.synchronize()
         samples.append(start.elapsed_time(end))
     return sorted(samples)[len(samples) // 2]
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (grid sizing of persistent and split kernels)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -29,8 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.kernels.gemm_tma import num_sms
-from quantkit.kernels.launch import cdiv, next_power_of_2
+from quantkit.kernels.launch import cdiv, next_power_of_2, num_sms
 from quantkit.kernels.quant import round_half_even, round_to_bf16_grid
 from quantkit.kernels.reference_attention import check_rope_inputs
 

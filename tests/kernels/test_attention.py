@@ -207,7 +207,7 @@ PLAN_CASES = [(8, 32768, 64, 2, 4), (8, 4096, 64, 2, 4), (1, 32768, 64, 2, 32), 
 def test_decode_split_plan_fills_whole_waves(monkeypatch, batch, length, block_n, per_sm, splits):
     from quantkit.kernels import attention_decode
 
-    monkeypatch.setattr(attention_decode, "_multiprocessor_count", lambda index: 132)
+    monkeypatch.setattr(attention_decode, "num_sms", lambda index: 132)
     attention_decode.decode_split_plan.cache_clear()
     split_len, n_splits = attention_decode.decode_split_plan(batch, 8, length, torch.device("cuda", 0), block_n,
                                                              per_sm)
