@@ -15,7 +15,6 @@
 import argparse
 import copy
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from quantkit.bench.e2e import _small_configs, build_model  # noqa: E402
 from quantkit.config import QuantConfig  # noqa: E402
 from quantkit.generate import generate  # noqa: E402
 from quantkit.kernels import attention_ops  # noqa: E402
+from quantkit.kernels.launch import median_replay_ms  # noqa: E402
 from quantkit.models.fast_path import optimize  # noqa: E402
 
 DEVICE = "cuda"
@@ -43,15 +43,7 @@ def graph_us(fn, calls: int = 20, reps: int = 5) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    return median_replay_ms(graph, reps) * 1e3 / calls
 
 
 def kernel_rows() -> list[dict]:
