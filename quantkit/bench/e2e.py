@@ -17,7 +17,10 @@ Workloads, each timed after warm-up, median of a few runs (CUDA events):
 
 Variants: "hf-bf16" (the baseline), per scheme "plain" (QuantLinears only, HF sdpa attention),
 "fast-exact" (``optimize(exact=True)``: greedy-identical to plain) and "fast" (``exact=False``:
-fused gated kernel and Triton norms). Ratios are against hf-bf16 of the same run.
+fused gated kernel and Triton norms). Ratios are against hf-bf16 of the same run. When torchao is
+installed, "torchao-fp8" / "torchao-int8" follow: the HF bf16 model after torchao's ``quantize_``
+with its dynamic per-row FP8 / INT8 weight-and-activation configs, run the way HF runs (eager
+forward, ``model.generate``), like the baseline; its graph-replayed prefill column is its GPU time.
 
 ``run_fast_path_checks`` first checks, on small random Llama and Gemma-3 models on the same
 device, that the fast path's greedy tokens (and logits, for exact mode) equal the plain path's.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import copy
 import csv
 import gc
+import importlib.util
 import json
 import os
 import statistics
@@ -225,9 +229,28 @@ def _reset_peak_only(device) -> None:
 
 
 def variant_names(schemes=SCHEMES, fast_inexact: bool = True) -> list[str]:
-    """hf-bf16 first, then per scheme plain, fast-exact and (optionally) fast."""
+    """hf-bf16 first, then per scheme plain, fast-exact and (optionally) fast; torchao's if installed."""
     modes = MODES if fast_inexact else MODES[:2]
-    return ["hf-bf16"] + [f"{scheme}-{mode}" for scheme in schemes for mode in modes]
+    names = ["hf-bf16"] + [f"{scheme}-{mode}" for scheme in schemes for mode in modes]
+    if importlib.util.find_spec("torchao") is not None:
+        names += [f"torchao-{scheme}" for scheme in schemes]
+    return names
+
+
+def torchao_quantize(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
+    """torchao's W8A8 counterpart of ``scheme``: dynamic per-token activations, per-channel weights."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"variant torchao-{scheme}: the scheme must be one of {SCHEMES}")
+    try:
+        from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig,
+                                          Int8DynamicActivationInt8WeightConfig, PerRow, quantize_)
+    except ImportError as exc:
+        raise ValueError(f"variant torchao-{scheme} needs torchao: pip install torchao ({exc})") from None
+    if scheme == "fp8":
+        quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    else:
+        quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    return model
 
 
 def prepare_variant(variant: str, config, device) -> torch.nn.Module:
@@ -236,8 +259,11 @@ def prepare_variant(variant: str, config, device) -> torch.nn.Module:
     if variant == "hf-bf16":
         return model
     scheme, _, mode = variant.partition("-")
+    if scheme == "torchao":
+        return torchao_quantize(model, mode)
     if scheme not in SCHEMES or mode not in MODES:
-        raise ValueError(f"variant {variant!r} is not hf-bf16 or <{'|'.join(SCHEMES)}>-<{'|'.join(MODES)}>")
+        raise ValueError(f"variant {variant!r} is not hf-bf16, torchao-<{'|'.join(SCHEMES)}> or "
+                         f"<{'|'.join(SCHEMES)}>-<{'|'.join(MODES)}>")
     quantize(model, QuantConfig.preset(scheme), progress=False)
     if mode != "plain":
         optimize(model, exact=mode == "fast-exact")
@@ -251,7 +277,8 @@ def measure_variant(variant: str, config, device, prefill_shapes=PREFILL_SHAPES,
     model = prepare_variant(variant, config, device)
     _reset_peak(device)
     model_bytes = _allocated(device)
-    decode_fn = bench_decode_hf if variant == "hf-bf16" else bench_decode_quantkit
+    hf_way = variant == "hf-bf16" or variant.startswith("torchao-")
+    decode_fn = bench_decode_hf if hf_way else bench_decode_quantkit
     rows = _measure(variant, model, config.vocab_size, device, decode_fn, prefill_shapes, decode_batches,
                     prompt_len, new_tokens, model_bytes=model_bytes)
     del model

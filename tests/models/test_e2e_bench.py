@@ -1,5 +1,7 @@
 """The end-to-end benchmark's plumbing on CPU: one variant measured in a fresh process."""
 
+import sys
+
 import pytest
 
 from quantkit.bench import e2e
@@ -11,11 +13,23 @@ def _tiny_config():
                                 bos_token_id=1, eos_token_id=2)
 
 
-def test_variant_names_and_bad_variant():
+def test_variant_names_and_bad_variant(monkeypatch):
+    monkeypatch.setattr(e2e.importlib.util, "find_spec", lambda name: None)  # as if torchao were absent
     assert e2e.variant_names(("fp8",)) == ["hf-bf16", "fp8-plain", "fp8-fast-exact", "fp8-fast"]
     assert e2e.variant_names(("int8",), fast_inexact=False) == ["hf-bf16", "int8-plain", "int8-fast-exact"]
     with pytest.raises(ValueError, match="fp4-plain"):
         e2e.prepare_variant("fp4-plain", _tiny_config(), "cpu")
+
+
+def test_torchao_variants_listed_when_installed_and_clear_error_when_not(monkeypatch):
+    monkeypatch.setattr(e2e.importlib.util, "find_spec", lambda name: object() if name == "torchao" else None)
+    assert e2e.variant_names(("fp8", "int8"), fast_inexact=False)[-2:] == ["torchao-fp8", "torchao-int8"]
+    with pytest.raises(ValueError, match="torchao-fp4"):
+        e2e.prepare_variant("torchao-fp4", _tiny_config(), "cpu")
+    monkeypatch.setitem(sys.modules, "torchao", None)  # importing it now fails, as when not installed
+    monkeypatch.setitem(sys.modules, "torchao.quantization", None)
+    with pytest.raises(ValueError, match="pip install torchao"):
+        e2e.prepare_variant("torchao-int8", _tiny_config(), "cpu")
 
 
 def test_isolated_variant_returns_its_rows():
