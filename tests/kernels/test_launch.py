@@ -249,6 +249,31 @@ def test_tuned_plain_calls_launch_directly(gemm_gpu_mode, dtype):
         assert list(gemm_tma._PLANS) == [tune_key]
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_split_tail_plan_is_part_of_the_launch_key(gemm_gpu_mode, dtype):
+    """Two M of one autotune bucket, one with a split tail and one without: each gets its own
+    compiled variant (TAIL_SPLITS is a constexpr), and the split one gets the workspace."""
+    from quantkit.kernels.launch import config_dict
+
+    N, K = 16384, 256
+    config = config_dict(gemm_tma._cfg(128, 256, 128, 8, 4, split=4, tail_split=2))
+    flags = (dtype == torch.int8, True, True, False, 0, False)
+    persistent = gemm_gpu_mode["_PERSISTENT"]
+    seen = {}
+    for M in (2048, 1025):  # 1024 tiles = 7 waves + 100 on 132 SMs (no split); 576 = 4 waves + 48 (2 slices)
+        splits = gemm_tma.tail_split_plan(M, N, K, 128, 256, 128, 132, 2)
+        a, sa, w, sw = _quantized(M, N, K, dtype)
+        out = torch.empty(M, N, dtype=torch.bfloat16)
+        assert _launches(persistent, lambda: gemm_tma.launch_persistent(
+            a, w, out, sa, sw, None, flags, 2048, True, False, config=config)) == (1, 2), M
+        args = persistent.compiled.runs[-1]
+        seen[M] = (splits, args)
+    assert seen[2048][0] == 1 and seen[1025][0] == 2
+    partials, arrivals = gemm_tma._SPLIT_WORKSPACE[("cpu", None)]
+    assert partials.numel() >= 132 * 128 * 256 and not arrivals.any()
+    assert any(x is arrivals for x in seen[1025][1]) and not any(x is arrivals for x in seen[2048][1])
+
+
 def test_autotune_timer_uses_graph_replay_and_falls_back_to_do_bench(monkeypatch):
     import triton.testing
 
