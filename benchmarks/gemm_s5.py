@@ -41,6 +41,7 @@ if "quantkit" not in sys.modules:
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
 
 from quantkit.bench.common import environment_metadata  # noqa: E402
 from quantkit.bench.gemm import autotune_choices, bench_graph_ms  # noqa: E402
@@ -84,6 +85,40 @@ BASES = {
         "128x256x128_w8_s4_q4_g16": (pcfg(128, 256, 128, 8, 4, split=4, group_m=16), (2, 4)),
     },
 }
+# "auto_s5": the shipped autotune set with TAIL_SPLIT on the configs that win where a tail is left
+# (128x256 quarters GROUP_M=16, INT8 two per SM): the proposed default, autotuned end to end
+# (the heuristic's split count, the workspace through the autotuner's path).
+PROPOSED_TAIL_SPLIT = 4
+
+
+def proposed_configs(configs):
+    out = []
+    for c in configs:
+        kw = dict(c.kwargs)
+        if (kw["BLOCK_M"], kw["BLOCK_N"], kw["EPILOGUE_SPLIT"], kw["GROUP_M"]) == (128, 256, 4, 16) or kw["CTAS_PER_SM"] == 2:
+            kw["TAIL_SPLIT"] = PROPOSED_TAIL_SPLIT
+        out.append(triton.Config(kw, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=c.pre_hook))
+    return out
+
+
+class AutotuneSet:
+    """Runs a call with another persistent autotune set (own tuner and own tuned-config caches)."""
+
+    def __init__(self, configs):
+        self.configs = configs
+        self.tuner = gemm_tma.make_autotuner(configs)
+        self.tuned, self.plans = {}, {}
+
+    def __call__(self, fn):
+        saved = (gemm_tma._autotuned, gemm_tma._TUNED, gemm_tma._PLANS)
+        gemm_tma._autotuned = lambda gated=False: self.tuner if not gated else saved[0](True)
+        gemm_tma._TUNED, gemm_tma._PLANS = self.tuned, self.plans
+        try:
+            return fn()
+        finally:
+            gemm_tma._autotuned, gemm_tma._TUNED, gemm_tma._PLANS = saved
+
+
 SMOKE_BASES = {dt: {"smoke_q4_x2": (pcfg(64, 64, 64, 4, 3, split=4, group_m=2, ctas=2), (2,)),
                     "smoke_h2": (pcfg(64, 64, 64, 4, 3, split=2, group_m=2), (2, 4))} for dt in (torch.int8, FP8)}
 
@@ -210,7 +245,7 @@ def _arrivals_zero():
 # ---------------------------------------------------------------------------------------------- one point
 
 
-def run_point(M, N, K, bases, timer, deadline, sms, rounds=3):
+def run_point(M, N, K, bases, timer, deadline, sms, proposed, rounds=3):
     """Check then time every variant at (M, N, K); returns rows (one per op) with median times."""
     rows, fns, errors = {}, {}, []
     x, w_bf16, *_ = _operands(M, N, K, torch.int8)
@@ -236,16 +271,18 @@ def run_point(M, N, K, bases, timer, deadline, sms, rounds=3):
             errors.append({"op": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
         ref32 = reference.scaled_mm(a, w, sa, sw, None, "none", torch.float32)
         ref16 = ref32.to(torch.bfloat16) if dtype == torch.int8 else None
-        for cand, (cfg, splits) in [("auto", (None, None))] + list(variants_at(bases[dtype], M, N, K, sms).items()):
+        variants = [("auto", (None, None)), ("auto_s5", (None, None))] + list(variants_at(bases[dtype], M, N, K, sms).items())
+        for cand, (cfg, splits) in variants:
             if left(deadline) < 15:
                 errors.append({"op": f"{dtype_name}_{cand}", "error": "skipped: deadline"})
                 continue
             op = f"{dtype_name}_{cand}"
             out = torch.full((M, N), float("nan"), device=a.device, dtype=torch.bfloat16)
 
-            def fn(a=a, w=w, sa=sa, sw=sw, cfg=cfg, out=out):
+            def call(a=a, w=w, sa=sa, sw=sw, cfg=cfg, out=out):
                 return gemm.scaled_mm(a, w, sa, sw, None, "none", torch.bfloat16, config=cfg, out=out,
                                       kernel="auto" if cfg is None else "persistent")
+            fn = (lambda call=call: proposed(call)) if cand == "auto_s5" else call
             t_first = time.time()
             try:
                 got = fn().clone()
@@ -369,18 +406,24 @@ def compiled_resources():
     return out
 
 
-def _jobs(bases, points, sms):
-    """Unique (dtype, config, splits) compile jobs: every variant at every point, plus the autotune set."""
+def _jobs(bases, points, sms, proposed):
+    """Unique (dtype, config, splits) compile jobs: every variant at every point, the proposed set's
+    split configs at every point, and the shipped autotune set."""
     jobs, seen = [], set()
     for dtype_name, dtype in (("fp8", FP8), ("int8", torch.int8)):
         for M, N, K in points:
-            for cfg, splits in variants_at(bases[dtype], M, N, K, sms).values():
+            todo = list(variants_at(bases[dtype], M, N, K, sms).values())
+            for c in proposed:
+                cfg = config_dict(c)
+                if cfg["TAIL_SPLIT"] > 1 and (dtype == torch.int8 or cfg["CTAS_PER_SM"] == 1):
+                    todo.append((cfg, _splits(cfg, M, N, K, sms)))
+            for cfg, splits in todo:
                 key = (dtype_name, json.dumps(cfg, sort_keys=True), splits)
                 if key not in seen:
                     seen.add(key)
                     jobs.append((dtype_name, cfg, splits, sms))
         for c in gemm_tma.PERSISTENT_CONFIGS:
-            if c in gemm_tma.PERSISTENT_CONFIGS and (dtype == torch.int8 or id(c) not in gemm_tma.INT8_ONLY):
+            if dtype == torch.int8 or c.kwargs.get("CTAS_PER_SM", 1) == 1:
                 cfg = {"TAIL_SPLIT": 1, **config_dict(c)}
                 key = (dtype_name, json.dumps(cfg, sort_keys=True), 1)
                 if key not in seen:
@@ -420,7 +463,8 @@ def main():
         points = POINTS
         workers = args.workers or max(2, min(14, (os.cpu_count() or 4) - 2))
     meta["sms"] = sms
-    jobs = _jobs(bases, points, sms)
+    proposed = AutotuneSet(proposed_configs(gemm_tma.PERSISTENT_CONFIGS))
+    jobs = _jobs(bases, points, sms, proposed.configs)
     if args.smoke:
         jobs = jobs[:3]
     try:
@@ -437,7 +481,7 @@ def main():
             continue
         t = time.time()
         try:
-            rows, errors = run_point(M, N, K, bases, timer, args.deadline, sms)
+            rows, errors = run_point(M, N, K, bases, timer, args.deadline, sms, proposed)
         except Exception:  # noqa: BLE001 - report and go on to the next point
             traceback.print_exc()
             result["errors"].append({"point": [M, N, K], "error": traceback.format_exc()})

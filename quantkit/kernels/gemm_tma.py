@@ -297,12 +297,12 @@ PERSISTENT_CONFIGS = [
     _cfg(128, 256, 128, 8, 4, group_m=4),
     INT8_TWO_PER_SM,
 ]
-INT8_ONLY = {id(INT8_TWO_PER_SM)}
 
 
 def _prune_by_dtype(configs, named_args, **kwargs):
+    # Two CTAs per SM are for INT8 only (see INT8_TWO_PER_SM).
     is_int8 = named_args.get("IS_INT8", kwargs.get("IS_INT8"))
-    return [c for c in configs if is_int8 or id(c) not in INT8_ONLY]
+    return [c for c in configs if is_int8 or c.kwargs.get("CTAS_PER_SM", 1) == 1]
 
 # Gated (two accumulators, gate and up, and two weight tiles per K step): 128x128 output tiles
 # hold the registers of a 128x256 plain tile; shared memory per stage is A + 2 W tiles.
@@ -439,11 +439,16 @@ def _autotune_bench(fn, quantiles=None):
 
 @functools.lru_cache(maxsize=None)
 def _autotuned(gated: bool = False):
+    return make_autotuner(GATED_CONFIGS if gated else PERSISTENT_CONFIGS)
+
+
+def make_autotuner(configs: list):
+    """The persistent kernel autotuned over ``configs`` (benchmarks build candidate sets with it)."""
     import inspect
 
     extra = {"do_bench": _autotune_bench} if "do_bench" in inspect.signature(triton.autotune).parameters else {}
     return triton.autotune(
-        configs=GATED_CONFIGS if gated else PERSISTENT_CONFIGS,
+        configs=configs,
         key=["N", "K", "M_BUCKET", "IS_INT8", "FP8_FAST_ACCUM", "HAS_BIAS", "ACTIVATION", "OUT_CODE", "GATED"],
         prune_configs_by={"early_config_prune": _prune_by_dtype},
         **extra,

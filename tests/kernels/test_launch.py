@@ -274,6 +274,38 @@ def test_split_tail_plan_is_part_of_the_launch_key(gemm_gpu_mode, dtype):
     assert any(x is arrivals for x in seen[1025][1]) and not any(x is arrivals for x in seen[2048][1])
 
 
+def test_autotuner_path_sizes_the_split_workspace_and_grid(gemm_gpu_mode):
+    """The autotuner's first call per key: every config of a set with a split config gets a
+    workspace big enough for it and a grid from the same plan the cached launches use."""
+    M, N, K = 1024, 6144, 4096  # 128x256 tiles: 1 wave + 60 on 132 SMs
+    a, sa, w, sw = _quantized(M, N, K, torch.int8)
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    configs = [gemm_tma._cfg(128, 256, 128, 8, 4, split=4, tail_split=4), gemm_tma._cfg(128, 128, 128, 4, 3, ctas=2)]
+    calls = []
+
+    class FakeTuner:
+        def __init__(self):
+            self.configs = configs
+            self.best_config = configs[0]
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                calls.append((grid, args, kwargs))
+            return run
+
+    flags = (True, True, True, False, 0, False)
+    gemm_tma._autotune_and_launch(FakeTuner(), a, w, out, sa, sw, sa, M, N, K, 1024, 132,
+                                  dict(zip(gemm_tma.FLAG_NAMES, flags), NUM_SMS=132))
+    (grid, args, kwargs), = calls
+    partials, arrivals = args[6], args[7]
+    assert partials.dtype == torch.int32 and partials.numel() >= 132 * 128 * 256 and arrivals.numel() >= 132
+    assert not arrivals.any()
+    meta = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "CTAS_PER_SM": 1, "TAIL_SPLIT": 4}
+    assert grid(meta) == (132,)  # 192 tiles: programs 0..119 also take the 60 tail tiles' 2 slices
+    assert gemm_tma._tail_splits({"M": M, "N": N, "K": K, "NUM_SMS": 132, **meta}) == 2
+    assert grid({**meta, "BLOCK_N": 128, "CTAS_PER_SM": 2, "TAIL_SPLIT": 1}) == (264,)
+
+
 def test_autotune_timer_uses_graph_replay_and_falls_back_to_do_bench(monkeypatch):
     import triton.testing
 
