@@ -375,7 +375,7 @@ def split_workspace(device: torch.device, elems: int, counters: int) -> tuple[to
         if ws is not None:
             _RETIRED_WORKSPACES.append(ws)
         old_elems, old_counters = (ws[0].numel(), ws[1].numel()) if ws is not None else (0, 0)
-        partials = torch.empty(max(elems, old_elems), dtype=torch.float32, device=device)
+        partials = torch.empty(max(elems, old_elems, 1024), dtype=torch.float32, device=device)
         arrivals = torch.zeros(max(counters, old_counters, 1024), dtype=torch.int32, device=device)
         ws = _SPLIT_WORKSPACE[key] = (partials, arrivals)
     return ws
@@ -578,10 +578,9 @@ def launch_persistent(a, w, out, a_scale, w_scale, bias, flags: tuple, m_bucket:
     programs = constexprs["NUM_SMS"] * constexprs["CTAS_PER_SM"]
     splits = tail_split_plan(M, N, K, bm, bn, bk, programs, constexprs["TAIL_SPLIT"])
     constexprs = {**constexprs, "TAIL_SPLITS": splits}
-    if splits > 1:
-        partials, arrivals = _workspace_args(a, programs, bm * bn)
-    else:
-        partials, arrivals = a_scale, a_scale  # unused: the split code is compiled out
+    # Without a split the workspace is unused (its code is compiled out) but still passed: the same
+    # pointer types as on the autotuner's path, so both find one compiled binary.
+    partials, arrivals = _workspace_args(a, programs if splits > 1 else 0, bm * bn)
     tail = (a_scale, w_scale, bias_arg, partials, arrivals, M, N, K, m_bucket)
     args = (_Descriptor(a, [M, K], [a.stride(0), 1], [bm, bk]), weight_descriptor(w, bn, bk),
             _Descriptor(out, [M, N], [out.stride(0), 1], out_box), *tail)
