@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +29,8 @@ from quantkit.kernels.launch import median_replay_ms
 # Llama-3-8B projections (N, K): qkv, o, gate+up (stacked), down.
 LLAMA3_8B_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 DEFAULT_MS = [1, 16, 64, 128, 512, 1024, 4096, 16384]
+# Llama-3-8B's MLP front half for the gated GEMM: [gate; up] = 2 x 14336 rows over K=4096.
+GATED_SHAPE = (14336, 4096)
 # "plain": dequant only (Llama's projections); "bias_silu": the full epilogue.
 EPILOGUES = {"plain": (False, "none"), "bias_silu": (True, "silu")}
 
@@ -63,6 +66,20 @@ def bench_graph_ms(fn, reps: int = 10, replays: int = 15) -> float:
     times = {name: median_replay_ms(graph, replays) for name, graph in graphs.items()}
     del graphs
     return max(times["both"] - times["flush"], 1e-6) / reps
+
+
+def adaptive_graph_ms(fn) -> float:
+    """``bench_graph_ms`` with the calls per graph scaled to the op (2..10, about 5 ms of it per
+    replay): the same timer, a shorter run for the 5-15 ms ops at M=16384."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    reps = max(2, min(10, round(5.0 / max(start.elapsed_time(end), 1e-3))))
+    return bench_graph_ms(fn, reps=reps)
 
 
 def _activation(x, activation):
@@ -238,25 +255,52 @@ def plot_tflops(rows: list[dict], path, title: str) -> None:
     plt.close(fig)
 
 
+def point_seconds(M: int, N: int, K: int, ops: int, replays: int = 16) -> float:
+    """Rough GPU seconds of timing ``ops`` ops of one (M, N, K) point with ``adaptive_graph_ms``:
+    two graphs (op + flush, flush) x ``replays`` x at least ~5 ms, at ~400 TFLOP/s on average
+    over bf16, FP8, INT8 and the unfused baselines, plus ~60 ms of capture per op."""
+    op_ms = 2.0 * M * N * K / 400e12 * 1e3 + 0.1
+    per_replay_ms = max(5.0, 2 * op_ms)  # at least 2 calls per graph
+    return ops * (2 * replays * per_replay_ms * 1e-3 + 0.06)
+
+
+def _time_left(deadline_at):
+    return float("inf") if deadline_at is None else deadline_at - time.monotonic()
+
+
 def run_gemm_benchmark(shapes=None, ms=None, out_dir="benchmarks/results", plot=True,
-                       epilogues=("plain", "bias_silu"), gated=True, timer=bench_graph_ms) -> list[dict]:
+                       epilogues=("plain", "bias_silu"), gated=True, timer=bench_graph_ms, device="cuda",
+                       deadline_at=None) -> list[dict]:
     """Benchmark quantkit's GEMMs on the current GPU; writes gemm.csv/.json (+ gemm.png).
 
     shapes: list of (N, K), default Llama-3-8B's projections; ms: list of M values.
-    Returns the rows written.
+    ``deadline_at`` (a ``time.monotonic()`` value): points whose estimated time (``point_seconds``,
+    x 1.5) no longer fits are skipped and listed in the JSON's meta; the results written are complete
+    for every point timed. Returns the rows written.
     """
-    if not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("the GEMM benchmark needs a CUDA GPU; run it on the GPU machine")
     shapes = list(shapes or LLAMA3_8B_SHAPES)
     ms = list(ms or DEFAULT_MS)
     meta = environment_metadata()
     meta["timer"] = getattr(timer, "__name__", str(timer))
+    meta["skipped_for_deadline"] = skipped = []
     rows = []
+
+    def fits(what, seconds):
+        if _time_left(deadline_at) >= 1.5 * seconds + 5:
+            return True
+        skipped.append(what)
+        print(f"deadline: skipping {what}", flush=True)
+        return False
+
     if gated:
-        # Llama-3-8B's MLP front half: [gate; up] = 2 x 14336 rows over K=4096.
+        N_gated, K_gated = GATED_SHAPE
         for M in ms:
+            if not fits(f"gated M={M}", 2 * point_seconds(M, 2 * N_gated, K_gated, 3)):
+                continue
             for dtype_name in ("fp8", "int8"):
-                rows.extend(bench_gated_point(M, 14336, 4096, dtype_name, timer=timer))
+                rows.extend(bench_gated_point(M, N_gated, K_gated, dtype_name, timer=timer, device=device))
             r = [x for x in rows if x["op"].startswith("quantkit_gated") and x["M"] == M]
             print("gated M=%d " % M + " ".join(f"{x['op']}: {x['ms']*1e3:.1f}us x{x['speedup_vs_baseline']:.2f} vs 2 GEMMs"
                                                 f" x{x['speedup_vs_bf16']:.2f} vs bf16 err {x['rel_err']:.1e}"
@@ -264,10 +308,12 @@ def run_gemm_benchmark(shapes=None, ms=None, out_dir="benchmarks/results", plot=
         write_results(rows, out_dir, "gemm", meta)
     for N, K in shapes:
         for M in ms:
+            if not fits(f"M={M} N={N} K={K}", len(epilogues) * point_seconds(M, N, K, 6)):
+                continue
             for epilogue in epilogues:
-                rows.extend(bench_scaled_mm_point(M, N, K, epilogue, timer=timer))
+                rows.extend(bench_scaled_mm_point(M, N, K, epilogue, timer=timer, device=device))
             print_point(rows, M, N, K)
-        write_results(rows, out_dir, "gemm", meta)  # partial results survive a time-out
+            write_results(rows, out_dir, "gemm", meta)  # partial results survive a time-out
     meta["autotune"] = autotune_choices()
     write_results(rows, out_dir, "gemm", meta)
     if plot:
@@ -304,12 +350,17 @@ def _grid_steps(q, ref_q):
     return (ordinal(q) - ordinal(ref_q)).abs()
 
 
-def run_gpu_checks(all_configs=True, device="cuda", small=False) -> list[dict]:
+CHECK_PARTS = ("grid", "configs_int8", "configs_fp8", "compile")
+
+
+def run_gpu_checks(all_configs=True, device="cuda", small=False, parts=CHECK_PARTS) -> list[dict]:
     """Poisoned outputs, every epilogue, both dtypes, vs the reference twin and float64.
 
     Raises RuntimeError on the first failure (so a broken kernel never gets benchmarked).
     Also compiles a small quantize -> GEMM module with torch.compile(fullgraph=True) and
-    replays it inside a CUDA graph.
+    replays it inside a CUDA graph. ``parts`` (of CHECK_PARTS: the epilogue/shape grid with the
+    quantization kernels, every autotune config for INT8 / FP8, torch.compile + CUDA graph) lets
+    separate processes run them side by side.
     """
     from quantkit.kernels import quant
 
@@ -329,7 +380,7 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False) -> list[dict]:
     # One fixed config for the epilogue grid (the autotuned path is checked at every benchmark
     # point instead): autotuning each flag combination would compile dozens of variants.
     fixed = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
-    for dtype in (torch.int8, torch.float8_e4m3fn):
+    for dtype in (torch.int8, torch.float8_e4m3fn) if "grid" in parts else ():
         for M, N, K in gemm_shapes:
             x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
             w_f = torch.randn(N, K, device=device) * K**-0.5
@@ -389,6 +440,8 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False) -> list[dict]:
         # compiling all four would cost minutes of device time.
         M, N, K = (37, 200, 4160) if not small else (5, 20, 48)
         for dtype, gated in ((torch.int8, False), (torch.float8_e4m3fn, True)):
+            if ("configs_int8" if dtype == torch.int8 else "configs_fp8") not in parts:
+                continue
             a, sa = reference.quantize_per_token(torch.randn(M, K, device=device), dtype)
             w, sw = reference.quantize_per_channel(torch.randn(N, K, device=device), dtype)
             w2, sw2 = torch.cat([w, w.flip(0)]), torch.cat([sw, sw.flip(0)])
@@ -406,7 +459,7 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False) -> list[dict]:
                        rel_err=_rel_err(out, ref))
 
     # torch.compile(fullgraph=True) + CUDA graph capture of quantize -> GEMM.
-    for dtype in (torch.int8, torch.float8_e4m3fn) if device == "cuda" else ():
+    for dtype in (torch.int8, torch.float8_e4m3fn) if device == "cuda" and "compile" in parts else ():
         w, sw = reference.quantize_per_channel(torch.randn(512, 256, device=device), dtype)
         bias = torch.randn(512, device=device, dtype=torch.bfloat16)
 

@@ -53,14 +53,20 @@ OUT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.int32:
 
 
 @triton.jit
-def _store_tile(out_desc, off_m, off_n, out, OUT_CODE: tl.constexpr, INTERPRETED: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr):
+def _cast_out(out, OUT_CODE: tl.constexpr, INTERPRETED: tl.constexpr):
     if OUT_CODE == 0:
         out = cast_for_store(out, tl.bfloat16, INTERPRETED)
     elif OUT_CODE == 1:
         out = out.to(tl.float16)
     elif OUT_CODE == 2:
         out = out.to(tl.float32)
+    return out
+
+
+@triton.jit
+def _store_tile(out_desc, off_m, off_n, out, OUT_CODE: tl.constexpr, INTERPRETED: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr):
+    out = _cast_out(out, OUT_CODE, INTERPRETED)
     if EPILOGUE_SPLIT == 1:
         out_desc.store([off_m, off_n], out)
     else:
@@ -86,7 +92,7 @@ def _store_halves(out_desc, off_m, off_n, out, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _scaled_mm_persistent_kernel(
-    a_desc, w_desc, out_desc, a_scale_ptr, w_scale_ptr, bias_ptr,
+    a_desc, w_desc, out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, partials_ptr, arrivals_ptr,
     M, N, K, M_BUCKET,
     IS_INT8: tl.constexpr,
     A_PER_TOKEN: tl.constexpr,
@@ -108,6 +114,8 @@ def _scaled_mm_persistent_kernel(
     WARP_SPECIALIZE: tl.constexpr,
     CTAS_PER_SM: tl.constexpr,
     A_IN_REGISTERS: tl.constexpr,
+    TAIL_SPLIT: tl.constexpr,
+    TAIL_SPLITS: tl.constexpr,
 ):
     # NUM_SMS * CTAS_PER_SM programs walk the tiles with that stride (the launch grid, or fewer
     # programs when there are fewer tiles).
@@ -117,10 +125,16 @@ def _scaled_mm_persistent_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
+    # TAIL_SPLITS > 1 (tail_split_plan): the tiles of the partial last wave are left out of the
+    # data-parallel loop and each is computed as TAIL_SPLITS K-slices by as many programs.
+    if TAIL_SPLITS > 1:
+        dp_tiles = num_tiles - num_tiles % NUM_PROGRAMS
+    else:
+        dp_tiles = num_tiles
     # The epilogue recomputes its tile from its own counter rather than reusing the loop's
     # (pid_m, pid_n): with the loops flattened, the pipeliner may already be on the next tile.
     tile_id_c = start_pid - NUM_PROGRAMS
-    for tile_id in tl.range(start_pid, num_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+    for tile_id in tl.range(start_pid, dp_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_am = pid_m * BLOCK_M
         off_wn = pid_n * BLOCK_N
@@ -167,6 +181,75 @@ def _scaled_mm_persistent_kernel(
                 out = out * up
             _store_tile(out_desc, off_m, off_n, out, OUT_CODE, INTERPRETED, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
 
+    if TAIL_SPLITS > 1:
+        tl.static_assert(not GATED, "the split tail has no gated form")
+        _split_tail(a_desc, w_desc, out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, partials_ptr, arrivals_ptr,
+                    M, N, start_pid, dp_tiles, num_tiles, num_pid_m, num_pid_n, k_tiles,
+                    IS_INT8, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, ACTIVATION, RAW_ACC, OUT_CODE, INTERPRETED,
+                    FP8_FAST_ACCUM, FP8_PROMOTE_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EPILOGUE_SPLIT, TAIL_SPLITS)
+
+
+@triton.jit
+def _split_tail(a_desc, w_desc, out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, partials_ptr, arrivals_ptr,
+                M, N, pid, dp_tiles, num_tiles, num_pid_m, num_pid_n, k_tiles,
+                IS_INT8: tl.constexpr, A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr,
+                HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, RAW_ACC: tl.constexpr, OUT_CODE: tl.constexpr,
+                INTERPRETED: tl.constexpr, FP8_FAST_ACCUM: tl.constexpr, FP8_PROMOTE_K: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                EPILOGUE_SPLIT: tl.constexpr, SPLITS: tl.constexpr):
+    """One K-slice of one tail tile per program (unit = pid): slice s of tail tile t covers the
+    K steps [s * k_tiles // SPLITS, (s + 1) * k_tiles // SPLITS).
+
+    Every slice writes its int32 / fp32 partial tile to its own workspace slot, then counts itself
+    in the tile's arrival counter (release: after a CTA barrier, so the whole tile's stores are
+    ordered before it). The program that arrives last (acquire) sums the slots in slice order
+    0..SPLITS-1, so the result does not depend on which slice finished last (deterministic; INT8
+    exact), runs the epilogue in EPILOGUE_SPLIT column chunks (registers: one chunk of the sum and
+    one of a slot at a time), and resets the counter to 0 for the next launch. No program waits
+    on another, so nothing depends on all programs being resident at once.
+    """
+    tail_tiles = num_tiles - dp_tiles
+    if pid < tail_tiles * SPLITS:
+        t = pid % tail_tiles
+        s = pid // tail_tiles
+        pid_m, pid_n = grouped_tile(dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        if IS_INT8:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(s * k_tiles // SPLITS, (s + 1) * k_tiles // SPLITS):
+            a = a_desc.load([off_m, ki * BLOCK_K])
+            w = w_desc.load([off_n, ki * BLOCK_K])
+            acc = dot_accumulate(a, w.T, acc, IS_INT8, FP8_FAST_ACCUM, FP8_PROMOTE_K)
+        rows = tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_N)
+        tile_slots = partials_ptr + (t * SPLITS).to(tl.int64) * (BLOCK_M * BLOCK_N)
+        tl.store(tile_slots + s * (BLOCK_M * BLOCK_N) + rows[:, None] * BLOCK_N + cols[None, :], acc)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + t, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            CHUNK_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+            chunk_cols = tl.arange(0, CHUNK_N)
+            for c in tl.static_range(EPILOGUE_SPLIT):
+                offsets = rows[:, None] * BLOCK_N + (c * CHUNK_N + chunk_cols)[None, :]
+                if IS_INT8:
+                    total = tl.zeros((BLOCK_M, CHUNK_N), dtype=tl.int32)
+                else:
+                    total = tl.zeros((BLOCK_M, CHUNK_N), dtype=tl.float32)
+                for slot in tl.static_range(SPLITS):
+                    # .cg: from L2 (the point of coherence), never a stale L1 line.
+                    total += tl.load(tile_slots + slot * (BLOCK_M * BLOCK_N) + offsets, cache_modifier=".cg")
+                if RAW_ACC:
+                    out = total
+                else:
+                    out = dequant_epilogue(total, off_m + rows, off_n + c * CHUNK_N + chunk_cols, M, N,
+                                           a_scale_ptr, w_scale_ptr, bias_ptr, A_PER_TOKEN, W_PER_CHANNEL,
+                                           HAS_BIAS, ACTIVATION)
+                out_desc.store([off_m, off_n + c * CHUNK_N], _cast_out(out, OUT_CODE, INTERPRETED))
+            tl.store(arrivals_ptr + t, 0)
+
 
 # ----------------------------------------------------------------------------------------------
 # Configs: M >= PERSISTENT_MIN_M only (compute-bound); the tile shapes of cuBLAS/CUTLASS FP8
@@ -174,10 +257,10 @@ def _scaled_mm_persistent_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _cfg(bm, bn, bk, warps, stages, split=2, group_m=8, ws=False, ctas=1, a_regs=False):
+def _cfg(bm, bn, bk, warps, stages, split=2, group_m=8, ws=False, ctas=1, a_regs=False, tail_split=1):
     return triton.Config(
         {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "EPILOGUE_SPLIT": split,
-         "WARP_SPECIALIZE": ws, "CTAS_PER_SM": ctas, "A_IN_REGISTERS": a_regs},
+         "WARP_SPECIALIZE": ws, "CTAS_PER_SM": ctas, "A_IN_REGISTERS": a_regs, "TAIL_SPLIT": tail_split},
         num_warps=warps, num_stages=stages, pre_hook=_set_block_shapes,
     )
 
@@ -214,12 +297,12 @@ PERSISTENT_CONFIGS = [
     _cfg(128, 256, 128, 8, 4, group_m=4),
     INT8_TWO_PER_SM,
 ]
-INT8_ONLY = {id(INT8_TWO_PER_SM)}
 
 
 def _prune_by_dtype(configs, named_args, **kwargs):
+    # Two CTAs per SM are for INT8 only (see INT8_TWO_PER_SM).
     is_int8 = named_args.get("IS_INT8", kwargs.get("IS_INT8"))
-    return [c for c in configs if is_int8 or id(c) not in INT8_ONLY]
+    return [c for c in configs if is_int8 or c.kwargs.get("CTAS_PER_SM", 1) == 1]
 
 # Gated (two accumulators, gate and up, and two weight tiles per K step): 128x128 output tiles
 # hold the registers of a 128x256 plain tile; shared memory per stage is A + 2 W tiles.
@@ -235,12 +318,74 @@ GATED_CONFIGS = [
 # Interpreter: few, big tiles (cost is per program) and 3 "SMs", so each program walks several
 # tiles and the persistent loop, the grouped order and the split store all run in the tests.
 INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 2, "EPILOGUE_SPLIT": 2,
-                      "WARP_SPECIALIZE": False, "CTAS_PER_SM": 1, "A_IN_REGISTERS": False}
+                      "WARP_SPECIALIZE": False, "CTAS_PER_SM": 1, "A_IN_REGISTERS": False, "TAIL_SPLIT": 1}
 INTERPRETER_NUM_SMS = 3
 
 
 def _fp8_promote_k(args):
     return min(args["BLOCK_K"], 128)
+
+
+def tail_split_plan(M: int, N: int, K: int, block_m: int, block_n: int, block_k: int, programs: int,
+                    max_split: int) -> int:
+    """K-slices per tile of the partial last wave (1: no split).
+
+    ``programs`` (SMs x CTAs per SM) walk ``tiles`` output tiles; when ``tiles % programs`` tail
+    tiles are left for a last wave, that wave would keep only ``tail`` programs busy for a whole
+    tile's K loop. Splitting each tail tile into ``splits`` K-slices (at most ``max_split``, one
+    slice per program, at least one K step per slice) makes the last wave ``1 / splits`` as long,
+    for the price of writing and summing ``splits`` partial tiles. Example (H100, 132 SMs):
+    6144 x 4096 at M=1024 in 128x256 tiles is 192 tiles = 1 wave + 60 tiles -> 60 x 2 slices on
+    120 programs: 1.5 waves of work instead of 2.
+    """
+    if max_split <= 1:
+        return 1
+    tiles = cdiv(M, block_m) * cdiv(N, block_n)
+    tail = tiles % programs
+    if tail == 0:
+        return 1
+    splits = min(max_split, programs // tail, cdiv(K, block_k))
+    return splits if splits >= 2 else 1
+
+
+def _tail_splits(args):
+    return tail_split_plan(args["M"], args["N"], args["K"], args["BLOCK_M"], args["BLOCK_N"], args["BLOCK_K"],
+                           args["NUM_SMS"] * args["CTAS_PER_SM"], args["TAIL_SPLIT"])
+
+
+# Split-tail workspace per device: fp32 / int32 partial tiles (one slot per tail unit, at most one
+# unit per program) and one int32 arrival counter per tail tile, zero between launches (the last
+# arriving slice resets its tile's counter). A grown workspace replaces the old one, which stays
+# referenced: a CUDA graph captured earlier still points at it. Two split GEMMs running at once
+# on different streams of one device would share counters: not supported (as in
+# attention_decode's fused combine).
+_SPLIT_WORKSPACE: dict = {}
+_RETIRED_WORKSPACES: list = []
+
+
+def split_workspace(device: torch.device, elems: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partials, arrivals): at least ``elems`` 4-byte partial-sum elements and ``counters`` zeroed counters."""
+    key = (device.type, device.index)
+    ws = _SPLIT_WORKSPACE.get(key)
+    if ws is None or ws[0].numel() < elems or ws[1].numel() < counters:
+        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "the split-tail GEMM workspace must be allocated before a CUDA graph capture; run the model "
+                "once eagerly on the same shapes (a warm-up call) before capturing it")
+        if ws is not None:
+            _RETIRED_WORKSPACES.append(ws)
+        old_elems, old_counters = (ws[0].numel(), ws[1].numel()) if ws is not None else (0, 0)
+        partials = torch.empty(max(elems, old_elems, 1024), dtype=torch.float32, device=device)
+        arrivals = torch.zeros(max(counters, old_counters, 1024), dtype=torch.int32, device=device)
+        ws = _SPLIT_WORKSPACE[key] = (partials, arrivals)
+    return ws
+
+
+def _workspace_args(a: torch.Tensor, slots: int, tile_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Workspace for ``slots`` partial tiles (at most one per program) of ``tile_elems`` elements."""
+    partials, arrivals = split_workspace(a.device, slots * tile_elems, slots)
+    # INT8 partials are int32 (exact sums); the buffer is shared, viewed per launch.
+    return (partials.view(torch.int32) if a.dtype == torch.int8 else partials), arrivals
 
 
 _GRAPH_BENCH_REPS = 10
@@ -294,15 +439,20 @@ def _autotune_bench(fn, quantiles=None):
 
 @functools.lru_cache(maxsize=None)
 def _autotuned(gated: bool = False):
+    return make_autotuner(GATED_CONFIGS if gated else PERSISTENT_CONFIGS)
+
+
+def make_autotuner(configs: list):
+    """The persistent kernel autotuned over ``configs`` (benchmarks build candidate sets with it)."""
     import inspect
 
     extra = {"do_bench": _autotune_bench} if "do_bench" in inspect.signature(triton.autotune).parameters else {}
     return triton.autotune(
-        configs=GATED_CONFIGS if gated else PERSISTENT_CONFIGS,
+        configs=configs,
         key=["N", "K", "M_BUCKET", "IS_INT8", "FP8_FAST_ACCUM", "HAS_BIAS", "ACTIVATION", "OUT_CODE", "GATED"],
         prune_configs_by={"early_config_prune": _prune_by_dtype},
         **extra,
-    )(triton.heuristics({"FP8_PROMOTE_K": _fp8_promote_k})(_scaled_mm_persistent_kernel))
+    )(triton.heuristics({"FP8_PROMOTE_K": _fp8_promote_k, "TAIL_SPLITS": _tail_splits})(_scaled_mm_persistent_kernel))
 
 
 def descriptors_ok(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
@@ -379,11 +529,16 @@ def _plan(config: dict, kernel_flags: dict) -> tuple:
     cfg.setdefault("WARP_SPECIALIZE", False)
     cfg.setdefault("CTAS_PER_SM", 1)
     cfg.setdefault("A_IN_REGISTERS", False)
+    cfg.setdefault("TAIL_SPLIT", 1)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if cfg["EPILOGUE_SPLIT"] not in (1, 2, 4) or bn % cfg["EPILOGUE_SPLIT"]:
         raise ValueError(f"EPILOGUE_SPLIT={cfg['EPILOGUE_SPLIT']} must be 1, 2 or 4 and divide BLOCK_N={bn}")
     if not (isinstance(cfg["CTAS_PER_SM"], int) and cfg["CTAS_PER_SM"] >= 1):
         raise ValueError(f"CTAS_PER_SM={cfg['CTAS_PER_SM']!r} must be a positive int (programs per SM)")
+    if not (isinstance(cfg["TAIL_SPLIT"], int) and 1 <= cfg["TAIL_SPLIT"] <= 8):
+        raise ValueError(f"TAIL_SPLIT={cfg['TAIL_SPLIT']!r} must be an int in 1..8 (K-slices per tail tile; 1: off)")
+    if cfg["TAIL_SPLIT"] > 1 and kernel_flags.get("GATED"):
+        raise ValueError("TAIL_SPLIT > 1 is not supported by the gated GEMM; use TAIL_SPLIT=1")
     constexprs = dict(kernel_flags, FP8_PROMOTE_K=min(bk, 128), **cfg)
     out_box = [bm, bn // cfg["EPILOGUE_SPLIT"]]
     return bm, bn, bk, out_box, constexprs, num_warps, num_stages, (*cfg.values(), num_warps, num_stages)
@@ -420,7 +575,13 @@ def launch_persistent(a, w, out, a_scale, w_scale, bias, flags: tuple, m_bucket:
         if plan is None:
             plan = _plan(config, kernel_flags)
     bm, bn, bk, out_box, constexprs, num_warps, num_stages, config_key = plan
-    tail = (a_scale, w_scale, bias_arg, M, N, K, m_bucket)
+    programs = constexprs["NUM_SMS"] * constexprs["CTAS_PER_SM"]
+    splits = tail_split_plan(M, N, K, bm, bn, bk, programs, constexprs["TAIL_SPLIT"])
+    constexprs = {**constexprs, "TAIL_SPLITS": splits}
+    # Without a split the workspace is unused (its code is compiled out) but still passed: the same
+    # pointer types as on the autotuner's path, so both find one compiled binary.
+    partials, arrivals = _workspace_args(a, programs if splits > 1 else 0, bm * bn)
+    tail = (a_scale, w_scale, bias_arg, partials, arrivals, M, N, K, m_bucket)
     args = (_Descriptor(a, [M, K], [a.stride(0), 1], [bm, bk]), weight_descriptor(w, bn, bk),
             _Descriptor(out, [M, N], [out.stride(0), 1], out_box), *tail)
 
@@ -430,10 +591,18 @@ def launch_persistent(a, w, out, a_scale, w_scale, bias, flags: tuple, m_bucket:
 
     # Descriptors are specialized on dtype and box only; N and K by value; M / M_BUCKET are not
     # specialized (only their int64-ness matters).
-    key = (tune_key, config_key, M >= 2**31, aligned(a_scale, w_scale, bias_arg))
-    grid = (min(constexprs["NUM_SMS"] * constexprs["CTAS_PER_SM"], cdiv(M, bm) * cdiv(N, bn)),)
+    key = (tune_key, config_key, splits, M >= 2**31, aligned(a_scale, w_scale, bias_arg))
+    grid = (_grid_size(M, N, bm, bn, programs, splits),)
     _PERSISTENT(key, grid, args, constexprs, num_warps, num_stages, triton_args=triton_args)
     return out
+
+
+def _grid_size(M: int, N: int, block_m: int, block_n: int, programs: int, splits: int) -> int:
+    tiles = cdiv(M, block_m) * cdiv(N, block_n)
+    if splits > 1:
+        # The tail's K-slices need tail * splits <= programs programs.
+        return min(programs, max(tiles, (tiles % programs) * splits))
+    return min(programs, tiles)
 
 
 def _autotune_and_launch(tuner, a, w, out, a_scale, w_scale, bias_arg, M, N, K, m_bucket, sms, kernel_flags):
@@ -444,6 +613,20 @@ def _autotune_and_launch(tuner, a, w, out, a_scale, w_scale, bias_arg, M, N, K, 
     out_desc = TensorDescriptor.from_tensor(out, [first["BLOCK_M"], first["BLOCK_N"] // first["EPILOGUE_SPLIT"]])
 
     def grid(meta):
-        return (min(sms * meta["CTAS_PER_SM"], cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
+        programs = sms * meta["CTAS_PER_SM"]
+        splits = tail_split_plan(M, N, K, meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"], programs,
+                                 meta["TAIL_SPLIT"])
+        return (_grid_size(M, N, meta["BLOCK_M"], meta["BLOCK_N"], programs, splits),)
 
-    tuner[grid](a_desc, w_desc, out_desc, a_scale, w_scale, bias_arg, M, N, K, m_bucket, **kernel_flags)
+    # Room for the largest split config of the set (one slot per program).
+    elems, slots = 1, 1
+    for c in tuner.configs:
+        kw = c.kwargs
+        if kw.get("TAIL_SPLIT", 1) > 1:
+            elems = max(elems, sms * kw["CTAS_PER_SM"] * kw["BLOCK_M"] * kw["BLOCK_N"])
+            slots = max(slots, sms * kw["CTAS_PER_SM"])
+    partials, arrivals = split_workspace(a.device, elems, slots)
+    if a.dtype == torch.int8:
+        partials = partials.view(torch.int32)
+    tuner[grid](a_desc, w_desc, out_desc, a_scale, w_scale, bias_arg, partials, arrivals, M, N, K, m_bucket,
+                **kernel_flags)

@@ -399,3 +399,114 @@ def test_auto_takes_the_persistent_gated_kernel_for_large_m_int8(monkeypatch):
                                           n_weight_rows=64)
     gemm.gated_scaled_mm(a, w, a_scale, w_scale, "silu", torch.float32)
     assert calls == []
+
+
+# ---------------------------------------------------------------------------------------------- split tail
+# The tiles of the partial last wave split along K (gemm_tma.tail_split_plan). Under the
+# interpreter the "SM" count is patched so that each case really splits (asserted through the
+# plan function), with data-parallel waves before the tail (W >= 1) and without (pure split-K).
+SPLIT_CASES = [
+    # M, N, K, sms, ctas, max_split, epilogue_split
+    (450, 72, 208, 3, 1, 4, 2),     # 8 x 2 = 16 tiles on 3: 5 waves + 1 tile in 3 slices; K tail of 16
+    (100, 136, 256, 16, 1, 2, 4),   # 2 x 3 tiles on 16 programs: no full wave, 2 slices each, quarters
+    (197, 136, 320, 3, 2, 3, 1),    # 4 x 3 = 12 tiles on 6 programs (two per SM): no tail -> plain
+    (197, 136, 320, 5, 1, 3, 1),    # 12 tiles on 5: 2 waves + 2 tiles, 2 slices, unsplit epilogue
+    (64, 64, 80, 8, 1, 4, 2),       # 1 tile, 2 K steps -> 2 slices (one K step each)
+]
+SPLIT_IDS = [f"M{c[0]}_N{c[1]}_K{c[2]}_sms{c[3]}x{c[4]}_max{c[5]}_q{c[6]}" for c in SPLIT_CASES]
+
+
+def _split_config(ctas, max_split, epilogue_split):
+    from quantkit.kernels import gemm_tma
+
+    return {**gemm_tma.INTERPRETER_CONFIG, "CTAS_PER_SM": ctas, "TAIL_SPLIT": max_split,
+            "EPILOGUE_SPLIT": epilogue_split, "num_warps": 4, "num_stages": 3}
+
+
+def _expected_splits(M, N, K, sms, ctas, max_split):
+    from quantkit.kernels import gemm_tma
+
+    return gemm_tma.tail_split_plan(M, N, K, 64, 64, 64, sms * ctas, max_split)
+
+
+def _arrivals_are_zero():
+    from quantkit.kernels import gemm_tma
+
+    return all(not bool(arrivals.any()) for _, arrivals in gemm_tma._SPLIT_WORKSPACE.values())
+
+
+def test_split_cases_cover_split_and_plain_plans():
+    plans = [_expected_splits(M, N, K, sms, ctas, mx) for M, N, K, sms, ctas, mx, _ in SPLIT_CASES]
+    assert plans == [3, 2, 1, 2, 2]
+
+
+@pytest.mark.parametrize("M,N,K,sms,ctas,max_split,epilogue_split", SPLIT_CASES, ids=SPLIT_IDS)
+def test_split_tail_int8_is_exact(monkeypatch, M, N, K, sms, ctas, max_split, epilogue_split):
+    from quantkit.kernels import gemm_tma
+
+    monkeypatch.setattr(gemm_tma, "INTERPRETER_NUM_SMS", sms)
+    config = _split_config(ctas, max_split, epilogue_split)
+    a, a_scale, w, w_scale, bias = _operands(M, N, K, torch.int8, seed=M + N + K)
+    acc = gemm.int8_matmul_accumulator(a, w, config=config, kernel="persistent",
+                                       out=torch.full((M, N), -123456, dtype=torch.int32))
+    assert torch.equal(acc, reference.int8_matmul_exact(a, w))
+    # Dequant + bias in the reference's order on the exact sum: the same bits (an activation's
+    # exp can differ from torch's in the last fp32 bit, so it is compared with a tolerance).
+    out = gemm.scaled_mm(a, w, a_scale, w_scale, bias, "none", torch.bfloat16, out=_poisoned(M, N, torch.bfloat16),
+                         config=config, kernel="persistent")
+    assert torch.equal(out, reference.scaled_mm(a, w, a_scale, w_scale, bias, "none", torch.bfloat16))
+    out = gemm.scaled_mm(a, w, a_scale, w_scale, bias, "silu", torch.float32, out=_poisoned(M, N, torch.float32),
+                         config=config, kernel="persistent")
+    _assert_matches_reference(out, reference.scaled_mm(a, w, a_scale, w_scale, bias, "silu", torch.float32),
+                              torch.float32)
+    assert _arrivals_are_zero(), "the last slice of each tail tile resets its arrival counter"
+
+
+@pytest.mark.parametrize("fp8_fast_accum", [True, False], ids=["fast_accum", "promoted"])
+@pytest.mark.parametrize("M,N,K,sms,ctas,max_split,epilogue_split", SPLIT_CASES, ids=SPLIT_IDS)
+def test_split_tail_fp8_matches_reference_and_repeats(monkeypatch, fp8_fast_accum, M, N, K, sms, ctas, max_split,
+                                                      epilogue_split):
+    from quantkit.kernels import gemm_tma
+
+    monkeypatch.setattr(gemm_tma, "INTERPRETER_NUM_SMS", sms)
+    config = _split_config(ctas, max_split, epilogue_split)
+    a, a_scale, w, w_scale, bias = _operands(M, N, K, torch.float8_e4m3fn, seed=3 * M + K)
+    outs = [gemm.scaled_mm(a, w, a_scale, w_scale, bias, "gelu_tanh", torch.float32, config=config,
+                           out=_poisoned(M, N, torch.float32), fp8_fast_accum=fp8_fast_accum, kernel="persistent")
+            for _ in range(2)]
+    _assert_matches_reference(outs[0], reference.scaled_mm(a, w, a_scale, w_scale, bias, "gelu_tanh", torch.float32),
+                              torch.float32)
+    assert torch.equal(outs[0], outs[1]), "the split sum is taken in slice order: the same bits every call"
+    assert _arrivals_are_zero()
+
+
+def test_split_tail_plan():
+    from quantkit.kernels.gemm_tma import tail_split_plan
+
+    # H100 (132 SMs), 128x256x128 tiles: Llama-3-8B qkv at M=1024 is 192 tiles = 1 wave + 60.
+    assert tail_split_plan(1024, 6144, 4096, 128, 256, 128, 132, 4) == 2
+    # 4096 x 4096 at M=1024: 128 tiles in one partial wave, too many to split on 132 programs.
+    assert tail_split_plan(1024, 4096, 4096, 128, 256, 128, 132, 4) == 1
+    # 28672 x 4096 at M=4096: 3584 tiles = 27 waves + 20 -> capped by max_split (6 would fit).
+    assert tail_split_plan(4096, 28672, 4096, 128, 256, 128, 132, 4) == 4
+    assert tail_split_plan(4096, 28672, 4096, 128, 256, 128, 132, 8) == 6
+    # Two CTAs per SM, 128x128: 384 tiles on 264 programs = 1 wave + 120 -> 2 slices.
+    assert tail_split_plan(1024, 6144, 4096, 128, 128, 128, 264, 4) == 2
+    # Whole waves, TAIL_SPLIT off, and K too short for two slices: no split.
+    assert tail_split_plan(4096, 4096, 4096, 128, 256, 128, 128, 4) == 1
+    assert tail_split_plan(1024, 6144, 4096, 128, 256, 128, 132, 1) == 1
+    assert tail_split_plan(1024, 6144, 128, 128, 256, 128, 132, 4) == 1
+
+
+@pytest.mark.parametrize("bad,match", [({"TAIL_SPLIT": 0}, "TAIL_SPLIT=0"), ({"TAIL_SPLIT": 2.0}, "TAIL_SPLIT=2.0")])
+def test_bad_tail_split_raises(bad, match):
+    a, a_scale, w, w_scale, _ = _operands(16, 64, 64, torch.int8, seed=2)
+    with pytest.raises(ValueError, match=match):
+        gemm.scaled_mm(a, w, a_scale, w_scale, config={**gemm_tma_interpreter_config(), **bad}, kernel="persistent")
+
+
+def test_gated_rejects_tail_split():
+    a, a_scale, w, w_scale, _ = _operands(64, 128, 64, torch.int8, seed=4)
+    with pytest.raises(ValueError, match="gated"):
+        gemm.gated_scaled_mm(a, w, a_scale, w_scale, config={**gemm_tma_interpreter_config(), "TAIL_SPLIT": 2},
+                             kernel="persistent")

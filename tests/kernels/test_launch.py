@@ -249,6 +249,68 @@ def test_tuned_plain_calls_launch_directly(gemm_gpu_mode, dtype):
         assert list(gemm_tma._PLANS) == [tune_key]
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_split_tail_plan_is_part_of_the_launch_key(gemm_gpu_mode, dtype):
+    """Two M of one autotune bucket, one with a split tail and one without: each gets its own
+    compiled variant (TAIL_SPLITS is a constexpr), and the split one gets the workspace."""
+    from quantkit.kernels.launch import config_dict
+
+    N, K = 16384, 256
+    config = config_dict(gemm_tma._cfg(128, 256, 128, 8, 4, split=4, tail_split=2))
+    flags = (dtype == torch.int8, True, True, False, 0, False)
+    persistent = gemm_gpu_mode["_PERSISTENT"]
+    seen = {}
+    for M in (2048, 1025):  # 1024 tiles = 7 waves + 100 on 132 SMs (no split); 576 = 4 waves + 48 (2 slices)
+        splits = gemm_tma.tail_split_plan(M, N, K, 128, 256, 128, 132, 2)
+        a, sa, w, sw = _quantized(M, N, K, dtype)
+        out = torch.empty(M, N, dtype=torch.bfloat16)
+        assert _launches(persistent, lambda: gemm_tma.launch_persistent(
+            a, w, out, sa, sw, None, flags, 2048, True, False, config=config)) == (1, 2), M
+        args = persistent.compiled.runs[-1][9:]  # after grid, stream, function, metadata, hooks
+        seen[M] = (splits, args)
+    assert seen[2048][0] == 1 and seen[1025][0] == 2
+    partials, arrivals = gemm_tma._SPLIT_WORKSPACE[("cpu", None)]
+    assert partials.numel() >= 132 * 128 * 256 and not arrivals.any()
+    # Passed to both (unused without a split): one pointer signature for the autotuner and the plans.
+    # (The workspace grew for the split launch: the first launch got the smaller, retired one.)
+    partials_dtype = torch.int32 if dtype == torch.int8 else torch.float32
+    for M, (_, args) in seen.items():
+        assert (args[6].dtype, args[7].dtype) == (partials_dtype, torch.int32), M
+    assert seen[1025][1][7] is arrivals
+
+
+def test_autotuner_path_sizes_the_split_workspace_and_grid(gemm_gpu_mode):
+    """The autotuner's first call per key: every config of a set with a split config gets a
+    workspace big enough for it and a grid from the same plan the cached launches use."""
+    M, N, K = 1024, 6144, 4096  # 128x256 tiles: 1 wave + 60 on 132 SMs
+    a, sa, w, sw = _quantized(M, N, K, torch.int8)
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    configs = [gemm_tma._cfg(128, 256, 128, 8, 4, split=4, tail_split=4), gemm_tma._cfg(128, 128, 128, 4, 3, ctas=2)]
+    calls = []
+
+    class FakeTuner:
+        def __init__(self):
+            self.configs = configs
+            self.best_config = configs[0]
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                calls.append((grid, args, kwargs))
+            return run
+
+    flags = (True, True, True, False, 0, False)
+    gemm_tma._autotune_and_launch(FakeTuner(), a, w, out, sa, sw, sa, M, N, K, 1024, 132,
+                                  dict(zip(gemm_tma.FLAG_NAMES, flags), NUM_SMS=132))
+    (grid, args, kwargs), = calls
+    partials, arrivals = args[6], args[7]
+    assert partials.dtype == torch.int32 and partials.numel() >= 132 * 128 * 256 and arrivals.numel() >= 132
+    assert not arrivals.any()
+    meta = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "CTAS_PER_SM": 1, "TAIL_SPLIT": 4}
+    assert grid(meta) == (132,)  # 192 tiles: programs 0..119 also take the 60 tail tiles' 2 slices
+    assert gemm_tma._tail_splits({"M": M, "N": N, "K": K, "NUM_SMS": 132, **meta}) == 2
+    assert grid({**meta, "BLOCK_N": 128, "CTAS_PER_SM": 2, "TAIL_SPLIT": 1}) == (264,)
+
+
 def test_autotune_timer_uses_graph_replay_and_falls_back_to_do_bench(monkeypatch):
     import triton.testing
 
