@@ -22,6 +22,17 @@ against SDPA by ``benchmarks/attention_s4.py``):
   does not wait for the ``cache_seqlens`` load; keys past the length are masked out of the scores
   and zeroed in V (they may hold anything). Not with a sliding window (its start needs the length).
 
+Where the work goes is the ``schedule`` choice (session 5, ``benchmarks/attention_s5.py``):
+
+- ``"split"``: a (batch x kv head, split) grid, the split length planned on the host from the
+  capacity (or ``max_seqlen``): ``decode_split_plan``.
+- ``"flat"``: a fixed grid of one program per resident slot (SMs x ``programs_per_sm``); on the
+  device, each program reads all lengths, lays the filled blocks of every (batch, kv head) end to
+  end and takes an equal share (to one block), so all SMs stream whatever the shape (batch 8 x 8
+  kv heads = 64 sequences over 132 SMs) and a mostly empty cache still spreads over all of them.
+  Ranges cross sequence boundaries: one partial per (program, sequence), combined by the last
+  part to arrive (same counters). TMA loads only in practice (its pointer loop is not pipelined).
+
 Measured (H100, session 4, NOTES-attention.md): TMA with 128-key tiles, one program per SM, is the
 head_dim-128 default. On the 64-key pointer kernel: evict_first changed < 0.5 %, K as rows
 < 0.5 % (+1.7 % at batch 8, 1k), 8 warps lost 0.6-17 %, prefetch_first lost up to 8 % (gained
@@ -667,8 +678,14 @@ def decode_attention(
     span = min(max_keys, window) if window is not None else max_keys
     config = DecodeConfig.of(block_config) if block_config is not None else _decode_config(head_dim)
     block_n = config.block_n
-    if n_splits is None and config.schedule == "flat":
-        pass  # the flat kernel cuts the filled blocks on the device
+    # The flat schedule cuts the filled blocks on the device. Its pointer-load loop is not
+    # software-pipelined by Triton (nested in the segment loop; TMA loads are): a TMA config over
+    # a cache without the row view runs the split schedule's pointer kernel instead.
+    flat = config.schedule == "flat" and n_splits is None
+    if flat and config.loads == "tma" and not _descriptors(config, k_cache, v_cache)[0]:
+        flat = False
+    if flat:
+        pass
     elif n_splits is None:
         split_len, n_splits = decode_split_plan(batch, n_kv_heads, span, q.device, block_n, config.programs_per_sm)
     else:
@@ -678,7 +695,7 @@ def decode_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if q.numel() == 0:
         return out
-    if config.schedule == "flat" and n_splits is None:
+    if flat:
         return _decode_flat(q, k_cache, v_cache, cache_seqlens, scale, window, max_keys, config, out)
     epilogue, split_chunk = decode_epilogue(n_splits, group, head_dim, fuse_combine)
     if epilogue == EPILOGUE_FINAL:
