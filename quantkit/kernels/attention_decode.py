@@ -22,6 +22,17 @@ against SDPA by ``benchmarks/attention_s4.py``):
   does not wait for the ``cache_seqlens`` load; keys past the length are masked out of the scores
   and zeroed in V (they may hold anything). Not with a sliding window (its start needs the length).
 
+Where the work goes is the ``schedule`` choice (session 5, ``benchmarks/attention_s5.py``):
+
+- ``"split"``: a (batch x kv head, split) grid, the split length planned on the host from the
+  capacity (or ``max_seqlen``): ``decode_split_plan``.
+- ``"flat"``: a fixed grid of one program per resident slot (SMs x ``programs_per_sm``); on the
+  device, each program reads all lengths, lays the filled blocks of every (batch, kv head) end to
+  end and takes an equal share (to one block), so all SMs stream whatever the shape (batch 8 x 8
+  kv heads = 64 sequences over 132 SMs) and a mostly empty cache still spreads over all of them.
+  Ranges cross sequence boundaries: one partial per (program, sequence), combined by the last
+  part to arrive (same counters). TMA loads only in practice (its pointer loop is not pipelined).
+
 Measured (H100, session 4, NOTES-attention.md): TMA with 128-key tiles, one program per SM, is the
 head_dim-128 default. On the 64-key pointer kernel: evict_first changed < 0.5 %, K as rows
 < 0.5 % (+1.7 % at batch 8, 1k), 8 warps lost 0.6-17 %, prefetch_first lost up to 8 % (gained
@@ -33,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import weakref
 
 import torch
 import triton
@@ -55,6 +67,10 @@ EPILOGUE_FUSED = 1  # partials, and the group's last program to finish combines 
 EPILOGUE_PARTIAL = 2  # partials only; ``_decode_combine_kernel`` combines (second launch)
 
 LOADS = ("pointer", "tma")
+# "split": grid (batch x kv head, splits of a host-planned length). "flat": one program per
+# resident slot (SMs x programs_per_sm), each streaming an equal share of all the blocks that the
+# lengths fill, laid end to end over (batch, kv head) (see ``_decode_flat_kernel``).
+SCHEDULES = ("split", "flat")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +86,8 @@ class DecodeConfig:
     k_rows: bool = False
     evict_first: bool = False
     prefetch_first: bool = False
+    schedule: str = "split"
+    min_blocks: int = 2
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -79,6 +97,12 @@ class DecodeConfig:
                              f"programs_per_sm={self.programs_per_sm}")
         if self.loads not in LOADS:
             raise ValueError(f"loads={self.loads!r}; choose one of {LOADS}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}; choose one of {SCHEDULES}")
+        if self.min_blocks < 1:
+            raise ValueError(f"min_blocks={self.min_blocks} must be >= 1")
+        if self.schedule == "flat" and self.prefetch_first:
+            raise ValueError("prefetch_first applies to schedule='split' only")
 
     @classmethod
     def of(cls, value: DecodeConfig | tuple[int, int, int, int]) -> DecodeConfig:
@@ -274,6 +298,167 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _combine_parts_loop(
+    O_part, LSE_part, O, stride_ob, stride_oh, batch, kv_head, group_size, row0, n_parts,
+    HEAD_DIM: tl.constexpr, GROUP_P2: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+):
+    """Combine ``n_parts`` partials (rows ``row0[g] + part``) of one GQA group into O: a runtime
+    loop over chunks of SPLIT_CHUNK parts (bounded registers and code size at any count); two
+    passes (max, then weighted sum), in part order: the result does not depend on which program
+    combines."""
+    offs_g = tl.arange(0, GROUP_P2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_c = tl.arange(0, SPLIT_CHUNK)
+    g_ok = offs_g < group_size
+    m = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    for start in range(0, n_parts, SPLIT_CHUNK):
+        part = start + offs_c
+        ok = g_ok[:, None] & (part[None, :] < n_parts)
+        lse = tl.load(LSE_part + row0[:, None] + part[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
+        m = tl.maximum(m, tl.max(lse, 1))
+    m = tl.where(m == float("-inf"), 0.0, m)  # no keys at all: all weights 0
+    total = tl.zeros([GROUP_P2], dtype=tl.float32)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM], dtype=tl.float32)
+    for start in range(0, n_parts, SPLIT_CHUNK):
+        part = start + offs_c
+        ok = g_ok[:, None] & (part[None, :] < n_parts)
+        rows = row0[:, None] + part[None, :]
+        weight = tl.exp2(tl.load(LSE_part + rows, mask=ok, other=float("-inf"), cache_modifier=".cg") - m[:, None])
+        vals = tl.load(O_part + rows[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=ok[:, :, None], other=0.0,
+                       cache_modifier=".cg")
+        total += tl.sum(weight, 1)
+        acc += tl.sum(vals * weight[:, :, None], 1)
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    head = kv_head * group_size + offs_g
+    o_ptrs = O + batch.to(tl.int64) * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=g_ok[:, None])
+
+
+@triton.jit
+def _decode_flat_kernel(
+    Q, K, V, K_desc, V_desc, cache_seqlens, O, O_part, LSE_part, counters,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh,
+    k_rows_per_batch, k_rows_per_head, v_rows_per_batch, v_rows_per_head,
+    batch_size, n_kv_heads, group_size, key_limit, qk_scale, window, n_programs, max_parts,
+    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr, GROUP_P2: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    TMA: tl.constexpr, EVICTION: tl.constexpr, MIN_BLOCKS: tl.constexpr,
+):
+    """Balanced persistent decode: the BLOCK_N-key blocks that the *current* lengths fill (every
+    (batch, kv head) sequence's visible keys, at least one block each, so an empty sequence still
+    gets its zero output) are laid end to end in (batch, kv head) order and cut into
+    P = min(n_programs, cdiv(total, MIN_BLOCKS)) equal ranges (to one block), one per program;
+    programs past P do nothing. A range can span parts of several sequences: one partial per
+    (program, sequence) it touches, at slot (program - first program of that sequence); the last
+    part of a sequence to arrive combines (the fused epilogue's counter), a sequence inside one
+    program's range is written directly. The cut depends only on the lengths (device side), so
+    the grid is fixed (CUDA graphs) and a mostly empty cache still spreads over all SMs; the
+    result does not depend on timing (fixed cut, combine in part order)."""
+    pid = tl.program_id(0)
+    offs_b = tl.arange(0, BLOCK_B)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    b_ok = offs_b < batch_size
+    n_all = tl.minimum(tl.load(cache_seqlens + offs_b, mask=b_ok, other=0), key_limit)
+    n_all = tl.maximum(n_all, 0)
+    if HAS_WINDOW:
+        visible = tl.minimum(n_all, window)
+    else:
+        visible = n_all
+    seq_blocks = tl.where(b_ok, tl.maximum((visible + BLOCK_N - 1) // BLOCK_N, 1), 0).to(tl.int64)
+    batch_blocks = seq_blocks * n_kv_heads
+    batch_end = tl.cumsum(batch_blocks, 0)
+    total = tl.sum(batch_blocks, 0)
+    n_prog = tl.minimum(n_programs, (total + MIN_BLOCKS - 1) // MIN_BLOCKS)
+    pos = pid * total // n_prog
+    end = (pid + 1) * total // n_prog
+    if pid >= n_prog:
+        end = pos
+    head_ok = offs_g < group_size
+    while pos < end:
+        # The sequence holding block ``pos``: its batch (first batch ending past pos), kv head.
+        batch = tl.sum(((batch_end <= pos) & b_ok).to(tl.int32), 0)
+        at_b = offs_b == batch
+        b_start = tl.sum(tl.where(at_b, batch_end - batch_blocks, 0), 0)
+        nb = tl.sum(tl.where(at_b, seq_blocks, 0), 0)
+        n_keys = tl.sum(tl.where(at_b, n_all, 0), 0)
+        n_vis = tl.sum(tl.where(at_b, visible, 0), 0)
+        kv_head = ((pos - b_start) // nb).to(tl.int32)
+        seq_start = b_start + kv_head * nb
+        seq_end = seq_start + nb
+        seg_end = tl.minimum(end, seq_end)
+        first_key = n_keys - n_vis
+        lo = (first_key + (pos - seq_start) * BLOCK_N).to(tl.int32)
+        hi = tl.minimum(first_key + (seg_end - seq_start) * BLOCK_N, n_keys).to(tl.int32)
+
+        head = kv_head * group_size + offs_g
+        q_ptrs = Q + batch.to(tl.int64) * stride_qb + head[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=head_ok[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        k_base = K + batch.to(tl.int64) * stride_kb + kv_head * stride_kh
+        v_base = V + batch.to(tl.int64) * stride_vb + kv_head * stride_vh
+        m_i = tl.full([BLOCK_G], _M_INIT, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+        if TMA:
+            full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+            k_row = batch * k_rows_per_batch + kv_head * k_rows_per_head
+            v_row = batch * v_rows_per_batch + kv_head * v_rows_per_head
+            for start_n in range(lo, full_hi, BLOCK_N):
+                k = K_desc.load([k_row + start_n, 0])
+                v = V_desc.load([v_row + start_n, 0])
+                if UPCAST:
+                    k = k.to(tl.float32)
+                    v = v.to(tl.float32)
+                m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, offs_n, True, False)
+            if full_hi < hi:
+                key_pos = full_hi + offs_n
+                valid = key_pos < hi
+                k, v = _load_kv_block(k_base, v_base, stride_ks, stride_vs, key_pos, offs_d, valid, True,
+                                      EVICTION, UPCAST)
+                m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, valid, True, True)
+        else:
+            for start_n in range(lo, hi, BLOCK_N):
+                key_pos = start_n + offs_n
+                valid = key_pos < hi
+                k, v = _load_kv_block(k_base, v_base, stride_ks, stride_vs, key_pos, offs_d, valid, True,
+                                      EVICTION, UPCAST)
+                m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, valid, True, True)
+
+        empty = l_i == 0.0
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        # Programs covering this sequence: the last program starting at or before its first and
+        # last block (every program's range is non-empty: n_prog <= total).
+        p_first = ((seq_start + 1) * n_prog - 1) // total
+        p_last = (seq_end * n_prog - 1) // total
+        n_parts = (p_last - p_first + 1).to(tl.int32)
+        if n_parts == 1:
+            o_ptrs = O + batch.to(tl.int64) * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
+            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=head_ok[:, None])
+        else:
+            lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+            row = (batch * n_kv_heads * group_size + head).to(tl.int64) * max_parts + (pid - p_first)
+            tl.store(O_part + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_ok[:, None])
+            tl.store(LSE_part + row, lse, mask=head_ok)
+            # Same release/acquire handshake as the split kernel's fused epilogue.
+            tl.debug_barrier()
+            seq = batch * n_kv_heads + kv_head
+            arrived = tl.atomic_add(counters + seq, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_parts - 1:
+                offs_gp = tl.arange(0, GROUP_P2)
+                row0 = (batch * n_kv_heads * group_size + kv_head * group_size + offs_gp).to(tl.int64) * max_parts
+                _combine_parts_loop(O_part, LSE_part, O, stride_ob, stride_oh, batch, kv_head, group_size, row0,
+                                    n_parts, HEAD_DIM, GROUP_P2, SPLIT_CHUNK)
+                tl.atomic_xchg(counters + seq, 0, sem="relaxed", scope="gpu")
+        pos = seg_end
+
+
+@triton.jit
 def _decode_combine_kernel(
     O_part, LSE_part, O, stride_ob, stride_oh, n_q_heads, n_splits,
     HEAD_DIM: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
@@ -423,6 +608,46 @@ def _row_descriptor(cache: torch.Tensor, rows: tuple[int, int], block_n: int) ->
     return TensorDescriptor(view, [n_rows, head_dim], [cache.stride(2), 1], [block_n, head_dim])
 
 
+# Eager calls build a TMA descriptor per cache (~5 us each on the host) plus the row view check:
+# cached per cache *object* (a static cache's layer tensors persist across decode steps). The
+# entry's key holds the tensor's address, shapes, strides and dtype, so an in-place ``set_`` or
+# resize misses it; a weak reference drops the entry (and with it the descriptor's view, which
+# would otherwise keep the storage alive) when the caller frees the cache. Bounded: cleared when full.
+_DESCRIPTORS: dict = {}
+_MAX_DESCRIPTORS = 1024
+
+
+def _cache_descriptor(cache: torch.Tensor, block_n: int):
+    """((rows per batch, rows per head), TensorDescriptor) for TMA over ``cache``, or None when the
+    row view does not exist."""
+    key = (id(cache), block_n)
+    layout = (cache.data_ptr(), tuple(cache.shape), cache.stride(), cache.dtype, cache.device)
+    hit = _DESCRIPTORS.get(key)
+    if hit is not None and hit[0]() is cache and hit[1] == layout:
+        return hit[2]
+    rows = cache_rows(cache)
+    value = None if rows is None else (rows, _row_descriptor(cache, rows, block_n))
+    if len(_DESCRIPTORS) >= _MAX_DESCRIPTORS:
+        _DESCRIPTORS.clear()
+    try:
+        ref = weakref.ref(cache, lambda _, key=key: _DESCRIPTORS.pop(key, None))
+    except TypeError:  # not weak-referenceable (a tensor subclass): no caching
+        return value
+    _DESCRIPTORS[key] = (ref, layout, value)
+    return value
+
+
+def _descriptors(config: DecodeConfig, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """(tma, k_desc, v_desc, k_rows, v_rows): TMA descriptors when asked for and possible, else the
+    caches themselves (pointer loads) and zero row strides."""
+    if config.loads == "tma":
+        k_hit = _cache_descriptor(k_cache, config.block_n)
+        v_hit = _cache_descriptor(v_cache, config.block_n) if k_hit is not None else None
+        if k_hit is not None and v_hit is not None:
+            return True, k_hit[1], v_hit[1], k_hit[0], v_hit[0]
+    return False, k_cache, v_cache, (0, 0), (0, 0)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -453,7 +678,15 @@ def decode_attention(
     span = min(max_keys, window) if window is not None else max_keys
     config = DecodeConfig.of(block_config) if block_config is not None else _decode_config(head_dim)
     block_n = config.block_n
-    if n_splits is None:
+    # The flat schedule cuts the filled blocks on the device. Its pointer-load loop is not
+    # software-pipelined by Triton (nested in the segment loop; TMA loads are): a TMA config over
+    # a cache without the row view runs the split schedule's pointer kernel instead.
+    flat = config.schedule == "flat" and n_splits is None
+    if flat and config.loads == "tma" and not _descriptors(config, k_cache, v_cache)[0]:
+        flat = False
+    if flat:
+        pass
+    elif n_splits is None:
         split_len, n_splits = decode_split_plan(batch, n_kv_heads, span, q.device, block_n, config.programs_per_sm)
     else:
         n_blocks = triton.cdiv(max(span, 1), block_n)
@@ -462,6 +695,8 @@ def decode_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if q.numel() == 0:
         return out
+    if flat:
+        return _decode_flat(q, k_cache, v_cache, cache_seqlens, scale, window, max_keys, config, out)
     epilogue, split_chunk = decode_epilogue(n_splits, group, head_dim, fuse_combine)
     if epilogue == EPILOGUE_FINAL:
         o_part = lse_part = out  # never touched
@@ -476,14 +711,7 @@ def decode_attention(
     # Constexprs of the fused combine only; fixed otherwise (no extra compiled variants).
     fused_shape = (triton.next_power_of_2(group), triton.next_power_of_2(n_splits), split_chunk)
     group_p2, block_splits, split_chunk = fused_shape if epilogue == EPILOGUE_FUSED else (1, 1, 1)
-    k_rows = v_rows = None
-    if config.loads == "tma":
-        k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)
-    tma = k_rows is not None and v_rows is not None
-    if tma:
-        k_desc, v_desc = _row_descriptor(k_cache, k_rows, block_n), _row_descriptor(v_cache, v_rows, block_n)
-    else:
-        k_desc, v_desc, k_rows, v_rows = k_cache, v_cache, (0, 0), (0, 0)
+    tma, k_desc, v_desc, k_rows, v_rows = _descriptors(config, k_cache, v_cache)
     _decode_split_kernel[(batch * n_kv_heads, n_splits)](
         q, k_cache, v_cache, k_desc, v_desc, cache_seqlens, out, o_part, lse_part, counters,
         q.stride(0), q.stride(1),
@@ -505,4 +733,48 @@ def decode_attention(
             o_part, lse_part, out, out.stride(0), out.stride(1), n_q_heads, n_splits,
             HEAD_DIM=head_dim, SPLIT_CHUNK=16, num_warps=4,
         )
+    return out
+
+
+def flat_programs(device: torch.device, programs_per_sm: int) -> int:
+    """Grid of the flat schedule: one program per resident slot (a few under the interpreter,
+    so that ranges cross sequence boundaries in the tests)."""
+    if device.type == "cuda":
+        return programs_per_sm * num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 5
+
+
+def _decode_flat(q, k_cache, v_cache, cache_seqlens, scale, window, max_keys, config, out):
+    """Launch ``_decode_flat_kernel`` (schedule="flat"): fixed grid, device-side balanced cut."""
+    batch, n_q_heads, head_dim = q.shape
+    n_kv_heads = k_cache.shape[1]
+    group = n_q_heads // n_kv_heads
+    block_n = config.block_n
+    n_programs = flat_programs(q.device, config.programs_per_sm)
+    # Parts per sequence <= ceil(P / n_kv_heads) + 1: a batch's kv heads have equal lengths, so one
+    # sequence holds at most 1 / n_kv_heads of all blocks.
+    max_parts = triton.cdiv(n_programs, n_kv_heads) + 1
+    rows = batch * n_q_heads * max_parts
+    workspace = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=q.device)
+    o_part, lse_part = workspace[: rows * head_dim], workspace[rows * head_dim :]
+    counters = _group_counters(q.device, batch * n_kv_heads)
+    group_p2 = triton.next_power_of_2(group)
+    split_chunk = max(1, min(triton.next_power_of_2(max_parts), COMBINE_CHUNK_FLOATS // (group_p2 * head_dim)))
+    split_chunk = 1 << (split_chunk.bit_length() - 1)  # a power of two
+    tma, k_desc, v_desc, k_rows, v_rows = _descriptors(config, k_cache, v_cache)
+    _decode_flat_kernel[(n_programs,)](
+        q, k_cache, v_cache, k_desc, v_desc, cache_seqlens, out, o_part, lse_part, counters,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        *k_rows, *v_rows,
+        batch, n_kv_heads, group, max_keys, float(scale) * LOG2E, window if window is not None else 0,
+        n_programs, max_parts,
+        HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        BLOCK_B=triton.next_power_of_2(batch), HAS_WINDOW=window is not None, UPCAST=_INTERPRETED,
+        GROUP_P2=group_p2, SPLIT_CHUNK=split_chunk, TMA=tma,
+        EVICTION="evict_first" if config.evict_first else "", MIN_BLOCKS=config.min_blocks,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
     return out

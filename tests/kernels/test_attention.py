@@ -397,8 +397,106 @@ def test_decode_config_accepts_the_old_tuple_and_rejects_bad_values():
     assert attention_decode.DecodeConfig.of((64, 4, 3, 2)) == attention_decode.DecodeConfig()
     assert attention.DecodeConfig is attention_decode.DecodeConfig  # re-exported
     assert attention.decode_attention is attention_decode.decode_attention
-    for bad in (dict(block_n=48), dict(num_warps=3), dict(loads="cp.async"), dict(programs_per_sm=0)):
+    for bad in (dict(block_n=48), dict(num_warps=3), dict(loads="cp.async"), dict(programs_per_sm=0),
+                dict(schedule="persistent"), dict(schedule="flat", min_blocks=0),
+                dict(schedule="flat", prefetch_first=True)):
         with pytest.raises(ValueError):
             attention_decode.DecodeConfig(**bad)
     with pytest.raises(ValueError, match="block_config"):
         attention_decode.DecodeConfig.of((64, 4, 3))
+
+
+# Session 5: the balanced persistent schedule (DecodeConfig(schedule="flat")). Under the
+# interpreter the grid is patched to a few programs, so that one program's range spans several
+# sequences, a sequence spans several programs, and (few blocks) programs past the cut stay idle.
+def _flat_case(seed, batch, n_q_heads, n_kv_heads, capacity, lengths, layout="contiguous", dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    head_dim = 64
+    if layout == "transposed":  # (B, L, H, D) storage: no TMA row view, pointer fallback
+        k_cache = torch.randn(batch, capacity, n_kv_heads, head_dim, generator=gen).transpose(1, 2)
+        v_cache = torch.randn(batch, capacity, n_kv_heads, head_dim, generator=gen).transpose(1, 2)
+    else:
+        k_cache = torch.randn(batch, n_kv_heads, capacity + 19, head_dim, generator=gen)[:, :, :capacity]
+        v_cache = torch.randn(batch, n_kv_heads, capacity + 19, head_dim, generator=gen)[:, :, :capacity]
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    q = torch.randn(batch, n_q_heads, head_dim, generator=gen).to(dtype)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    twin_k, twin_v = k_cache.float().clone(), v_cache.float().clone()
+    for b, length in enumerate(lengths):
+        k_cache[b, :, length:], v_cache[b, :, length:] = float("nan"), float("nan")  # must stay unread
+    return q, k_cache, v_cache, seqlens, twin_k, twin_v
+
+
+@pytest.mark.parametrize("programs", [1, 3, 7, 13])
+@pytest.mark.parametrize("loads,layout,block_n,min_blocks", [
+    ("tma", "contiguous", 32, 1), ("tma", "contiguous", 16, 3), ("pointer", "contiguous", 32, 2),
+    ("tma", "transposed", 32, 1),
+])
+def test_decode_flat_schedule_matches_twin(monkeypatch, poisoned_empty, programs, loads, layout, block_n, min_blocks):
+    from quantkit.kernels import attention_decode
+
+    monkeypatch.setattr(attention_decode, "flat_programs", lambda device, per_sm: programs)
+    config = attention_decode.DecodeConfig(block_n, 4, 1, 1, loads=loads, schedule="flat", min_blocks=min_blocks)
+    lengths = [0, 1, 131, 77, 150]  # empty, one key, odd lengths (partial last blocks)
+    q, k_cache, v_cache, seqlens, twin_k, twin_v = _flat_case(programs * 10 + block_n, 5, 8, 2, 150, lengths, layout)
+    for window, max_seqlen in ((None, None), (None, 150), (37, None)):
+        out = attention_decode.decode_attention(q, k_cache, v_cache, seqlens, 0.13, window, max_seqlen,
+                                                block_config=config)
+        twin = reference_attention.decode_attention(q, twin_k, twin_v, seqlens, 0.13, window)
+        torch.testing.assert_close(out, twin, **FP32_TOL)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))  # no keys: zeros
+    assert int(attention_decode._GROUP_COUNTERS[q.device].abs().sum()) == 0  # reset for the next launch
+
+
+def test_decode_flat_schedule_bf16_is_deterministic_and_spreads_a_partly_filled_cache(monkeypatch):
+    """bf16 over a mostly empty cache (as generate's captured decode sees it): the cut follows
+    the lengths, so every program gets work; two calls give bit-identical outputs."""
+    from quantkit.kernels import attention_decode
+
+    monkeypatch.setattr(attention_decode, "flat_programs", lambda device, per_sm: 6)
+    config = attention_decode.DecodeConfig(32, 4, 1, 1, loads="tma", schedule="flat", min_blocks=1)
+    q, k_cache, v_cache, seqlens, twin_k, twin_v = _flat_case(5, 2, 8, 2, 512, [45, 70], dtype=torch.bfloat16)
+    first = attention_decode.decode_attention(q, k_cache, v_cache, seqlens, 0.125, block_config=config)
+    second = attention_decode.decode_attention(q, k_cache, v_cache, seqlens, 0.125, block_config=config)
+    assert torch.equal(first, second)
+    twin = reference_attention.decode_attention(q.float(), twin_k, twin_v, seqlens, 0.125)
+    assert rel_err(first, twin) < 1e-2
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_flat_parts_per_sequence_fit_the_workspace(seed):
+    """The kernel's cut, in Python: each program's range is non-empty and no sequence is split
+    into more parts than the host's workspace holds (ceil(P / kv heads) + 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, n_kv_heads = int(torch.randint(1, 9, (1,), generator=gen)), [1, 2, 8][seed % 3]
+    programs, min_blocks = [132, 264, 396, 5][seed % 4], 1 + seed % 3
+    blocks = [max(1, int(n)) for n in torch.randint(0, 300, (batch,), generator=gen)]
+    blocks[0] = max(blocks) * 7  # one long sequence among short ones
+    seq_blocks = [nb for nb in blocks for _ in range(n_kv_heads)]
+    total = sum(seq_blocks)
+    n_prog = min(programs, -(-total // min_blocks))
+    bounds = [p * total // n_prog for p in range(n_prog + 1)]
+    assert all(bounds[p + 1] > bounds[p] for p in range(n_prog))
+    start = 0
+    for nb in seq_blocks:
+        p_first, p_last = ((start + 1) * n_prog - 1) // total, ((start + nb) * n_prog - 1) // total
+        assert bounds[p_first] <= start < bounds[p_first + 1] and bounds[p_last] < start + nb <= bounds[p_last + 1]
+        assert p_last - p_first + 1 <= -(-programs // n_kv_heads) + 1
+        start += nb
+
+
+def test_decode_descriptor_cache_follows_the_tensor_object():
+    from quantkit.kernels import attention_decode
+
+    cache = torch.randn(2, 2, 40, 64)
+    first = attention_decode._cache_descriptor(cache, 32)
+    assert first is not None and attention_decode._cache_descriptor(cache, 32) is first  # hit
+    assert attention_decode._cache_descriptor(cache, 16) is not first  # other box: own entry
+    view = cache[:, :, :24]  # another object over the same storage: own entry, own shape
+    assert attention_decode._cache_descriptor(view, 32)[1].shape != first[1].shape
+    cache.set_(torch.randn(2, 2, 48, 64))  # same object, new storage and shape: a miss
+    assert attention_decode._cache_descriptor(cache, 32)[1].shape[0] == 4 * 48  # rows of (B, H, 48)
+    keys = [key for key in attention_decode._DESCRIPTORS if key[0] == id(view)]
+    del view
+    assert not any(key in attention_decode._DESCRIPTORS for key in keys)  # freed with the tensor
+    assert attention_decode._cache_descriptor(torch.randn(2, 2, 40, 65)[..., :64], 32) is None  # no row view
