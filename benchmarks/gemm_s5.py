@@ -1,6 +1,7 @@
 """Session-5 GPU round for issue 3's large-M GEMM targets: the partial last wave split along K.
 
     PYTHONUNBUFFERED=1 QUANTKIT_COMMIT=<sha> python benchmarks/gemm_s5.py --out $OUT/gemm --deadline 240
+    ... --round 2   # FP8 at M >= 4096: the quarter-epilogue pool vs the old rule (gemm_s5_round2.json)
     TRITON_INTERPRET=1 python benchmarks/gemm_s5.py --out /tmp/s5 --smoke      # CPU dry run, tiny shapes
 
 Targets: FP8 >= 1.0x torch._scaled_mm rowwise (use_fast_accum=True; ours fast too), INT8 >= 1.5x
@@ -104,9 +105,9 @@ def proposed_configs(configs):
 class AutotuneSet:
     """Runs a call with another persistent autotune set (own tuner and own tuned-config caches)."""
 
-    def __init__(self, configs):
+    def __init__(self, configs, prune=None):
         self.configs = configs
-        self.tuner = gemm_tma.make_autotuner(configs)
+        self.tuner = gemm_tma.make_autotuner(configs, prune=prune)
         self.tuned, self.plans = {}, {}
 
     def __call__(self, fn):
@@ -117,6 +118,18 @@ class AutotuneSet:
             return fn()
         finally:
             gemm_tma._autotuned, gemm_tma._TUNED, gemm_tma._PLANS = saved
+
+
+# Round 2 (--round 2): FP8 at M >= 4096 tunes only the two quarter-epilogue 128x256 configs
+# (gemm_tma.FP8_LARGE_M_CONFIGS, the new "auto") vs the session-4 rule ("auto_old": the whole set),
+# next to those two configs; INT8 unchanged (auto, the two configs it picks). 5 rounds.
+ROUND2_POINTS = [(4096, N, K) for N, K in SHAPES] + [(16384, N, K) for N, K in SHAPES]
+ROUND2_BASES = {
+    FP8: {"128x256x128_w8_s4_q4_g16": (pcfg(128, 256, 128, 8, 4, split=4, group_m=16), ()),
+          "128x256x128_w8_s4_q4": (pcfg(128, 256, 128, 8, 4, split=4), ())},
+    torch.int8: {"128x128x128_w4_s3_q4_x2": (pcfg(128, 128, 128, 4, 3, split=4, ctas=2), ()),
+                 "128x256x128_w8_s4_q4_g16": (pcfg(128, 256, 128, 8, 4, split=4, group_m=16), ())},
+}
 
 
 SMOKE_BASES = {dt: {"smoke_q4_x2": (pcfg(64, 64, 64, 4, 3, split=4, group_m=2, ctas=2), (2,)),
@@ -245,7 +258,7 @@ def _arrivals_zero():
 # ---------------------------------------------------------------------------------------------- one point
 
 
-def run_point(M, N, K, bases, timer, deadline, sms, proposed, rounds=3):
+def run_point(M, N, K, bases, timer, deadline, sms, autos, rounds=3, int_mm=True):
     """Check then time every variant at (M, N, K); returns rows (one per op) with median times."""
     rows, fns, errors = {}, {}, []
     x, w_bf16, *_ = _operands(M, N, K, torch.int8)
@@ -264,6 +277,8 @@ def run_point(M, N, K, bases, timer, deadline, sms, proposed, rounds=3):
             def base(a=a, w=w, sa=sa_col, sw=sw_row):
                 return (torch._int_mm(a, w.t()).float() * sa * sw).to(torch.bfloat16)
         try:
+            if not int_mm and dtype == torch.int8:
+                raise RuntimeError("not timed in this round")
             base()
             fns[name] = (None, base)
             rows[name] = {"op": name, "dtype": dtype_name}
@@ -271,7 +286,8 @@ def run_point(M, N, K, bases, timer, deadline, sms, proposed, rounds=3):
             errors.append({"op": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
         ref32 = reference.scaled_mm(a, w, sa, sw, None, "none", torch.float32)
         ref16 = ref32.to(torch.bfloat16) if dtype == torch.int8 else None
-        variants = [("auto", (None, None)), ("auto_s5", (None, None))] + list(variants_at(bases[dtype], M, N, K, sms).items())
+        variants = ([("auto", (None, None))] + [(name, (None, None)) for name in autos]
+                    + list(variants_at(bases[dtype], M, N, K, sms).items()))
         for cand, (cfg, splits) in variants:
             if left(deadline) < 15:
                 errors.append({"op": f"{dtype_name}_{cand}", "error": "skipped: deadline"})
@@ -282,7 +298,7 @@ def run_point(M, N, K, bases, timer, deadline, sms, proposed, rounds=3):
             def call(a=a, w=w, sa=sa, sw=sw, cfg=cfg, out=out):
                 return gemm.scaled_mm(a, w, sa, sw, None, "none", torch.bfloat16, config=cfg, out=out,
                                       kernel="auto" if cfg is None else "persistent")
-            fn = (lambda call=call: proposed(call)) if cand == "auto_s5" else call
+            fn = (lambda call=call, tuner_set=autos[cand]: tuner_set(call)) if cand in autos else call
             t_first = time.time()
             try:
                 got = fn().clone()
@@ -438,6 +454,8 @@ def main():
     parser.add_argument("--deadline", type=float, default=240.0)
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter dry run on tiny shapes")
     parser.add_argument("--workers", type=int, default=0, help="compile processes (0: from the CPU count)")
+    parser.add_argument("--round", type=int, default=1, choices=(1, 2),
+                        help="1: split-tail variants at 12 points; 2: the FP8 large-M pool vs the old rule at M 4096/16384")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -450,7 +468,8 @@ def main():
 
     def save():
         result["elapsed_s"] = time.time() - T0
-        Path(out, "gemm_s5.json").write_text(json.dumps(result, indent=1, default=str))
+        name = "gemm_s5.json" if args.round == 1 else f"gemm_s5_round{args.round}.json"
+        Path(out, name).write_text(json.dumps(result, indent=1, default=str))
 
     if args.smoke:
         sms = gemm_tma.INTERPRETER_NUM_SMS
@@ -463,8 +482,16 @@ def main():
         points = POINTS
         workers = args.workers or max(2, min(14, (os.cpu_count() or 4) - 2))
     meta["sms"] = sms
-    proposed = AutotuneSet(proposed_configs(gemm_tma.PERSISTENT_CONFIGS))
-    jobs = _jobs(bases, points, sms, proposed.configs)
+    if args.round == 1:
+        autos = {"auto_s5": AutotuneSet(proposed_configs(gemm_tma.PERSISTENT_CONFIGS))}
+        rounds, int_mm = 3, True
+    else:
+        autos = {"auto_old": AutotuneSet(gemm_tma.PERSISTENT_CONFIGS, prune=gemm_tma._prune_by_dtype_only)}
+        rounds, int_mm = 5, False
+        if not args.smoke:
+            bases, points = ROUND2_BASES, ROUND2_POINTS
+    meta["round"] = args.round
+    jobs = _jobs(bases, points, sms, [c for tuner_set in autos.values() for c in tuner_set.configs])
     if args.smoke:
         jobs = jobs[:3]
     try:
@@ -481,7 +508,7 @@ def main():
             continue
         t = time.time()
         try:
-            rows, errors = run_point(M, N, K, bases, timer, args.deadline, sms, proposed)
+            rows, errors = run_point(M, N, K, bases, timer, args.deadline, sms, autos, rounds=rounds, int_mm=int_mm)
         except Exception:  # noqa: BLE001 - report and go on to the next point
             traceback.print_exc()
             result["errors"].append({"point": [M, N, K], "error": traceback.format_exc()})
@@ -494,8 +521,8 @@ def main():
                 extra = "".join(f" {k}={r[k]:.3f}" for k in ("x_bf16", "x_scaled_mm_fast", "x_int_mm", "x_plain")
                                 if k in r)
                 err = f" err={r['rel_err']:.1e}" if "rel_err" in r else ""
-                rounds = "/".join(f"{v * 1e3:.1f}" for v in r["ms_rounds"])
-                print(f"M={M} {N}x{K} {r['op']:38s} {r['ms'] * 1e3:8.1f} us [{rounds}]{extra}{err}", flush=True)
+                samples = "/".join(f"{v * 1e3:.1f}" for v in r["ms_rounds"])
+                print(f"M={M} {N}x{K} {r['op']:38s} {r['ms'] * 1e3:8.1f} us [{samples}]{extra}{err}", flush=True)
         print(f"point M={M} {N}x{K} done in {time.time() - t:.1f}s (elapsed {time.time() - T0:.0f}s)", flush=True)
         result["summary"] = summarize(result["rows"])
         save()

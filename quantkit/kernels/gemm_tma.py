@@ -22,7 +22,13 @@ different machinery:
   reading A from shared memory; with A in registers they share it. Measured 2-4 % slower (H100,
   7 of 8 points): kept as an option for benchmarks only;
 - GATED: the stacked [gate; up] weight, gate rows n and up rows N + n loaded per K step into two
-  accumulators, ``act(gate) * up`` in the tiled kernel's arithmetic.
+  accumulators, ``act(gate) * up`` in the tiled kernel's arithmetic;
+- TAIL_SPLIT (session 5): when the tiles do not fill whole waves of programs, the tiles of the
+  partial last wave are split along K (``tail_split_plan``: at most TAIL_SPLIT slices, one per
+  program) and their partial sums combined through a workspace by the last-arriving slice
+  (``_split_tail``: deterministic slice order, INT8 exact, no program waits on another; the
+  per-tile arrival counters reset themselves, so a launch is CUDA-graph capturable once the
+  per-device workspace exists).
 
 Eager launches go through ``launch.CachedLaunch`` with light descriptor objects (the weight's
 cached by layout); triton's own path, on a key's first call, gets real ``TensorDescriptor``s.
@@ -289,8 +295,8 @@ PERSISTENT_CONFIGS = [
     _cfg(128, 128, 256, 8, 3),
     # Session 4 (H100): the epilogue in quarters; with GROUP_M=16 the fastest FP8 config at 6 of
     # the 8 Llama-3-8B points at M = 1024 / 4096 (0.6-4 % faster than the session-3 autotuned pick).
-    _cfg(128, 256, 128, 8, 4, split=4, group_m=16),
-    _cfg(128, 256, 128, 8, 4, split=4),
+    FP8_Q4_G16 := _cfg(128, 256, 128, 8, 4, split=4, group_m=16),
+    FP8_Q4 := _cfg(128, 256, 128, 8, 4, split=4),
     # Session 3 (H100, M=1024): 128x128x128 / 4 warps / 5 stages took FP8 6144x4096 from 44.4 to
     # 40.0 us and INT8 from 52.5 to 50.6 us; 128x256 with GROUP_M=4 was the best FP8 4096x4096.
     _cfg(128, 128, 128, 4, 5, split=1),
@@ -298,9 +304,27 @@ PERSISTENT_CONFIGS = [
     INT8_TWO_PER_SM,
 ]
 
+# FP8 from this M bucket on: only the two 128x256 quarter-epilogue configs are tuned. Measured on an
+# H100 (2026-11-23, benchmarks/NOTES-gemm.md session 5): at M=4096 and 16384 the GROUP_M=16 one
+# was faster than the full set's autotuned pick at all 8 Llama-3-8B points (1-10 %), the GROUP_M=8
+# one next; the full set's graph-timed picks at these sizes (0.7-3 ms per call, clock spread of
+# several % between calls) landed on slower configs.
+FP8_LARGE_M_BUCKET = 4096
+FP8_LARGE_M_CONFIGS = (FP8_Q4_G16, FP8_Q4)
+
 
 def _prune_by_dtype(configs, named_args, **kwargs):
     # Two CTAs per SM are for INT8 only (see INT8_TWO_PER_SM).
+    is_int8 = named_args.get("IS_INT8", kwargs.get("IS_INT8"))
+    pool = [c for c in configs if is_int8 or c.kwargs.get("CTAS_PER_SM", 1) == 1]
+    if not is_int8 and named_args.get("M_BUCKET", kwargs.get("M_BUCKET", 0)) >= FP8_LARGE_M_BUCKET:
+        large = [c for c in pool if any(c is chosen for chosen in FP8_LARGE_M_CONFIGS)]
+        pool = large or pool
+    return pool
+
+
+def _prune_by_dtype_only(configs, named_args, **kwargs):
+    """The session-4 rule (no large-M FP8 pool): for benchmarks comparing the two."""
     is_int8 = named_args.get("IS_INT8", kwargs.get("IS_INT8"))
     return [c for c in configs if is_int8 or c.kwargs.get("CTAS_PER_SM", 1) == 1]
 
@@ -442,15 +466,16 @@ def _autotuned(gated: bool = False):
     return make_autotuner(GATED_CONFIGS if gated else PERSISTENT_CONFIGS)
 
 
-def make_autotuner(configs: list):
-    """The persistent kernel autotuned over ``configs`` (benchmarks build candidate sets with it)."""
+def make_autotuner(configs: list, prune=None):
+    """The persistent kernel autotuned over ``configs`` (benchmarks build candidate sets with it);
+    ``prune``: the early-prune function (default ``_prune_by_dtype``)."""
     import inspect
 
     extra = {"do_bench": _autotune_bench} if "do_bench" in inspect.signature(triton.autotune).parameters else {}
     return triton.autotune(
         configs=configs,
         key=["N", "K", "M_BUCKET", "IS_INT8", "FP8_FAST_ACCUM", "HAS_BIAS", "ACTIVATION", "OUT_CODE", "GATED"],
-        prune_configs_by={"early_config_prune": _prune_by_dtype},
+        prune_configs_by={"early_config_prune": prune or _prune_by_dtype},
         **extra,
     )(triton.heuristics({"FP8_PROMOTE_K": _fp8_promote_k, "TAIL_SPLITS": _tail_splits})(_scaled_mm_persistent_kernel))
 
