@@ -52,9 +52,9 @@ N_Q_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
 POINTS = [(8, 32768, 32768), (1, 32768, 32768), (8, 16384, 16384), (1, 16384, 16384),
           (8, 8192, 8192), (1, 8192, 8192), (8, 4096, 4096), (1, 4096, 4096),
           (8, 1024, 1024), (1, 1024, 1024), (1, 4096, 32768), (8, 4096, 32768), (8, 32768, 32768)]
-VARIANTS = {
-    "s4_default": DecodeConfig(128, 4, 3, 1, loads="tma"),  # the default before this session
-    "tma_st4": DecodeConfig(128, 4, 4, 1, loads="tma"),
+RUN1_VARIANTS = {  # experiment run 1 (commit 9d305fd): flat lost everywhere but 4k of 32k at B=1
+    "s4_default": DecodeConfig(128, 4, 3, 1, loads="tma", split_by_fill=False),  # run 1 predates split_by_fill
+    "tma_st4": DecodeConfig(128, 4, 4, 1, loads="tma", split_by_fill=False),
     "flat": DecodeConfig(128, 4, 3, 1, loads="tma", schedule="flat", min_blocks=2),
     "flat_mb1": DecodeConfig(128, 4, 3, 1, loads="tma", schedule="flat", min_blocks=1),
     "flat_mb8": DecodeConfig(128, 4, 3, 1, loads="tma", schedule="flat", min_blocks=8),
@@ -64,7 +64,19 @@ VARIANTS = {
     "flat_n64_sm3": DecodeConfig(64, 4, 3, 3, loads="tma", schedule="flat", min_blocks=2),
     "flat_mb4": DecodeConfig(128, 4, 3, 1, loads="tma", schedule="flat", min_blocks=4),
 }
-WINDOW_CHECKED = ("s4_default", "flat", "flat_n64_sm2")  # a window changes the kernels' key ranges
+# Run 2: the split kernel with its splits cut over the filled blocks (split_by_fill) vs session 4's
+# default; fewer / more bytes in flight (2 stages, 256-key tiles) and 8 warps for the batch-8 32k margin.
+VARIANTS = {
+    "s4_default": DecodeConfig(128, 4, 3, 1, loads="tma", split_by_fill=False),
+    "fill": DecodeConfig(128, 4, 3, 1, loads="tma"),
+    "fill_st2": DecodeConfig(128, 4, 2, 1, loads="tma"),
+    "fill_w8": DecodeConfig(128, 8, 3, 1, loads="tma"),
+    "fill_n256": DecodeConfig(256, 4, 2, 1, loads="tma"),
+    "fill_n256_w8": DecodeConfig(256, 8, 2, 1, loads="tma"),
+    "flat": DecodeConfig(128, 4, 3, 1, loads="tma", schedule="flat", min_blocks=2),
+}
+VARIANT_SETS = {"run1": RUN1_VARIANTS, "run2": VARIANTS}
+WINDOW_CHECKED = ("s4_default", "fill", "fill_n256", "flat", "flat_n64_sm2")  # a window changes the kernels' key ranges
 CHECK_LIMIT = 1e-2  # bf16 inputs: ~2-3e-3 expected vs the fp32 twin
 
 
@@ -244,7 +256,8 @@ def check_variants(h: Harness, variants: dict, out_file: Path, deadline: float) 
     return results
 
 
-def check_in_workers(variants: dict, workers: int, smoke: bool, out_dir: Path, deadline: float) -> dict:
+def check_in_workers(variants: dict, workers: int, smoke: bool, out_dir: Path, deadline: float,
+                     variant_set: str = "run2") -> dict:
     """Run the checks in parallel processes, a few variants each. The compiles dominate (~2-3 s per
     kernel, ~45 kernels) and Triton writes compiled kernels to its on-disk cache, so the timing
     process then loads them instead of compiling them one after another."""
@@ -252,7 +265,8 @@ def check_in_workers(variants: dict, workers: int, smoke: bool, out_dir: Path, d
     groups = [names[i::workers] for i in range(workers) if names[i::workers]]
     procs = []
     for index, group in enumerate(groups):
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--check-worker", str(index), "--variants", *group,
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--check-worker", str(index), "--variant-set", variant_set,
+               "--variants", *group,
                "--out", str(out_dir), "--deadline", str(max(left(deadline) - 25, 10))]
         if smoke:
             cmd.append("--smoke")
@@ -394,7 +408,8 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes: no Python errors")
     parser.add_argument("--rounds", type=int, help="interleaved replay rounds per point (default 12; smoke 2)")
     parser.add_argument("--replay-ms", type=float, default=3.0, help="GPU time of one graph replay")
-    parser.add_argument("--variants", nargs="+", help="subset of VARIANTS (default: all)")
+    parser.add_argument("--variant-set", choices=sorted(VARIANT_SETS), default="run2")
+    parser.add_argument("--variants", nargs="+", help="subset of the set's variants (default: all)")
     parser.add_argument("--workers", type=int, default=6, help="check (and compile) in this many processes; 0: here")
     parser.add_argument("--check-worker", type=int, help=argparse.SUPPRESS)  # internal: one check process
     args = parser.parse_args()
@@ -402,19 +417,21 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     h = Harness(args.smoke)
     rounds = args.rounds or (2 if args.smoke else 12)
-    variants = {n: VARIANTS[n] for n in (args.variants or VARIANTS)}
+    chosen = VARIANT_SETS[args.variant_set]
+    variants = {n: chosen[n] for n in (args.variants or chosen)}
     if args.check_worker is not None:
         check_variants(h, variants, out_dir / f"attention_s5_checks_worker{args.check_worker}.json", args.deadline)
         return
     meta = environment_metadata()
-    meta.update(points=[list(p) for p in POINTS], variants={n: str(c) for n, c in variants.items()})
+    meta.update(points=[list(p) for p in POINTS], variants={n: str(c) for n, c in variants.items()},
+                variant_set=args.variant_set)
     if not args.smoke:
         meta["sm_count"] = torch.cuda.get_device_properties(0).multi_processor_count
     write_json(out_dir / "attention_s5_meta.json", meta)
     print(f"{meta['gpu']} torch {meta['torch']} triton {meta['triton']} commit {meta['commit']}", flush=True)
 
     if args.workers > 0:
-        checks = check_in_workers(variants, args.workers, args.smoke, out_dir, args.deadline)
+        checks = check_in_workers(variants, args.workers, args.smoke, out_dir, args.deadline, args.variant_set)
     else:
         checks = check_variants(h, variants, out_dir / "attention_s5_checks.json", args.deadline)
     write_json(out_dir / "attention_s5_checks.json", checks)

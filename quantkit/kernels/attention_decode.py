@@ -76,7 +76,11 @@ SCHEDULES = ("split", "flat")
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """Tiling and load path of the split kernel. ``programs_per_sm`` feeds the split plan (how
-    many programs run at once per SM: set by shared memory, BLOCK_N x D x 2 tensors x stages)."""
+    many programs run at once per SM: set by shared memory, BLOCK_N x D x 2 tensors x stages).
+    ``split_by_fill``: the split grid is planned for the capacity (or ``max_seqlen``), but each
+    sequence's splits share its filled blocks evenly, on the device (not with ``prefetch_first``,
+    which loads a split's first block before the length is known). ``schedule`` / ``min_blocks``:
+    see the module docstring ("flat": programs get at least ``min_blocks`` blocks)."""
 
     block_n: int = 64
     num_warps: int = 4
@@ -88,6 +92,7 @@ class DecodeConfig:
     prefetch_first: bool = False
     schedule: str = "split"
     min_blocks: int = 2
+    split_by_fill: bool = True
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -203,6 +208,7 @@ def _decode_split_kernel(
     HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE: tl.constexpr,
     GROUP_P2: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
     TMA: tl.constexpr, K_ROWS: tl.constexpr, EVICTION: tl.constexpr, PREFETCH_FIRST: tl.constexpr,
+    SPLIT_BY_FILL: tl.constexpr,
 ):
     pid_bk = tl.program_id(0)
     split = tl.program_id(1)
@@ -225,8 +231,16 @@ def _decode_split_kernel(
         first_key = tl.maximum(n_keys - window, 0)
     else:
         first_key = 0
-    lo = first_key + split * split_len
-    hi = tl.minimum(lo + split_len, n_keys)
+    if SPLIT_BY_FILL:
+        # The grid's n_splits share this sequence's *filled* blocks evenly (device side): a
+        # cache filled to 1/8 of the capacity the grid was planned for still uses every split.
+        fill_blocks = (n_keys - first_key + BLOCK_N - 1) // BLOCK_N
+        split_keys = (fill_blocks + n_splits - 1) // n_splits * BLOCK_N
+        lo = first_key + split * split_keys
+        hi = tl.minimum(lo + split_keys, n_keys)
+    else:
+        lo = first_key + split * split_len
+        hi = tl.minimum(lo + split_len, n_keys)
 
     head = kv_head * group_size + offs_g
     head_ok = offs_g < group_size
@@ -726,6 +740,7 @@ def decode_attention(
         GROUP_P2=group_p2, BLOCK_SPLITS=block_splits, SPLIT_CHUNK=split_chunk,
         TMA=tma, K_ROWS=tma or config.k_rows, EVICTION="evict_first" if config.evict_first else "",
         PREFETCH_FIRST=config.prefetch_first and window is None,
+        SPLIT_BY_FILL=config.split_by_fill and not (config.prefetch_first and window is None),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if epilogue == EPILOGUE_PARTIAL:

@@ -500,3 +500,21 @@ def test_decode_descriptor_cache_follows_the_tensor_object():
     del view
     assert not any(key in attention_decode._DESCRIPTORS for key in keys)  # freed with the tensor
     assert attention_decode._cache_descriptor(torch.randn(2, 2, 40, 65)[..., :64], 32) is None  # no row view
+
+
+@pytest.mark.parametrize("split_by_fill", [True, False])
+@pytest.mark.parametrize("loads", ["tma", "pointer"])
+def test_decode_splits_cut_over_the_filled_blocks_match_twin(poisoned_empty, split_by_fill, loads):
+    """Split grid planned for a large capacity, caches filled to a fraction of it (generate's
+    captured decode): the device-side cut over the filled blocks gives the twin's result."""
+    from quantkit.kernels import attention_decode
+
+    config = attention_decode.DecodeConfig(16, 4, 1, 1, loads=loads, split_by_fill=split_by_fill)
+    lengths = [0, 1, 33, 70, 9]
+    q, k_cache, v_cache, seqlens, twin_k, twin_v = _flat_case(11 + split_by_fill, 5, 8, 2, 300, lengths)
+    for window, n_splits in ((None, 7), (None, 3), (20, 5)):
+        out = attention_decode.decode_attention(q, k_cache, v_cache, seqlens, 0.12, window, block_config=config,
+                                                n_splits=n_splits)
+        twin = reference_attention.decode_attention(q, twin_k, twin_v, seqlens, 0.12, window)
+        torch.testing.assert_close(out, twin, **FP32_TOL)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
