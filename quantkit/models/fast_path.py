@@ -10,7 +10,12 @@ structure, never by architecture name:
   ``act_fn``; Llama, Mistral, Qwen2, Gemma-3 ...) become a ``GatedQuantMLP``: the activation is
   quantized once for both projections, and gate and up come from one stacked weight.
 - RMSNorm modules become ``FastRMSNorm`` (the ``attention_ops.rms_norm`` op) where it computes
-  the same function; Gemma's ``(1 + w)`` is found by probing, not by name.
+  the same function; Gemma's ``(1 + w)`` is found by probing, not by name. With exact=False
+  (``norm_quant``) a norm returns a deferred output (``fast_norm.NormOutput``): the quantized
+  layers that read it (q/k/v, gate/up) get their int8/fp8 input from one fused RMSNorm +
+  per-token quantization launch, and the 16-bit norm output is never written; any other reader
+  gets the plain 16-bit output, computed on first use (and the norm stops deferring). The
+  residual add stays the model's own ``+``: fusing it needs the decoder layer's code.
 - Attention runs through the "quantkit" function registered with transformers'
   ``AttentionInterface`` (flash prefill, split-KV decode).
 - RoPE (CUDA, 16-bit): the modeling file's ``apply_rotary_pos_emb`` is routed to one launch
@@ -28,7 +33,8 @@ model, so greedy generations cannot change:
 - Norms: swapped only on the torch backend and only when a probe on random rows gives equal
   bits (Llama's norm rounds to 16 bits before the weight multiply; the op does not).
 ``exact=False`` uses the fused gated kernel and the Triton norms everywhere (16-bit rounding
-differs from the plain path at the ~1e-3 relative level).
+differs from the plain path at the ~1e-3 relative level), and fuses norms into the next
+quantization (the fused kernel quantizes the float32 normed value, not its 16-bit rounding).
 
 q/k/v: transformers' attention modules call the three projections separately on the same hidden
 states; ``FusedQKV`` stacks their weights and (exact=False) serves all three from one activation

@@ -292,6 +292,7 @@ def test_greedy_generation_with_deferral(arch):
 def test_triton_backend_under_the_interpreter(monkeypatch):
     fast = optimize(_quantized("llama", "int8", backend="triton"), exact=False)
     reference_model = optimize(_quantized("llama", "int8", backend="triton"), exact=False, norm_quant=False)
+    assert {m.backend for m in fast.modules() if isinstance(m, (FastRMSNorm, QuantLinear))} == {"triton"}
     calls = _Calls(monkeypatch, KERNELS)
     ids = _ids(fast, shape=(1, 7))
     with torch.no_grad():
