@@ -160,8 +160,8 @@ def _reshape(self, *args, **kwargs):
 def _flatten(self, start_dim=0, end_dim=-1):
     shape = self.shape_
     ndim = len(shape)
-    if ndim == 0:
-        return None
+    if ndim == 0 or type(start_dim) is not int or type(end_dim) is not int:
+        return None  # named dimensions and the like: the plain output answers
     start, end = start_dim % ndim, end_dim % ndim
     if end == ndim - 1 and start < end:
         return None  # would merge the last dimension

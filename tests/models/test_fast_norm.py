@@ -302,3 +302,31 @@ def test_triton_backend_under_the_interpreter(monkeypatch):
         assert calls.count("rms_norm_quant_per_token") == 2 * fast.config.num_hidden_layers
         want = reference_model(ids).logits
     assert _rel(got, want) < 0.05
+
+
+def test_separate_quantlinear_consumers_share_one_fused_launch(monkeypatch):
+    # qkv=False: q_proj, k_proj and v_proj are plain QuantLinears, each reshaping the deferred
+    # output and quantizing it through quantize_input; the three share one fused launch.
+    plain = _quantized("llama", "int8")
+    fast = optimize(copy.deepcopy(plain), exact=False, qkv=False)
+    reference_model = optimize(copy.deepcopy(plain), exact=False, qkv=False, norm_quant=False)
+    calls = _Calls(monkeypatch, KERNELS)
+    ids = _ids(plain)
+    layers = plain.config.num_hidden_layers
+    with torch.no_grad():
+        fast(ids)
+        calls.clear()
+        got = fast(ids).logits
+        assert calls.count("rms_norm_quant_per_token") == 2 * layers and calls.count("quantize_per_token") == 2 * layers
+        calls.clear()
+        want = reference_model(ids).logits
+        assert calls.count("quantize_per_token") == 6 * layers  # q, k, v, o, gate/up, down
+    assert 0 < _rel(got, want) < 0.05
+
+
+def test_flatten_with_named_dims_falls_back():
+    norm = _norm()
+    with torch.no_grad():
+        y = norm(_x())
+        with pytest.raises((RuntimeError, TypeError, IndexError)):
+            y.flatten("a", "b")  # the plain output has no names either
