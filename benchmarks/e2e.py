@@ -1,7 +1,7 @@
 """End-to-end benchmark (HF bf16 vs quantkit fp8/int8, Llama-3-8B shape) + fast-path checks on the GPU.
 
     PYTHONPATH=. python benchmarks/e2e.py [--out benchmarks/results] [--no-checks] [--no-inexact]
-        [--variants hf-bf16,fp8-fast,...] [--deadline S] [--same-process]
+        [--variants hf-bf16,fp8-fast,...] [--deadline S] [--same-process] [--compare-norm-quant]
 
 Same code as ``quantkit bench model``: ``quantkit.bench.e2e.run_e2e_benchmark``. Writes
 e2e.json (rows, targets, checks, environment), e2e.csv and e2e.png under --out.
@@ -29,10 +29,15 @@ def main() -> None:
                              "plain, fast-exact, fast)")
     parser.add_argument("--same-process", action="store_true",
                         help="measure every variant in this process (memory numbers then mix variants)")
+    parser.add_argument("--compare-norm-quant", action="store_true",
+                        help="also run <scheme>-fast-no-norm-quant (exact=False with the RMSNorm + quantization "
+                             "fusion off) after each <scheme>-fast, report the ratios, and check the fusion on small "
+                             "models (logits, greedy tokens, CUDA-graph vs eager decode) when checks run")
     args = parser.parse_args()
     run_e2e_benchmark(args.out, plot=not args.no_plot, checks=not args.no_checks,
                       fast_inexact=not args.no_inexact, deadline_s=args.deadline, isolate=not args.same_process,
-                      variants=args.variants.split(",") if args.variants else None)
+                      variants=args.variants.split(",") if args.variants else None,
+                      compare_norm_quant=args.compare_norm_quant)
 
 
 if __name__ == "__main__":

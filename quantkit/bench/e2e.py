@@ -16,11 +16,14 @@ Workloads, each timed after warm-up, median of a few runs (CUDA events):
   ``workload_peak_bytes`` the same per workload; the graph-replayed prefill runs afterwards.
 
 Variants: "hf-bf16" (the baseline), per scheme "plain" (QuantLinears only, HF sdpa attention),
-"fast-exact" (``optimize(exact=True)``: greedy-identical to plain) and "fast" (``exact=False``:
-fused gated kernel and Triton norms). Ratios are against hf-bf16 of the same run. When torchao is
-installed, "torchao-fp8" / "torchao-int8" follow: the HF bf16 model after torchao's ``quantize_``
-with its dynamic per-row FP8 / INT8 weight-and-activation configs, run the way HF runs (eager
-forward, ``model.generate``), like the baseline; its graph-replayed prefill column is its GPU time.
+"fast-exact" (``optimize(exact=True)``: greedy-identical to plain), "fast" (``exact=False``:
+fused gated kernel, Triton norms, norms fused with the next layer's quantization) and, on
+request, "fast-no-norm-quant" (``exact=False, norm_quant=False``: the norm writes its 16-bit
+output and the consumers quantize it, for comparison). Ratios are against hf-bf16 of the same run.
+When torchao is installed, "torchao-fp8" / "torchao-int8" follow: the HF bf16 model after torchao's
+``quantize_`` with its dynamic per-row FP8 / INT8 weight-and-activation configs, run the way HF
+runs (eager forward, ``model.generate``), like the baseline; its graph-replayed prefill column is
+its GPU time.
 
 ``run_fast_path_checks`` first checks, on small random Llama and Gemma-3 models on the same
 device, that the fast path's greedy tokens (and logits, for exact mode) equal the plain path's.
@@ -55,6 +58,8 @@ DECODE_BATCHES = (1, 8)
 PROMPT_LEN, NEW_TOKENS = 512, 128
 SCHEMES = ("fp8", "int8")
 MODES = ("plain", "fast-exact", "fast")
+# Not in the default list: the fast path with the norm + quantization fusion off (comparison).
+EXTRA_MODES = ("fast-no-norm-quant",)
 TARGETS = {"prefill_fp8": 1.7, "prefill_int8": 1.4, "decode_b1_ms": 6.0, "memory_ratio": 0.6}
 
 
@@ -228,9 +233,12 @@ def _reset_peak_only(device) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def variant_names(schemes=SCHEMES, fast_inexact: bool = True) -> list[str]:
-    """hf-bf16 first, then per scheme plain, fast-exact and (optionally) fast; torchao's if installed."""
-    modes = MODES if fast_inexact else MODES[:2]
+def variant_names(schemes=SCHEMES, fast_inexact: bool = True, compare_norm_quant: bool = False) -> list[str]:
+    """hf-bf16 first, then per scheme plain, fast-exact and (optionally) fast, and with
+    ``compare_norm_quant`` fast-no-norm-quant right after fast; torchao's last, if installed."""
+    modes = list(MODES if fast_inexact else MODES[:2])
+    if compare_norm_quant and fast_inexact:
+        modes.append("fast-no-norm-quant")
     names = ["hf-bf16"] + [f"{scheme}-{mode}" for scheme in schemes for mode in modes]
     if importlib.util.find_spec("torchao") is not None:
         names += [f"torchao-{scheme}" for scheme in schemes]
@@ -261,11 +269,13 @@ def prepare_variant(variant: str, config, device) -> torch.nn.Module:
     scheme, _, mode = variant.partition("-")
     if scheme == "torchao":
         return torchao_quantize(model, mode)
-    if scheme not in SCHEMES or mode not in MODES:
+    if scheme not in SCHEMES or mode not in MODES + EXTRA_MODES:
         raise ValueError(f"variant {variant!r} is not hf-bf16, torchao-<{'|'.join(SCHEMES)}> or "
-                         f"<{'|'.join(SCHEMES)}>-<{'|'.join(MODES)}>")
+                         f"<{'|'.join(SCHEMES)}>-<{'|'.join(MODES + EXTRA_MODES)}>")
     quantize(model, QuantConfig.preset(scheme), progress=False)
-    if mode != "plain":
+    if mode == "fast-no-norm-quant":
+        optimize(model, exact=False, norm_quant=False)
+    elif mode != "plain":
         optimize(model, exact=mode == "fast-exact")
     return model
 
@@ -337,6 +347,20 @@ def _add_ratios(rows: list[dict]) -> None:
             row["memory_ratio_vs_bf16"] = row["peak_bytes"] / ref["peak_bytes"]
         if ref.get("model_bytes"):
             row["model_bytes_ratio_vs_bf16"] = row["model_bytes"] / ref["model_bytes"]
+    # The norm + quantization fusion: each fast row against its fast-no-norm-quant twin.
+    by_key = {(r["variant"], r["workload"]): r for r in rows if "error" not in r}
+    for row in rows:
+        off = by_key.get((row["variant"] + "-no-norm-quant", row["workload"]))
+        if off is None or "error" in row:
+            continue
+        if "tokens_per_s" in row:
+            row["norm_quant_speedup"] = row["tokens_per_s"] / off["tokens_per_s"]
+            if "graph_tokens_per_s" in row and "graph_tokens_per_s" in off:
+                row["norm_quant_graph_speedup"] = row["graph_tokens_per_s"] / off["graph_tokens_per_s"]
+        else:
+            row["norm_quant_speedup"] = off["ms_per_token"] / row["ms_per_token"]
+        if off.get("workload_peak_bytes"):
+            row["norm_quant_peak_ratio"] = row["workload_peak_bytes"] / off["workload_peak_bytes"]
 
 
 def summarize_targets(rows: list[dict]) -> list[dict]:
@@ -386,13 +410,17 @@ def _small_configs() -> dict:
 
 @torch.no_grad()
 def run_fast_path_checks(device: str = "cuda", dtype=torch.bfloat16, schemes=SCHEMES, prompt_len: int = 40,
-                         new_tokens: int = 24, configs: dict | None = None, inexact: bool = True) -> list[dict]:
+                         new_tokens: int = 24, configs: dict | None = None, inexact: bool = True,
+                         norm_quant: bool = False) -> list[dict]:
     """Fast path vs plain QuantLinear path on small random models: logits and greedy tokens.
 
     exact mode must give equal logits and equal tokens; exact=False is reported, not required.
     Also checks CUDA-graph decode against eager decode, and quantkit.generate against HF's
     model.generate on the plain quantized model (same tokens expected where attention rounding
     does not flip an argmax; reported).
+    ``norm_quant``: also compare exact=False with and without the norm + quantization fusion
+    (logit differences next to the quantization error itself, greedy tokens, and CUDA-graph
+    decode against eager decode with the fusion on, which must be equal).
     """
     rows = []
     for arch, config in (configs or _small_configs()).items():
@@ -425,13 +453,42 @@ def run_fast_path_checks(device: str = "cuda", dtype=torch.bfloat16, schemes=SCH
                     eager_tokens = generate(fast, ids, new_tokens, eos_token_id=None, cuda_graph=False)
                     row["graph_equals_eager"] = bool(torch.equal(eager_tokens, fast_tokens))
                 del fast
-            row["passed"] = row["exact_logits_equal"] and row["exact_tokens_equal"] and row.get("graph_equals_eager", True)
+            if norm_quant:
+                row.update(_norm_quant_check(base, plain, ids, new_tokens, device))
+            row["passed"] = (row["exact_logits_equal"] and row["exact_tokens_equal"] and row.get("graph_equals_eager", True)
+                             and row.get("norm_quant_graph_equals_eager", True)
+                             and row.get("norm_quant_fused_launches", 1) > 0)
             print(json.dumps(row), flush=True)
             rows.append(row)
             del plain
         del base
         _reset_peak(device)
     return rows
+
+
+def _norm_quant_check(base, plain, ids, new_tokens: int, device) -> dict:
+    from quantkit.models.fast_path import FastRMSNorm
+
+    off = optimize(copy.deepcopy(plain), exact=False, norm_quant=False)
+    on = optimize(copy.deepcopy(plain), exact=False)
+    want = base(ids).logits.float()
+    off_logits, on_logits = off(ids).logits.float(), on(ids).logits.float()
+    off_tokens = generate(off, ids, new_tokens, eos_token_id=None)
+    on_tokens = generate(on, ids, new_tokens, eos_token_id=None)
+    out = {
+        "norm_quant_logits_equal": bool(torch.equal(on_logits, off_logits)),
+        "norm_quant_logits_max_abs_diff": (on_logits - off_logits).abs().max().item(),
+        "norm_quant_logits_rel_diff": ((on_logits - off_logits).norm() / off_logits.norm()).item(),
+        # The scale to read it against: the quantization error of the fast path itself.
+        "fast_vs_unquantized_rel_diff": ((off_logits - want).norm() / want.norm()).item(),
+        "norm_quant_tokens_equal": bool(torch.equal(on_tokens, off_tokens)),
+        "norm_quant_report": str(on.quantkit_fast_path),
+        "norm_quant_fused_launches": sum(m.fused_calls for m in on.modules() if isinstance(m, FastRMSNorm)),
+    }
+    if torch.device(device).type == "cuda":
+        eager = generate(on, ids, new_tokens, eos_token_id=None, cuda_graph=False)
+        out["norm_quant_graph_equals_eager"] = bool(torch.equal(eager, on_tokens))
+    return out
 
 
 # ------------------------------------------------------------------------------ the benchmark
@@ -453,6 +510,7 @@ def run_e2e_benchmark(
     deadline_s: float | None = None,
     isolate: bool = True,
     variants: list[str] | None = None,
+    compare_norm_quant: bool = False,
 ) -> list[dict]:
     """Run the end-to-end benchmark (and, with ``checks``, the fast-path correctness checks first).
 
@@ -461,7 +519,9 @@ def run_e2e_benchmark(
     Llama-3-8B shape and the GPU (small configs on CPU exercise the code path in tests).
     ``isolate``: each variant in its own process (memory numbers are then the variant's own).
     ``deadline_s``: past this many seconds, the variants not yet started are skipped (and named).
-    ``variants``: which variants, in this order (default ``variant_names(schemes, fast_inexact)``).
+    ``variants``: which variants, in this order (default ``variant_names(schemes, fast_inexact,
+    compare_norm_quant)``). ``compare_norm_quant``: also the fast path with the norm +
+    quantization fusion off (and, with ``checks``, its correctness checks).
     Results are rewritten after every variant, so a run cut short keeps what it measured.
     """
     from quantkit.bench.common import environment_metadata
@@ -478,7 +538,7 @@ def run_e2e_benchmark(
         "max_memory_allocated over the eager inference workloads after a warm-up pass")
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    check_rows = run_fast_path_checks(device, inexact=False) if checks else []
+    check_rows = run_fast_path_checks(device, inexact=False, norm_quant=compare_norm_quant) if checks else []
     shape = dict(prefill_shapes=prefill_shapes, decode_batches=decode_batches, prompt_len=prompt_len,
                  new_tokens=new_tokens)
     rows: list[dict] = []
@@ -490,7 +550,7 @@ def run_e2e_benchmark(
         _write(rows, targets, check_rows, {**meta, "skipped_variants": skipped}, out_dir, prefix, plot and final)
         return targets
 
-    for variant in variants or variant_names(schemes, fast_inexact):
+    for variant in variants or variant_names(schemes, fast_inexact, compare_norm_quant):
         if deadline_s is not None and time.perf_counter() - started > deadline_s:
             skipped.append(variant)
             continue
@@ -500,6 +560,12 @@ def run_e2e_benchmark(
     targets = save(final=True)
     for t in targets:
         print(f"{'MET   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']:.3f}", flush=True)
+    for row in rows:
+        if "norm_quant_speedup" in row:
+            graph = row.get("norm_quant_graph_speedup")
+            print(f"norm+quant fusion {row['variant']:>10s} {row['workload']:>14s}: x{row['norm_quant_speedup']:.3f} "
+                  + (f"(graph x{graph:.3f}) " if graph else "")
+                  + f"peak x{row.get('norm_quant_peak_ratio', float('nan')):.3f} vs fusion off", flush=True)
     if skipped:
         print(f"skipped (deadline): {', '.join(skipped)}", flush=True)
     return rows

@@ -10,7 +10,12 @@ structure, never by architecture name:
   ``act_fn``; Llama, Mistral, Qwen2, Gemma-3 ...) become a ``GatedQuantMLP``: the activation is
   quantized once for both projections, and gate and up come from one stacked weight.
 - RMSNorm modules become ``FastRMSNorm`` (the ``attention_ops.rms_norm`` op) where it computes
-  the same function; Gemma's ``(1 + w)`` is found by probing, not by name.
+  the same function; Gemma's ``(1 + w)`` is found by probing, not by name. With exact=False
+  (``norm_quant``) a norm returns a deferred output (``fast_norm.NormOutput``): the quantized
+  layers that read it (q/k/v, gate/up) get their int8/fp8 input from one fused RMSNorm +
+  per-token quantization launch, and the 16-bit norm output is never written; any other reader
+  gets the plain 16-bit output, computed on first use (and the norm stops deferring). The
+  residual add stays the model's own ``+``: fusing it needs the decoder layer's code.
 - Attention runs through the "quantkit" function registered with transformers'
   ``AttentionInterface`` (flash prefill, split-KV decode).
 - RoPE (CUDA, 16-bit): the modeling file's ``apply_rotary_pos_emb`` is routed to one launch
@@ -28,7 +33,8 @@ model, so greedy generations cannot change:
 - Norms: swapped only on the torch backend and only when a probe on random rows gives equal
   bits (Llama's norm rounds to 16 bits before the weight multiply; the op does not).
 ``exact=False`` uses the fused gated kernel and the Triton norms everywhere (16-bit rounding
-differs from the plain path at the ~1e-3 relative level).
+differs from the plain path at the ~1e-3 relative level), and fuses norms into the next
+quantization (the fused kernel quantizes the float32 normed value, not its 16-bit rounding).
 
 q/k/v: transformers' attention modules call the three projections separately on the same hidden
 states; ``FusedQKV`` stacks their weights and (exact=False) serves all three from one activation
@@ -48,6 +54,7 @@ from torch import nn
 from quantkit.kernels import attention_ops, ops
 from quantkit.kernels.reference import ACTIVATIONS
 from quantkit.models.fast_attention import register_quantkit_attention
+from quantkit.models.fast_norm import NormOutput, defer_rms_norm, plain_tensor
 from quantkit.models.fast_rope import enable_fused_rope
 from quantkit.nn import QuantLinear
 from quantkit.nn.linear import quantize_input
@@ -69,6 +76,7 @@ class OptimizeReport:
     exact_gated_kernel_mlps: list[str] = field(default_factory=list)
     swapped_norms: list[str] = field(default_factory=list)
     kept_norms: list[str] = field(default_factory=list)
+    deferred_norms: list[str] = field(default_factory=list)
     fused_rope: list[str] = field(default_factory=list)
     attention: str | None = None
 
@@ -76,7 +84,8 @@ class OptimizeReport:
         return (
             f"fused {len(self.fused_mlps)} gated MLPs ({len(self.exact_gated_kernel_mlps)} on the gated kernel), "
             f"{len(self.fused_qkv)} q/k/v projections, "
-            f"swapped {len(self.swapped_norms)} RMSNorms (kept {len(self.kept_norms)}), "
+            f"swapped {len(self.swapped_norms)} RMSNorms (kept {len(self.kept_norms)}; "
+            f"{len(self.deferred_norms)} defer their output to a fused norm + quantization), "
             f"one-launch RoPE in {len(self.fused_rope)} attention modules, attention={self.attention}"
         )
 
@@ -140,20 +149,21 @@ class GatedQuantMLP(nn.Module):
         return dtype == torch.float32 and self.backend == "torch" and self.activation_is_exact
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        leading = x.shape[:-1]
-        q, a_scale = quantize_input(self, x.reshape(-1, self.in_features))
+        shape, dtype = shape_and_dtype(x)
+        leading = shape[:-1]
+        q, a_scale = quantize_rows(self, x)
         w_scale = self.weight_scale.view(-1)
         size = self.intermediate_size
-        if self.uses_gated_kernel(x.dtype):
-            hidden = ops.gated_scaled_mm(q, self.weight, a_scale, w_scale, self.activation, x.dtype,
+        if self.uses_gated_kernel(dtype):
+            hidden = ops.gated_scaled_mm(q, self.weight, a_scale, w_scale, self.activation, dtype,
                                          backend=self.backend)
         else:
             # Same arithmetic as the plain path's ``act(gate) * up``; the raw gate is dropped as
             # soon as it is activated and the product is taken in place (bit-identical to ``*``),
             # so at most two (M, I) tensors are alive; the plain expression holds three.
             hidden = self.act_fn(ops.scaled_mm(q, self.weight[:size], a_scale, w_scale[:size], None, "none",
-                                               x.dtype, backend=self.backend))
-            up = ops.scaled_mm(q, self.weight[size:], a_scale, w_scale[size:], None, "none", x.dtype,
+                                               dtype, backend=self.backend))
+            up = ops.scaled_mm(q, self.weight[size:], a_scale, w_scale[size:], None, "none", dtype,
                                backend=self.backend)
             del q
             hidden = hidden.mul_(up)
@@ -199,8 +209,8 @@ class FusedQKV(nn.Module):
         self.input_scale = first.input_scale.clone() if first.static_input else None
         self._stash = None
 
-    def _gemm(self, x2d: torch.Tensor, start: int, stop: int, out_dtype: torch.dtype) -> torch.Tensor:
-        q, a_scale = quantize_input(self, x2d)
+    def _gemm(self, x: torch.Tensor, start: int, stop: int, out_dtype: torch.dtype) -> torch.Tensor:
+        q, a_scale = quantize_rows(self, x)
         whole = start == 0 and stop == self.weight.shape[0]
         return ops.scaled_mm(
             q, self.weight if whole else self.weight[start:stop], a_scale,
@@ -209,17 +219,20 @@ class FusedQKV(nn.Module):
             backend=self.backend)
 
     def project(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        leading = x.shape[:-1]
+        shape, dtype = shape_and_dtype(x)
+        leading = shape[:-1]
         start, size = self.offsets[index], self.sizes[index]
-        x2d = x.reshape(-1, self.in_features)
         if self.exact or torch.compiler.is_compiling():
-            return self._gemm(x2d, start, start + size, x.dtype).reshape(*leading, size)
+            return self._gemm(x, start, start + size, dtype).reshape(*leading, size)
         # Inference-mode tensors keep no version counter (and cannot be changed outside
         # inference mode): for them the identity of the object is the check.
-        version = None if x.is_inference() else x._version
+        if type(x) is NormOutput:
+            version = x.data_version()
+        else:
+            version = None if x.is_inference() else x._version
         stash = self._stash
         if stash is None or stash[0] is not x or stash[1] != version or index in stash[3]:
-            stash = self._stash = [x, version, self._gemm(x2d, 0, self.weight.shape[0], x.dtype), set()]
+            stash = self._stash = [x, version, self._gemm(x, 0, self.weight.shape[0], dtype), set()]
         stash[3].add(index)
         if len(stash[3]) == len(self.sizes):
             self._stash = None
@@ -253,6 +266,25 @@ class QKVProjection(nn.Module):
 QKV_NAMES = ("q_proj", "k_proj", "v_proj")
 
 
+def shape_and_dtype(x: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
+    # A deferred norm output answers from plain attributes (no __torch_function__ round trip).
+    if type(x) is NormOutput:
+        return x.shape_, x.pending.x2d.dtype
+    return x.shape, x.dtype
+
+
+def quantize_rows(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_input`` of x's rows (..., in_features); a deferred norm output is quantized by
+    the fused norm + quantization kernel (dynamic per-token modules) or materialized (static)."""
+    if type(x) is NormOutput:
+        if not module.static_input and x.shape_[-1] == module.in_features:
+            fused = x.pending.quantize_per_token(module.quant_dtype, module.backend)
+            if fused is not None:
+                return fused
+        x = x.real_tensor()
+    return quantize_input(module, x.reshape(-1, module.in_features))
+
+
 def _qkv_fusable(module: nn.Module) -> bool:
     parts = [getattr(module, name, None) for name in QKV_NAMES]
     if not all(isinstance(p, QuantLinear) for p in parts):
@@ -267,23 +299,52 @@ def _qkv_fusable(module: nn.Module) -> bool:
 
 
 class FastRMSNorm(nn.Module):
-    """``x / rms(x) * (offset + weight)`` through ``attention_ops.rms_norm`` (fp32 statistics, one cast)."""
+    """``x / rms(x) * (offset + weight)`` through ``attention_ops.rms_norm`` (fp32 statistics, one cast).
 
-    def __init__(self, weight: torch.Tensor, eps: float, offset: float, backend: str) -> None:
+    With ``defer_output`` (set by ``optimize(exact=False, norm_quant=True)``) the output is a
+    ``fast_norm.NormOutput``: a per-token quantized consumer gets it from the fused norm +
+    quantization kernel and the 16-bit output is never written (see ``fast_norm``). Not under
+    autograd (an input that requires grad), inference mode (no version counter to check the
+    input against) or torch.compile tracing: there it returns the plain output. ``fused_calls`` /
+    ``materialized_calls`` count deferred outputs quantized by the fused kernel / read in 16 bits;
+    the first of the latter turns ``defer_output`` off.
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float, offset: float, backend: str,
+                 defer_output: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self.eps = float(eps)
         self.offset = float(offset)
         self.backend = backend
+        self.defer_output = defer_output
+        # [fused, materialized]: a list, so the hot path bumps it without nn.Module.__setattr__.
+        self.output_counts = [0, 0]
+
+    @property
+    def fused_calls(self) -> int:
+        """Deferred outputs quantized by the fused norm + quantization kernel (one per launch)."""
+        return self.output_counts[0]
+
+    @property
+    def materialized_calls(self) -> int:
+        """Deferred outputs whose 16-bit values were computed after all."""
+        return self.output_counts[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        if (self.defer_output and type(x) is torch.Tensor and x.shape[-1] == weight.shape[0] and x.numel()
+                and not (x.requires_grad and torch.is_grad_enabled()) and not torch.is_inference_mode_enabled()
+                and not x.is_inference() and not torch.compiler.is_compiling()):
+            return defer_rms_norm(self, x, weight)
+        x = plain_tensor(x)
         out, _ = attention_ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, self.eps, offset=self.offset,
                                         backend=self.backend)
         return out.reshape(x.shape)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}, backend={self.backend}"
+        return (f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}, backend={self.backend}, "
+                f"defer_output={self.defer_output}")
 
 
 def _is_gated_mlp(module: nn.Module) -> bool:
@@ -355,9 +416,27 @@ def _model_backend(model: nn.Module) -> str:
     raise ValueError("optimize() needs a quantized model (no QuantLinear found); run quantkit.quantize first")
 
 
+def _per_token_input_widths(model: nn.Module) -> set[int]:
+    """in_features of the modules that quantize their input dynamically per token."""
+    return {m.in_features for m in model.modules()
+            if isinstance(m, (QuantLinear, FusedQKV, GatedQuantMLP)) and not m.static_input}
+
+
+def _can_defer(width: int, backend: str, per_token_widths: set[int]) -> bool:
+    # Only norms whose width some per-token consumer takes can feed one; the Triton kernel keeps
+    # a row in registers up to MAX_SINGLE_PASS_K.
+    if width not in per_token_widths:
+        return False
+    if backend == "triton":
+        from quantkit.kernels.quant import MAX_SINGLE_PASS_K
+
+        return width <= MAX_SINGLE_PASS_K
+    return True
+
+
 @torch.no_grad()
 def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms: bool = True,
-             qkv: bool = True, rope: bool = True) -> nn.Module:
+             qkv: bool = True, rope: bool = True, norm_quant: bool | None = None) -> nn.Module:
     """Rewrite a quantized model in place for end-to-end inference and return it.
 
     exact: keep greedy outputs bit-identical to the plain QuantLinear model (see module docs).
@@ -365,8 +444,16 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
     qkv: stack q/k/v projections into a ``FusedQKV`` (one quantization + one GEMM when exact=False).
     rope: rotate q and k in one launch on CUDA (``fast_rope``; bit-equal to HF's eager RoPE, so
     exact mode uses it too).
+    norm_quant: swapped norms defer their output so that per-token quantized consumers get it from
+    the fused RMSNorm + quantization kernel (``fast_norm``); default and only possible with
+    exact=False (the fused kernel quantizes the fp32 normed value, not its 16-bit rounding).
     The report is attached as ``model.quantkit_fast_path``.
     """
+    if norm_quant is None:
+        norm_quant = not exact
+    if norm_quant and exact:
+        raise ValueError("norm_quant=True needs exact=False: the fused norm + quantization kernel quantizes the "
+                         "float32 normed value, which the plain path rounds to 16 bits first")
     backend = _model_backend(model)
     report = OptimizeReport()
     for name, module in model.named_modules():
@@ -404,15 +491,24 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
                 setattr(module, proj_name, QKVProjection(fused, index))
             report.fused_qkv.append(name)
     if norms:
+        widths = _per_token_input_widths(model)
         for name, module in list(model.named_modules()):
-            if not type(module).__name__.endswith("RMSNorm"):
+            if isinstance(module, FastRMSNorm):
+                # Already swapped (optimize called again): only the deferral choice changes.
+                fast = module
+            elif type(module).__name__.endswith("RMSNorm"):
+                offset = _rms_norm_offset(module, backend, exact)
+                if offset is None:
+                    report.kept_norms.append(name)
+                    continue
+                fast = FastRMSNorm(module.weight, _norm_epsilon(module), offset, backend)
+                _set_submodule(model, name, fast)
+            else:
                 continue
-            offset = _rms_norm_offset(module, backend, exact)
-            if offset is None:
-                report.kept_norms.append(name)
-                continue
-            _set_submodule(model, name, FastRMSNorm(module.weight, _norm_epsilon(module), offset, backend))
             report.swapped_norms.append(name)
+            fast.defer_output = norm_quant and _can_defer(fast.weight.shape[0], backend, widths)
+            if fast.defer_output:
+                report.deferred_norms.append(name)
     if rope:
         report.fused_rope = enable_fused_rope(model)
     if attention:

@@ -15,7 +15,19 @@ from quantkit.kernels.reference import ACTIVATIONS, qmax_of, quantize_per_channe
 
 
 def quantize_input(module: nn.Module, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a (M, K) input as ``module`` says: its static input_scale, or per token."""
+    """Quantize a (M, K) input as ``module`` says: its static input_scale, or per token.
+
+    A tensor subclass whose values are not computed yet may offer ``deferred_quantize_per_token
+    (dtype, backend)`` -> (q, scale) or None, and ``real_tensor()`` (the values as a plain
+    tensor): the deferred RMSNorm output of ``models/fast_norm.py`` does, and its norm is then
+    fused with the per-token quantization. Static scales use the real values.
+    """
+    if type(x2d) is not torch.Tensor and hasattr(x2d, "deferred_quantize_per_token"):
+        if not module.static_input:
+            fused = x2d.deferred_quantize_per_token(module.quant_dtype, module.backend)
+            if fused is not None:
+                return fused
+        x2d = x2d.real_tensor()
     if module.static_input:
         return ops.quantize_per_tensor(x2d, module.input_scale, module.quant_dtype, backend=module.backend), module.input_scale
     return ops.quantize_per_token(x2d, module.quant_dtype, backend=module.backend)

@@ -46,3 +46,23 @@ def test_failed_child_gives_an_error_row():
                                         decode_batches=(1,), prompt_len=4, new_tokens=3, timeout_s=300)
     assert rows == [{"variant": "fp4-plain", "workload": "all", "error": rows[0]["error"]}]
     assert "exited with" in rows[0]["error"]
+
+
+def test_norm_quant_comparison_variants_and_ratios():
+    assert e2e.variant_names(("fp8",), compare_norm_quant=True) == [
+        "hf-bf16", "fp8-plain", "fp8-fast-exact", "fp8-fast", "fp8-fast-no-norm-quant"]
+    assert e2e.prepare_variant("int8-fast-no-norm-quant", _tiny_config(), "cpu").quantkit_fast_path.deferred_norms == []
+    # Two per layer and the final norm (a candidate until its first read in 16 bits).
+    assert len(e2e.prepare_variant("int8-fast", _tiny_config(), "cpu").quantkit_fast_path.deferred_norms) == 3
+    rows = [{"variant": "int8-fast", "workload": "prefill_1x8", "tokens_per_s": 12.0, "graph_tokens_per_s": 13.0,
+             "workload_peak_bytes": 60, "peak_bytes": 60},
+            {"variant": "int8-fast-no-norm-quant", "workload": "prefill_1x8", "tokens_per_s": 10.0,
+             "graph_tokens_per_s": 12.0, "workload_peak_bytes": 64, "peak_bytes": 64},
+            {"variant": "int8-fast", "workload": "decode_b1", "ms_per_token": 4.0, "workload_peak_bytes": 60,
+             "peak_bytes": 60},
+            {"variant": "int8-fast-no-norm-quant", "workload": "decode_b1", "ms_per_token": 5.0,
+             "workload_peak_bytes": 60, "peak_bytes": 64}]
+    e2e._add_ratios(rows)
+    assert rows[0]["norm_quant_speedup"] == 1.2 and rows[0]["norm_quant_graph_speedup"] == 13.0 / 12.0
+    assert rows[0]["norm_quant_peak_ratio"] == 60 / 64 and rows[2]["norm_quant_speedup"] == 1.25
+    assert "norm_quant_speedup" not in rows[1]

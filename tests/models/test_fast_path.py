@@ -14,7 +14,8 @@ import quantkit
 from quantkit.config import QuantConfig
 from quantkit.models.fast_path import FastRMSNorm, FusedQKV, GatedQuantMLP, QKVProjection, kernel_activation_of, optimize
 from quantkit.nn import QuantLinear
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
 
 
 # Tiny random models with head_dim 64 (what quantkit's attention kernels take); test_generate uses them too.
@@ -27,6 +28,10 @@ def make_tiny(arch: str, seed: int = 0) -> torch.nn.Module:
         model = LlamaForCausalLM(LlamaConfig(
             hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, head_dim=64, attention_bias=True, **COMMON))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(
+            hidden_size=128, intermediate_size=224, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=64, use_sliding_window=False, **COMMON))
     elif arch == "gemma3":
         model = Gemma3ForCausalLM(Gemma3TextConfig(
             hidden_size=128, intermediate_size=160, num_hidden_layers=2, num_attention_heads=2,

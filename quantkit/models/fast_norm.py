@@ -1,0 +1,298 @@
+"""RMSNorm whose output is quantized by the next layer without ever existing in 16 bits.
+
+In a decoder layer the norm's output usually feeds only quantized projections (q/k/v after
+``input_layernorm``, gate/up after ``post_attention_layernorm``), which quantize it per token at
+once. ``FastRMSNorm`` (``exact=False``, ``norm_quant=True``) therefore returns a ``NormOutput``:
+a tensor that has the output's shape, dtype and device but no (M, K) buffer (its data is one
+element expanded with zero strides) and that remembers the norm's input, weight, eps and offset.
+
+- A consumer that quantizes dynamically per token (``quantize_input`` of a QuantLinear,
+  ``FusedQKV``, ``GatedQuantMLP``) asks it for ``(q, scale)``: one ``rms_norm_quant_per_token``
+  launch instead of a norm launch that writes 16 bits and a quantization launch that reads them
+  back. The result is cached per (dtype, backend), so q/k/v and gate/up share one launch.
+- Shape queries (``shape``, ``size``, ``dim``, ``dtype``, ``device``, ``is_inference`` ...) answer
+  without computing anything, and ``reshape``/``view``/``flatten`` that keep the last dimension
+  give another ``NormOutput`` over the same pending norm.
+- Anything else that touches the values (any other torch function or Tensor method, in-place ops,
+  ``.float()``, indexing, printing, a static-scale consumer, an unquantized module) gets the real
+  16-bit output, computed once by ``attention_ops.rms_norm`` (the op ``FastRMSNorm`` runs
+  otherwise) and cached: every later read, and every view, is of that tensor, so in-place changes
+  are seen as on a plain tensor. A norm whose output had to be materialized stops deferring (its
+  consumer evidently needs 16 bits, e.g. Gemma-3's post-attention norm that feeds the residual
+  add): the lazy path's overhead is then paid once per module, not per call.
+
+Numerics: the fused kernel quantizes the float32 normed row, the unfused path quantizes the
+16-bit rounded norm output, so a quantized value can move by one step where the 16-bit rounding
+crosses a rounding boundary; ``rms_norm_quant_per_token``'s docstring (reference.py) has the
+order of operations. Hence only with ``exact=False``.
+
+The residual add stays the model's own ``residual + hidden_states``: fusing it into the norm
+kernel (which has a residual input) needs the decoder layer's code to hand over the residual and
+take back the new one, i.e. a per-architecture decoder layer, which quantkit does not fork.
+
+Safety: the pending norm reads its input when first asked; it records the input's version
+counter and refuses (RuntimeError) if the input was changed in place meanwhile. Inference-mode
+tensors have no version counter, so for them (and under autograd or tracing) the norm returns
+the plain output.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from quantkit.kernels import attention_ops, ops
+
+logger = logging.getLogger(__name__)
+
+# Per (device, dtype, shape): one element expanded to the shape, the data every NormOutput of
+# that kind aliases (cached: building the expanded view costs more than the subclass object).
+_STUBS: dict = {}
+
+
+def _stub(device: torch.device, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    key = (device, dtype, shape)
+    stub = _STUBS.get(key)
+    if stub is None:
+        if len(_STUBS) > 256:  # many prompt lengths: keep the cache small
+            _STUBS.clear()
+        stub = _STUBS[key] = torch.zeros(1, dtype=dtype, device=device).expand(shape)
+    return stub
+
+
+class PendingRMSNorm:
+    """The shared state of one deferred norm output and its reshaped views."""
+
+    __slots__ = ("x2d", "version", "weight", "eps", "offset", "backend", "owner", "quantized", "output")
+
+    def __init__(self, x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, backend: str,
+                 owner) -> None:
+        self.x2d = x2d
+        self.version = x2d._version
+        self.weight = weight
+        self.eps = eps
+        self.offset = offset
+        self.backend = backend
+        self.owner = owner
+        self.quantized: dict = {}
+        self.output: torch.Tensor | None = None
+
+    def _check_input(self) -> None:
+        if self.x2d._version != self.version:
+            raise RuntimeError(
+                "the input of a deferred RMSNorm output was changed in place before the output was used; "
+                "its value is gone. Run optimize(model, norm_quant=False) for this model")
+
+    def quantize_per_token(self, dtype: torch.dtype, backend: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(q, scale) of the normed rows from the fused kernel, or None once the 16-bit output exists."""
+        if self.output is not None:
+            return None
+        key = (dtype, backend)
+        cached = self.quantized.get(key)
+        if cached is None:
+            self._check_input()
+            q, scale, _ = ops.rms_norm_quant_per_token(self.x2d, self.weight, self.eps, dtype, None, self.offset,
+                                                       backend=backend)
+            cached = self.quantized[key] = (q, scale)
+            self.owner.output_counts[0] += 1
+        return cached
+
+    def materialize(self) -> torch.Tensor:
+        """The (M, K) 16-bit norm output, computed once."""
+        if self.output is None:
+            self._check_input()
+            self.output, _ = attention_ops.rms_norm(self.x2d, self.weight, self.eps, offset=self.offset,
+                                                    backend=self.backend)
+            # The quantized copies are not needed once the output exists (consumers then quantize it).
+            self.quantized = {}
+            owner = self.owner
+            owner.output_counts[1] += 1
+            if owner.defer_output:
+                owner.defer_output = False
+                logger.info("%s: a consumer read the 16-bit norm output; this norm no longer defers it", owner)
+        return self.output
+
+
+def _plain(t):
+    return t.real_tensor() if type(t) is NormOutput else t
+
+
+def _new_shape(shape: torch.Size, args: tuple, kwargs: dict | None) -> tuple | None:
+    """The shape a reshape/view call asks for (with -1 resolved), or None if not plain integers."""
+    if kwargs:
+        if set(kwargs) != {"shape"} or args:
+            return None
+        args = (kwargs["shape"],)
+    if len(args) == 1 and isinstance(args[0], (tuple, list)):
+        args = tuple(args[0])
+    if not all(type(a) is int for a in args):
+        return None
+    numel = 1
+    for size in shape:
+        numel *= size
+    known, unknown = 1, [i for i, a in enumerate(args) if a == -1]
+    for a in args:
+        if a != -1:
+            if a < 0:
+                return None
+            known *= a
+    if len(unknown) > 1:
+        return None
+    if unknown:
+        if known == 0 or numel % known:
+            return None
+        args = list(args)
+        args[unknown[0]] = numel // known
+    elif known != numel:
+        return None
+    return tuple(args)
+
+
+def _reshape(self, *args, **kwargs):
+    shape = _new_shape(self.shape_, args, kwargs)
+    if shape is None or not shape or shape[-1] != self.shape_[-1]:
+        return None
+    return NormOutput.create(self.pending, torch.Size(shape))
+
+
+def _flatten(self, start_dim=0, end_dim=-1):
+    shape = self.shape_
+    ndim = len(shape)
+    if ndim == 0 or type(start_dim) is not int or type(end_dim) is not int:
+        return None  # named dimensions and the like: the plain output answers
+    start, end = start_dim % ndim, end_dim % ndim
+    if end == ndim - 1 and start < end:
+        return None  # would merge the last dimension
+    merged = 1
+    for size in shape[start:end + 1]:
+        merged *= size
+    return NormOutput.create(self.pending, torch.Size((*shape[:start], merged, *shape[end + 1:])))
+
+
+def _size(self, dim=None):
+    return self.shape_ if dim is None else self.shape_[dim]
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _numel(self):
+    numel = 1
+    for size in self.shape_:
+        numel *= size
+    return numel
+
+
+def _contiguous(self, memory_format=torch.contiguous_format):
+    return self if memory_format in (torch.contiguous_format, torch.preserve_format) else None
+
+
+# Answered without computing the norm (None from a handler: not handled, materialize instead).
+_T = torch.Tensor
+_HANDLERS = {
+    _T.shape.__get__: lambda self: self.shape_,
+    _T.dtype.__get__: lambda self: self.pending.x2d.dtype,
+    _T.device.__get__: lambda self: self.pending.x2d.device,
+    _T.ndim.__get__: lambda self: len(self.shape_),
+    _T.requires_grad.__get__: lambda self: False,
+    _T.is_leaf.__get__: lambda self: True,
+    _T.grad_fn.__get__: lambda self: None,
+    _T.grad.__get__: lambda self: None,
+    _T.is_cuda.__get__: lambda self: self.pending.x2d.is_cuda,
+    _T.is_cpu.__get__: lambda self: self.pending.x2d.is_cpu,
+    _T.layout.__get__: lambda self: torch.strided,
+    _T.is_sparse.__get__: lambda self: False,
+    _T.is_quantized.__get__: lambda self: False,
+    _T.is_meta.__get__: lambda self: False,
+    _T.is_nested.__get__: lambda self: False,
+    _T._version.__get__: lambda self: self.data_version(),
+    _T.size: _size,
+    _T.dim: lambda self: len(self.shape_),
+    _T.ndimension: lambda self: len(self.shape_),
+    _T.numel: _numel,
+    _T.nelement: _numel,
+    _T.__len__: lambda self: self.shape_[0],
+    _T.__hash__: lambda self: id(self),
+    _T.is_inference: lambda self: False,  # never deferred in inference mode
+    _T.is_floating_point: lambda self: True,
+    _T.is_complex: lambda self: False,
+    _T.element_size: lambda self: self.pending.x2d.element_size(),
+    _T.get_device: lambda self: self.pending.x2d.get_device(),
+    _T.is_contiguous: lambda self, memory_format=torch.contiguous_format: memory_format == torch.contiguous_format,
+    _T.stride: lambda self, dim=None: (_contiguous_strides(self.shape_) if dim is None
+                                       else _contiguous_strides(self.shape_)[dim]),
+    _T.contiguous: _contiguous,
+    _T.reshape: _reshape,
+    _T.view: _reshape,
+    torch.reshape: lambda self, shape: _reshape(self, shape),
+    _T.flatten: _flatten,
+    torch.flatten: _flatten,
+}
+
+
+class NormOutput(torch.Tensor):
+    """A deferred RMSNorm output (see the module docstring); behaves as the 16-bit output."""
+
+    # Plain Python attributes (reading them does not go through __torch_function__).
+    pending: PendingRMSNorm
+    shape_: torch.Size
+
+    @staticmethod
+    def create(pending: PendingRMSNorm, shape: torch.Size) -> "NormOutput":
+        x2d = pending.x2d
+        out = _stub(x2d.device, x2d.dtype, shape).as_subclass(NormOutput)
+        out.pending = pending
+        out.shape_ = shape
+        return out
+
+    def real_tensor(self) -> torch.Tensor:
+        """The 16-bit norm output in this tensor's shape (computed on first use, then cached)."""
+        real = self.__dict__.get("real_")
+        if real is None:
+            real = self.real_ = self.pending.materialize().view(self.shape_)
+        return real
+
+    def data_version(self) -> int:
+        """What ``_version`` answers: 0 until the output exists, then its version counter."""
+        return 0 if self.pending.output is None else self.real_tensor()._version
+
+    def deferred_quantize_per_token(self, dtype: torch.dtype, backend: str):
+        """(q (M, K), scale (M,)) of the rows (the ``quantize_input`` protocol), or None: then
+        quantize ``real_tensor()``. Only 2-D views (M, K) are quantized this way."""
+        if len(self.shape_) != 2:
+            return None
+        return self.pending.quantize_per_token(dtype, backend)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        handler = _HANDLERS.get(func)
+        if handler is not None and args and type(args[0]) is NormOutput:
+            result = handler(*args, **(kwargs or {}))
+            if result is not None or func in _NONE_IS_AN_ANSWER:
+                return result
+        args, kwargs = tree_map_only(NormOutput, NormOutput.real_tensor, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def __repr__(self, *, tensor_contents=None):
+        return repr(self.real_tensor())
+
+
+_NONE_IS_AN_ANSWER = {_T.grad_fn.__get__, _T.grad.__get__}
+
+
+def plain_tensor(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself, or the materialized output of a deferred norm."""
+    return _plain(x)
+
+
+def defer_rms_norm(owner, x: torch.Tensor, weight: torch.Tensor) -> NormOutput:
+    """A ``NormOutput`` for ``owner``'s norm of ``x`` (checks are the caller's: see FastRMSNorm)."""
+    pending = PendingRMSNorm(x.reshape(-1, x.shape[-1]), weight, owner.eps, owner.offset, owner.backend, owner)
+    return NormOutput.create(pending, x.shape)
