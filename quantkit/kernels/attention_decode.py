@@ -24,8 +24,10 @@ against SDPA by ``benchmarks/attention_s4.py``):
 
 Where the work goes is the ``schedule`` choice (session 5, ``benchmarks/attention_s5.py``):
 
-- ``"split"``: a (batch x kv head, split) grid, the split length planned on the host from the
-  capacity (or ``max_seqlen``): ``decode_split_plan``.
+- ``"split"`` (default): a (batch x kv head, split) grid whose split count is planned on the host
+  from the capacity (or ``max_seqlen``): ``decode_split_plan``; with ``split_by_fill`` (default)
+  each sequence's splits share its *filled* blocks evenly, on the device, so a cache filled to a
+  fraction of the capacity (generate's captured decode) still uses every split.
 - ``"flat"``: a fixed grid of one program per resident slot (SMs x ``programs_per_sm``); on the
   device, each program reads all lengths, lays the filled blocks of every (batch, kv head) end to
   end and takes an equal share (to one block), so all SMs stream whatever the shape (batch 8 x 8
@@ -33,7 +35,9 @@ Where the work goes is the ``schedule`` choice (session 5, ``benchmarks/attentio
   Ranges cross sequence boundaries: one partial per (program, sequence), combined by the last
   part to arrive (same counters). TMA loads only in practice (its pointer loop is not pipelined).
 
-Measured (H100, session 4, NOTES-attention.md): TMA with 128-key tiles, one program per SM, is the
+Measured (H100, session 5): the flat schedule lost 0.8-1.2 % at batch 8, 32k (HBM-bound at
+~3.05 TB/s with 128 of 132 SMs already; 254 vs 206 registers) and 5-30 % at short caches (fixed
+cost ~2-4 us); it stays selectable. Session 4: TMA with 128-key tiles, one program per SM, is the
 head_dim-128 default. On the 64-key pointer kernel: evict_first changed < 0.5 %, K as rows
 < 0.5 % (+1.7 % at batch 8, 1k), 8 warps lost 0.6-17 %, prefetch_first lost up to 8 % (gained
 2 % at batch 1, 1k; cause not measured). They stay selectable for A/B runs.
@@ -542,6 +546,10 @@ def decode_split_plan(
 # program per SM). Of 14 variants timed against SDPA on an H100 (2026-11-23, NOTES-attention.md,
 # session 4) the only one >= 1.0x at every point of batch 1 and 8, 1k-32k: 1.001-1.314x; the pointer
 # kernel before it (64, 4, 3, 2) was 0.989-0.990x at batch 8, 16k-32k. head_dim 64 and 256: untimed.
+# Session 5 (same H100 type, run 2): split_by_fill (on by default) costs 0-2 % at full caches
+# (1.207 vs 1.233x SDPA at batch 8, 1k; <= 0.3 % at 16k-32k) and runs a 4k-of-32k cache 2.96x
+# faster at batch 1 (1.307 vs 0.442x SDPA), 6 % at batch 8; the flat schedule, 2 stages, 8 warps
+# and 256-key tiles all lost at batch 8, 32k (0.984-0.998x vs 1.002 / 0.997-0.998x).
 DEFAULT_DECODE_D128 = DecodeConfig(128, 4, 3, 1, loads="tma")
 
 
