@@ -1,7 +1,7 @@
 """Session-5 GPU round for issue 3's large-M GEMM targets: the partial last wave split along K.
 
     PYTHONUNBUFFERED=1 QUANTKIT_COMMIT=<sha> python benchmarks/gemm_s5.py --out $OUT/gemm --deadline 240
-    ... --round 2   # FP8 at M >= 4096: the quarter-epilogue pool vs the old rule (gemm_s5_round2.json)
+    ... --round 2   # FP8 at M >= 4096: the quarter-epilogue pool vs the shipped rule (gemm_s5_round2.json)
     TRITON_INTERPRET=1 python benchmarks/gemm_s5.py --out /tmp/s5 --smoke      # CPU dry run, tiny shapes
 
 Targets: FP8 >= 1.0x torch._scaled_mm rowwise (use_fast_accum=True; ours fast too), INT8 >= 1.5x
@@ -120,9 +120,21 @@ class AutotuneSet:
             gemm_tma._autotuned, gemm_tma._TUNED, gemm_tma._PLANS = saved
 
 
-# Round 2 (--round 2): FP8 at M >= 4096 tunes only the two quarter-epilogue 128x256 configs
-# (gemm_tma.FP8_LARGE_M_CONFIGS, the new "auto") vs the session-4 rule ("auto_old": the whole set),
-# next to those two configs; INT8 unchanged (auto, the two configs it picks). 5 rounds.
+# Round 2 (--round 2): FP8 at M >= 4096 autotuned over only the two quarter-epilogue 128x256
+# configs ("auto_q4pool", an AutotuneSet with q4_pool_prune) vs the shipped rule ("auto"), next to
+# those two configs; INT8 (auto, the two configs it picks). 5 rounds. (The device run of
+# 2026-11-23, commit 976bd49, had this rule in gemm_tma as the default: its JSON names the pool
+# "fp8_auto" and the shipped rule "fp8_auto_old"; NOTES-gemm.md session 5. Not kept.)
+Q4_POOL_MIN_BUCKET = 4096
+
+
+def q4_pool_prune(configs, named_args, **kwargs):
+    pool = gemm_tma._prune_by_dtype(configs, named_args, **kwargs)
+    if named_args.get("IS_INT8", kwargs.get("IS_INT8")) or named_args.get("M_BUCKET", 0) < Q4_POOL_MIN_BUCKET:
+        return pool
+    q4 = [c for c in pool if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["EPILOGUE_SPLIT"], c.num_stages)
+          == (128, 256, 4, 4) and c.kwargs["GROUP_M"] in (8, 16)]
+    return q4 or pool
 ROUND2_POINTS = [(4096, N, K) for N, K in SHAPES] + [(16384, N, K) for N, K in SHAPES]
 ROUND2_BASES = {
     FP8: {"128x256x128_w8_s4_q4_g16": (pcfg(128, 256, 128, 8, 4, split=4, group_m=16), ()),
@@ -486,7 +498,7 @@ def main():
         autos = {"auto_s5": AutotuneSet(proposed_configs(gemm_tma.PERSISTENT_CONFIGS))}
         rounds, int_mm = 3, True
     else:
-        autos = {"auto_old": AutotuneSet(gemm_tma.PERSISTENT_CONFIGS, prune=gemm_tma._prune_by_dtype_only)}
+        autos = {"auto_q4pool": AutotuneSet(gemm_tma.PERSISTENT_CONFIGS, prune=q4_pool_prune)}
         rounds, int_mm = 5, False
         if not args.smoke:
             bases, points = ROUND2_BASES, ROUND2_POINTS

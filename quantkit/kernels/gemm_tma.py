@@ -295,8 +295,8 @@ PERSISTENT_CONFIGS = [
     _cfg(128, 128, 256, 8, 3),
     # Session 4 (H100): the epilogue in quarters; with GROUP_M=16 the fastest FP8 config at 6 of
     # the 8 Llama-3-8B points at M = 1024 / 4096 (0.6-4 % faster than the session-3 autotuned pick).
-    FP8_Q4_G16 := _cfg(128, 256, 128, 8, 4, split=4, group_m=16),
-    FP8_Q4 := _cfg(128, 256, 128, 8, 4, split=4),
+    _cfg(128, 256, 128, 8, 4, split=4, group_m=16),
+    _cfg(128, 256, 128, 8, 4, split=4),
     # Session 3 (H100, M=1024): 128x128x128 / 4 warps / 5 stages took FP8 6144x4096 from 44.4 to
     # 40.0 us and INT8 from 52.5 to 50.6 us; 128x256 with GROUP_M=4 was the best FP8 4096x4096.
     _cfg(128, 128, 128, 4, 5, split=1),
@@ -304,27 +304,8 @@ PERSISTENT_CONFIGS = [
     INT8_TWO_PER_SM,
 ]
 
-# FP8 from this M bucket on: only the two 128x256 quarter-epilogue configs are tuned. Measured on an
-# H100 (2026-11-23, benchmarks/NOTES-gemm.md session 5): at M=4096 and 16384 the GROUP_M=16 one
-# was faster than the full set's autotuned pick at all 8 Llama-3-8B points (1-10 %), the GROUP_M=8
-# one next; the full set's graph-timed picks at these sizes (0.7-3 ms per call, clock spread of
-# several % between calls) landed on slower configs.
-FP8_LARGE_M_BUCKET = 4096
-FP8_LARGE_M_CONFIGS = (FP8_Q4_G16, FP8_Q4)
-
-
 def _prune_by_dtype(configs, named_args, **kwargs):
     # Two CTAs per SM are for INT8 only (see INT8_TWO_PER_SM).
-    is_int8 = named_args.get("IS_INT8", kwargs.get("IS_INT8"))
-    pool = [c for c in configs if is_int8 or c.kwargs.get("CTAS_PER_SM", 1) == 1]
-    if not is_int8 and named_args.get("M_BUCKET", kwargs.get("M_BUCKET", 0)) >= FP8_LARGE_M_BUCKET:
-        large = [c for c in pool if any(c is chosen for chosen in FP8_LARGE_M_CONFIGS)]
-        pool = large or pool
-    return pool
-
-
-def _prune_by_dtype_only(configs, named_args, **kwargs):
-    """The session-4 rule (no large-M FP8 pool): for benchmarks comparing the two."""
     is_int8 = named_args.get("IS_INT8", kwargs.get("IS_INT8"))
     return [c for c in configs if is_int8 or c.kwargs.get("CTAS_PER_SM", 1) == 1]
 
@@ -406,7 +387,13 @@ def split_workspace(device: torch.device, elems: int, counters: int) -> tuple[to
 
 
 def _workspace_args(a: torch.Tensor, slots: int, tile_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Workspace for ``slots`` partial tiles (at most one per program) of ``tile_elems`` elements."""
+    """Workspace for ``slots`` partial tiles (at most one per program) of ``tile_elems`` elements;
+    ``slots=0``: a launch without a split, which passes the buffers but never touches them (inside
+    a capture before any workspace exists: stand-ins of the right dtypes, not cached)."""
+    if slots == 0 and (a.device.type, a.device.index) not in _SPLIT_WORKSPACE and a.is_cuda \
+            and torch.cuda.is_current_stream_capturing():
+        partials = torch.empty(1, dtype=torch.int32 if a.dtype == torch.int8 else torch.float32, device=a.device)
+        return partials, torch.empty(1, dtype=torch.int32, device=a.device)
     partials, arrivals = split_workspace(a.device, slots * tile_elems, slots)
     # INT8 partials are int32 (exact sums); the buffer is shared, viewed per launch.
     return (partials.view(torch.int32) if a.dtype == torch.int8 else partials), arrivals

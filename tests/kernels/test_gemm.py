@@ -301,19 +301,6 @@ def test_two_ctas_per_sm_config_is_tuned_for_int8_only():
     assert fp8_pool == [c for c in configs if c not in two_per_sm]
 
 
-def test_fp8_large_m_tunes_the_quarter_epilogue_configs_only():
-    from quantkit.kernels import gemm_tma
-
-    configs = gemm_tma.PERSISTENT_CONFIGS
-    large = gemm_tma._prune_by_dtype(configs, {"M_BUCKET": gemm_tma.FP8_LARGE_M_BUCKET}, IS_INT8=False)
-    assert large == list(gemm_tma.FP8_LARGE_M_CONFIGS)
-    assert all(c.kwargs["EPILOGUE_SPLIT"] == 4 and c.kwargs["BLOCK_N"] == 256 for c in large)
-    below = gemm_tma._prune_by_dtype(configs, {"M_BUCKET": gemm_tma.FP8_LARGE_M_BUCKET // 2}, IS_INT8=False)
-    assert len(below) == len(configs) - 1  # all but the INT8 two-per-SM config
-    assert gemm_tma._prune_by_dtype(configs, {"M_BUCKET": 16384}, IS_INT8=True) == configs
-    assert gemm_tma._prune_by_dtype_only(configs, {"M_BUCKET": 4096}, IS_INT8=False) == below
-
-
 def gemm_tma_interpreter_config():
     from quantkit.kernels import gemm_tma
 
