@@ -626,8 +626,12 @@ def _row_descriptor(cache: torch.Tensor, rows: tuple[int, int], block_n: int) ->
     per_batch, per_head = rows
     batch, n_heads, capacity, head_dim = cache.shape
     n_rows = (batch - 1) * per_batch + (n_heads - 1) * per_head + capacity
-    view = cache.as_strided((n_rows, head_dim), (cache.stride(2), 1))
-    return TensorDescriptor(view, [n_rows, head_dim], [cache.stride(2), 1], [block_n, head_dim])
+    # A tensor over the cache's storage but not a view of it: a view keeps its base tensor alive
+    # (``_base``), so a cached descriptor would pin the caller's cache object and its weak
+    # reference would never fire (a whole static KV cache held after ``generate`` returned).
+    rows_2d = torch.empty(0, dtype=cache.dtype, device=cache.device).set_(
+        cache.untyped_storage(), cache.storage_offset(), (n_rows, head_dim), (cache.stride(2), 1))
+    return TensorDescriptor(rows_2d, [n_rows, head_dim], [cache.stride(2), 1], [block_n, head_dim])
 
 
 # Eager calls build a TMA descriptor per cache (~5 us each on the host) plus the row view check:

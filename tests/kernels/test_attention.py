@@ -500,6 +500,11 @@ def test_decode_descriptor_cache_follows_the_tensor_object():
     del view
     assert not any(key in attention_decode._DESCRIPTORS for key in keys)  # freed with the tensor
     assert attention_decode._cache_descriptor(torch.randn(2, 2, 40, 65)[..., :64], 32) is None  # no row view
+    # The base tensor too: a cached descriptor must not keep the caller's cache (and its memory) alive.
+    keys = [key for key in attention_decode._DESCRIPTORS if key[0] == id(cache)]
+    assert keys
+    del cache, first
+    assert not any(key in attention_decode._DESCRIPTORS for key in keys)  # no gc needed: nothing pins it
 
 
 @pytest.mark.parametrize("split_by_fill", [True, False])
