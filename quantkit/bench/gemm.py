@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from quantkit.bench.common import bench_ms, environment_metadata
 from quantkit.kernels import gemm, gemm_tma, reference, triton_ops
@@ -335,6 +336,17 @@ def print_point(rows, M, N, K):
 # ----------------------------------------------------------------------------------------------
 
 
+def fp8_fast_accum_tolerance(K: int) -> float:
+    """Relative-error bound for FP8 outputs with fast accumulation (the default).
+
+    Hopper's FP8 wgmma accumulates with reduced precision, so the error against the fp32
+    reference grows with K (H100, session 4: 2.1e-3 at K=4096, 3.3e-3 at K=14336 for one GEMM;
+    4.8e-3 for the gated product at K=14336 in session 5): 4e-3 at K <= 4096, growing as sqrt(K).
+    INT8 and promoted FP8 stay at the tight bounds.
+    """
+    return 4e-3 * max(1.0, (K / 4096) ** 0.5)
+
+
 def _rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
@@ -400,13 +412,16 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False, parts=CHECK_PAR
                     ref = reference.scaled_mm(a, w, sa, sw, b, activation, torch.float32)
                     exact = reference.fp64_scaled_mm(a, w, sa, sw, b, activation)
                     err_ref, err_64 = _rel_err(out, ref), _rel_err(out, exact)
-                    record(f"scaled_mm_{dtype}", not out.isnan().any() and err_ref < 4e-3 and err_64 < 4e-3,
-                           M=M, N=N, K=K, bias=has_bias, act=activation, rel_err_ref=err_ref, rel_err_fp64=err_64)
+                    bound = 4e-3 if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
+                    record(f"scaled_mm_{dtype}", not out.isnan().any() and err_ref < bound and err_64 < bound,
+                           M=M, N=N, K=K, bias=has_bias, act=activation, rel_err_ref=err_ref, rel_err_fp64=err_64,
+                           bound=bound)
             w2, sw2 = reference.quantize_per_channel(torch.randn(2 * N, K, device=device) * K**-0.5, dtype)
             out = torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16)
             gemm.gated_scaled_mm(a, w2, sa, sw2, "silu", torch.bfloat16, out=out, config=None if small else fixed)
             err = _rel_err(out, reference.gated_scaled_mm(a, w2, sa, sw2, "silu", torch.float32))
-            record(f"gated_{dtype}", not out.isnan().any() and err < 4e-3, M=M, N=N, K=K, rel_err=err)
+            bound = 4e-3 if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
+            record(f"gated_{dtype}", not out.isnan().any() and err < bound, M=M, N=N, K=K, rel_err=err, bound=bound)
 
         # Quantization kernels: bit-exact except RMSNorm, whose reduction order may move a value
         # across a rounding boundary (at most one step, rarely).
@@ -449,14 +464,23 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False, parts=CHECK_PAR
             for cfg in gemm.SMALL_M_CONFIGS + gemm.MEDIUM_M_CONFIGS + gemm.LARGE_M_CONFIGS + persistent if not small else []:
                 # Persistent configs carry EPILOGUE_SPLIT, which routes them to the TMA kernel.
                 config = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-                if gated:
-                    out = gemm.gated_scaled_mm(a, w2, sa, sw2, "silu", torch.float32, config=config)
-                    ref = reference.gated_scaled_mm(a, w2, sa, sw2, "silu", torch.float32)
-                else:
-                    out = gemm.scaled_mm(a, w, sa, sw, None, "gelu_tanh", torch.float32, config=config)
-                    ref = reference.scaled_mm(a, w, sa, sw, None, "gelu_tanh", torch.float32)
-                record(f"config_{dtype}_gated={gated}", _rel_err(out, ref) < (1e-5 if dtype == torch.int8 else 5e-4), config=str(cfg),
-                       rel_err=_rel_err(out, ref))
+                try:
+                    if gated:
+                        out = gemm.gated_scaled_mm(a, w2, sa, sw2, "silu", torch.float32, config=config)
+                        ref = reference.gated_scaled_mm(a, w2, sa, sw2, "silu", torch.float32)
+                    else:
+                        out = gemm.scaled_mm(a, w, sa, sw, None, "gelu_tanh", torch.float32, config=config)
+                        ref = reference.scaled_mm(a, w, sa, sw, None, "gelu_tanh", torch.float32)
+                except triton.runtime.errors.OutOfResources as exc:
+                    # The fp32 output's staging buffer does not fit this config's shared memory; the
+                    # autotuner skips such a config the same way (the bf16 runs use it).
+                    results.append({"check": f"config_{dtype}_gated={gated}", "ok": None, "config": str(cfg),
+                                    "skipped": str(exc).splitlines()[0][:160]})
+                    print(f"[skip] config_{dtype}_gated={gated} {cfg}: out of shared memory with fp32 output", flush=True)
+                    continue
+                bound = 1e-5 if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
+                record(f"config_{dtype}_gated={gated}", _rel_err(out, ref) < bound, config=str(cfg),
+                       rel_err=_rel_err(out, ref), bound=bound)
 
     # torch.compile(fullgraph=True) + CUDA graph capture of quantize -> GEMM.
     for dtype in (torch.int8, torch.float8_e4m3fn) if device == "cuda" and "compile" in parts else ():
