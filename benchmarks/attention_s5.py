@@ -9,7 +9,7 @@ backend, ``enable_gqa=True``) on q (B, 32, 1, 128) is the baseline, as in NOTES-
 The question: does the balanced persistent schedule (``DecodeConfig(schedule="flat")``: one
 program per resident slot, all the filled blocks cut evenly over 132 SMs, ranges not aligned to
 (batch, kv head)) beat session 4's default (split grid: 2 splits x 64 = 128 programs on 132 SMs
-at batch 8 32k), and which tile / stages / min_blocks for it. Same method as attention_s4.py:
+at batch 8 32k), and which tile / stages / min_blocks for it. Same method as session 4's attention_s4.py (removed; `git show ad866fc:benchmarks/attention_s4.py`):
 
 1. Every variant against the fp32 torch twin on the GPU (batch 8 over a sliced cache with random
    lengths incl. 0, 1 and the capacity; a CUDA graph replayed with new lengths, counters back at

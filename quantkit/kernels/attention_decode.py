@@ -8,7 +8,7 @@ not two. The grid depends only on shapes and the cache capacity (or the caller's
 never on the lengths' values, so it captures in a CUDA graph.
 
 How the K/V tiles reach the program is a ``DecodeConfig`` choice (session 4 variants, timed
-against SDPA by ``benchmarks/attention_s4.py``):
+against SDPA by ``benchmarks/attention_s4.py`` (in git history; ``attention_s5.py`` supersedes it)):
 
 - ``loads="pointer"``: masked pointer loads (cp.async, software-pipelined by Triton);
   ``k_rows`` loads K as (BLOCK_N, D) rows and transposes it in the dot instead of gathering a
