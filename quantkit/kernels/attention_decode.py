@@ -598,6 +598,12 @@ _RETIRED_COUNTERS: list[torch.Tensor] = []
 def _group_counters(device: torch.device, groups: int) -> torch.Tensor:
     counters = _GROUP_COUNTERS.get(device)
     if counters is None or counters.numel() < groups:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Inside a capture torch.zeros only records its memset: eager launches afterwards would
+            # read uninitialized counters.
+            raise RuntimeError(
+                f"decode attention needs {groups} combine counters, more than allocated before this CUDA "
+                "graph capture; run one eager decode step with the same batch size before capturing")
         if counters is not None:
             _RETIRED_COUNTERS.append(counters)
         counters = torch.zeros(max(groups, 4096), dtype=torch.int32, device=device)

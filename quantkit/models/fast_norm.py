@@ -19,7 +19,11 @@ element expanded with zero strides) and that remembers the norm's input, weight,
   otherwise) and cached: every later read, and every view, is of that tensor, so in-place changes
   are seen as on a plain tensor. A norm whose output had to be materialized stops deferring (its
   consumer evidently needs 16 bits, e.g. Gemma-3's post-attention norm that feeds the residual
-  add): the lazy path's overhead is then paid once per module, not per call.
+  add): the lazy path's overhead is then paid once per module, not per call. Unless a consumer
+  already took fused values in that call: then it keeps deferring, so every call feeds every
+  consumer the same values. Once the output exists the norm's input is released, and the raw
+  storage behind a deferred output is NaN, so code that reads it past ``__torch_function__``
+  (``torch.tensor(y)``, DLPack, C++ extensions) sees NaN, never plausible values.
 
 Numerics: the fused kernel quantizes the float32 normed row, the unfused path quantizes the
 16-bit rounded norm output, so a quantized value can move by one step where the 16-bit rounding
@@ -49,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 # Per (device, dtype, shape): one element expanded to the shape, the data every NormOutput of
 # that kind aliases (cached: building the expanded view costs more than the subclass object).
+# The element is NaN: code that reads the raw storage past ``__torch_function__`` (``torch.tensor
+# (y)``, DLPack, a C++ extension) gets NaN, never plausible zeros.
 _STUBS: dict = {}
 
 
@@ -58,18 +64,20 @@ def _stub(device: torch.device, dtype: torch.dtype, shape: torch.Size) -> torch.
     if stub is None:
         if len(_STUBS) > 256:  # many prompt lengths: keep the cache small
             _STUBS.clear()
-        stub = _STUBS[key] = torch.zeros(1, dtype=dtype, device=device).expand(shape)
+        stub = _STUBS[key] = torch.full((1,), float("nan"), dtype=dtype, device=device).expand(shape)
     return stub
 
 
 class PendingRMSNorm:
     """The shared state of one deferred norm output and its reshaped views."""
 
-    __slots__ = ("x2d", "version", "weight", "eps", "offset", "backend", "owner", "quantized", "output")
+    __slots__ = ("x2d", "device", "dtype", "version", "weight", "eps", "offset", "backend", "owner", "quantized",
+                 "output")
 
     def __init__(self, x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, backend: str,
                  owner) -> None:
         self.x2d = x2d
+        self.device, self.dtype = x2d.device, x2d.dtype  # x2d is released once the output exists
         self.version = x2d._version
         self.weight = weight
         self.eps = eps
@@ -80,6 +88,8 @@ class PendingRMSNorm:
         self.output: torch.Tensor | None = None
 
     def _check_input(self) -> None:
+        if self.x2d is None:
+            raise RuntimeError("a deferred RMSNorm output lost its input after it was computed (a bug)")
         if self.x2d._version != self.version:
             raise RuntimeError(
                 "the input of a deferred RMSNorm output was changed in place before the output was used; "
@@ -105,13 +115,18 @@ class PendingRMSNorm:
             self._check_input()
             self.output, _ = attention_ops.rms_norm(self.x2d, self.weight, self.eps, offset=self.offset,
                                                     backend=self.backend)
-            # The quantized copies are not needed once the output exists (consumers then quantize it).
-            self.quantized = {}
+            # The input is not needed once the output exists: a caller that keeps the output (hidden
+            # states) must not also keep the pre-norm activations alive.
+            self.x2d = None
             owner = self.owner
             owner.output_counts[1] += 1
-            if owner.defer_output:
+            # Stop deferring only if no consumer has taken fused values in this call: otherwise the
+            # first forward would feed that consumer fused values and every later one unfused ones.
+            if owner.defer_output and not self.quantized:
                 owner.defer_output = False
                 logger.info("%s: a consumer read the 16-bit norm output; this norm no longer defers it", owner)
+            # The quantized copies are not needed once the output exists (consumers then quantize it).
+            self.quantized = {}
         return self.output
 
 
@@ -163,6 +178,8 @@ def _flatten(self, start_dim=0, end_dim=-1):
     if ndim == 0 or type(start_dim) is not int or type(end_dim) is not int:
         return None  # named dimensions and the like: the plain output answers
     start, end = start_dim % ndim, end_dim % ndim
+    if start > end:
+        return None  # torch raises for this; the plain output lets it
     if end == ndim - 1 and start < end:
         return None  # would merge the last dimension
     merged = 1
@@ -198,15 +215,15 @@ def _contiguous(self, memory_format=torch.contiguous_format):
 _T = torch.Tensor
 _HANDLERS = {
     _T.shape.__get__: lambda self: self.shape_,
-    _T.dtype.__get__: lambda self: self.pending.x2d.dtype,
-    _T.device.__get__: lambda self: self.pending.x2d.device,
+    _T.dtype.__get__: lambda self: self.pending.dtype,
+    _T.device.__get__: lambda self: self.pending.device,
     _T.ndim.__get__: lambda self: len(self.shape_),
     _T.requires_grad.__get__: lambda self: False,
     _T.is_leaf.__get__: lambda self: True,
     _T.grad_fn.__get__: lambda self: None,
     _T.grad.__get__: lambda self: None,
-    _T.is_cuda.__get__: lambda self: self.pending.x2d.is_cuda,
-    _T.is_cpu.__get__: lambda self: self.pending.x2d.is_cpu,
+    _T.is_cuda.__get__: lambda self: self.pending.device.type == "cuda",
+    _T.is_cpu.__get__: lambda self: self.pending.device.type == "cpu",
     _T.layout.__get__: lambda self: torch.strided,
     _T.is_sparse.__get__: lambda self: False,
     _T.is_quantized.__get__: lambda self: False,
@@ -223,8 +240,8 @@ _HANDLERS = {
     _T.is_inference: lambda self: False,  # never deferred in inference mode
     _T.is_floating_point: lambda self: True,
     _T.is_complex: lambda self: False,
-    _T.element_size: lambda self: self.pending.x2d.element_size(),
-    _T.get_device: lambda self: self.pending.x2d.get_device(),
+    _T.element_size: lambda self: self.pending.dtype.itemsize,
+    _T.get_device: lambda self: self.pending.device.index if self.pending.device.type != "cpu" else -1,
     _T.is_contiguous: lambda self, memory_format=torch.contiguous_format: memory_format == torch.contiguous_format,
     _T.stride: lambda self, dim=None: (_contiguous_strides(self.shape_) if dim is None
                                        else _contiguous_strides(self.shape_)[dim]),
@@ -246,8 +263,7 @@ class NormOutput(torch.Tensor):
 
     @staticmethod
     def create(pending: PendingRMSNorm, shape: torch.Size) -> "NormOutput":
-        x2d = pending.x2d
-        out = _stub(x2d.device, x2d.dtype, shape).as_subclass(NormOutput)
+        out = _stub(pending.device, pending.dtype, shape).as_subclass(NormOutput)
         out.pending = pending
         out.shape_ = shape
         return out

@@ -269,7 +269,7 @@ QKV_NAMES = ("q_proj", "k_proj", "v_proj")
 def shape_and_dtype(x: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
     # A deferred norm output answers from plain attributes (no __torch_function__ round trip).
     if type(x) is NormOutput:
-        return x.shape_, x.pending.x2d.dtype
+        return x.shape_, x.pending.dtype
     return x.shape, x.dtype
 
 

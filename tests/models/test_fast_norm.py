@@ -330,3 +330,47 @@ def test_flatten_with_named_dims_falls_back():
         y = norm(_x())
         with pytest.raises((RuntimeError, TypeError, IndexError)):
             y.flatten("a", "b")  # the plain output has no names either
+
+
+@pytest.mark.filterwarnings("ignore:To copy construct from a tensor")
+def test_raw_storage_reads_give_nan_never_plausible_values():
+    # torch.tensor(y) copies the raw storage past __torch_function__: NaN, not zeros.
+    norm = _norm()
+    with torch.no_grad():
+        y = norm(_x())
+        assert torch.isnan(torch.tensor(y).float()).all()
+
+
+def test_computed_output_releases_the_norm_input():
+    norm = _norm()
+    with torch.no_grad():
+        y = norm(_x())
+        pending = y.pending
+        want = _norm(defer=False)(_x())
+        assert torch.equal(y + 0, want + 0)
+        assert pending.x2d is None  # the caller keeping y keeps only the output, not the input too
+
+
+def test_fused_then_16_bit_reader_gives_the_same_values_on_every_call():
+    # A dynamic quantized consumer takes fused values first, then something reads 16 bits: the
+    # norm must keep deferring, or the first call and later calls would feed different values.
+    norm = _norm()
+    dense = torch.nn.Linear(96, 8, dtype=torch.bfloat16)
+    dynamic = QuantLinear.from_linear(dense, torch.int8)
+    x = _x()
+    with torch.no_grad():
+        runs = []
+        for _ in range(3):
+            y = norm(x)
+            runs.append((dynamic(y), y * 2))
+        assert norm.defer_output
+        for fused, doubled in runs[1:]:
+            assert torch.equal(fused, runs[0][0]) and torch.equal(doubled, runs[0][1])
+
+
+def test_flatten_with_start_after_end_falls_back_to_torchs_error():
+    norm = _norm()
+    with torch.no_grad():
+        y = norm(_x())
+        with pytest.raises(RuntimeError):
+            y.flatten(1, 0)
