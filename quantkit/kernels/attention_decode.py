@@ -200,6 +200,39 @@ def _attend_block(q, k, v, m_i, l_i, acc, qk_scale, valid, K_ROWS: tl.constexpr,
 
 
 @triton.jit
+def _attend_span(q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_ks, stride_vs, K_desc, V_desc, k_row, v_row,
+                 lo, hi, offs_n, offs_d, BLOCK_N: tl.constexpr, TMA: tl.constexpr, K_ROWS: tl.constexpr,
+                 EVICTION: tl.constexpr, UPCAST: tl.constexpr):
+    """Fold the keys [lo, hi) of one (batch, kv head) sequence into the running softmax state.
+
+    TMA: whole blocks through the descriptors (rows ``k_row + key``, no masks), then at most one
+    partial block through masked pointer loads (K as rows). Otherwise masked pointer loads only.
+    """
+    if TMA:
+        full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        for start_n in range(lo, full_hi, BLOCK_N):
+            k = K_desc.load([k_row + start_n, 0])
+            v = V_desc.load([v_row + start_n, 0])
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, offs_n, True, False)
+        if full_hi < hi:
+            key_pos = full_hi + offs_n
+            valid = key_pos < hi
+            k, v = _load_kv_block(k_base, v_base, stride_ks, stride_vs, key_pos, offs_d, valid, True, EVICTION, UPCAST)
+            m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, valid, True, True)
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            key_pos = start_n + offs_n
+            valid = key_pos < hi
+            k, v = _load_kv_block(k_base, v_base, stride_ks, stride_vs, key_pos, offs_d, valid, K_ROWS, EVICTION,
+                                  UPCAST)
+            m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, valid, K_ROWS, True)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K, V, K_desc, V_desc, cache_seqlens, O, O_part, LSE_part, counters,
     stride_qb, stride_qh,
@@ -262,30 +295,10 @@ def _decode_split_kernel(
         v_first = tl.where(valid[:, None], v_first, 0.0)  # keys past the length may hold NaN
         m_i, l_i, acc = _attend_block(q, k_first, v_first, m_i, l_i, acc, qk_scale, valid, K_ROWS, True)
         start = lo + BLOCK_N
-    if TMA:
-        # Whole blocks through the descriptors (no masks), then at most one partial block.
-        full_hi = start + tl.maximum(hi - start, 0) // BLOCK_N * BLOCK_N
-        k_row = batch * k_rows_per_batch + kv_head * k_rows_per_head
-        v_row = batch * v_rows_per_batch + kv_head * v_rows_per_head
-        for start_n in range(start, full_hi, BLOCK_N):
-            k = K_desc.load([k_row + start_n, 0])
-            v = V_desc.load([v_row + start_n, 0])
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, offs_n, True, False)
-        if full_hi < hi:
-            key_pos = full_hi + offs_n
-            valid = key_pos < hi
-            k, v = _load_kv_block(k_base, v_base, stride_ks, stride_vs, key_pos, offs_d, valid, True, EVICTION, UPCAST)
-            m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, valid, True, True)
-    else:
-        for start_n in range(start, hi, BLOCK_N):
-            key_pos = start_n + offs_n
-            valid = key_pos < hi
-            k, v = _load_kv_block(k_base, v_base, stride_ks, stride_vs, key_pos, offs_d, valid, K_ROWS, EVICTION,
-                                  UPCAST)
-            m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, valid, K_ROWS, True)
+    k_row = batch * k_rows_per_batch + kv_head * k_rows_per_head
+    v_row = batch * v_rows_per_batch + kv_head * v_rows_per_head
+    m_i, l_i, acc = _attend_span(q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_ks, stride_vs, K_desc, V_desc,
+                                 k_row, v_row, start, hi, offs_n, offs_d, BLOCK_N, TMA, K_ROWS, EVICTION, UPCAST)
 
     # An empty split (or a sequence with no keys) has l = 0: output zeros, lse = -inf (weight 0).
     empty = l_i == 0.0
@@ -423,30 +436,10 @@ def _decode_flat_kernel(
         m_i = tl.full([BLOCK_G], _M_INIT, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-        if TMA:
-            full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-            k_row = batch * k_rows_per_batch + kv_head * k_rows_per_head
-            v_row = batch * v_rows_per_batch + kv_head * v_rows_per_head
-            for start_n in range(lo, full_hi, BLOCK_N):
-                k = K_desc.load([k_row + start_n, 0])
-                v = V_desc.load([v_row + start_n, 0])
-                if UPCAST:
-                    k = k.to(tl.float32)
-                    v = v.to(tl.float32)
-                m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, offs_n, True, False)
-            if full_hi < hi:
-                key_pos = full_hi + offs_n
-                valid = key_pos < hi
-                k, v = _load_kv_block(k_base, v_base, stride_ks, stride_vs, key_pos, offs_d, valid, True,
-                                      EVICTION, UPCAST)
-                m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, valid, True, True)
-        else:
-            for start_n in range(lo, hi, BLOCK_N):
-                key_pos = start_n + offs_n
-                valid = key_pos < hi
-                k, v = _load_kv_block(k_base, v_base, stride_ks, stride_vs, key_pos, offs_d, valid, True,
-                                      EVICTION, UPCAST)
-                m_i, l_i, acc = _attend_block(q, k, v, m_i, l_i, acc, qk_scale, valid, True, True)
+        k_row = batch * k_rows_per_batch + kv_head * k_rows_per_head
+        v_row = batch * v_rows_per_batch + kv_head * v_rows_per_head
+        m_i, l_i, acc = _attend_span(q, m_i, l_i, acc, qk_scale, k_base, v_base, stride_ks, stride_vs, K_desc, V_desc,
+                                     k_row, v_row, lo, hi, offs_n, offs_d, BLOCK_N, TMA, True, EVICTION, UPCAST)
 
         empty = l_i == 0.0
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
