@@ -14,14 +14,23 @@ Layers: ``_scaled_mm_kernel`` (@triton.jit) -> ``scaled_mm`` / ``gated_scaled_mm
 (validate, allocate, grid) -> registered ops in ``triton_ops.py``. The torch twin is
 ``reference.scaled_mm``.
 
+Split-K (``SPLIT_K`` config key, tiled kernel): each output tile is computed as SPLIT_K K-slices
+by as many programs (more programs streaming the weight at decode sizes, where N / BLOCK_N alone
+leaves SMs idle); each slice stores its int32 / fp32 partial tile in gemm_tma's per-device
+workspace and the last to arrive sums them in slice order (deterministic, INT8 exact), runs the
+epilogue and resets its tile's counter (``gemm_epilogue.split_arrive`` / ``split_sum``, shared
+with the persistent kernel's split tail). SPLIT_K = 1 compiles to the unsplit kernel. The split
+configs are not in the default autotune pool yet (``gemm_configs.SMALL_M_SPLIT_K``).
+
 Two kernels: this file's tiled kernel (one program per output tile, pointer loads, the gated
 variant, every M) and the persistent TMA kernel of ``gemm_tma.py`` (large M). For
 M >= PERSISTENT_MIN_M (and 16-byte aligned operands), ``kernel="auto"`` takes the persistent one
 (the gated GEMM: for INT8 only, see PERSISTENT_MIN_M).
 
-Tuning: autotuned over a few configs per M bucket (key N, K, M_BUCKET) on the GPU, once per key:
-the chosen config is then cached with a launch plan and the compiled kernel is launched directly
-(``launch.CachedLaunch``: no autotuner or JIT binding pass per eager call); decode sizes
+Tuning (config sets: ``gemm_configs.py``): autotuned over a few configs per M bucket (key N, K,
+M_BUCKET) on the GPU, once per key: the chosen config is then cached with a launch plan and the
+compiled kernel is launched directly (``launch.CachedLaunch``: no autotuner or JIT binding pass
+per eager call); decode sizes
 (M <= 16) get GEMV-like configs (a 16-row tile, narrow N tiles, long K tiles, deep pipelines) so
 that enough programs stream the weight to saturate memory bandwidth. Under the interpreter one
 fixed config is used (autotune with several configs fails there; cost is per program).
