@@ -201,3 +201,31 @@ def test_whichever_slice_arrives_last_combines_in_slice_order(last_slice):
     # Slice `last_slice` reset its tile's counter; the later slices counted from zero again.
     assert arrivals[:2].tolist() == [S - 1 - last_slice] * 2
     arrivals.zero_()
+
+
+def test_autotuner_path_clips_split_k_through_the_heuristic(monkeypatch):
+    """triton's own Autotuner + Heuristics (one config: several do not run under the interpreter)
+    around the kernel, as on the GPU's first call of a decode key: the config asks for 8 slices,
+    K = 1040 has 5 steps of 256, so the heuristic passes 5, the grid launches 2 tiles x 5 slices
+    and the workspace fits; the cached plan of the next call clips the same way."""
+    import triton
+
+    config = gemm_configs.SMALL_M_SPLIT_K_CONFIGS[3]  # 16x64x256, SPLIT_K 8
+    assert config.kwargs["SPLIT_K"] == 8
+    tuner = triton.autotune(configs=[config], key=["N", "K"])(
+        triton.heuristics(gemm_configs.HEURISTICS)(gemm._scaled_mm_kernel))
+    monkeypatch.setattr(gemm, "_scaled_mm_autotuned", tuner)
+    monkeypatch.setattr(gemm, "INTERPRETED", False)  # the launcher's GPU path; the kernel still interprets
+    monkeypatch.setattr(gemm, "_TUNED_TILED", {})
+    monkeypatch.setattr(gemm, "_TILED_PLANS", {})
+    monkeypatch.setattr(gemm_configs, "SMALL_M_SPLIT_K", True)
+    M, K = 13, 1040
+    a, _, w, _, _ = _operands(M, K, torch.int8, seed=4)
+    ones = torch.ones(1)
+    flags = (True, False, False, False, 0, True)  # INT8, scalar scales, no bias, no activation, raw accumulator
+    for _ in range(2):  # the autotuner's launch, then the cached plan's
+        out = gemm._launch_tiled(a, w, _poisoned(M, N, torch.int32), ones, ones, None, flags, False, False, None)
+        assert torch.equal(out, reference.int8_matmul_exact(a, w))
+        assert _counters_zero()
+    (tuned,) = gemm._TUNED_TILED.values()
+    assert tuned["SPLIT_K"] == 8 and list(gemm._TILED_PLANS.values())[0][2]["SPLIT_K"] == 5
