@@ -3,6 +3,12 @@
     PYTHONUNBUFFERED=1 QUANTKIT_COMMIT=<sha> python benchmarks/gemm.py --out $OUT/gemmstd --deadline 420
     python benchmarks/gemm.py --estimate                  # counts and a runtime estimate, no GPU needed
     TRITON_INTERPRET=1 python benchmarks/gemm.py --out /tmp/g --smoke   # CPU dry run, tiny shapes
+    PYTHONUNBUFFERED=1 QUANTKIT_COMMIT=<sha> python benchmarks/gemm.py --split-k --out $OUT/splitk --deadline 540
+
+``--split-k`` runs only the small-M split-K round (quantkit/bench/gemm_splitk.py): the GPU checks
+of every split config, then M = 1 and 16 at the Llama-3-8B shapes and the gated MLP, the best
+split config vs today's autotuned pick vs bf16 F.linear, and the verdict on
+``gemm_configs.SMALL_M_SPLIT_K`` (gemm_splitk.json/.csv); with ``--smoke`` a CPU dry run of it.
 
 Writes gemm.csv/json/png (GEMMs, gated MLP) and gemm_quant.csv/json (quantization kernels) and
 gemm_checks.json under --out. Same code as ``quantkit bench gemm`` (which runs it serially).
@@ -40,6 +46,7 @@ from quantkit.bench import gemm as bench_gemm  # noqa: E402
 from quantkit.bench.gemm import (  # noqa: E402
     CHECK_PARTS, DEFAULT_MS, EPILOGUES, LLAMA3_8B_SHAPES, adaptive_graph_ms, bench_ms, point_seconds,
     run_gemm_benchmark, run_gpu_checks)
+from quantkit.bench import gemm_splitk  # noqa: E402
 from quantkit.kernels import gemm, gemm_tma, reference  # noqa: E402
 from quantkit.kernels.launch import config_dict  # noqa: E402
 
@@ -79,24 +86,25 @@ def _family(M, dtype_name, gated):
 
 def _configs(family, M, dtype_name, gated):
     if family == "tiled":
-        pool = gemm.SMALL_M_CONFIGS + gemm.MEDIUM_M_CONFIGS + gemm.LARGE_M_CONFIGS
-        return gemm._prune_configs(pool, {"M": M, "GATED": gated})
+        return gemm._prune_configs(gemm.ALL_CONFIGS, {"M": M, "GATED": gated})
     if gated:
         return list(gemm_tma.GATED_CONFIGS)
     return gemm_tma._prune_by_dtype(gemm_tma.PERSISTENT_CONFIGS, {}, IS_INT8=dtype_name == "int8")
 
 
-def compile_jobs(calls, sms):
+def compile_jobs(calls, sms, extra_tiled=()):
     """(tuning keys, unique compile jobs) for the calls: each tuning key autotunes every config of
-    its pool, and each (config, flags, dtype, specialization) compiles once."""
+    its pool (plus ``extra_tiled`` configs for tiled calls, e.g. the split-K set the split-K round
+    times explicitly), and each (config, flags, dtype, specialization) compiles once."""
     keys, jobs, seen = set(), [], set()
     for M, N, K, dtype_name, has_bias, activation, gated in calls:
         family = _family(M, dtype_name, gated)
         keys.add((family, N, K, gemm.m_bucket(M), dtype_name, has_bias, activation, gated))
-        for c in _configs(family, M, dtype_name, gated):
+        for c in _configs(family, M, dtype_name, gated) + (list(extra_tiled) if family == "tiled" else []):
             cfg = config_dict(c)
             if family == "tiled":
-                spec = ("even_k", K % cfg["BLOCK_K"] == 0)
+                spec = ("even_k", K % cfg["BLOCK_K"] == 0, "split", gemm.split_k_plan(K, cfg["BLOCK_K"],
+                                                                                      cfg.get("SPLIT_K", 1)))
             else:
                 spec = ("splits", gemm_tma.tail_split_plan(M, N, K, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"],
                                                            sms * cfg["CTAS_PER_SM"], cfg.get("TAIL_SPLIT", 1)))
@@ -241,6 +249,8 @@ def main():
     parser.add_argument("--no-precompile", action="store_true", help="compile in the timing process (serial)")
     parser.add_argument("--estimate", action="store_true", help="print the run's size and time estimate and exit")
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter dry run on tiny shapes")
+    parser.add_argument("--split-k", action="store_true",
+                        help="only the small-M split-K round: its checks, timings and verdict (gemm_splitk.json)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     epilogues = tuple(args.epilogues.split(","))
@@ -264,15 +274,30 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    check_parts = ("configs_split_k",) if args.split_k else CHECK_PARTS
+    if args.split_k:
+        skip.update({"quant", "gemm", "gated"})  # the split-K round only
+    split_points, split_extra = gemm_splitk.SPLIT_K_POINTS, {}
+    if args.split_k and args.smoke:
+        # Two split configs, one tiny plain and one gated shape, the wall clock, one round.
+        split_points = [("plain", 64, 1024), ("gated", 64, 1024)]
+        split_extra = {"config_limit": 2, "rounds": 1,
+                       "timers": {"wall": lambda make, weights: _smoke_timer(make(weights[0]))}}
     jobs = []
     if not args.no_checks and not args.no_precompile:
         # The checks side by side with the compile jobs (the longest jobs first), except the
         # torch.compile one: inductor starts compile workers, which a pool's (daemonic) worker may not.
-        jobs += [{"kind": "checks", "small": args.smoke, "part": part} for part in CHECK_PARTS if part != "compile"]
+        jobs += [{"kind": "checks", "small": args.smoke, "part": part} for part in check_parts if part != "compile"]
     if not args.no_precompile:
         sms = gemm_tma.INTERPRETER_NUM_SMS if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
-        calls = gemm_calls(shapes if "gemm" not in skip else [], ms, epilogues, "gated" not in skip)
-        _, gemm_jobs = compile_jobs(calls, sms)
+        if args.split_k:
+            # Every call of the split-K round: today's decode pool (its "auto") and the split set.
+            calls = [(M, N, K, d, False, "silu" if kind == "gated" else "none", kind == "gated")
+                     for kind, N, K in split_points for M in gemm_splitk.SPLIT_K_MS for d in DTYPES]
+            _, gemm_jobs = compile_jobs(calls, sms, extra_tiled=gemm.SMALL_M_SPLIT_K_CONFIGS)
+        else:
+            calls = gemm_calls(shapes if "gemm" not in skip else [], ms, epilogues, "gated" not in skip)
+            _, gemm_jobs = compile_jobs(calls, sms)
         jobs += gemm_jobs[:4] if args.smoke else gemm_jobs
         if "quant" not in skip:
             jobs += [{"kind": "quant", "M": M, "K": K, "dtype": d} for M, K in QUANT_SHAPES for d in DTYPES]
@@ -287,7 +312,8 @@ def main():
                 if failed:
                     checks = failed[0]
                 else:
-                    compiled = run_gpu_checks(small=args.smoke, device=device, parts=("compile",))
+                    compiled = (run_gpu_checks(small=args.smoke, device=device, parts=("compile",))
+                                if "compile" in check_parts else [])
                     checks = {"results": [x for r in parts for x in r["results"]] + compiled}
         except Exception:  # noqa: BLE001 - compiling in the timing process instead is only slower
             traceback.print_exc()
@@ -295,9 +321,14 @@ def main():
         if checks is None or "error" in checks:
             if checks is not None:
                 print(f"GPU checks failed in the pool: {checks['error']}\n{checks.get('traceback', '')}", flush=True)
-            checks = {"results": run_gpu_checks(small=args.smoke, device=device)}  # raises on the first failure
+            # Raises on the first failure.
+            checks = {"results": run_gpu_checks(small=args.smoke, device=device, parts=check_parts)}
         Path(out, "gemm_checks.json").write_text(json.dumps(checks["results"], indent=1, default=str))
         print(f"all {len(checks['results'])} GPU checks passed", flush=True)
+    if args.split_k:
+        gemm_splitk.run_split_k_benchmark(out, device=device, points=split_points,
+                                          deadline_left=lambda: deadline_at - time.monotonic() if deadline_at
+                                          else float("inf"), **split_extra)
 
     if "quant" not in skip and (deadline_at is None or deadline_at - time.monotonic() > 60):
         from quantkit.bench.quant import run_quant_benchmark

@@ -34,7 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from quantkit.bench.common import environment_metadata  # noqa: E402
 from quantkit.bench.gemm import _rel_err, bench_graph_ms  # noqa: E402
-from quantkit.kernels import gemm, launch, norm, quant, reference  # noqa: E402
+from quantkit.kernels import gemm, gemm_tma, launch, norm, quant, reference  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 T0 = time.time()
@@ -176,7 +176,8 @@ def host_times():
     def session2_autotuner_path():
         # What every eager call did before this session: the Autotuner + Heuristics wrappers.
         gemm._scaled_mm_autotuned[(128,)](
-            a16, w, torch.empty_like(out16), sa16, sw, sa16, 16, 4096, 4096, 16, 4096, 4096, 4096,
+            a16, w, torch.empty_like(out16), sa16, sw, sa16, *gemm_tma._workspace_args(a16, 0, 1),
+            16, 4096, 4096, 16, 4096, 4096, 4096,
             IS_INT8=False, A_PER_TOKEN=True, W_PER_CHANNEL=True, HAS_BIAS=False, ACTIVATION=0, RAW_ACC=False,
             GATED=False, INTERPRETED=False, FP8_FAST_ACCUM=True)
 

@@ -362,7 +362,7 @@ def _grid_steps(q, ref_q):
     return (ordinal(q) - ordinal(ref_q)).abs()
 
 
-CHECK_PARTS = ("grid", "configs_int8", "configs_fp8", "compile")
+CHECK_PARTS = ("grid", "configs_int8", "configs_fp8", "configs_split_k", "compile")
 
 
 def run_gpu_checks(all_configs=True, device="cuda", small=False, parts=CHECK_PARTS) -> list[dict]:
@@ -371,8 +371,9 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False, parts=CHECK_PAR
     Raises RuntimeError on the first failure (so a broken kernel never gets benchmarked).
     Also compiles a small quantize -> GEMM module with torch.compile(fullgraph=True) and
     replays it inside a CUDA graph. ``parts`` (of CHECK_PARTS: the epilogue/shape grid with the
-    quantization kernels, every autotune config for INT8 / FP8, torch.compile + CUDA graph) lets
-    separate processes run them side by side.
+    quantization kernels, every autotune config for INT8 / FP8, every small-M split-K config
+    (``gemm_splitk.run_split_k_checks``), torch.compile + CUDA graph) lets separate processes run
+    them side by side.
     """
     from quantkit.kernels import quant
 
@@ -485,6 +486,11 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False, parts=CHECK_PAR
                     bound = 4e-3 if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
                 record(f"config_{dtype}_gated={gated}", _rel_err(out, ref) < bound, config=str(cfg),
                        out_dtype=str(out_dtype), rel_err=_rel_err(out, ref), bound=bound)
+
+    if "configs_split_k" in parts:
+        from quantkit.bench.gemm_splitk import run_split_k_checks
+
+        run_split_k_checks(record, device=device, small=small)
 
     # torch.compile(fullgraph=True) + CUDA graph capture of quantize -> GEMM.
     for dtype in (torch.int8, torch.float8_e4m3fn) if device == "cuda" and "compile" in parts else ():

@@ -14,14 +14,23 @@ Layers: ``_scaled_mm_kernel`` (@triton.jit) -> ``scaled_mm`` / ``gated_scaled_mm
 (validate, allocate, grid) -> registered ops in ``triton_ops.py``. The torch twin is
 ``reference.scaled_mm``.
 
+Split-K (``SPLIT_K`` config key, tiled kernel): each output tile is computed as SPLIT_K K-slices
+by as many programs (more programs streaming the weight at decode sizes, where N / BLOCK_N alone
+leaves SMs idle); each slice stores its int32 / fp32 partial tile in gemm_tma's per-device
+workspace and the last to arrive sums them in slice order (deterministic, INT8 exact), runs the
+epilogue and resets its tile's counter (``gemm_epilogue.split_arrive`` / ``split_sum``, shared
+with the persistent kernel's split tail). SPLIT_K = 1 compiles to the unsplit kernel. The split
+configs are not in the default autotune pool yet (``gemm_configs.SMALL_M_SPLIT_K``).
+
 Two kernels: this file's tiled kernel (one program per output tile, pointer loads, the gated
 variant, every M) and the persistent TMA kernel of ``gemm_tma.py`` (large M). For
 M >= PERSISTENT_MIN_M (and 16-byte aligned operands), ``kernel="auto"`` takes the persistent one
 (the gated GEMM: for INT8 only, see PERSISTENT_MIN_M).
 
-Tuning: autotuned over a few configs per M bucket (key N, K, M_BUCKET) on the GPU, once per key:
-the chosen config is then cached with a launch plan and the compiled kernel is launched directly
-(``launch.CachedLaunch``: no autotuner or JIT binding pass per eager call); decode sizes
+Tuning (config sets: ``gemm_configs.py``): autotuned over a few configs per M bucket (key N, K,
+M_BUCKET) on the GPU, once per key: the chosen config is then cached with a launch plan and the
+compiled kernel is launched directly (``launch.CachedLaunch``: no autotuner or JIT binding pass
+per eager call); decode sizes
 (M <= 16) get GEMV-like configs (a 16-row tile, narrow N tiles, long K tiles, deep pipelines) so
 that enough programs stream the weight to saturate memory bandwidth. Under the interpreter one
 fixed config is used (autotune with several configs fails there; cost is per program).
@@ -44,8 +53,11 @@ import triton.language as tl
 import triton.testing
 
 from quantkit.kernels import gemm_tma
-from quantkit.kernels.gemm_epilogue import dequant_epilogue, dot_accumulate, grouped_tile
-from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, config_dict, next_power_of_2
+from quantkit.kernels.gemm_configs import (  # noqa: F401 - the config sets are part of gemm's API
+    ALL_CONFIGS, HEURISTICS, INTERPRETER_CONFIG, LARGE_M_CONFIGS, MEDIUM_M_CONFIGS, SMALL_M_CONFIGS,
+    SMALL_M_SPLIT_K_CONFIGS, _prune_configs, m_bucket, split_k_plan, split_k_programs)
+from quantkit.kernels.gemm_epilogue import dequant_epilogue, dot_accumulate, grouped_tile, split_arrive, split_sum
+from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, config_dict
 from quantkit.kernels.quant import cast_for_store
 from quantkit.kernels.reference import ACTIVATIONS, INT8_MAX, QUANT_DTYPES
 
@@ -62,7 +74,7 @@ MAX_INT8_K = (2**31 - 1) // int(INT8_MAX * INT8_MAX)
 # multiply the compiled variants per batch size.
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _scaled_mm_kernel(
-    a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr,
+    a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, partials_ptr, arrivals_ptr,
     M, N, K, M_BUCKET,
     stride_am, stride_wn, stride_om,
     IS_INT8: tl.constexpr,
@@ -80,8 +92,16 @@ def _scaled_mm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    if SPLIT_K == 1:
+        tile_id = tl.program_id(0)
+    else:
+        # SPLIT_K programs per output tile, adjacent in launch order (the slices of a tile run
+        # side by side, so its combine is not left to the last wave).
+        tile_id = tl.program_id(0) // SPLIT_K
+        split_id = tl.program_id(0) % SPLIT_K
+    pid_m, pid_n = grouped_tile(tile_id, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -93,19 +113,28 @@ def _scaled_mm_kernel(
     a_ptrs = a_ptr + rows_a.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     # Loaded as a (BLOCK_K, BLOCK_N) tile of the (N, K) weight: K-contiguous B for tl.dot.
     w_ptrs = w_ptr + rows_w.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    if SPLIT_K == 1:
+        k_begin = 0
+        k_end = K
+    else:
+        # Slice s covers the K steps [s * k_tiles // SPLIT_K, (s + 1) * k_tiles // SPLIT_K): at
+        # least one each (split_k_plan); the masked K tail falls in the last slice.
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        k_begin = split_id * k_tiles // SPLIT_K * BLOCK_K
+        k_end = (split_id + 1) * k_tiles // SPLIT_K * BLOCK_K
+        a_ptrs += k_begin
+        w_ptrs += k_begin
     if GATED:
         w_up_ptrs = w_ptrs + N * stride_wn
 
     if IS_INT8:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        if GATED:
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if GATED:
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # The up accumulator of the gated form; otherwise an unused stand-in (compiled away).
+    acc_up = acc
 
-    for k_start in range(0, K, BLOCK_K):
+    for k_start in range(k_begin, k_end, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
             w = tl.load(w_ptrs)
@@ -124,6 +153,35 @@ def _scaled_mm_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
+    if SPLIT_K == 1:
+        _store_tile(acc, acc_up, offs_m, offs_n, M, N, out_ptr, stride_om, a_scale_ptr, w_scale_ptr, bias_ptr,
+                    A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, ACTIVATION, GATED, RAW_ACC, INTERPRETED)
+    else:
+        # One slot of TILE (gate) or 2 x TILE (gate, up) elements per program, the slices of a
+        # tile side by side; only the rows < M are stored and summed (at M = 1 a sixteenth of
+        # the tile: the combine's traffic stays small next to the weight's).
+        TILE: tl.constexpr = BLOCK_M * BLOCK_N
+        SLOT: tl.constexpr = 2 * TILE if GATED else TILE
+        tile_slots = partials_ptr + (tile_id * SPLIT_K).to(tl.int64) * SLOT
+        offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        row_mask = (offs_m < M)[:, None]
+        tl.store(tile_slots + split_id * SLOT + offsets, acc, mask=row_mask)
+        if GATED:
+            tl.store(tile_slots + split_id * SLOT + TILE + offsets, acc_up, mask=row_mask)
+        if split_arrive(arrivals_ptr + tile_id, SPLIT_K):
+            acc = split_sum(tile_slots, offsets, row_mask, SLOT, SPLIT_K)
+            if GATED:
+                acc_up = split_sum(tile_slots + TILE, offsets, row_mask, SLOT, SPLIT_K)
+            _store_tile(acc, acc_up, offs_m, offs_n, M, N, out_ptr, stride_om, a_scale_ptr, w_scale_ptr,
+                        bias_ptr, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, ACTIVATION, GATED, RAW_ACC, INTERPRETED)
+            tl.store(arrivals_ptr + tile_id, 0)
+
+
+@triton.jit
+def _store_tile(acc, acc_up, offs_m, offs_n, M, N, out_ptr, stride_om, a_scale_ptr, w_scale_ptr, bias_ptr,
+                A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                ACTIVATION: tl.constexpr, GATED: tl.constexpr, RAW_ACC: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The fused epilogue of one output tile and its masked store (``acc_up``: gated form only)."""
     m_mask = offs_m < M
     n_mask = offs_n < N
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -131,88 +189,25 @@ def _scaled_mm_kernel(
     if RAW_ACC:
         # Test hook: the int32 accumulator itself, to compare exactly with an integer matmul.
         tl.store(out_ptrs, acc, mask=out_mask)
-        return
-
-    out = dequant_epilogue(acc, offs_m, offs_n, M, N, a_scale_ptr, w_scale_ptr, bias_ptr,
-                           A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, ACTIVATION)
-    if GATED:
-        if A_PER_TOKEN:
-            a_scale = tl.load(a_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
-        else:
-            a_scale = tl.load(a_scale_ptr)
-        if W_PER_CHANNEL:
-            w_scale_up = tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0)[None, :]
-        else:
-            w_scale_up = tl.load(w_scale_ptr)
-        out = out * (acc_up.to(tl.float32) * a_scale * w_scale_up)
-    tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
+    else:
+        out = dequant_epilogue(acc, offs_m, offs_n, M, N, a_scale_ptr, w_scale_ptr, bias_ptr,
+                               A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, ACTIVATION)
+        if GATED:
+            if A_PER_TOKEN:
+                a_scale = tl.load(a_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
+            else:
+                a_scale = tl.load(a_scale_ptr)
+            if W_PER_CHANNEL:
+                w_scale_up = tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0)[None, :]
+            else:
+                w_scale_up = tl.load(w_scale_ptr)
+            out = out * (acc_up.to(tl.float32) * a_scale * w_scale_up)
+        tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
 
 
 # ----------------------------------------------------------------------------------------------
-# Configs
+# Autotuning (the config sets, pruning and heuristics live in gemm_configs.py)
 # ----------------------------------------------------------------------------------------------
-
-
-def _cfg(bm, bn, bk, warps, stages, group_m=8):
-    return triton.Config(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m}, num_warps=warps, num_stages=stages
-    )
-
-
-# Decode (M <= 16): bandwidth-bound on the weight. A 16-row tile wastes no MMA rows worth
-# mentioning; narrow N tiles and long K tiles give 64..512 programs, each with several
-# K-steps of weight in flight, so the whole chip streams the weight.
-SMALL_M_CONFIGS = [
-    _cfg(16, 32, 256, 4, 4),
-    _cfg(16, 32, 512, 4, 4),
-    _cfg(16, 64, 256, 4, 4),
-    _cfg(16, 64, 512, 4, 3),
-    _cfg(16, 128, 256, 4, 4),
-    _cfg(16, 16, 512, 4, 4),
-]
-# 17 <= M <= 128: still mostly weight-bound; tiles that cover M in one or two row-tiles.
-MEDIUM_M_CONFIGS = [
-    _cfg(32, 64, 256, 4, 4),
-    _cfg(64, 64, 256, 4, 4),
-    _cfg(64, 128, 128, 4, 4),
-    _cfg(64, 128, 256, 4, 3),
-    _cfg(128, 128, 128, 8, 4),
-    _cfg(64, 256, 128, 8, 3),
-]
-# M > 128: compute-bound; large wgmma tiles, 3-4 stage pipelines.
-LARGE_M_CONFIGS = [
-    _cfg(128, 256, 128, 8, 3),
-    _cfg(256, 128, 128, 8, 3),
-    _cfg(128, 128, 128, 8, 4),
-    _cfg(128, 128, 128, 4, 4),
-    _cfg(128, 256, 64, 8, 4),
-    _cfg(128, 64, 128, 4, 4),
-]
-
-
-def m_bucket(M: int) -> int:
-    """Autotune key for M: a new batch size retunes only when it crosses a power of two."""
-    return next_power_of_2(max(1, min(M, 4096)))
-
-
-def _prune_configs(configs, named_args, **kwargs):
-    M = named_args["M"]
-    gated = named_args.get("GATED", kwargs.get("GATED", False))
-    family = SMALL_M_CONFIGS if M <= 16 else MEDIUM_M_CONFIGS if M <= 128 else LARGE_M_CONFIGS
-    wanted = {id(c) for c in family}
-    pool = [c for c in configs if id(c) in wanted]
-    if gated:
-        # Two accumulators: keep the tile's registers (and shared memory) in budget.
-        pool = [c for c in pool if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128] or pool[:1]
-    return pool
-
-
-def _even_k(args):
-    return args["K"] % args["BLOCK_K"] == 0
-
-
-def _fp8_promote_k(args):
-    return min(args["BLOCK_K"], 128)
 
 
 def _autotune_bench(fn, quantiles=None):
@@ -223,16 +218,14 @@ def _autotune_bench(fn, quantiles=None):
 
 _AUTOTUNE_EXTRA = {"do_bench": _autotune_bench} if "do_bench" in inspect.signature(triton.autotune).parameters else {}
 
+# The split-K configs are always among the autotuner's configs; _prune_configs admits them (M <= 16)
+# only while gemm_configs.SMALL_M_SPLIT_K is on.
 _scaled_mm_autotuned = triton.autotune(
-    configs=SMALL_M_CONFIGS + MEDIUM_M_CONFIGS + LARGE_M_CONFIGS,
+    configs=ALL_CONFIGS,
     key=["N", "K", "M_BUCKET", "IS_INT8", "FP8_FAST_ACCUM", "GATED", "HAS_BIAS", "ACTIVATION"],
     prune_configs_by={"early_config_prune": _prune_configs},
     **_AUTOTUNE_EXTRA,
-)(triton.heuristics({"EVEN_K": _even_k, "FP8_PROMOTE_K": _fp8_promote_k})(_scaled_mm_kernel))
-
-# One config under the interpreter: big tiles (cost is per program), K tile 64 so test shapes
-# exercise both the multi-step K loop and the masked K tail.
-INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4}
+)(triton.heuristics(HEURISTICS)(_scaled_mm_kernel))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -350,8 +343,11 @@ def _tiled_plan(config: dict, flags: tuple, gated: bool, fp8_fast_accum: bool, K
     cfg = dict(config)
     num_warps = cfg.pop("num_warps", 4)
     num_stages = cfg.pop("num_stages", 3)
+    # The config's SPLIT_K is a request; the kernel gets the plan's count (a constexpr: K, and so
+    # the count, is part of every key this plan is cached under).
     constexprs = dict(zip(FLAG_NAMES, flags), GATED=gated, INTERPRETED=INTERPRETED, EVEN_K=K % cfg["BLOCK_K"] == 0,
-                      FP8_FAST_ACCUM=fp8_fast_accum, FP8_PROMOTE_K=min(cfg["BLOCK_K"], 128), **cfg)
+                      FP8_FAST_ACCUM=fp8_fast_accum, FP8_PROMOTE_K=min(cfg["BLOCK_K"], 128),
+                      **{**cfg, "SPLIT_K": split_k_plan(K, cfg["BLOCK_K"], cfg.get("SPLIT_K", 1))})
     return cfg["BLOCK_M"], cfg["BLOCK_N"], constexprs, num_warps, num_stages, (*cfg.values(), num_warps, num_stages)
 
 
@@ -360,29 +356,56 @@ def _launch_tiled(a, w, out, a_scale, w_scale, bias, flags: tuple, gated, fp8_fa
     N = out.shape[1]
     bias_arg = bias if bias is not None else a_scale
     bucket = m_bucket(M)
-    args = (a, w, out, a_scale, w_scale, bias_arg, M, N, K, bucket, a.stride(0), w.stride(0), out.stride(0))
     tune_key = (N, K, bucket, gated, fp8_fast_accum, flags, a.dtype, out.dtype, bias_arg.dtype)
+    # A split slot holds the gate and the up partial tile when gated.
+    tile_copies = 2 if gated else 1
     if config is None and not INTERPRETED:
         plan = _TILED_PLANS.get(tune_key)
         if plan is None:
             config = _TUNED_TILED.get(tune_key)
             if config is None:
-                def grid(meta):
-                    return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)
-
-                _scaled_mm_autotuned[grid](*args, **dict(zip(FLAG_NAMES, flags)), GATED=gated, INTERPRETED=False,
-                                           FP8_FAST_ACCUM=fp8_fast_accum)
+                _autotune_tiled(a, w, out, a_scale, w_scale, bias_arg, flags, gated, fp8_fast_accum, tile_copies)
                 _TUNED_TILED[tune_key] = config_dict(_scaled_mm_autotuned.best_config)
                 return out
             plan = _TILED_PLANS[tune_key] = _tiled_plan(config, flags, gated, fp8_fast_accum, K)
     else:
         plan = _tiled_plan(config or INTERPRETER_CONFIG, flags, gated, fp8_fast_accum, K)
     block_m, block_n, constexprs, num_warps, num_stages, config_key = plan
+    splits = constexprs["SPLIT_K"]
+    programs = cdiv(M, block_m) * cdiv(N, block_n) * splits
+    # Every launch passes the workspace (unused without a split), so the autotuner's launches and
+    # the cached plans' share one pointer signature, and so one compiled binary.
+    partials, arrivals = gemm_tma._workspace_args(a, programs if splits > 1 else 0, tile_copies * block_m * block_n)
+    args = (a, w, out, a_scale, w_scale, bias_arg, partials, arrivals, M, N, K, bucket, a.stride(0), w.stride(0),
+            out.stride(0))
     # N, K and the row strides are specialized by value (N and K are in tune_key); M and
     # M_BUCKET are do_not_specialize'd (only their int64-ness matters).
-    key = (tune_key, config_key, args[10], args[11], args[12], M >= 2**31, aligned(a, w, out, a_scale, w_scale, bias_arg))
-    _TILED(key, (cdiv(M, block_m) * cdiv(N, block_n),), args, constexprs, num_warps, num_stages)
+    key = (tune_key, config_key, args[12], args[13], args[14], M >= 2**31,
+           aligned(a, w, out, a_scale, w_scale, bias_arg, partials, arrivals))
+    _TILED(key, (programs,), args, constexprs, num_warps, num_stages)
     return out
+
+
+def _autotune_tiled(a, w, out, a_scale, w_scale, bias_arg, flags, gated, fp8_fast_accum, tile_copies):
+    """First call of a tuning key: the autotuner times its pool (``_prune_configs``) and launches the best."""
+    M, K = a.shape
+    N = out.shape[1]
+
+    def grid(meta):
+        return (split_k_programs(M, N, K, meta)[1],)
+
+    # A workspace for the largest split config of the pool (none: the no-split stand-in).
+    pool = [c.all_kwargs() for c in _prune_configs(_scaled_mm_autotuned.configs, {"M": M, "GATED": gated})]
+    needs = [(split_k_programs(M, N, K, c)[1], tile_copies * c["BLOCK_M"] * c["BLOCK_N"])
+             for c in pool if split_k_programs(M, N, K, c)[0] > 1]
+    if needs:
+        programs = max(p for p, _ in needs)
+        partials, arrivals = gemm_tma._workspace_args(a, programs, cdiv(max(p * e for p, e in needs), programs))
+    else:
+        partials, arrivals = gemm_tma._workspace_args(a, 0, 1)
+    _scaled_mm_autotuned[grid](a, w, out, a_scale, w_scale, bias_arg, partials, arrivals, M, N, K, m_bucket(M),
+                               a.stride(0), w.stride(0), out.stride(0), **dict(zip(FLAG_NAMES, flags)), GATED=gated,
+                               INTERPRETED=False, FP8_FAST_ACCUM=fp8_fast_accum)
 
 
 def _pick_kernel(kernel, a, w, out, gated, config) -> str:

@@ -1,6 +1,7 @@
 """@triton.jit pieces shared by the tiled (gemm.py) and persistent TMA (gemm_tma.py) GEMM kernels:
-the tensor-core dot with its FP8 accumulation mode, the grouped tile order, and the fused
-dequant + bias + activation epilogue on the fp32 accumulator.
+the tensor-core dot with its FP8 accumulation mode, the grouped tile order, the fused
+dequant + bias + activation epilogue on the fp32 accumulator, and the combine of K-split partial
+tiles through a workspace (``split_arrive`` / ``split_sum``).
 """
 
 from __future__ import annotations
@@ -79,3 +80,37 @@ def dequant_epilogue(
     if HAS_BIAS:
         out = out + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     return apply_activation(out, ACTIVATION)
+
+
+# ----------------------------------------------------------------------------------------------
+# K-split combine, shared by the tiled kernel's SPLIT_K and the persistent kernel's split tail:
+# every K-slice of an output tile stores its int32 / fp32 partial tile in its own workspace slot
+# and counts itself in the tile's arrival counter; the slice that arrives last sums the slots in
+# slice order 0..SPLITS-1 (the same order whichever slice finished last: deterministic, and exact
+# for INT8), runs the epilogue and resets the counter to 0 for the next launch. No program waits
+# on another, so nothing depends on all slices being resident at once; a launch is CUDA-graph
+# capturable once the workspace exists (nothing is allocated or zeroed per launch).
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def split_arrive(counter_ptr, SPLITS: tl.constexpr):
+    """Count this slice in its tile's arrival counter, after its partial tile was stored; True in
+    the slice that arrives last (which then owns the combine)."""
+    # Release: the CTA barrier orders every thread's partial-tile stores before the one atomic
+    # (acq_rel, gpu scope); its acquire side orders the last arriver's loads of the other slots
+    # after it.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    return arrived == SPLITS - 1
+
+
+@triton.jit
+def split_sum(slots_ptr, offsets, mask, SLOT_ELEMS: tl.constexpr, SPLITS: tl.constexpr):
+    """Sum of the partial tiles at ``slots_ptr + s * SLOT_ELEMS + offsets``, s = 0..SPLITS-1 in
+    order (``mask``: the elements the slices stored; None for all)."""
+    # .cg: from L2 (the point of coherence), never a stale L1 line.
+    total = tl.load(slots_ptr + offsets, mask=mask, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLITS):
+        total += tl.load(slots_ptr + s * SLOT_ELEMS + offsets, mask=mask, cache_modifier=".cg")
+    return total

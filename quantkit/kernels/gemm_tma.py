@@ -51,7 +51,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from quantkit.kernels.launch import CachedLaunch, aligned, cdiv, config_dict, median_replay_ms, num_sms
-from quantkit.kernels.gemm_epilogue import dequant_epilogue, dot_accumulate, grouped_tile
+from quantkit.kernels.gemm_epilogue import dequant_epilogue, dot_accumulate, grouped_tile, split_arrive, split_sum
 from quantkit.kernels.quant import cast_for_store
 
 # Output dtype codes (a constexpr int; the store needs the dtype at compile time).
@@ -206,13 +206,11 @@ def _split_tail(a_desc, w_desc, out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, pa
     """One K-slice of one tail tile per program (unit = pid): slice s of tail tile t covers the
     K steps [s * k_tiles // SPLITS, (s + 1) * k_tiles // SPLITS).
 
-    Every slice writes its int32 / fp32 partial tile to its own workspace slot, then counts itself
-    in the tile's arrival counter (release: after a CTA barrier, so the whole tile's stores are
-    ordered before it). The program that arrives last (acquire) sums the slots in slice order
-    0..SPLITS-1, so the result does not depend on which slice finished last (deterministic; INT8
-    exact), runs the epilogue in EPILOGUE_SPLIT column chunks (registers: one chunk of the sum and
-    one of a slot at a time), and resets the counter to 0 for the next launch. No program waits
-    on another, so nothing depends on all programs being resident at once.
+    Every slice writes its int32 / fp32 partial tile to its own workspace slot and arrives
+    (``gemm_epilogue.split_arrive``); the last arriver sums the slots in slice order
+    (``split_sum``: deterministic, INT8 exact), runs the epilogue in EPILOGUE_SPLIT column chunks
+    (registers: one chunk of the sum and one of a slot at a time), and resets the counter to 0 for
+    the next launch.
     """
     tail_tiles = num_tiles - dp_tiles
     if pid < tail_tiles * SPLITS:
@@ -233,20 +231,12 @@ def _split_tail(a_desc, w_desc, out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, pa
         cols = tl.arange(0, BLOCK_N)
         tile_slots = partials_ptr + (t * SPLITS).to(tl.int64) * (BLOCK_M * BLOCK_N)
         tl.store(tile_slots + s * (BLOCK_M * BLOCK_N) + rows[:, None] * BLOCK_N + cols[None, :], acc)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals_ptr + t, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
+        if split_arrive(arrivals_ptr + t, SPLITS):
             CHUNK_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
             chunk_cols = tl.arange(0, CHUNK_N)
             for c in tl.static_range(EPILOGUE_SPLIT):
                 offsets = rows[:, None] * BLOCK_N + (c * CHUNK_N + chunk_cols)[None, :]
-                if IS_INT8:
-                    total = tl.zeros((BLOCK_M, CHUNK_N), dtype=tl.int32)
-                else:
-                    total = tl.zeros((BLOCK_M, CHUNK_N), dtype=tl.float32)
-                for slot in tl.static_range(SPLITS):
-                    # .cg: from L2 (the point of coherence), never a stale L1 line.
-                    total += tl.load(tile_slots + slot * (BLOCK_M * BLOCK_N) + offsets, cache_modifier=".cg")
+                total = split_sum(tile_slots, offsets, None, BLOCK_M * BLOCK_N, SPLITS)
                 if RAW_ACC:
                     out = total
                 else:
@@ -386,17 +376,30 @@ def split_workspace(device: torch.device, elems: int, counters: int) -> tuple[to
     return ws
 
 
+# What launches without a split pass, per (device index, operand dtype): they never touch the
+# buffers, so any workspace of the device will do (a grown one retires, and keeps, the old), and
+# reusing the first saves the lookup and the int32 view on every eager GEMM launch (~2 us of host).
+_NO_SPLIT_ARGS: dict = {}
+
+
 def _workspace_args(a: torch.Tensor, slots: int, tile_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Workspace for ``slots`` partial tiles (at most one per program) of ``tile_elems`` elements;
     ``slots=0``: a launch without a split, which passes the buffers but never touches them (inside
     a capture before any workspace exists: stand-ins of the right dtypes, not cached)."""
-    if slots == 0 and (a.device.type, a.device.index) not in _SPLIT_WORKSPACE and a.is_cuda \
-            and torch.cuda.is_current_stream_capturing():
-        partials = torch.empty(1, dtype=torch.int32 if a.dtype == torch.int8 else torch.float32, device=a.device)
-        return partials, torch.empty(1, dtype=torch.int32, device=a.device)
+    if slots == 0:
+        cached = _NO_SPLIT_ARGS.get((a.get_device(), a.dtype))
+        if cached is not None:
+            return cached
+        if (a.device.type, a.device.index) not in _SPLIT_WORKSPACE and a.is_cuda \
+                and torch.cuda.is_current_stream_capturing():
+            partials = torch.empty(1, dtype=torch.int32 if a.dtype == torch.int8 else torch.float32, device=a.device)
+            return partials, torch.empty(1, dtype=torch.int32, device=a.device)
     partials, arrivals = split_workspace(a.device, slots * tile_elems, slots)
     # INT8 partials are int32 (exact sums); the buffer is shared, viewed per launch.
-    return (partials.view(torch.int32) if a.dtype == torch.int8 else partials), arrivals
+    args = (partials.view(torch.int32) if a.dtype == torch.int8 else partials), arrivals
+    if slots == 0:
+        _NO_SPLIT_ARGS[(a.get_device(), a.dtype)] = args
+    return args
 
 
 _GRAPH_BENCH_REPS = 10

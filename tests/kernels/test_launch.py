@@ -216,7 +216,7 @@ def test_every_autotune_config_launches_directly_after_the_first_call(gemm_gpu_m
             ) == (1, 2), (gated, c)
     tiled = gemm_gpu_mode["_TILED"]
     seen = set()
-    for c in gemm.SMALL_M_CONFIGS + gemm.MEDIUM_M_CONFIGS + gemm.LARGE_M_CONFIGS:
+    for c in gemm.ALL_CONFIGS:  # the split-K configs too
         cfg = config_dict(c)
         new = str(cfg) not in seen
         seen.add(str(cfg))
@@ -309,6 +309,69 @@ def test_autotuner_path_sizes_the_split_workspace_and_grid(gemm_gpu_mode):
     assert grid(meta) == (132,)  # 192 tiles: programs 0..119 also take the 60 tail tiles' 2 slices
     assert gemm_tma._tail_splits({"M": M, "N": N, "K": K, "NUM_SMS": 132, **meta}) == 2
     assert grid({**meta, "BLOCK_N": 128, "CTAS_PER_SM": 2, "TAIL_SPLIT": 1}) == (264,)
+
+
+def test_tiled_split_k_launch_grid_workspace_and_key(gemm_gpu_mode):
+    """A split config launches tiles x slices programs with the workspace (one slot per program,
+    gate and up partials when gated); the slice count is a constexpr of its own compiled variant."""
+    from quantkit.kernels import gemm
+    from quantkit.kernels.launch import config_dict
+
+    tiled = gemm_gpu_mode["_TILED"]
+    M, N, K = 1, 4096, 14336
+    a, sa, w, sw = _quantized(M, N, K, torch.int8)
+    flags = (True, True, True, False, 0, False)
+    unsplit = config_dict(gemm.SMALL_M_CONFIGS[2])  # 16x64x256
+    split = config_dict(gemm.SMALL_M_SPLIT_K_CONFIGS[3])  # 16x64x256, SPLIT_K 8
+    assert {k: v for k, v in split.items() if k != "SPLIT_K"} == unsplit
+    for gated, weight, scale in ((False, w, sw), (True, torch.cat([w, w]), torch.cat([sw, sw]))):
+        for cfg, programs in ((unsplit, 64), (split, 64 * 8)):
+            out = torch.empty(M, N, dtype=torch.bfloat16)
+            assert _launches(tiled, lambda: gemm._launch_tiled(a, weight, out, sa, scale, None, flags, gated, False,
+                                                               cfg)) == (1, 2), (gated, cfg)
+            run = tiled.compiled.runs[-1]
+            assert run[:3] == (programs, 1, 1)
+            partials, arrivals, constexpr_split = run[9 + 6], run[9 + 7], run[-1]
+            assert constexpr_split == cfg.get("SPLIT_K", 1)
+            assert partials.dtype == torch.int32 and arrivals.dtype == torch.int32
+            if cfg is split:
+                slot = (2 if gated else 1) * 16 * 64
+                assert partials.numel() >= programs * slot and arrivals.numel() >= programs
+    # A K too short for 8 slices: the plan's count (2) reaches the kernel and the grid.
+    a2, sa2, w2, sw2 = _quantized(M, N, 512, torch.int8)
+    assert _launches(tiled, lambda: gemm._launch_tiled(a2, w2, torch.empty(M, N, dtype=torch.bfloat16), sa2, sw2,
+                                                       None, flags, False, False, split)) == (1, 2)
+    run = tiled.compiled.runs[-1]
+    assert run[0] == 64 * 2 and run[-1] == 2
+
+
+def test_tiled_autotuner_path_sizes_the_split_workspace(gemm_gpu_mode, monkeypatch):
+    """With SMALL_M_SPLIT_K on, the autotuner's first call for a decode key gets a workspace for
+    the largest split config of its pool and a grid of tiles x slices; off, no split workspace."""
+    from quantkit.kernels import gemm, gemm_configs
+
+    calls = []
+
+    class FakeTuner:
+        configs = gemm.ALL_CONFIGS
+        best_config = gemm.SMALL_M_SPLIT_K_CONFIGS[0]
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
+
+    monkeypatch.setattr(gemm, "_scaled_mm_autotuned", FakeTuner())
+    monkeypatch.setattr(gemm_configs, "SMALL_M_SPLIT_K", True)
+    M, N, K = 1, 4096, 14336
+    a, sa, w, sw = _quantized(M, N, K, torch.float8_e4m3fn)
+    flags = (False, True, True, False, 0, False)
+    gemm._launch_tiled(a, w, torch.empty(M, N, dtype=torch.bfloat16), sa, sw, None, flags, False, True, None)
+    (grid, args, kwargs), = calls
+    partials, arrivals = args[6], args[7]
+    # Largest need of the pool: 16x32x512 with 8 slices = 1024 programs of 512 elements.
+    assert partials.dtype == torch.float32 and partials.numel() >= 1024 * 16 * 32 and arrivals.numel() >= 1024
+    assert grid({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 8}) == (512,)
+    assert grid({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256}) == (64,)
+    assert gemm._TUNED_TILED and list(gemm._TUNED_TILED.values())[0]["SPLIT_K"] == 4
 
 
 def test_autotune_timer_uses_graph_replay_and_falls_back_to_do_bench(monkeypatch):

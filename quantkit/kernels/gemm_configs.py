@@ -1,0 +1,158 @@
+"""Launch configs of the tiled GEMM kernel (``gemm._scaled_mm_kernel``): the autotune sets per M
+family, the small-M split-K set (kept out of the autotune pool until it is measured, see
+SMALL_M_SPLIT_K), the split plan and the autotuner's pruning and heuristics.
+
+A config is a ``triton.Config`` of BLOCK_M / BLOCK_N / BLOCK_K / GROUP_M (+ SPLIT_K for the split
+set) with num_warps / num_stages; ``launch.config_dict`` turns one into the explicit-config dict
+``gemm.scaled_mm(config=...)`` takes.
+"""
+
+from __future__ import annotations
+
+import triton
+
+from quantkit.kernels.launch import cdiv, next_power_of_2
+
+# Largest SPLIT_K a config may ask for: the combine unrolls one load of every slice's partial
+# tile, and past 16 slices the partials' traffic outgrows what the split gains.
+MAX_SPLIT_K = 16
+
+
+def _cfg(bm, bn, bk, warps, stages, group_m=8, split_k=1):
+    kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m}
+    if split_k > 1:
+        kwargs["SPLIT_K"] = split_k
+    return triton.Config(kwargs, num_warps=warps, num_stages=stages)
+
+
+# Decode (M <= 16): bandwidth-bound on the weight. A 16-row tile wastes no MMA rows worth
+# mentioning; narrow N tiles and long K tiles give 64..512 programs, each with several
+# K-steps of weight in flight, so the whole chip streams the weight.
+SMALL_M_CONFIGS = [
+    _cfg(16, 32, 256, 4, 4),
+    _cfg(16, 32, 512, 4, 4),
+    _cfg(16, 64, 256, 4, 4),
+    _cfg(16, 64, 512, 4, 3),
+    _cfg(16, 128, 256, 4, 4),
+    _cfg(16, 16, 512, 4, 4),
+]
+
+# Decode with split-K (issue 3): the configs above launch N / BLOCK_N programs, 32..256 at
+# N = 4096, each walking all of K; on an H100 (132 SMs) 4096 x 14336 at M = 1 then reads the
+# weight at 1.7 TB/s of the 3.0 copy rate. SPLIT_K slices of K per output tile multiply the
+# programs. Shared memory per program is (num_stages - 1) x (BLOCK_N + 16) x BLOCK_K bytes
+# (triton's pipeline buffers; twice the weight tile when gated) and about (num_stages - 1) x
+# BLOCK_N x BLOCK_K bytes of weight are in flight per program. Little's law at 3.35 TB/s and
+# ~0.8 us loaded DRAM latency wants ~2.7 MB in flight chip-wide, ~20 KB per SM: every config
+# below has that with one resident program per SM, so what decides is that all 132 SMs get
+# programs (>= ~264, so a last partial wave is short) while each slice keeps enough K steps to
+# amortize its pipeline fill and the combine (store the partial rows < M, one atomic, and for
+# the last slice a re-read of S partials from L2). Programs (N / BLOCK_N x SPLIT_K) and K steps
+# per slice, for 4096x4096 / 6144x4096 / 28672x4096 / 4096x14336 (K steps per slice: 4096 / 14336):
+#   16x32x256 s4, S=4  (36 KB smem, 24 KB in flight):  512 /  768 / 3584 /  512; 4 / 14
+#   16x64x256 s4, S=2  (60 KB, 48 KB):                  128 /  192 /  896 /  128; 8 / 28
+#   16x64x256 s4, S=4:                                  256 /  384 / 1792 /  256; 4 / 14
+#   16x64x256 s4, S=8:                                  512 /  768 / 3584 /  512; 2 / 7
+#   16x64x512 s3, S=4  (80 KB, 64 KB):                  256 /  384 / 1792 /  256; 2 / 7
+#   16x128x256 s4, S=4 (108 KB, 96 KB):                 128 /  192 /  896 /  128; 4 / 14
+#   16x128x256 s3, S=8 (72 KB, 64 KB):                  256 /  384 / 1792 /  256; 2 / 7
+#   16x32x512 s3, S=8  (48 KB, 32 KB):                 1024 / 1536 / 7168 / 1024; 1 / 3-4
+# Expected: the long-K 4096x14336 gains most (64 unsplit programs of BLOCK_N 64 -> 256-512);
+# 28672x4096 already has 448-896 unsplit programs, so the split should not win there; at
+# K = 4096 the slices are short (1-4 steps) and the combine's fixed latency may eat the gain.
+SMALL_M_SPLIT_K_CONFIGS = [
+    _cfg(16, 32, 256, 4, 4, split_k=4),
+    _cfg(16, 64, 256, 4, 4, split_k=2),
+    _cfg(16, 64, 256, 4, 4, split_k=4),
+    _cfg(16, 64, 256, 4, 4, split_k=8),
+    _cfg(16, 64, 512, 4, 3, split_k=4),
+    _cfg(16, 128, 256, 4, 4, split_k=4),
+    _cfg(16, 128, 256, 4, 3, split_k=8),
+    _cfg(16, 32, 512, 4, 3, split_k=8),
+]
+# Off: the split-K configs have never run on a GPU (written in session 6 under the CPU
+# interpreter). Before turning this on, `benchmarks/gemm.py --split-k` must show on an H100, for
+# M = 1 and 16 at the four Llama-3-8B shapes and the gated MLP, INT8 and FP8: every split config
+# passing the GPU checks (INT8 exact, counters back at zero, repeat bit-equal) and the autotuned
+# pick with the switch on no slower than with it off at any point (the autotuner chooses per
+# shape, so a shape the split does not help keeps an unsplit config). Explicit
+# ``config={..., "SPLIT_K": s}`` works regardless.
+SMALL_M_SPLIT_K = False
+
+# 17 <= M <= 128: still mostly weight-bound; tiles that cover M in one or two row-tiles.
+MEDIUM_M_CONFIGS = [
+    _cfg(32, 64, 256, 4, 4),
+    _cfg(64, 64, 256, 4, 4),
+    _cfg(64, 128, 128, 4, 4),
+    _cfg(64, 128, 256, 4, 3),
+    _cfg(128, 128, 128, 8, 4),
+    _cfg(64, 256, 128, 8, 3),
+]
+# M > 128: compute-bound; large wgmma tiles, 3-4 stage pipelines.
+LARGE_M_CONFIGS = [
+    _cfg(128, 256, 128, 8, 3),
+    _cfg(256, 128, 128, 8, 3),
+    _cfg(128, 128, 128, 8, 4),
+    _cfg(128, 128, 128, 4, 4),
+    _cfg(128, 256, 64, 8, 4),
+    _cfg(128, 64, 128, 4, 4),
+]
+# Every config the autotuner knows; _prune_configs picks each call's family.
+ALL_CONFIGS = SMALL_M_CONFIGS + SMALL_M_SPLIT_K_CONFIGS + MEDIUM_M_CONFIGS + LARGE_M_CONFIGS
+
+# One config under the interpreter: big tiles (cost is per program), K tile 64 so test shapes
+# exercise both the multi-step K loop and the masked K tail.
+INTERPRETER_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4}
+
+
+def m_bucket(M: int) -> int:
+    """Autotune key for M: a new batch size retunes only when it crosses a power of two."""
+    return next_power_of_2(max(1, min(M, 4096)))
+
+
+def split_k_plan(K: int, block_k: int, split_k: int) -> int:
+    """K-slices per output tile for a config's SPLIT_K: at most one slice per K step (so every
+    slice has >= 1 step; a slice without one would only add a partial tile of zeros), at least 1.
+
+    Example: K = 4096 in 512-wide steps is 8 steps: SPLIT_K = 16 -> 8 slices of one step.
+    """
+    if not (isinstance(split_k, int) and not isinstance(split_k, bool) and 1 <= split_k <= MAX_SPLIT_K):
+        raise ValueError(f"SPLIT_K={split_k!r} must be an int in 1..{MAX_SPLIT_K} (K-slices per output tile; 1: off)")
+    return max(1, min(split_k, cdiv(K, block_k)))
+
+
+def split_k_programs(M: int, N: int, K: int, config: dict) -> tuple[int, int]:
+    """(K-slices, programs) of a tiled launch with ``config``: one program per output tile and slice."""
+    splits = split_k_plan(K, config["BLOCK_K"], config.get("SPLIT_K", 1))
+    return splits, cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"]) * splits
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    M = named_args["M"]
+    gated = named_args.get("GATED", kwargs.get("GATED", False))
+    if M <= 16:
+        family = SMALL_M_CONFIGS + (SMALL_M_SPLIT_K_CONFIGS if SMALL_M_SPLIT_K else [])
+    else:
+        family = MEDIUM_M_CONFIGS if M <= 128 else LARGE_M_CONFIGS
+    wanted = {id(c) for c in family}
+    pool = [c for c in configs if id(c) in wanted]
+    if gated:
+        # Two accumulators: keep the tile's registers (and shared memory) in budget.
+        pool = [c for c in pool if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128] or pool[:1]
+    return pool
+
+
+def _even_k(args):
+    return args["K"] % args["BLOCK_K"] == 0
+
+
+def _fp8_promote_k(args):
+    return min(args["BLOCK_K"], 128)
+
+
+def _split_k(args):
+    # The config's SPLIT_K (1 when it has none), clipped as on the cached launch path.
+    return split_k_plan(args["K"], args["BLOCK_K"], args.get("SPLIT_K", 1))
+
+
+HEURISTICS = {"EVEN_K": _even_k, "FP8_PROMOTE_K": _fp8_promote_k, "SPLIT_K": _split_k}

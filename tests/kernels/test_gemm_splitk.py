@@ -1,0 +1,231 @@
+"""Split-K of the tiled GEMM (gemm.py, SPLIT_K) under the CPU interpreter.
+
+Each output tile is computed as SPLIT_K K-slices by as many programs; the last slice to arrive
+sums the partial tiles in slice order and runs the epilogue. Outputs are poisoned before each
+launch, the INT8 accumulator is compared exactly with an integer matmul, FP8 against the
+reference twin, and every launch must leave the arrival counters at zero. Interpreter cost is
+per program: 16 x 64 x 64 tiles and shapes of a few tiles keep each launch to a few programs.
+"""
+
+import pytest
+import torch
+
+from quantkit.kernels import gemm, gemm_configs, gemm_tma, reference
+
+QDTYPES = [pytest.param(torch.int8, id="int8"), pytest.param(torch.float8_e4m3fn, id="fp8")]
+# K cases (64-wide K steps): 208 = 3 full steps + a masked tail of 16, in 3 slices [0,1) [1,2)
+# [2,4) (the tail inside the last slice); 80 = 2 steps (tail 16) with 8 slices requested -> 2.
+K_CASES = [pytest.param(208, 3, 3, id="K208_tail_S3"), pytest.param(80, 8, 2, id="K80_S8_clipped_to_2")]
+M_VALUES = [1, 13, 16]
+N = 70  # two 64-wide N tiles, the second 6 columns wide
+
+# The interpreter evaluates sigmoid's exp(-x) in numpy, which warns when it saturates to inf
+# (the result, 1 / (1 + inf) = 0, is the right one).
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+
+def _config(split_k):
+    return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4, "SPLIT_K": split_k, "num_warps": 4,
+            "num_stages": 2}
+
+
+def _operands(M, K, dtype, seed, rows=N):
+    gen = torch.Generator().manual_seed(seed)
+    a, a_scale = reference.quantize_per_token(torch.randn(M, K, generator=gen) * 2, dtype)
+    w, w_scale = reference.quantize_per_channel(torch.randn(rows, K, generator=gen), dtype)
+    return a, a_scale, w, w_scale, torch.randn(N, generator=gen)
+
+
+def _poisoned(M, cols, dtype):
+    if dtype == torch.int32:
+        return torch.full((M, cols), -123456, dtype=torch.int32)
+    return torch.full((M, cols), float("nan"), dtype=dtype)
+
+
+def _counters_zero():
+    return all(not bool(arrivals.any()) for _, arrivals in gemm_tma._SPLIT_WORKSPACE.values())
+
+
+# fp32 out: the kernel's erf/exp differ from torch's in the last bits; bf16: one rounding.
+RTOL = {torch.float32: 1e-4, torch.bfloat16: 2**-8}
+
+
+def _assert_close(out, ref, out_dtype):
+    assert not out.isnan().any(), "unwritten (NaN-poisoned) output elements"
+    torch.testing.assert_close(out.float(), ref.float(), rtol=RTOL[out_dtype], atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- plan
+
+
+def test_split_k_plan_clips_to_the_k_steps():
+    plan = gemm_configs.split_k_plan
+    assert plan(14336, 256, 8) == 8
+    assert plan(4096, 512, 16) == 8  # 8 K steps: one per slice
+    assert plan(208, 64, 3) == 3 and plan(208, 64, 8) == 4  # 4 steps, the last one masked
+    assert plan(80, 64, 8) == 2
+    assert plan(64, 64, 4) == 1 and plan(4096, 256, 1) == 1
+    assert gemm_configs.split_k_programs(13, 70, 208, _config(8)) == (4, 8)  # 1 x 2 tiles x 4 slices
+    assert gemm_configs.split_k_programs(100, 4096, 4096, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128}) == (1, 64)
+
+
+@pytest.mark.parametrize("bad", [0, 17, 2.0, True, None])
+def test_bad_split_k_raises_naming_the_value(bad):
+    with pytest.raises(ValueError, match=f"SPLIT_K={bad!r}"):
+        gemm_configs.split_k_plan(4096, 256, bad)
+    a, a_scale, w, w_scale, _ = _operands(4, 64, torch.int8, seed=0)
+    with pytest.raises(ValueError, match=f"SPLIT_K={bad!r}"):
+        gemm.scaled_mm(a, w, a_scale, w_scale, config=_config(bad))
+
+
+def test_every_slice_gets_at_least_one_k_step_and_all_steps_are_covered():
+    # The kernel's slice bounds: [s * k_tiles // S, (s + 1) * k_tiles // S) with S from the plan.
+    for k_tiles in range(1, 41):
+        for requested in range(1, gemm_configs.MAX_SPLIT_K + 1):
+            splits = gemm_configs.split_k_plan(64 * k_tiles, 64, requested)
+            bounds = [(s * k_tiles // splits, (s + 1) * k_tiles // splits) for s in range(splits)]
+            assert all(end > begin for begin, end in bounds), (k_tiles, requested)
+            assert [k for b, e in bounds for k in range(b, e)] == list(range(k_tiles))
+
+
+def test_split_configs_are_out_of_the_default_pool(monkeypatch):
+    configs = gemm._scaled_mm_autotuned.configs
+    split = gemm_configs.SMALL_M_SPLIT_K_CONFIGS
+    assert all(c in configs for c in split) and all(c.kwargs["SPLIT_K"] > 1 for c in split)
+    assert gemm_configs.SMALL_M_SPLIT_K is False
+    pool = gemm_configs._prune_configs(configs, {"M": 1})
+    assert pool == gemm_configs.SMALL_M_CONFIGS
+    monkeypatch.setattr(gemm_configs, "SMALL_M_SPLIT_K", True)
+    assert gemm_configs._prune_configs(configs, {"M": 16}) == gemm_configs.SMALL_M_CONFIGS + split
+    assert gemm_configs._prune_configs(configs, {"M": 1, "GATED": True}) == gemm_configs.SMALL_M_CONFIGS + split
+    assert not any("SPLIT_K" in c.kwargs for c in gemm_configs._prune_configs(configs, {"M": 17}))
+
+
+# ---------------------------------------------------------------------------------------------- kernel
+
+
+@pytest.mark.parametrize("K,split_k,splits", K_CASES)
+@pytest.mark.parametrize("M", M_VALUES)
+def test_split_k_int8_accumulator_is_exact(M, K, split_k, splits):
+    assert gemm_configs.split_k_plan(K, 64, split_k) == splits
+    a, _, w, _, _ = _operands(M, K, torch.int8, seed=M + K)
+    acc = gemm.int8_matmul_accumulator(a, w, config=_config(split_k), out=_poisoned(M, N, torch.int32))
+    assert torch.equal(acc, reference.int8_matmul_exact(a, w))
+    assert _counters_zero(), "the last slice of each tile resets its arrival counter"
+
+
+@pytest.mark.parametrize("activation", reference.ACTIVATIONS)
+@pytest.mark.parametrize("has_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_split_k_every_epilogue(dtype, has_bias, activation):
+    M, K = 13, 208
+    a, a_scale, w, w_scale, bias = _operands(M, K, dtype, seed=3)
+    b = bias if has_bias else None
+    out = gemm.scaled_mm(a, w, a_scale, w_scale, b, activation, torch.float32, config=_config(3),
+                         out=_poisoned(M, N, torch.float32))
+    _assert_close(out, reference.scaled_mm(a, w, a_scale, w_scale, b, activation, torch.float32), torch.float32)
+    assert _counters_zero()
+
+
+@pytest.mark.parametrize("K,split_k,splits", K_CASES)
+@pytest.mark.parametrize("M", [1, 16])
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_split_k_out_dtypes_scalar_scales_and_repeat(dtype, M, K, split_k, splits):
+    a, a_scale, w, w_scale, bias = _operands(M, K, dtype, seed=7 * M + K)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        outs = [gemm.scaled_mm(a, w, a_scale, w_scale, bias, "gelu_tanh", out_dtype, config=_config(split_k),
+                               out=_poisoned(M, N, out_dtype)) for _ in range(2)]
+        ref = reference.scaled_mm(a, w, a_scale, w_scale, bias, "gelu_tanh", out_dtype)
+        _assert_close(outs[0], ref, out_dtype)
+        assert torch.equal(outs[0], outs[1]), "the slices are summed in slice order: the same bits every launch"
+        assert _counters_zero()
+    # Scalar (per-tensor) scales take the epilogue's other branch.
+    sa, sw = a_scale.amax().reshape(1), w_scale[:1].clone()
+    out = gemm.scaled_mm(a, w, sa, sw, None, "relu", torch.float32, config=_config(split_k),
+                         out=_poisoned(M, N, torch.float32))
+    _assert_close(out, reference.scaled_mm(a, w, sa, sw, None, "relu", torch.float32), torch.float32)
+
+
+@pytest.mark.parametrize("M", M_VALUES)
+def test_split_k_int8_matches_the_unsplit_kernel_bit_for_bit(M):
+    # Exact int32 sums and the same epilogue arithmetic: split and unsplit agree to the bit, and
+    # with a bf16 output and no activation, so does the reference.
+    K = 208
+    a, a_scale, w, w_scale, bias = _operands(M, K, torch.int8, seed=2 * M)
+    outs = [gemm.scaled_mm(a, w, a_scale, w_scale, bias, "none", torch.bfloat16, config=_config(s),
+                           out=_poisoned(M, N, torch.bfloat16)) for s in (1, 3)]
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[1], reference.scaled_mm(a, w, a_scale, w_scale, bias, "none", torch.bfloat16))
+
+
+@pytest.mark.parametrize("K,split_k,splits", K_CASES)
+@pytest.mark.parametrize("M", [1, 13])
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_split_k_gated(dtype, M, K, split_k, splits):
+    a, a_scale, w, w_scale, _ = _operands(M, K, dtype, seed=5 * M + K, rows=2 * N)
+    out = gemm.gated_scaled_mm(a, w, a_scale, w_scale, "silu", torch.float32, config=_config(split_k),
+                               out=_poisoned(M, N, torch.float32))
+    _assert_close(out, reference.gated_scaled_mm(a, w, a_scale, w_scale, "silu", torch.float32), torch.float32)
+    assert _counters_zero()
+    unsplit = gemm.gated_scaled_mm(a, w, a_scale, w_scale, "silu", torch.float32, config=_config(1))
+    if dtype == torch.int8:
+        assert torch.equal(out, unsplit)
+    else:
+        # Another fp32 summation order over K: a few ulps of the accumulator.
+        torch.testing.assert_close(out, unsplit, rtol=1e-5, atol=1e-5)
+
+
+def test_split_k_gated_bf16_out_and_gelu():
+    M, K = 16, 208
+    a, a_scale, w, w_scale, _ = _operands(M, K, torch.float8_e4m3fn, seed=9, rows=2 * N)
+    out = gemm.gated_scaled_mm(a, w, a_scale, w_scale, "gelu", torch.bfloat16, config=_config(4),
+                               out=_poisoned(M, N, torch.bfloat16))
+    _assert_close(out, reference.gated_scaled_mm(a, w, a_scale, w_scale, "gelu", torch.bfloat16), torch.bfloat16)
+    assert _counters_zero()
+
+
+@pytest.mark.parametrize("last_slice", [0, 1])
+def test_whichever_slice_arrives_last_combines_in_slice_order(last_slice):
+    """The interpreter runs the slices of a tile in order, so slice S-1 always arrives last. A
+    counter preloaded with S-1-s makes slice s the last arriver instead, while the slices after
+    it still hold their partials of an identical first launch in their slots: the combine must
+    take them in slice order and give the same bits."""
+    M, K, S = 13, 208, 3
+    a, a_scale, w, w_scale, bias = _operands(M, K, torch.float8_e4m3fn, seed=21)
+    first = gemm.scaled_mm(a, w, a_scale, w_scale, bias, "silu", torch.float32, config=_config(S))
+    _, arrivals = gemm_tma._SPLIT_WORKSPACE[("cpu", None)]
+    arrivals[:2] = S - 1 - last_slice  # both output tiles
+    again = gemm.scaled_mm(a, w, a_scale, w_scale, bias, "silu", torch.float32, config=_config(S),
+                           out=_poisoned(M, N, torch.float32))
+    assert torch.equal(first, again)
+    # Slice `last_slice` reset its tile's counter; the later slices counted from zero again.
+    assert arrivals[:2].tolist() == [S - 1 - last_slice] * 2
+    arrivals.zero_()
+
+
+def test_autotuner_path_clips_split_k_through_the_heuristic(monkeypatch):
+    """triton's own Autotuner + Heuristics (one config: several do not run under the interpreter)
+    around the kernel, as on the GPU's first call of a decode key: the config asks for 8 slices,
+    K = 1040 has 5 steps of 256, so the heuristic passes 5, the grid launches 2 tiles x 5 slices
+    and the workspace fits; the cached plan of the next call clips the same way."""
+    import triton
+
+    config = gemm_configs.SMALL_M_SPLIT_K_CONFIGS[3]  # 16x64x256, SPLIT_K 8
+    assert config.kwargs["SPLIT_K"] == 8
+    tuner = triton.autotune(configs=[config], key=["N", "K"])(
+        triton.heuristics(gemm_configs.HEURISTICS)(gemm._scaled_mm_kernel))
+    monkeypatch.setattr(gemm, "_scaled_mm_autotuned", tuner)
+    monkeypatch.setattr(gemm, "INTERPRETED", False)  # the launcher's GPU path; the kernel still interprets
+    monkeypatch.setattr(gemm, "_TUNED_TILED", {})
+    monkeypatch.setattr(gemm, "_TILED_PLANS", {})
+    monkeypatch.setattr(gemm_configs, "SMALL_M_SPLIT_K", True)
+    M, K = 13, 1040
+    a, _, w, _, _ = _operands(M, K, torch.int8, seed=4)
+    ones = torch.ones(1)
+    flags = (True, False, False, False, 0, True)  # INT8, scalar scales, no bias, no activation, raw accumulator
+    for _ in range(2):  # the autotuner's launch, then the cached plan's
+        out = gemm._launch_tiled(a, w, _poisoned(M, N, torch.int32), ones, ones, None, flags, False, False, None)
+        assert torch.equal(out, reference.int8_matmul_exact(a, w))
+        assert _counters_zero()
+    (tuned,) = gemm._TUNED_TILED.values()
+    assert tuned["SPLIT_K"] == 8 and list(gemm._TILED_PLANS.values())[0][2]["SPLIT_K"] == 5
