@@ -45,7 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from quantkit.bench.common import environment_metadata  # noqa: E402
-from quantkit.bench.gemm import autotune_choices, bench_graph_ms  # noqa: E402
+from quantkit.bench.gemm import adaptive_graph_ms, autotune_choices, bench_graph_ms  # noqa: E402
 from quantkit.kernels import gemm, gemm_tma, reference  # noqa: E402
 from quantkit.kernels.launch import cdiv, config_dict  # noqa: E402
 
@@ -246,15 +246,7 @@ def _wall_ms(fn):
 
 def graph_timer(fn):
     """bench_graph_ms with about 3 ms of the op per graph replay (2..10 calls), 7 replays."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    reps = max(2, min(10, round(3.0 / max(start.elapsed_time(end), 1e-3))))
-    return bench_graph_ms(fn, reps=reps, replays=7)
+    return adaptive_graph_ms(fn, target_ms=3.0, replays=7)
 
 
 def _rel_err(out, ref32):

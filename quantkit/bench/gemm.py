@@ -69,9 +69,9 @@ def bench_graph_ms(fn, reps: int = 10, replays: int = 15) -> float:
     return max(times["both"] - times["flush"], 1e-6) / reps
 
 
-def adaptive_graph_ms(fn) -> float:
-    """``bench_graph_ms`` with the calls per graph scaled to the op (2..10, about 5 ms of it per
-    replay): the same timer, a shorter run for the 5-15 ms ops at M=16384."""
+def adaptive_graph_ms(fn, target_ms: float = 5.0, replays: int = 15) -> float:
+    """``bench_graph_ms`` with the calls per graph scaled to the op (2..10, about ``target_ms`` of
+    it per replay): the same timer, a shorter run for the 5-15 ms ops at M=16384."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -79,8 +79,8 @@ def adaptive_graph_ms(fn) -> float:
     fn()
     end.record()
     end.synchronize()
-    reps = max(2, min(10, round(5.0 / max(start.elapsed_time(end), 1e-3))))
-    return bench_graph_ms(fn, reps=reps)
+    reps = max(2, min(10, round(target_ms / max(start.elapsed_time(end), 1e-3))))
+    return bench_graph_ms(fn, reps=reps, replays=replays)
 
 
 def _activation(x, activation):
