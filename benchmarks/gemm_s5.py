@@ -45,9 +45,9 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from quantkit.bench.common import environment_metadata  # noqa: E402
-from quantkit.bench.gemm import adaptive_graph_ms, autotune_choices, bench_graph_ms  # noqa: E402
+from quantkit.bench.gemm import adaptive_graph_ms, autotune_choices  # noqa: E402
 from quantkit.kernels import gemm, gemm_tma, reference  # noqa: E402
-from quantkit.kernels.launch import cdiv, config_dict  # noqa: E402
+from quantkit.kernels.launch import config_dict  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 T0 = time.time()
