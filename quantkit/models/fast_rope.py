@@ -38,8 +38,14 @@ def _active() -> bool:
     return not torch.compiler.is_compiling() and getattr(_ACTIVE, "depth", 0) > 0
 
 
+def on_kernel_device(q: torch.Tensor) -> bool:
+    """Whether the kernel runs on q's device (CUDA; ``benchmarks/host_stubs.py`` widens it to time
+    the launch path's Python on a CPU)."""
+    return q.is_cuda
+
+
 def _kernel_takes(q, k, cos, sin) -> bool:
-    if not (isinstance(q, torch.Tensor) and q.is_cuda and q.dtype in _DTYPES):
+    if not (isinstance(q, torch.Tensor) and on_kernel_device(q) and q.dtype in _DTYPES):
         return False
     if any(not isinstance(t, torch.Tensor) or t.dtype != q.dtype for t in (k, cos, sin)):
         return False
