@@ -47,7 +47,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# "<variant>@ops": the same model with the ops-level stubs (host_stubs.set_ops_stubs): modules + HF only.
+# "<variant>@<level>": the same model with more stubbed (host_stubs.set_level): "@ops" leaves the
+# modules' and HF's Python; "@gemm" / "@gemm-check" remove the GEMM launchers / their validation.
 VARIANTS = ("hf-fp32", "int8-fast", "fp8-fast", "int8-fast@ops", "fp8-fast@ops")
 GC_MODES = ("on", "off", "freeze")
 
@@ -118,7 +119,7 @@ class GcMeter:
             self.seconds[generation] += time.perf_counter() - self._start
 
 
-def _forward_fn(model, tokens: int, vocab: int, ops_stubs: bool = False):
+def _forward_fn(model, tokens: int, vocab: int, level: str = "launch"):
     import torch
 
     import host_stubs
@@ -127,8 +128,8 @@ def _forward_fn(model, tokens: int, vocab: int, ops_stubs: bool = False):
 
     @torch.no_grad()
     def forward():
-        # Set on every call (a dict lookup's worth of time), so blocks of both levels interleave.
-        host_stubs.set_ops_stubs(ops_stubs)
+        # Set on every call (a comparison when unchanged), so blocks of all levels interleave.
+        host_stubs.set_level(level)
         return model(ids, use_cache=False, logits_to_keep=1)
 
     return forward
@@ -156,14 +157,15 @@ def measure(args) -> dict:
     models = {}
     for variant in args.variants:
         base, _, level = variant.partition("@")
-        if level not in ("", "ops"):
-            raise ValueError(f"variant {variant!r}: the only stub level suffix is '@ops'")
+        level = level or "launch"
+        if level not in host_stubs.LEVELS:
+            raise ValueError(f"variant {variant!r}: the stub level after '@' is one of {host_stubs.LEVELS}")
         for layers in depths:
             if (base, layers) not in models:
                 models[(base, layers)] = build_variant(base, layers)
             model = models[(base, layers)]
             reports[base] = str(getattr(model, "quantkit_fast_path", "HF eager (sdpa)"))
-            forward = _forward_fn(model, args.tokens, model.config.vocab_size, ops_stubs=level == "ops")
+            forward = _forward_fn(model, args.tokens, model.config.vocab_size, level)
             for _ in range(3):  # first calls per launch key take the (stubbed) compile/autotune path
                 forward()
             forwards[(variant, layers)] = forward
@@ -298,18 +300,25 @@ def compare(args) -> dict:
     for row_index, row in enumerate(runs["new"][0]["rows"]):
         entry = {"variant": row["variant"], "gc": row["gc"]}
         for name in ("ref", "new"):
-            per_layer = [run["rows"][row_index]["per_layer_us_median"] for run in runs[name]]
-            forward = [next(v for k, v in run["rows"][row_index].items()
-                            if k.startswith("forward_") and k != "forward_2_layers")["median_ms"] for run in runs[name]]
-            entry[f"{name}_per_layer_us"] = statistics.median(per_layer)
-            entry[f"{name}_per_layer_us_runs"] = per_layer
-            entry[f"{name}_forward_ms"] = statistics.median(forward)
-        entry["saved_per_layer_us"] = entry["ref_per_layer_us"] - entry["new_per_layer_us"]
+            rows = [run["rows"][row_index] for run in runs[name]]
+            deep = [next(v for k, v in row.items() if k.startswith("forward_") and k != "forward_2_layers")
+                    for row in rows]
+            for stat in ("min", "median"):
+                per_layer = [row[f"per_layer_us_{stat}"] for row in rows]
+                entry[f"{name}_per_layer_us_{stat}"] = statistics.median(per_layer)
+                entry[f"{name}_per_layer_us_{stat}_runs"] = per_layer
+                entry[f"{name}_forward_ms_{stat}"] = statistics.median(d[f"{stat}_ms"] for d in deep)
+        for stat in ("min", "median"):
+            entry[f"saved_per_layer_us_{stat}"] = entry[f"ref_per_layer_us_{stat}"] - entry[f"new_per_layer_us_{stat}"]
         table.append(entry)
-    print(f"{'variant':>10s} {'gc':>6s} {'ref us/layer':>13s} {'new us/layer':>13s} {'saved':>7s}")
-    for entry in table:
-        print(f"{entry['variant']:>10s} {entry['gc']:>6s} {entry['ref_per_layer_us']:13.1f} "
-              f"{entry['new_per_layer_us']:13.1f} {entry['saved_per_layer_us']:7.1f}")
+    # Minimums first: other jobs on a shared machine slow whole stretches of forwards down, and
+    # the minimum over interleaved forwards is the cost without that interference.
+    print(f"{'variant':>14s} {'gc':>6s} {'ref us/layer min':>17s} {'new':>8s} {'saved':>7s} | "
+          f"{'ref median':>11s} {'new':>8s} {'saved':>7s}")
+    for e in table:
+        print(f"{e['variant']:>14s} {e['gc']:>6s} {e['ref_per_layer_us_min']:17.1f} {e['new_per_layer_us_min']:8.1f} "
+              f"{e['saved_per_layer_us_min']:7.1f} | {e['ref_per_layer_us_median']:11.1f} "
+              f"{e['new_per_layer_us_median']:8.1f} {e['saved_per_layer_us_median']:7.1f}")
     return {"ref": args.compare, "rounds": args.rounds, "table": table, "runs": runs}
 
 

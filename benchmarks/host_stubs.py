@@ -105,23 +105,41 @@ class _Outputs:
         return out
 
 
-_OPS_STUBS: list = []  # (module, name, stub, original)
+# Stub levels above the launch: level -> [(module, attribute, stub, original)].
+LEVELS = ("launch", "ops", "gemm", "gemm-check")
+_LEVEL_STUBS: dict = {}
+_current_level = "launch"
 
 
-def set_ops_stubs(enabled: bool) -> None:
-    """Swap the entry points the modules call (``ops.*``, ``attention_ops.*``) for stubs that
-    return preallocated outputs (``enabled``) or back: with them, what is left is the modules' and
-    HF's Python, which splits the per-layer cost into launchers vs modules."""
-    if not _OPS_STUBS:
-        _make_ops_stubs()
-    for module, name, stub, original in _OPS_STUBS:
-        setattr(module, name, stub if enabled else original)
+def set_level(level: str) -> None:
+    """Which stubs are in place (cheap when unchanged, so a forward can set it on every call):
+
+    - ``launch``: only the launch itself (``install``);
+    - ``ops``: also the entry points the modules call (``ops.*``, ``attention_ops.*``) return
+      preallocated outputs: what is left is the modules' and HF's Python, so the difference to
+      ``launch`` is the launchers' Python;
+    - ``gemm``: ``gemm.scaled_mm`` / ``gated_scaled_mm`` (what ``triton_ops`` calls) return
+      preallocated outputs: the difference to ``launch`` is the GEMM launchers' Python;
+    - ``gemm-check``: ``gemm.check_scaled_mm_args`` answers (M, N, K) from the shapes without
+      validating: the difference to ``launch`` is the GEMM validation's share.
+    """
+    global _current_level
+    if level == _current_level:
+        return
+    if level not in LEVELS:
+        raise ValueError(f"stub level {level!r} is not one of {LEVELS}")
+    if not _LEVEL_STUBS:
+        _make_level_stubs()
+    for name, stubs in _LEVEL_STUBS.items():
+        for module, attribute, stub, original in stubs:
+            setattr(module, attribute, stub if name == level else original)
+    _current_level = level
 
 
-def _make_ops_stubs() -> None:
+def _make_level_stubs() -> None:
     import torch
 
-    from quantkit.kernels import attention_ops, ops
+    from quantkit.kernels import attention_ops, gemm, ops
 
     outputs = _Outputs()
     f32 = torch.float32
@@ -153,12 +171,21 @@ def _make_ops_stubs() -> None:
         return (outputs.get(tuple(x.shape), x.dtype, x.device),
                 None if residual is None else outputs.get(tuple(x.shape), x.dtype, x.device))
 
-    for name, stub in (("scaled_mm", scaled_mm), ("gated_scaled_mm", gated_scaled_mm),
-                       ("quantize_per_token", quantize_per_token), ("quantize_per_tensor", quantize_per_tensor),
-                       ("rms_norm_quant_per_token", rms_norm_quant_per_token)):
-        _OPS_STUBS.append((ops, name, stub, getattr(ops, name)))
-    for name, stub in (("flash_attention", flash_attention), ("apply_rope", apply_rope), ("rms_norm", rms_norm)):
-        _OPS_STUBS.append((attention_ops, name, stub, getattr(attention_ops, name)))
+    def check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype, gated=False):
+        return a.shape[0], w.shape[0] // 2 if gated else w.shape[0], a.shape[1]
+
+    ops_stubs = [(ops, name, stub) for name, stub in (
+        ("scaled_mm", scaled_mm), ("gated_scaled_mm", gated_scaled_mm), ("quantize_per_token", quantize_per_token),
+        ("quantize_per_tensor", quantize_per_tensor), ("rms_norm_quant_per_token", rms_norm_quant_per_token))]
+    ops_stubs += [(attention_ops, name, stub) for name, stub in (
+        ("flash_attention", flash_attention), ("apply_rope", apply_rope), ("rms_norm", rms_norm))]
+    gemm_launchers = [(gemm, "scaled_mm", lambda a, w, a_scale, w_scale, bias=None, activation="none",
+                       out_dtype=torch.bfloat16: scaled_mm(a, w, a_scale, w_scale, bias, activation, out_dtype)),
+                      (gemm, "gated_scaled_mm", lambda a, w, a_scale, w_scale, activation="silu",
+                       out_dtype=torch.bfloat16: gated_scaled_mm(a, w, a_scale, w_scale, activation, out_dtype))]
+    for level, stubs in (("ops", ops_stubs), ("gemm", gemm_launchers),
+                         ("gemm-check", [(gemm, "check_scaled_mm_args", check_scaled_mm_args)])):
+        _LEVEL_STUBS[level] = [(module, name, stub, getattr(module, name)) for module, name, stub in stubs]
 
 
 def install() -> None:
