@@ -220,6 +220,46 @@ def measure(args) -> dict:
               "gc_full_collection_ms": full_ms, "gc_thresholds": gc.get_threshold()}
     if args.profile:
         result["profiles"] = {v: _profile(forwards[(v, depths[0])]) for v in args.variants}
+    if args.gemm_breakdown:
+        host_stubs.set_level("launch")
+        result["gemm_call_us"] = gemm_call_breakdown(args.tokens)
+    return result
+
+
+def gemm_call_breakdown(tokens: int) -> dict:
+    """Python us per call of one persistent GEMM (tight loop, minimum of 9 repeats) and of its parts:
+    the share of gemm.py / gemm_tma.py in the per-call cost (written up, not changed here)."""
+    import timeit
+
+    import torch
+
+    from quantkit.kernels import gemm, gemm_tma, quant
+
+    def us(fn, n: int = 4000) -> float:
+        for _ in range(200):
+            fn()
+        return min(timeit.repeat(fn, number=n, repeat=9)) / n * 1e6
+
+    result = {}
+    for dtype in (torch.int8, torch.float8_e4m3fn):
+        q, a_scale = quant.quantize_per_token(torch.randn(tokens, 64, dtype=torch.bfloat16), dtype)
+        w, w_scale = quant.quantize_per_token(torch.randn(256, 64, dtype=torch.bfloat16), dtype)
+        out = torch.empty(tokens, 256, dtype=torch.bfloat16)
+        flags = (dtype == torch.int8, True, True, False, 0, False)
+        gemm.scaled_mm(q, w, a_scale, w_scale)  # plans and the launch key exist from here on
+        result[str(dtype)] = {
+            "scaled_mm": us(lambda: gemm.scaled_mm(q, w, a_scale, w_scale)),
+            "check_scaled_mm_args": us(lambda: gemm.check_scaled_mm_args(q, w, a_scale, w_scale, None, "none",
+                                                                        torch.bfloat16)),
+            "_output (torch.empty)": us(lambda: gemm._output(None, tokens, 256, torch.bfloat16, q.device)),
+            "_launch": us(lambda: gemm._launch(q, w, a_scale, w_scale, None, out, "none", False, False)),
+            "_pick_kernel (descriptors_ok)": us(lambda: gemm._pick_kernel("auto", q, w, out, False, None)),
+            "launch_persistent": us(lambda: gemm_tma.launch_persistent(q, w, out, a_scale, w_scale, None, flags,
+                                                                       gemm.m_bucket(tokens), dtype != torch.int8,
+                                                                       False)),
+            "_workspace_args": us(lambda: gemm_tma._workspace_args(q, 0, 128 * 128)),
+            "weight_descriptor": us(lambda: gemm_tma.weight_descriptor(w, 128, 128)),
+        }
     return result
 
 
@@ -340,6 +380,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--gc-modes", default=",".join(GC_MODES))
     parser.add_argument("--profile", action="store_true", help="add a cProfile (gc off) of each variant")
+    parser.add_argument("--gemm-breakdown", action="store_true", help="add Python us per GEMM call and its parts")
     parser.add_argument("--compare", default=None, metavar="REF", help="A/B: REF's quantkit against this tree's")
     parser.add_argument("--rounds", type=int, default=3, help="child processes per side with --compare")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -362,7 +403,10 @@ def main() -> None:
                   **measure(args)}
         if not args.child:
             print_table(result)
-            print(f"gc: {result['gc_tracked_objects']} tracked objects, a full collection {result['gc_full_collection_ms']:.1f} ms")
+            print(f"gc: {result['gc_tracked_objects']} tracked objects, a full collection "
+                  f"{result['gc_full_collection_ms']:.1f} ms")
+            for dtype, parts in result.get("gemm_call_us", {}).items():
+                print(f"GEMM call {dtype}: " + ", ".join(f"{name} {value:.1f}" for name, value in parts.items()))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
