@@ -227,7 +227,8 @@ def flash_attention(
             call = _CALLS.add(signature, _prefill_call(q, k, v, window, None, None, None, None))
     else:
         call = _prefill_call(q, k, v, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_config)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # Sizes as separate ints: torch parses them ~1.5 us faster than a torch.Size (session 6).
+    out = torch.empty(*q.shape, dtype=q.dtype, device=q.device)
     grid, ints, constexprs, num_warps, num_stages, key = call
     if grid is not None:
         cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)  # never read when not IS_VARLEN

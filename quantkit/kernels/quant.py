@@ -559,8 +559,9 @@ def quantize_per_token(x: torch.Tensor, dtype: torch.dtype, out=None, out_scale=
         call = _PER_TOKEN_CALLS.get(signature)
         if call is not None:
             q_shape, scale_shape, device, key, grid, tail, constexprs, num_warps = call
-            q = torch.empty(q_shape, dtype=dtype, device=device)
-            scale = torch.empty(scale_shape, dtype=torch.float32, device=device)
+            # Sizes as separate ints: torch parses them ~0.7 us faster than a tuple (session 6).
+            q = torch.empty(*q_shape, dtype=dtype, device=device)
+            scale = torch.empty(*scale_shape, dtype=torch.float32, device=device)
             _PER_TOKEN((key, aligned(x, q, scale)), grid, (x, q, scale, *tail), constexprs, num_warps, 3)
             return q, scale
     check_activation_input(x)
@@ -641,13 +642,13 @@ def rms_norm_quant_per_token(
         call = _RMS_CALLS.get(signature)
         if call is not None:
             shape, scale_shape, device, key, grid, strides, launch, constexprs, num_warps = call
-            q = torch.empty(shape, dtype=dtype, device=device)
-            scale = torch.empty(scale_shape, dtype=torch.float32, device=device)
+            q = torch.empty(*shape, dtype=dtype, device=device)  # separate ints: see quantize_per_token
+            scale = torch.empty(*scale_shape, dtype=torch.float32, device=device)
             if residual is None:
                 new_residual = None
                 residual_arg = new_residual_arg = x
             else:
-                new_residual = new_residual_arg = torch.empty(shape, dtype=x.dtype, device=device)
+                new_residual = new_residual_arg = torch.empty(*shape, dtype=x.dtype, device=device)
                 residual_arg = residual
             launch((key, aligned(x, residual_arg, new_residual_arg, weight, q, scale)), grid,
                    (x, residual_arg, new_residual_arg, weight, q, scale, *strides, float(eps), float(offset)),

@@ -146,8 +146,9 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     call = _CALLS.get(signature)
     if call is None:
         call = _CALLS.add(signature, _rope_call(q, k, cos, sin, heads_per_program))
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    # Sizes as separate ints: torch parses them ~1.5 us faster than a torch.Size (session 6).
+    q_out = torch.empty(*q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(*k.shape, dtype=k.dtype, device=k.device)
     grid, ints, constexprs, key = call
     if grid is not None:
         _ROPE((key, aligned(q, k, cos, sin, q_out, k_out)), grid, (q, k, cos, sin, q_out, k_out, *ints), constexprs,
