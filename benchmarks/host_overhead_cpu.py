@@ -344,30 +344,47 @@ def compare(args) -> dict:
         for round_ in range(args.rounds):
             for name in ("ref", "new") if round_ % 2 == 0 else ("new", "ref"):
                 runs[name].append(_run_child(trees[name], args, Path(tmp) / f"{name}{round_}.json"))
+    table = compare_table(runs)
+    return {"ref": args.compare, "rounds": args.rounds, "table": table, "runs": runs}
+
+
+def compare_table(runs: dict) -> list[dict]:
+    """Per (variant, gc mode): per-layer us of REF and of this tree (median over child runs, of the
+    per-run minimum- and median-based slopes), the saving, and, with hf-fp32 among the variants,
+    the saving measured against HF's unchanged model in the same child (machine drift cancels)."""
     table = []
     for row_index, row in enumerate(runs["new"][0]["rows"]):
         entry = {"variant": row["variant"], "gc": row["gc"]}
+        control = next((i for i, r in enumerate(row_ for row_ in runs["new"][0]["rows"])
+                        if r["variant"] == "hf-fp32" and r["gc"] == row["gc"]), None)
         for name in ("ref", "new"):
             rows = [run["rows"][row_index] for run in runs[name]]
-            deep = [next(v for k, v in row.items() if k.startswith("forward_") and k != "forward_2_layers")
-                    for row in rows]
+            deep = [next(v for k, v in r.items() if k.startswith("forward_") and k != "forward_2_layers") for r in rows]
             for stat in ("min", "median"):
-                per_layer = [row[f"per_layer_us_{stat}"] for row in rows]
+                per_layer = [r[f"per_layer_us_{stat}"] for r in rows]
                 entry[f"{name}_per_layer_us_{stat}"] = statistics.median(per_layer)
                 entry[f"{name}_per_layer_us_{stat}_runs"] = per_layer
                 entry[f"{name}_forward_ms_{stat}"] = statistics.median(d[f"{stat}_ms"] for d in deep)
+            if control is not None:
+                entry[f"{name}_vs_hf_min"] = statistics.median(
+                    run["rows"][row_index]["per_layer_us_min"] / run["rows"][control]["per_layer_us_min"]
+                    for run in runs[name])
         for stat in ("min", "median"):
             entry[f"saved_per_layer_us_{stat}"] = entry[f"ref_per_layer_us_{stat}"] - entry[f"new_per_layer_us_{stat}"]
+        if control is not None:
+            hf_ref = statistics.median(run["rows"][control]["per_layer_us_min"] for run in runs["ref"])
+            entry["saved_per_layer_us_min_vs_hf"] = (entry["ref_vs_hf_min"] - entry["new_vs_hf_min"]) * hf_ref
         table.append(entry)
     # Minimums first: other jobs on a shared machine slow whole stretches of forwards down, and
     # the minimum over interleaved forwards is the cost without that interference.
-    print(f"{'variant':>14s} {'gc':>6s} {'ref us/layer min':>17s} {'new':>8s} {'saved':>7s} | "
+    print(f"{'variant':>14s} {'gc':>6s} {'ref us/layer min':>17s} {'new':>8s} {'saved':>7s} {'vs HF':>7s} | "
           f"{'ref median':>11s} {'new':>8s} {'saved':>7s}")
     for e in table:
         print(f"{e['variant']:>14s} {e['gc']:>6s} {e['ref_per_layer_us_min']:17.1f} {e['new_per_layer_us_min']:8.1f} "
-              f"{e['saved_per_layer_us_min']:7.1f} | {e['ref_per_layer_us_median']:11.1f} "
-              f"{e['new_per_layer_us_median']:8.1f} {e['saved_per_layer_us_median']:7.1f}")
-    return {"ref": args.compare, "rounds": args.rounds, "table": table, "runs": runs}
+              f"{e['saved_per_layer_us_min']:7.1f} {e.get('saved_per_layer_us_min_vs_hf', float('nan')):7.1f} | "
+              f"{e['ref_per_layer_us_median']:11.1f} {e['new_per_layer_us_median']:8.1f} "
+              f"{e['saved_per_layer_us_median']:7.1f}")
+    return table
 
 
 def main() -> None:
