@@ -12,7 +12,9 @@ of forwards in every mode, interleaved ``--reps`` times:
   launch path, as RoPE and flash prefill were before session 6.
 
 Each forward gives its issue time (until the call returns) and its eager time (until the GPU is
-done); then the same forward captured in a CUDA graph gives the GPU time. ``--device cpu --tiny``
+done); then the same forward captured in a CUDA graph gives the GPU time. The caching allocator's
+counters (device allocations / frees / retries per forward) tell whether a forward waited on
+cudaMalloc / cudaFree, the other process-dependent host cost besides gc. ``--device cpu --tiny``
 runs the plumbing on a tiny model (torch backend), without the graph.
 """
 
@@ -62,6 +64,13 @@ def _set_mode(mode: str) -> None:
         gc.freeze()
 
 
+def _allocator_counts(device: str) -> list[int]:
+    if device != "cuda":
+        return [0, 0, 0]
+    stats = torch.cuda.memory_stats()
+    return [stats.get("num_device_alloc", 0), stats.get("num_device_free", 0), stats.get("num_alloc_retries", 0)]
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -84,6 +93,7 @@ def measure(variant: str, config, device: str, tokens: int, reps: int, block: in
     modes = ["gc-on", "gc-off", "gc-freeze"] + (["cache-off"] if variant != "hf-bf16" else [])
     samples = {mode: {"issue_ms": [], "eager_ms": []} for mode in modes}
     meter, collections = GcMeter(), {mode: [[0, 0, 0], 0.0, 0] for mode in modes}
+    allocator = {mode: [0, 0, 0] for mode in modes}  # device allocs, frees, retries during timed forwards
     gc.callbacks.append(meter)
     try:
         for _ in range(reps):
@@ -92,6 +102,7 @@ def measure(variant: str, config, device: str, tokens: int, reps: int, block: in
                 forward()  # untimed: the mode switch (and a cache-off compile lookup) settles
                 _sync(device)
                 meter.counts, meter.seconds = [0, 0, 0], 0.0
+                before = _allocator_counts(device)
                 for _ in range(block):
                     start = time.perf_counter()
                     forward()
@@ -99,6 +110,8 @@ def measure(variant: str, config, device: str, tokens: int, reps: int, block: in
                     _sync(device)
                     samples[mode]["issue_ms"].append((issued - start) * 1e3)
                     samples[mode]["eager_ms"].append((time.perf_counter() - start) * 1e3)
+                allocator[mode] = [a + now - then for a, now, then in
+                                   zip(allocator[mode], _allocator_counts(device), before)]
                 stats = collections[mode]
                 stats[0] = [a + b for a, b in zip(stats[0], meter.counts)]
                 stats[1] += meter.seconds
@@ -112,6 +125,7 @@ def measure(variant: str, config, device: str, tokens: int, reps: int, block: in
         row[mode] = {key: {"median": statistics.median(v), "min": min(v)} for key, v in samples[mode].items()}
         row[mode]["collections_per_forward_gen0_1_2"] = [c / n for c in counts]
         row[mode]["gc_ms_per_forward"] = seconds / n * 1e3
+        row[mode]["device_allocs_frees_retries_per_forward"] = [c / n for c in allocator[mode]]
     if device == "cuda":
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
