@@ -138,10 +138,6 @@ def measure(variant: str, config, device: str, tokens: int, reps: int, block: in
         row["graph_ms"] = launch.median_replay_ms(graph, 20)
         del graph
     print(json.dumps(row), flush=True)
-    del model
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
     return row
 
 
@@ -167,6 +163,9 @@ def main() -> None:
     for variant in args.variants.split(","):
         result["rows"].append(measure(variant, config, args.device, args.tokens, args.reps, args.block))
         (out / "host_gpu_s6.json").write_text(json.dumps(result, indent=1, default=str))
+        gc.collect()  # the variant's model went with measure()'s frame
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

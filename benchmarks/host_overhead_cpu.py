@@ -1,7 +1,8 @@
 """Host (Python) time per decoder layer of the eager prefill forward, on a CPU, kernels stubbed.
 
     python benchmarks/host_overhead_cpu.py [--out benchmarks/results/host_overhead_cpu.json]
-        [--reps 12] [--block 5] [--tokens 64] [--layers 32] [--profile]
+        [--reps 12] [--block 5] [--tokens 64] [--layers 32] [--variants ...] [--gc-modes on,off,freeze]
+        [--profile] [--gemm-breakdown]
     python benchmarks/host_overhead_cpu.py --compare REF [--rounds 3]   # REF's quantkit vs this tree's
 
 Why: on the H100, eager prefill of the Llama-3-8B shape at 1x2048 is host-bound for quantkit
@@ -14,6 +15,9 @@ modules switched to the Triton backend, and the kernels replaced by stubs at the
 keys and cached-launch path all run). HF's own model runs the same forward with its real torch ops on
 tiny tensors: their cost is HF's own host cost (on the GPU each is a launch of about the same host
 time), reported as a reference; in float32, because this CPU's bf16 matmuls are compute-bound.
+Variants ``<name>@<level>`` stub more (``host_stubs.set_level``): ``@ops`` leaves the modules'
+and HF's Python, ``@gemm`` / ``@gemm-check`` remove the GEMM launchers / their validation, so
+differences to the plain variant split the per-layer cost.
 
 Per layer: the forward is timed for ``--layers`` and for 2 layers; (t_L - t_2) / (L - 2) is the
 per-layer cost (embedding, masks, rotary tables, final norm and lm_head cancel out). Tokens:
@@ -21,7 +25,11 @@ per-layer cost (embedding, masks, rotary tables, final norm and lm_head cancel o
 from M = 1024) is forced to what 1x2048 takes, so the Python path is that of the GPU run.
 
 Timing: every (variant, gc mode) block of ``--block`` forwards is interleaved with all the others,
-``--reps`` times; medians and minimums over all forwards. gc modes: ``on`` (Python's default),
+``--reps`` times; medians and minimums over all forwards of thread CPU time (wall time as well).
+Other jobs on a shared machine slow whole stretches down; the minimum is the cost without them.
+``--compare REF`` runs child processes alternately on REF's ``quantkit`` (``git archive``) and
+this tree's, with this tree's harness, and reports the saving also against HF's unchanged model
+measured in the same child (machine drift between children cancels). gc modes: ``on`` (Python's default),
 ``off`` (``gc.disable()``), ``freeze`` (``gc.collect(); gc.freeze()`` after warm-up, gc enabled).
 In ``on`` mode a gc callback counts collections per generation and the time spent in them.
 torch runs single-threaded (``torch.set_num_threads(1)``): on a shared 2-core machine intra-op

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import os
 
-import triton
-
 
 class _FakeCompiled:
     """Stands in for triton's CompiledKernel: the cached launch path calls ``run``."""
@@ -215,7 +213,3 @@ def install() -> None:
     quant._check_runnable = lambda x: None
     fast_rope.on_kernel_device = lambda q: True
     _INSTALLED = True
-
-
-def triton_version() -> str:
-    return triton.__version__

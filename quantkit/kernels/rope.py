@@ -151,6 +151,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     k_out = torch.empty(*k.shape, dtype=k.dtype, device=k.device)
     grid, ints, constexprs, key = call
     if grid is not None:
+        # 4 warps; 3 stages is triton's default (the launch passed none before the cache).
         _ROPE((key, aligned(q, k, cos, sin, q_out, k_out)), grid, (q, k, cos, sin, q_out, k_out, *ints), constexprs,
               4, 3, options=_OPTIONS)
     return q_out, k_out
