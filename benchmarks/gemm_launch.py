@@ -5,7 +5,8 @@
 Parts, in order (each writes its results at once, so a time-out keeps what finished):
 1. launch check: every kernel family with the launch cache off (triton's own path) and on (first
    call through triton, later calls launched directly), outputs compared bit for bit, including a
-   weight replaced by a new tensor of the same shape and a freed weight's address reused;
+   weight replaced by a new tensor of the same shape and a freed weight's address reused (RoPE
+   and flash prefill since session 6);
    torch.compile(fullgraph) + CUDA-graph check of the custom ops (gemm_sweep's block).
 2. host time per eager call (tight loop, small shapes), cache off vs on, same process.
 3. gated GEMM (gate_up 2 x 14336 x 4096): persistent TMA vs tiled vs bf16 F.linear + act*mul,
@@ -34,7 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from quantkit.bench.common import environment_metadata  # noqa: E402
 from quantkit.bench.gemm import _rel_err, bench_graph_ms  # noqa: E402
-from quantkit.kernels import gemm, gemm_tma, launch, norm, quant, reference  # noqa: E402
+from quantkit.kernels import attention, gemm, gemm_tma, launch, norm, quant, reference, rope  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 T0 = time.time()
@@ -102,7 +103,24 @@ def _cases():
         res = torch.randn_like(x)
         cases.append((f"rms_norm_M{M}", lambda x=x, wt=weight, r=res: norm.rms_norm(x, wt, 1e-6, r)))
         cases.append((f"layer_norm_M{M}", lambda x=x, wt=weight, r=res: norm.layer_norm(x, wt, wt, 1e-5, r)))
+    # RoPE and flash prefill launch through CachedLaunch since session 6: HF's transposed q/k
+    # views (prefill 1x2048, decode batch 8) and Llama-3-8B attention, with and without a window.
+    for batch, seq in ((1, 2048), (8, 1)):
+        q, k, cos, sin = _rope_operands(batch, seq)
+        cases.append((f"rope_{batch}x{seq}", lambda q=q, k=k, c=cos, s=sin: rope.apply_rope(q, k, c, s)))
+    for window in (None, 512):
+        q, k, v = (torch.randn(1, heads, 2048, 128, device="cuda", dtype=torch.bfloat16) for heads in (32, 8, 8))
+        cases.append((f"flash_prefill_1x2048_window{window}",
+                      lambda q=q, k=k, v=v, w=window: attention.flash_attention(q, k, v, 128**-0.5, w)))
     return cases
+
+
+def _rope_operands(batch, seq):
+    q = torch.randn(batch, seq, 32, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(batch, seq, 8, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    angles = torch.randn(1, seq, 64, device="cuda") * 100
+    cos, sin = (torch.cat((t, t), dim=-1).to(torch.bfloat16) for t in (angles.cos(), angles.sin()))
+    return q, k, cos, sin
 
 
 def launch_check():
@@ -172,6 +190,8 @@ def host_times():
     x16 = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
     nw = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     out16 = torch.empty(16, 4096, device="cuda", dtype=torch.bfloat16)
+    rope_args = _rope_operands(1, 2048)
+    flash_args = [torch.randn(1, heads, 2048, 128, device="cuda", dtype=torch.bfloat16) for heads in (32, 8, 8)]
 
     def session2_autotuner_path():
         # What every eager call did before this session: the Autotuner + Heuristics wrappers.
@@ -189,6 +209,8 @@ def host_times():
         "quantize_per_token_M16": lambda: quant.quantize_per_token(x16, FP8),
         "rms_norm_quant_M16": lambda: quant.rms_norm_quant_per_token(x16, nw, 1e-6, FP8),
         "rms_norm_M16": lambda: norm.rms_norm(x16, nw, 1e-6),
+        "rope_prefill_1x2048": lambda: rope.apply_rope(*rope_args),
+        "flash_prefill_1x2048": lambda: attention.flash_attention(*flash_args, 128**-0.5),
         "torch_add_M16": lambda: x16 + x16,
     }
     for name, fn in ops.items():

@@ -8,6 +8,14 @@ Workloads, each timed after warm-up, median of a few runs (CUDA events):
   quantkit: ``quantkit.generate.generate`` (static cache, CUDA-graph decode), decode time / 127.
 - prefill, graph-replayed: the same forward captured as a CUDA graph, replays timed (GPU time:
   eager quantkit prefill at 1x2048 is host-bound, ~50-150 us of Python per Triton launch);
+- garbage collector: after each variant's warm-up and before its timed runs, ``gc.collect();
+  gc.freeze()`` (every variant alike, HF bf16 included; undone with ``gc.unfreeze()`` after the
+  variant). Everything alive then (the model, torch's and transformers' module state) moves to
+  the permanent generation, so a collection that happens to start during a timed forward walks
+  only what that forward allocated, not the whole heap. Recorded as ``gc_frozen_objects`` per
+  row. A steady-state prefill forward triggered no collection at all in the CPU measurement
+  (benchmarks/NOTES-e2e.md, session 6): this only keeps a collection left over from building
+  the model out of the timed runs;
 - memory: each variant runs in its own process (``isolate=True``), so nothing an earlier variant
   left in the caching allocator, cuBLAS workspaces or Triton's autotuner counts against a later
   one. ``model_bytes`` = memory allocated once the model is built (and quantized/optimized),
@@ -209,6 +217,19 @@ def _measure(variant: str, model, vocab: int, device, decode_fn, prefill_shapes,
     decode_fn(model, vocab, device, decode_batches, prompt_len, new_tokens, warmup_only=True)
     _reset_peak(device)
     after_warmup = _allocated(device)
+    # Frozen heap for the timed runs, every variant alike (module docstring).
+    gc.collect()
+    gc.freeze()
+    try:
+        return _measure_timed(variant, model, vocab, device, decode_fn, prefill_shapes, decode_batches, prompt_len,
+                              new_tokens, model_bytes, after_warmup)
+    finally:
+        gc.unfreeze()
+
+
+def _measure_timed(variant: str, model, vocab: int, device, decode_fn, prefill_shapes, decode_batches, prompt_len,
+                   new_tokens, model_bytes: int | None, after_warmup: int) -> list[dict]:
+    frozen = gc.get_freeze_count()
     rows = []
     for shape in prefill_shapes:
         _reset_peak_only(device)
@@ -221,7 +242,8 @@ def _measure(variant: str, model, vocab: int, device, decode_fn, prefill_shapes,
     peak = max(row["workload_peak_bytes"] for row in rows)
     graphs = bench_prefill_graph(model, vocab, prefill_shapes) if torch.device(device).type == "cuda" else {}
     for row in rows:
-        row.update(variant=variant, peak_bytes=peak, weight_bytes=after_warmup, **graphs.get(row["workload"], {}))
+        row.update(variant=variant, peak_bytes=peak, weight_bytes=after_warmup, gc_frozen_objects=frozen,
+                   **graphs.get(row["workload"], {}))
         if model_bytes is not None:
             row["model_bytes"] = model_bytes
         print(f"{variant:>16s} {row['workload']:>14s}: "
@@ -540,6 +562,8 @@ def run_e2e_benchmark(
     meta["memory_note"] = ("each variant in its own process" if isolate else "all variants in one process") + (
         "; model_bytes = allocated after build/quantize/optimize, before any forward; peak_bytes = "
         "max_memory_allocated over the eager inference workloads after a warm-up pass")
+    meta["gc_note"] = ("gc.collect(); gc.freeze() after each variant's warm-up, before its timed runs, every variant "
+                       "alike (gc_frozen_objects per row); gc.unfreeze() after the variant")
     started = time.perf_counter()
     out_dir = Path(out_dir)
     check_rows = run_fast_path_checks(device, inexact=False, norm_quant=compare_norm_quant) if checks else []

@@ -41,6 +41,8 @@ from quantkit.kernels.attention_decode import (
     decode_epilogue,
     decode_split_plan,
 )
+from quantkit.kernels.call_cache import SignatureCache, contiguous_strides
+from quantkit.kernels.launch import CachedLaunch, aligned, cdiv, int_spec
 from quantkit.kernels.reference_attention import check_prefill_inputs
 
 # Decode names stay importable from here (callers and tests predate the split).
@@ -192,6 +194,13 @@ def _prefill_config(head_dim: int) -> tuple[int, int, int, int]:
     return 64, 32, 4, 2  # head_dim 256: keep q, k, v tiles inside shared memory
 
 
+_FLASH_PREFILL = CachedLaunch(_flash_prefill_kernel)
+# Validated batched calls without block_config (call_cache.SignatureCache): grid, integer
+# arguments, constexprs and the launch key follow from q/k/v's shapes, strides, dtypes, device
+# and the window; only the pointers' alignment is read per call.
+_CALLS = SignatureCache()
+
+
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -208,8 +217,33 @@ def flash_attention(
     Packed inputs need ``max_seqlen_q`` (a host-side bound on the longest query run) to size the
     grid without reading ``cu_seqlens`` off the GPU. ``block_config`` overrides the tile choice.
     """
+    varlen = cu_seqlens_q is not None
+    if not varlen and cu_seqlens_k is None and block_config is None:
+        # type(window): a float window equal to a valid int one must still be refused.
+        signature = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+                     q.device, k.device, v.device, type(window), window)
+        call = _CALLS.get(signature)
+        if call is None:
+            call = _CALLS.add(signature, _prefill_call(q, k, v, window, None, None, None, None))
+    else:
+        call = _prefill_call(q, k, v, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_config)
+    # Sizes as separate ints: torch parses them ~1.5 us faster than a torch.Size (session 6).
+    out = torch.empty(*q.shape, dtype=q.dtype, device=q.device)
+    grid, ints, constexprs, num_warps, num_stages, key = call
+    if grid is not None:
+        cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (q, q)  # never read when not IS_VARLEN
+        _FLASH_PREFILL((key, aligned(q, k, v, out, cu_q, cu_k)), grid,
+                       (q, k, v, out, cu_q, cu_k, *ints, float(scale) * LOG2E, window if window is not None else 0),
+                       constexprs, num_warps, num_stages)
+    return out
+
+
+def _prefill_call(q, k, v, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_config) -> tuple:
+    """Validate; (grid or None for empty inputs, integer arguments, constexprs, num_warps, num_stages)."""
     check_prefill_inputs(q, k, v, window, cu_seqlens_q, cu_seqlens_k)
     varlen = cu_seqlens_q is not None
+    # The output is allocated contiguous, in q's shape.
+    out_strides = contiguous_strides(q.shape)
     if varlen:
         if max_seqlen_q is None or max_seqlen_q < 1:
             raise ValueError("packed attention needs max_seqlen_q >= 1 (the longest query sequence)")
@@ -221,26 +255,27 @@ def flash_attention(
         q_strides = (0, q.stride(1), q.stride(0))
         k_strides = (0, k.stride(1), k.stride(0))
         v_strides = (0, v.stride(1), v.stride(0))
+        o_strides = (0, out_strides[1], out_strides[0])
     else:
         batch, n_q_heads, seqlen_q, head_dim = q.shape
         n_kv_heads, seqlen_k = k.shape[1], k.shape[2]
         q_strides = (q.stride(0), q.stride(1), q.stride(2))
         k_strides = (k.stride(0), k.stride(1), k.stride(2))
         v_strides = (v.stride(0), v.stride(1), v.stride(2))
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    o_strides = (0, out.stride(1), out.stride(0)) if varlen else (out.stride(0), out.stride(1), out.stride(2))
-    if q.numel() == 0:
-        return out
+        o_strides = out_strides[:3]
     block_m, block_n, num_warps, num_stages = block_config or _prefill_config(head_dim)
-    grid = (batch * n_q_heads, triton.cdiv(seqlen_q, block_m))
-    dummy = cu_seqlens_q if varlen else q  # never read when not IS_VARLEN
-    _flash_prefill_kernel[grid](
-        q, k, v, out, dummy, cu_seqlens_k if varlen else dummy,
-        *q_strides, *k_strides, *v_strides, *o_strides,
-        seqlen_q, seqlen_k, n_q_heads, n_q_heads // n_kv_heads, float(scale) * LOG2E,
-        window if window is not None else 0,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        IS_VARLEN=varlen, HAS_WINDOW=window is not None, UPCAST=_INTERPRETED,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    return out
+    if q.numel() == 0:
+        return None, (), {}, num_warps, num_stages, None
+    grid = (batch * n_q_heads, cdiv(seqlen_q, block_m))
+    # Every integer argument in signature order; the float scale (not specialized) goes per call.
+    ints = (*q_strides, *k_strides, *v_strides, *o_strides, seqlen_q, seqlen_k, n_q_heads, n_q_heads // n_kv_heads)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, IS_VARLEN=varlen,
+                      HAS_WINDOW=window is not None, UPCAST=_INTERPRETED)
+    # What triton specializes the binary on besides pointer alignment: dtypes, each integer's
+    # int_spec (not its value: a new sequence length must not add a cache entry; the window is
+    # the last argument), constexprs.
+    key = (q.dtype, k.dtype, v.dtype, None if cu_seqlens_q is None else (cu_seqlens_q.dtype, cu_seqlens_k.dtype),
+           tuple(int_spec(i) for i in (*ints, window if window is not None else 0)), *constexprs.values(),
+           num_warps, num_stages)
+    return grid, ints, constexprs, num_warps, num_stages, key
+

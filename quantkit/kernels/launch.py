@@ -103,15 +103,17 @@ class CachedLaunch:
         return tuple(constexprs[name] for name in names)
 
     def __call__(self, key, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int,
-                 triton_args=None) -> None:
+                 triton_args=None, options: dict | None = None) -> None:
         """Launch on ``grid`` (a 1-3 tuple). ``args`` are the positional runtime arguments, in
         signature order, ``constexprs`` every later argument by name. ``triton_args`` (a
         callable returning a tuple like ``args``) builds the arguments for triton's own path
         when they must differ from the cached path's, e.g. validated ``TensorDescriptor``s
-        where the cached path passes lighter objects with the same fields."""
+        where the cached path passes lighter objects with the same fields. ``options``: further
+        compile options for triton's path (e.g. ``enable_fp_fusion``); like num_warps and
+        num_stages they are part of the compiled binary, so the key must determine them."""
         if not ENABLED or INTERPRETED or key is None:
             self.kernel[grid](*(triton_args() if triton_args else args), **constexprs, num_warps=num_warps,
-                              num_stages=num_stages)
+                              num_stages=num_stages, **(options or {}))
             return
         if self._stream_of is None:
             drv = _driver()
@@ -128,7 +130,7 @@ class CachedLaunch:
                          compiled.packed_metadata, None, None, None, *args, *tail)
             return
         compiled = self.kernel[grid](*(triton_args() if triton_args else args), **constexprs, num_warps=num_warps,
-                                     num_stages=num_stages)
+                                     num_stages=num_stages, **(options or {}))
         if hasattr(compiled, "packed_metadata"):
             self.compiled[(device, key)] = (compiled, self._constexpr_tail(len(args), constexprs))
 

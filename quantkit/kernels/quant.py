@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantkit.kernels.call_cache import SignatureCache
 from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, int_spec, next_power_of_2
 from quantkit.kernels.reference import FP8_MAX, INT8_MAX, MIN_SCALE, QUANT_DTYPES, qmax_of
 
@@ -504,6 +505,10 @@ def _policies(evict: bool) -> dict:
 
 _PER_TOKEN_PLANS: dict = {}
 _RMS_PLANS: dict = {}
+# Validated calls without out=/config= (launch.SignatureCache): (output shapes, device, key
+# without the alignment bits, grid, the arguments after the pointers, launch plan).
+_PER_TOKEN_CALLS = SignatureCache()
+_RMS_CALLS = SignatureCache()
 
 
 def _rms_norm_plan(K: int, has_residual: bool, dtype: torch.dtype, config: dict | None) -> tuple:
@@ -548,6 +553,17 @@ def quantize_per_token(x: torch.Tensor, dtype: torch.dtype, out=None, out_scale=
     ``out`` / ``out_scale`` receive the results when given (tests poison them); ``config``
     overrides ``per_token_launch_config`` (benchmarks, tests).
     """
+    cacheable = out is None and out_scale is None and config is None
+    if cacheable:
+        signature = (x.shape, x.stride(), x.dtype, x.device, dtype)
+        call = _PER_TOKEN_CALLS.get(signature)
+        if call is not None:
+            q_shape, scale_shape, device, key, grid, tail, constexprs, num_warps = call
+            # Sizes as separate ints: torch parses them ~0.7 us faster than a tuple (session 6).
+            q = torch.empty(*q_shape, dtype=dtype, device=device)
+            scale = torch.empty(*scale_shape, dtype=torch.float32, device=device)
+            _PER_TOKEN((key, aligned(x, q, scale)), grid, (x, q, scale, *tail), constexprs, num_warps, 3)
+            return q, scale
     check_activation_input(x)
     check_quant_dtype(dtype)
     _check_runnable(x)
@@ -566,8 +582,11 @@ def quantize_per_token(x: torch.Tensor, dtype: torch.dtype, out=None, out_scale=
             _PER_TOKEN_PLANS[plan_key] = plan
     rows, constexprs, num_warps, plan_id = plan
     x_stride, q_stride = x.stride(0), q.stride(0)
-    key = (plan_id, x_stride, q_stride, int_spec(M), aligned(x, q, scale))
-    _PER_TOKEN(key, (cdiv(M, rows),), (x, q, scale, M, K, x_stride, q_stride), constexprs, num_warps, 3)
+    key = (plan_id, x_stride, q_stride, int_spec(M))
+    grid, tail = (cdiv(M, rows),), (M, K, x_stride, q_stride)
+    if cacheable:
+        _PER_TOKEN_CALLS.add(signature, ((M, K), (M,), x.device, key, grid, tail, constexprs, num_warps))
+    _PER_TOKEN((key, aligned(x, q, scale)), grid, (x, q, scale, *tail), constexprs, num_warps, 3)
     return q, scale
 
 
@@ -615,6 +634,26 @@ def rms_norm_quant_per_token(
 
     Returns (q (M, K), scale (M,) fp32, new residual (x + residual in x.dtype) or None).
     """
+    cacheable = out is None and out_scale is None and out_residual is None and config is None
+    if cacheable:
+        signature = (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype, weight.device,
+                     dtype, None if residual is None else (residual.shape, residual.stride(), residual.dtype,
+                                                          residual.device))
+        call = _RMS_CALLS.get(signature)
+        if call is not None:
+            shape, scale_shape, device, key, grid, strides, launch, constexprs, num_warps = call
+            q = torch.empty(*shape, dtype=dtype, device=device)  # separate ints: see quantize_per_token
+            scale = torch.empty(*scale_shape, dtype=torch.float32, device=device)
+            if residual is None:
+                new_residual = None
+                residual_arg = new_residual_arg = x
+            else:
+                new_residual = new_residual_arg = torch.empty(*shape, dtype=x.dtype, device=device)
+                residual_arg = residual
+            launch((key, aligned(x, residual_arg, new_residual_arg, weight, q, scale)), grid,
+                   (x, residual_arg, new_residual_arg, weight, q, scale, *strides, float(eps), float(offset)),
+                   constexprs, num_warps, 3)
+            return q, scale, new_residual
     check_rms_norm_args(x, weight, residual)
     check_quant_dtype(dtype)
     _check_runnable(x)
@@ -637,12 +676,15 @@ def rms_norm_quant_per_token(
     # Unused pointers still need a tensor; x itself is a harmless stand-in.
     residual_arg = residual if has_residual else x
     new_residual_arg = new_residual if has_residual else x
-    args = (x, residual_arg, new_residual_arg, weight, q, scale, M, K, x.stride(0), residual_arg.stride(0),
-            new_residual_arg.stride(0), q.stride(0), float(eps), float(offset))
-    key = (plan_id, x.dtype, weight.dtype, args[8], args[9], args[10], args[11], int_spec(M),
-           aligned(x, residual_arg, new_residual_arg, weight, q, scale))
+    # M, K and the row strides (the outputs' are K: they are allocated contiguous).
+    strides = (M, K, x.stride(0), residual_arg.stride(0), new_residual_arg.stride(0), q.stride(0))
+    key = (plan_id, x.dtype, weight.dtype, *strides[2:], int_spec(M))
     grid = (cdiv(M, rows),)
-    launch(key, grid, args, constexprs, num_warps, 3)
+    if cacheable:
+        _RMS_CALLS.add(signature, ((M, K), (M,), x.device, key, grid, strides, launch, constexprs, num_warps))
+    launch((key, aligned(x, residual_arg, new_residual_arg, weight, q, scale)), grid,
+           (x, residual_arg, new_residual_arg, weight, q, scale, *strides, float(eps), float(offset)),
+           constexprs, num_warps, 3)
     return q, scale, new_residual
 
 

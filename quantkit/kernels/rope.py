@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.kernels.launch import cdiv, next_power_of_2, num_sms
+from quantkit.kernels.call_cache import SignatureCache, contiguous_strides
+from quantkit.kernels.launch import CachedLaunch, aligned, cdiv, int_spec, next_power_of_2, num_sms
 from quantkit.kernels.quant import round_half_even, round_to_bf16_grid
 from quantkit.kernels.reference_attention import check_rope_inputs
 
@@ -125,19 +126,44 @@ def _heads_per_program(q: torch.Tensor, n_heads: int, position_programs: int) ->
     return cdiv(n_heads, groups)
 
 
+_ROPE = CachedLaunch(_rope_kernel)
+# No FMA contraction: each product is rounded on its own, as in torch's eager ops.
+_OPTIONS = {"enable_fp_fusion": False}
+# Validated calls (call_cache.SignatureCache): the grid, every integer argument, the constexprs
+# and the launch key follow from the inputs' shapes, strides, dtypes and device (the outputs are
+# allocated contiguous); only the pointers' alignment is read per call.
+_CALLS = SignatureCache()
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                heads_per_program: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch RoPE on q and k; see ``reference_attention.apply_rope`` for the math.
 
     ``heads_per_program`` (tests) overrides the launch's split of the q + k heads over programs.
     """
+    signature = (q.shape, q.stride(), k.shape, k.stride(), cos.shape, cos.stride(), sin.shape, sin.stride(),
+                 q.dtype, k.dtype, cos.dtype, sin.dtype, q.device, k.device, cos.device, sin.device, heads_per_program)
+    call = _CALLS.get(signature)
+    if call is None:
+        call = _CALLS.add(signature, _rope_call(q, k, cos, sin, heads_per_program))
+    # Sizes as separate ints: torch parses them ~1.5 us faster than a torch.Size (session 6).
+    q_out = torch.empty(*q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(*k.shape, dtype=k.dtype, device=k.device)
+    grid, ints, constexprs, key = call
+    if grid is not None:
+        # 4 warps; 3 stages is triton's default (the launch passed none before the cache).
+        _ROPE((key, aligned(q, k, cos, sin, q_out, k_out)), grid, (q, k, cos, sin, q_out, k_out, *ints), constexprs,
+              4, 3, options=_OPTIONS)
+    return q_out, k_out
+
+
+def _rope_call(q, k, cos, sin, heads_per_program: int | None) -> tuple:
+    """(grid or None for empty inputs, integer arguments, constexprs, launch key) of a validated call."""
     check_rope_inputs(q, k, cos, sin)
     batch, n_q_heads, seqlen, head_dim = q.shape
     n_kv_heads = k.shape[1]
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if q.numel() == 0:
-        return q_out, k_out
+        return None, (), {}, None
     block_s = min(64 if _INTERPRETED else 16, next_power_of_2(seqlen))
     position_programs = batch * cdiv(seqlen, block_s)
     n_heads = n_q_heads + n_kv_heads
@@ -147,16 +173,15 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         raise ValueError(f"heads_per_program={heads_per_program}; pass a positive number of heads")
     cos_batch_stride = 0 if cos.shape[0] == 1 else cos.stride(0)
     sin_batch_stride = 0 if sin.shape[0] == 1 else sin.stride(0)
-    _rope_kernel[(batch, cdiv(seqlen, block_s), cdiv(n_heads, heads_per_program))](
-        q, k, cos, sin, q_out, k_out,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        cos_batch_stride, cos.stride(1), sin_batch_stride, sin.stride(1),
-        q_out.stride(0), q_out.stride(1), q_out.stride(2),
-        k_out.stride(0), k_out.stride(1), k_out.stride(2),
-        seqlen, n_q_heads, n_kv_heads, heads_per_program,
-        HALF=head_dim // 2, BLOCK_S=block_s, num_warps=4,
-        # No FMA contraction: each product is rounded on its own, as in torch's eager ops.
-        enable_fp_fusion=False,
-    )
-    return q_out, k_out
+    q_out_strides, k_out_strides = contiguous_strides(q.shape), contiguous_strides(k.shape)
+    ints = (q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            cos_batch_stride, cos.stride(1), sin_batch_stride, sin.stride(1),
+            *q_out_strides[:3], *k_out_strides[:3],
+            seqlen, n_q_heads, n_kv_heads, heads_per_program)
+    grid = (batch, cdiv(seqlen, block_s), cdiv(n_heads, heads_per_program))
+    constexprs = {"HALF": head_dim // 2, "BLOCK_S": block_s}
+    # What triton specializes the binary on besides pointer alignment: dtypes, each integer's
+    # int_spec (not its value: a new sequence length must not add a cache entry), constexprs.
+    key = (q.dtype, k.dtype, cos.dtype, sin.dtype, tuple(int_spec(i) for i in ints), head_dim // 2, block_s)
+    return grid, ints, constexprs, key

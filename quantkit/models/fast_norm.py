@@ -48,6 +48,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from quantkit.kernels import attention_ops, ops
+from quantkit.kernels.call_cache import contiguous_strides
 
 logger = logging.getLogger(__name__)
 
@@ -192,14 +193,6 @@ def _size(self, dim=None):
     return self.shape_ if dim is None else self.shape_[dim]
 
 
-def _contiguous_strides(shape: torch.Size) -> tuple:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 def _numel(self):
     numel = 1
     for size in self.shape_:
@@ -243,8 +236,8 @@ _HANDLERS = {
     _T.element_size: lambda self: self.pending.dtype.itemsize,
     _T.get_device: lambda self: self.pending.device.index if self.pending.device.type != "cpu" else -1,
     _T.is_contiguous: lambda self, memory_format=torch.contiguous_format: memory_format == torch.contiguous_format,
-    _T.stride: lambda self, dim=None: (_contiguous_strides(self.shape_) if dim is None
-                                       else _contiguous_strides(self.shape_)[dim]),
+    _T.stride: lambda self, dim=None: (contiguous_strides(self.shape_) if dim is None
+                                       else contiguous_strides(self.shape_)[dim]),
     _T.contiguous: _contiguous,
     _T.reshape: _reshape,
     _T.view: _reshape,

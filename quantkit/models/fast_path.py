@@ -152,23 +152,25 @@ class GatedQuantMLP(nn.Module):
         shape, dtype = shape_and_dtype(x)
         leading = shape[:-1]
         q, a_scale = quantize_rows(self, x)
-        w_scale = self.weight_scale.view(-1)
+        # Buffers and submodules straight from their dicts: nn.Module.__getattr__ costs ~2 us a
+        # lookup on the eager hot path (benchmarks/NOTES-e2e.md, session 6).
+        weight = self._buffers["weight"]
+        w_scale = self._buffers["weight_scale"].view(-1)
         size = self.intermediate_size
         if self.uses_gated_kernel(dtype):
-            hidden = ops.gated_scaled_mm(q, self.weight, a_scale, w_scale, self.activation, dtype,
-                                         backend=self.backend)
+            hidden = ops.gated_scaled_mm(q, weight, a_scale, w_scale, self.activation, dtype, backend=self.backend)
         else:
             # Same arithmetic as the plain path's ``act(gate) * up``; the raw gate is dropped as
             # soon as it is activated and the product is taken in place (bit-identical to ``*``),
             # so at most two (M, I) tensors are alive; the plain expression holds three.
-            hidden = self.act_fn(ops.scaled_mm(q, self.weight[:size], a_scale, w_scale[:size], None, "none",
+            hidden = self.act_fn(ops.scaled_mm(q, weight[:size], a_scale, w_scale[:size], None, "none",
                                                dtype, backend=self.backend))
-            up = ops.scaled_mm(q, self.weight[size:], a_scale, w_scale[size:], None, "none", dtype,
+            up = ops.scaled_mm(q, weight[size:], a_scale, w_scale[size:], None, "none", dtype,
                                backend=self.backend)
             del q
             hidden = hidden.mul_(up)
             del up
-        return self.down_proj(hidden.reshape(*leading, size))
+        return self._modules["down_proj"](hidden.reshape(*leading, size))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, intermediate_size={self.intermediate_size}, "
@@ -207,23 +209,27 @@ class FusedQKV(nn.Module):
         else:
             self.bias = None
         self.input_scale = first.input_scale.clone() if first.static_input else None
-        self._stash = None
+        # [input, its version, the GEMM output viewed as (*leading, q + k + v), bit i: projection
+        # i took its part]. A list changed in place: assigning a module attribute per call goes
+        # through nn.Module.__setattr__ (~3 us on the eager hot path).
+        self._stash = [None, None, None, 0]
+        self._all_taken = (1 << len(self.sizes)) - 1
 
     def _gemm(self, x: torch.Tensor, start: int, stop: int, out_dtype: torch.dtype) -> torch.Tensor:
         q, a_scale = quantize_rows(self, x)
-        whole = start == 0 and stop == self.weight.shape[0]
-        return ops.scaled_mm(
-            q, self.weight if whole else self.weight[start:stop], a_scale,
-            self.weight_scale.view(-1) if whole else self.weight_scale.view(-1)[start:stop],
-            None if self.bias is None else (self.bias if whole else self.bias[start:stop]), "none", out_dtype,
-            backend=self.backend)
+        # From the dicts, not nn.Module.__getattr__ (~2 us a lookup; see GatedQuantMLP.forward).
+        buffers = self._buffers
+        weight, w_scale, bias = buffers["weight"], buffers["weight_scale"].view(-1), buffers.get("bias")
+        if not (start == 0 and stop == weight.shape[0]):
+            weight, w_scale = weight[start:stop], w_scale[start:stop]
+            bias = None if bias is None else bias[start:stop]
+        return ops.scaled_mm(q, weight, a_scale, w_scale, bias, "none", out_dtype, backend=self.backend)
 
     def project(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        shape, dtype = shape_and_dtype(x)
-        leading = shape[:-1]
-        start, size = self.offsets[index], self.sizes[index]
         if self.exact or torch.compiler.is_compiling():
-            return self._gemm(x, start, start + size, dtype).reshape(*leading, size)
+            shape, dtype = shape_and_dtype(x)
+            start, size = self.offsets[index], self.sizes[index]
+            return self._gemm(x, start, start + size, dtype).reshape(*shape[:-1], size)
         # Inference-mode tensors keep no version counter (and cannot be changed outside
         # inference mode): for them the identity of the object is the check.
         if type(x) is NormOutput:
@@ -231,15 +237,15 @@ class FusedQKV(nn.Module):
         else:
             version = None if x.is_inference() else x._version
         stash = self._stash
-        if stash is None or stash[0] is not x or stash[1] != version or index in stash[3]:
-            stash = self._stash = [x, version, self._gemm(x, 0, self.weight.shape[0], dtype), set()]
-        stash[3].add(index)
-        if len(stash[3]) == len(self.sizes):
-            self._stash = None
-        part = stash[2][:, start:start + size]
-        if self.copy_output[index]:
-            part = part.contiguous()
-        return part.reshape(*leading, size)
+        if stash[0] is not x or stash[1] != version or stash[3] >> index & 1:
+            shape, dtype = shape_and_dtype(x)
+            out = self._gemm(x, 0, self.offsets[-1] + self.sizes[-1], dtype)
+            stash[0], stash[1], stash[2], stash[3] = x, version, out.view(*shape[:-1], out.shape[1]), 0
+        stash[3] |= 1 << index
+        part = stash[2].narrow(-1, self.offsets[index], self.sizes[index])
+        if stash[3] == self._all_taken:
+            stash[0] = stash[2] = None
+        return part.contiguous() if self.copy_output[index] else part
 
     def extra_repr(self) -> str:
         return f"sizes={self.sizes}, in_features={self.in_features}, weight={self.quant_dtype}, exact={self.exact}"
@@ -332,7 +338,10 @@ class FastRMSNorm(nn.Module):
         return self.output_counts[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        # From the dict, not nn.Module.__getattr__ (~2 us a lookup; see GatedQuantMLP.forward).
+        weight = self._parameters["weight"]
+        if weight.dtype != x.dtype:
+            weight = weight.to(x.dtype)
         if (self.defer_output and type(x) is torch.Tensor and x.shape[-1] == weight.shape[0] and x.numel()
                 and not (x.requires_grad and torch.is_grad_enabled()) and not torch.is_inference_mode_enabled()
                 and not x.is_inference() and not torch.compiler.is_compiling()):

@@ -114,12 +114,15 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
         q, a_scale = quantize_input(self, x.reshape(-1, self.in_features))
+        # Buffers straight from ``_buffers``: nn.Module.__getattr__ costs ~2 us per buffer, on
+        # the eager hot path (benchmarks/NOTES-e2e.md, session 6). No bias: none registered.
+        buffers = self._buffers
         out = ops.scaled_mm(
             q,
-            self.weight,
+            buffers["weight"],
             a_scale,
-            self.weight_scale.view(-1),
-            self.bias,
+            buffers["weight_scale"].view(-1),
+            buffers.get("bias"),
             self.activation,
             x.dtype,
             backend=self.backend,

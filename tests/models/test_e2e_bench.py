@@ -1,5 +1,6 @@
 """The end-to-end benchmark's plumbing on CPU: one variant measured in a fresh process."""
 
+import gc
 import sys
 
 import pytest
@@ -38,7 +39,25 @@ def test_isolated_variant_returns_its_rows():
     assert [r["workload"] for r in rows] == ["prefill_1x8", "decode_b1"]
     assert all(r["variant"] == "int8-fast" and "error" not in r for r in rows)
     assert rows[0]["tokens_per_s"] > 0 and rows[1]["ms_per_token"] > 0
+    assert all(r["gc_frozen_objects"] > 0 for r in rows)
     e2e._add_ratios(rows)  # no hf-bf16 row: nothing to divide by, and no crash
+
+
+def test_timed_runs_see_a_frozen_heap_every_variant_alike(monkeypatch):
+    """gc.collect(); gc.freeze() after the warm-up, before the timed runs, for HF's model too; undone after."""
+    frozen_at_prefill = []
+    real_prefill = e2e.bench_prefill
+
+    def spy(*args, **kwargs):
+        frozen_at_prefill.append(gc.get_freeze_count())
+        return real_prefill(*args, **kwargs)
+
+    monkeypatch.setattr(e2e, "bench_prefill", spy)
+    rows = e2e.measure_variant("hf-bf16", _tiny_config(), "cpu", prefill_shapes=((1, 8),), decode_batches=(1,),
+                               prompt_len=4, new_tokens=3)
+    assert frozen_at_prefill[0] == 0 and frozen_at_prefill[-1] > 0  # warm-up, then the timed run
+    assert rows[0]["gc_frozen_objects"] == frozen_at_prefill[-1]
+    assert gc.get_freeze_count() == 0
 
 
 def test_failed_child_gives_an_error_row():
