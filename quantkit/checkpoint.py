@@ -74,6 +74,11 @@ def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite
     config: QuantConfig | None = getattr(model, "quantkit_config", None)
     if config is None or not any(isinstance(m, QuantLinear) for m in model.modules()):
         raise CheckpointError("the model is not quantized; run quantkit.quantize(model, config, data) first")
+    if getattr(model, "quantkit_fast_path", None) is not None:
+        # optimize() stacks q/k/v and gate/up into fused modules: their tensors are not in the
+        # compressed-tensors layout (no loader, quantkit's included, would find its projections).
+        raise CheckpointError("the model was rewritten by quantkit.optimize (fused q/k/v and gate/up weights); "
+                              "save it before optimize(), or save the model quantkit.load returned")
     out_dir = Path(out_dir)
     _prepare_target(out_dir, overwrite)
     config_dict = model.config.to_dict()

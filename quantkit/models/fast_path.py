@@ -116,6 +116,15 @@ def kernel_activation_of(act_fn: nn.Module) -> tuple[str, bool] | None:
     return None
 
 
+def _register_input_scale(module: nn.Module, source: QuantLinear) -> None:
+    """The fused module's static ``input_scale`` as a buffer (None for dynamic inputs), like
+    QuantLinear's: ``.to(device)`` and ``state_dict`` carry it with the weights."""
+    if source.static_input:
+        module.register_buffer("input_scale", source.input_scale.clone())
+    else:
+        module.input_scale = None
+
+
 class GatedQuantMLP(nn.Module):
     """``down_proj(act(gate_proj(x)) * up_proj(x))`` with one activation quantization and a stacked weight.
 
@@ -140,7 +149,8 @@ class GatedQuantMLP(nn.Module):
         self.down_proj = down
         self.register_buffer("weight", torch.cat([gate.weight, up.weight], dim=0))
         self.register_buffer("weight_scale", torch.cat([gate.weight_scale, up.weight_scale], dim=0))
-        self.input_scale = gate.input_scale.clone() if gate.static_input else None
+        # A buffer, like QuantLinear's: .to(device) / state_dict must carry it with the weight.
+        _register_input_scale(self, gate)
 
     def uses_gated_kernel(self, dtype: torch.dtype) -> bool:
         if not self.exact:
@@ -208,7 +218,7 @@ class FusedQKV(nn.Module):
             self.register_buffer("bias", torch.cat([p.bias for p in projections], dim=0))
         else:
             self.bias = None
-        self.input_scale = first.input_scale.clone() if first.static_input else None
+        _register_input_scale(self, first)
         # [input, its version, the GEMM output viewed as (*leading, q + k + v), bit i: projection
         # i took its part]. A list changed in place: assigning a module attribute per call goes
         # through nn.Module.__setattr__ (~3 us on the eager hot path).

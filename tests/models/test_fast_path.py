@@ -120,6 +120,33 @@ def test_static_input_gate_up_share_one_scale():
         assert torch.equal(fast(ids).logits, plain(ids).logits)
 
 
+def test_static_input_scale_of_fused_modules_moves_with_the_model():
+    # The fused q/k/v and gate/up modules keep the calibrated input scale as a buffer: .to()
+    # moves it and state_dict carries it (a plain attribute stayed behind on the old device).
+    torch.manual_seed(3)
+    model = make_tiny("llama")
+    blocks = torch.randint(3, model.config.vocab_size, (2, 16))
+    fast = optimize(quantkit.quantize(model, QuantConfig.preset("int8-static"), blocks, progress=False))
+    fused = [m for m in fast.modules() if isinstance(m, (FusedQKV, GatedQuantMLP))]
+    assert fused and all(m.static_input for m in fused)
+    names = set(fast.state_dict())
+    for name, module in fast.named_modules():
+        if isinstance(module, (FusedQKV, GatedQuantMLP)):
+            assert f"{name}.input_scale" in names
+            assert float(module.input_scale) > 0
+    fast.to("meta")
+    assert all(m.input_scale.device.type == "meta" for m in fused)
+
+
+def test_saving_an_optimized_model_is_refused_and_writes_nothing(tmp_path):
+    from quantkit.checkpoint import CheckpointError
+
+    fast = optimize(_quantized("llama", "int8", torch.float32), exact=False)
+    with pytest.raises(CheckpointError, match="optimize"):
+        quantkit.save(fast, tmp_path / "ckpt")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unquantized_model_is_refused():
     with pytest.raises(ValueError, match="quantize"):
         optimize(make_tiny("llama"))
