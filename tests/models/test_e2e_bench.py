@@ -56,7 +56,9 @@ def test_timed_runs_see_a_frozen_heap_every_variant_alike(monkeypatch):
     rows = e2e.measure_variant("hf-bf16", _tiny_config(), "cpu", prefill_shapes=((1, 8),), decode_batches=(1,),
                                prompt_len=4, new_tokens=3)
     assert frozen_at_prefill[0] == 0 and frozen_at_prefill[-1] > 0  # warm-up, then the timed run
-    assert rows[0]["gc_frozen_objects"] == frozen_at_prefill[-1]
+    # The row records the count at the freeze; frozen objects that die later leave the permanent
+    # generation (nothing joins it without another freeze), so the timed run sees at most that.
+    assert rows[0]["gc_frozen_objects"] >= frozen_at_prefill[-1]
     assert gc.get_freeze_count() == 0
 
 
