@@ -53,13 +53,13 @@ import triton.language as tl
 import triton.testing
 
 from quantkit.kernels import gemm_tma
+from quantkit.kernels.call_cache import SignatureCache
 from quantkit.kernels.gemm_checks import (  # noqa: F401 - re-exported: gemm's API
     ACTIVATION_CODES, K_ALIGNMENT, MAX_INT8_K, OUT_DTYPES, check_scaled_mm_args)
 from quantkit.kernels.gemm_configs import (  # noqa: F401 - the config sets are part of gemm's API
     ALL_CONFIGS, HEURISTICS, INTERPRETER_CONFIG, LARGE_M_CONFIGS, MEDIUM_M_CONFIGS, SMALL_M_CONFIGS,
     SMALL_M_SPLIT_K_CONFIGS, _prune_configs, m_bucket, split_k_plan, split_k_programs)
 from quantkit.kernels.gemm_epilogue import dequant_epilogue, dot_accumulate, grouped_tile, split_arrive, split_sum
-from quantkit.kernels.call_cache import SignatureCache
 from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, config_dict
 from quantkit.kernels.quant import cast_for_store
 

@@ -616,7 +616,7 @@ class PersistentCall:
     calling it launches with this call's tensors, whose bases must pass ``pointers_aligned``."""
 
     __slots__ = ("key", "grid", "constexprs", "num_warps", "num_stages", "ints", "a_layout", "out_layout", "w_box",
-                 "workspace", "slots", "tile_elems")
+                 "w_descriptors", "workspace", "slots", "tile_elems")
 
     def __init__(self, plan: tuple, tune_key: tuple, a: torch.Tensor, out: torch.Tensor, m_bucket: int) -> None:
         bm, bn, bk, out_box, constexprs, self.num_warps, self.num_stages, config_key = plan
@@ -635,6 +635,9 @@ class PersistentCall:
         self.a_layout = ([M, K], [a.stride(0), 1], [bm, bk])
         self.out_layout = ([M, N], [out.stride(0), 1], out_box)
         self.w_box = (bn, bk)
+        # weight_descriptor's entries by address alone: the signature fixes the rest of its key
+        # (shape, row stride, dtype) and the plan the box (a 1-int lookup, ~0.8 us less per call).
+        self.w_descriptors: dict = {}
         # Without a split the workspace is unused (its code is compiled out) but still passed: the
         # same pointer types as on the autotuner's path, so both find one compiled binary. That one
         # is fixed per (device, dtype) once it exists; a split's is looked up per launch.
@@ -647,7 +650,12 @@ class PersistentCall:
         tail = (a_scale, w_scale, bias_arg, *(self.workspace or _workspace_args(a, self.slots, self.tile_elems)),
                 *self.ints)
         a_layout, out_layout = self.a_layout, self.out_layout
-        args = (_Descriptor(a, *a_layout), weight_descriptor(w, *self.w_box), _Descriptor(out, *out_layout), *tail)
+        w_desc = self.w_descriptors.get(w.data_ptr())
+        if w_desc is None:
+            if len(self.w_descriptors) >= _MAX_WEIGHT_DESCRIPTORS:
+                self.w_descriptors.clear()
+            w_desc = self.w_descriptors[w.data_ptr()] = weight_descriptor(w, *self.w_box)
+        args = (_Descriptor(a, *a_layout), w_desc, _Descriptor(out, *out_layout), *tail)
 
         def triton_args():
             return (TensorDescriptor.from_tensor(a, list(a_layout[2])), TensorDescriptor.from_tensor(w, list(self.w_box)),
