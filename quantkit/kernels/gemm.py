@@ -368,15 +368,32 @@ def _pick_kernel(kernel, a, w, out, gated, config) -> str:
 
 def _launch(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config=None, fp8_fast_accum=True,
             kernel="auto"):
-    call = _call(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config, fp8_fast_accum, kernel)
-    if call is not None:
-        call(a, w, out, a_scale, w_scale, bias if bias is not None else a_scale)
+    picked = _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config, fp8_fast_accum, kernel)
+    if picked is not None:
+        persistent, flags, fp8_fast_accum = picked
+        if persistent:
+            gemm_tma.launch_persistent(a, w, out, a_scale, w_scale, bias, flags, m_bucket(a.shape[0]), fp8_fast_accum,
+                                       INTERPRETED, config, gated=gated)
+        else:
+            _launch_tiled(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, config)
     return out
 
 
 def _call(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config, fp8_fast_accum, kernel):
-    """The launch of a validated call (a ``TiledCall`` or ``gemm_tma.PersistentCall``); None when
+    """``_launch``'s launch as an object (a ``TiledCall`` or ``gemm_tma.PersistentCall``); None when
     there is nothing (left) to launch: an empty output, or the autotuner launched it."""
+    picked = _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config, fp8_fast_accum, kernel)
+    if picked is None:
+        return None
+    persistent, flags, fp8_fast_accum = picked
+    if persistent:
+        return gemm_tma.persistent_call(a, w, out, a_scale, w_scale, bias, flags, m_bucket(a.shape[0]),
+                                        fp8_fast_accum, INTERPRETED, config, gated=gated)
+    return _tiled_call(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, config)
+
+
+def _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config, fp8_fast_accum, kernel):
+    """(persistent?, epilogue flags, fp8_fast_accum) of a validated call; None for an empty output."""
     M, K = a.shape
     N = out.shape[1]
     if kernel not in KERNELS:
@@ -392,10 +409,7 @@ def _call(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config,
     # result either way).
     flags = (is_int8, a_scale.numel() != 1, w_scale.numel() != 1, bias is not None, ACTIVATION_CODES[activation],
              raw_acc)
-    if _pick_kernel(kernel, a, w, out, gated, config) == "persistent":
-        return gemm_tma.persistent_call(a, w, out, a_scale, w_scale, bias, flags, m_bucket(M), fp8_fast_accum,
-                                        INTERPRETED, config, gated=gated)
-    return _tiled_call(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, config)
+    return _pick_kernel(kernel, a, w, out, gated, config) == "persistent", flags, fp8_fast_accum
 
 
 # Validated calls without config= / out= (GPU path), by signature: every tensor's shape, strides,
@@ -421,6 +435,8 @@ def _cached_call(entry, a, w, a_scale, w_scale, bias):
 
 def _launch_new(signature, a, w, a_scale, w_scale, bias, out, activation, gated, config, fp8_fast_accum, kernel):
     """The full path of a validated call; keeps its launch under ``signature`` (None: do not)."""
+    if signature is None:
+        return _launch(a, w, a_scale, w_scale, bias, out, activation, gated, False, config, fp8_fast_accum, kernel)
     call = _call(a, w, a_scale, w_scale, bias, out, activation, gated, False, config, fp8_fast_accum, kernel)
     if call is None:
         return out
