@@ -6,7 +6,8 @@ Parts, in order (each writes its results at once, so a time-out keeps what finis
 1. launch check: every kernel family with the launch cache off (triton's own path) and on (first
    call through triton, later calls launched directly), outputs compared bit for bit, including a
    weight replaced by a new tensor of the same shape and a freed weight's address reused (RoPE
-   and flash prefill since session 6);
+   and flash prefill since session 6); GEMMs also with gemm's call cache cleared (full path) and an
+   unaligned activation after a cached persistent call (session 6b);
    torch.compile(fullgraph) + CUDA-graph check of the custom ops (gemm_sweep's block).
 2. host time per eager call (tight loop, small shapes), cache off vs on, same process.
 3. gated GEMM (gate_up 2 x 14336 x 4096): persistent TMA vs tiled vs bf16 F.linear + act*mul,
@@ -131,6 +132,10 @@ def launch_check():
         want = fn()
         launch.ENABLED = True
         got = [fn() for _ in range(3)]  # first through triton (caches), then direct launches
+        # GEMMs: the calls above after the first took gemm's per-signature call cache (session
+        # 6b); this one takes the full path (validation, kernel pick, plan) and a direct launch.
+        gemm._CALLS.clear()
+        got.append(fn())
         torch.cuda.synchronize()
         ok = all(_same(g, want) for g in got)
         rows.append({"check": name, "equal_to_triton_path": ok})
@@ -157,6 +162,20 @@ def launch_check():
             ok3 = _same(gemm.scaled_mm(a, w3, sa, sw2), want3)
             rows.append({"check": f"weight_replaced_{dtype}_M{M}", "new_weight_equal": ok2, "reused_address": w3.data_ptr() == ptr,
                          "reused_address_equal": ok3})
+    # A cached persistent call (TMA: 16-byte aligned bases) followed by the same signature with an
+    # unaligned a: must not take the cached persistent plan (session 6b); equal to kernel="tiled".
+    for dtype in (torch.int8, FP8):
+        _, _, a, sa, w, sw, _ = _q_operands(2048, 4096, 4096, dtype, seed=9)
+        for _ in range(3):
+            aligned_out = gemm.scaled_mm(a, w, sa, sw)
+        flat = torch.empty(a.numel() + 16, dtype=dtype, device="cuda")
+        unaligned = flat[1:1 + a.numel()].view(a.shape)
+        unaligned.copy_(a)
+        got = gemm.scaled_mm(unaligned, w, sa, sw)
+        want = gemm.scaled_mm(unaligned, w, sa, sw, out=torch.empty_like(got), kernel="tiled")
+        torch.cuda.synchronize()
+        rows.append({"check": f"unaligned_after_cached_persistent_{dtype}", "equal_to_tiled": _same(got, want),
+                     "close_to_aligned": bool(_rel_err(got, aligned_out) < 1e-2)})
     for r in rows:
         if not all(v for k, v in r.items() if k != "check" and k != "reused_address"):
             print("FAILED", r, flush=True)

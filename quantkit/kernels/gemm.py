@@ -53,22 +53,15 @@ import triton.language as tl
 import triton.testing
 
 from quantkit.kernels import gemm_tma
+from quantkit.kernels.call_cache import SignatureCache
+from quantkit.kernels.gemm_checks import (  # noqa: F401 - re-exported: gemm's API
+    ACTIVATION_CODES, K_ALIGNMENT, MAX_INT8_K, OUT_DTYPES, check_scaled_mm_args)
 from quantkit.kernels.gemm_configs import (  # noqa: F401 - the config sets are part of gemm's API
     ALL_CONFIGS, HEURISTICS, INTERPRETER_CONFIG, LARGE_M_CONFIGS, MEDIUM_M_CONFIGS, SMALL_M_CONFIGS,
     SMALL_M_SPLIT_K_CONFIGS, _prune_configs, m_bucket, split_k_plan, split_k_programs)
 from quantkit.kernels.gemm_epilogue import dequant_epilogue, dot_accumulate, grouped_tile, split_arrive, split_sum
 from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, config_dict
 from quantkit.kernels.quant import cast_for_store
-from quantkit.kernels.reference import ACTIVATIONS, INT8_MAX, QUANT_DTYPES
-
-ACTIVATION_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}  # none=0 relu=1 silu=2 gelu=3 gelu_tanh=4
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Rows of a and w must start on 16-byte boundaries for wide loads (and the tensor-core paths
-# of cuBLAS/_scaled_mm have the same rule); with 1-byte elements that is K % 16 == 0.
-K_ALIGNMENT = 16
-# Largest K whose INT8 dot products cannot overflow an int32 accumulator.
-MAX_INT8_K = (2**31 - 1) // int(INT8_MAX * INT8_MAX)
-
 
 # M is not specialized (divisibility by 16, == 1): rows are wrapped, not aligned, so it would only
 # multiply the compiled variants per batch size.
@@ -228,84 +221,6 @@ _scaled_mm_autotuned = triton.autotune(
 )(triton.heuristics(HEURISTICS)(_scaled_mm_kernel))
 
 
-# ----------------------------------------------------------------------------------------------
-# Validation (shapes/dtypes only: shared with the fake implementations)
-# ----------------------------------------------------------------------------------------------
-
-
-def _check_scale(scale: torch.Tensor, name: str, length: int, length_name: str, ref: torch.Tensor) -> bool:
-    """Validate a scale; returns True when it is a vector (one entry per row / channel)."""
-    if scale.dtype != torch.float32:
-        raise ValueError(f"{name}.dtype={scale.dtype}; scales must be float32: pass {name}.float()")
-    if scale.device != ref.device:
-        raise ValueError(f"{name} is on {scale.device} but the operands are on {ref.device}")
-    if scale.numel() == 1:
-        return False
-    if scale.dim() != 1 or scale.shape[0] != length:
-        raise ValueError(
-            f"{name} has shape {tuple(scale.shape)}; expected ({length},) (one per {length_name}) or a single "
-            f"element. A (N, 1) checkpoint scale must be passed as scale.view(-1)"
-        )
-    if scale.stride(0) != 1:
-        raise ValueError(f"{name} must be contiguous: pass {name}.contiguous()")
-    return True
-
-
-def check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype, gated=False):
-    """Raise ValueError naming the problem for anything the kernel cannot take; return (M, N_out, K)."""
-    if a.dim() != 2 or w.dim() != 2:
-        raise ValueError(
-            f"a and w must be 2-D, got a {tuple(a.shape)} and w {tuple(w.shape)}; flatten leading dims of a"
-        )
-    if a.dtype not in QUANT_DTYPES:
-        raise ValueError(f"a.dtype={a.dtype}; the GEMM takes int8 or float8_e4m3fn: quantize the activation first")
-    if w.dtype != a.dtype:
-        raise ValueError(f"w.dtype={w.dtype} != a.dtype={a.dtype}; quantize both to the same dtype")
-    M, K = a.shape
-    N_w, K_w = w.shape
-    if K_w != K:
-        raise ValueError(f"K mismatch: a is (M={M}, K={K}) but w is (N={N_w}, K={K_w}); w must be (N, K)")
-    if K % K_ALIGNMENT != 0:
-        raise ValueError(
-            f"K={K} is not a multiple of {K_ALIGNMENT}; pad K with zero columns in both a and w "
-            f"(zeros do not change the product)"
-        )
-    if a.dtype == torch.int8 and K > MAX_INT8_K:
-        raise ValueError(f"K={K} > {MAX_INT8_K} could overflow the int32 accumulator; split the reduction")
-    for name, t in (("a", a), ("w", w)):
-        if t.shape[0] > 1 and t.shape[1] > 0 and (t.stride(1) != 1 or t.stride(0) % K_ALIGNMENT != 0):
-            raise ValueError(
-                f"{name} has strides {t.stride()}; the kernel needs unit stride along K and a row stride "
-                f"that is a multiple of {K_ALIGNMENT}: pass {name}.contiguous()"
-            )
-    if w.device != a.device:
-        raise ValueError(f"w is on {w.device} but a is on {a.device}")
-    if gated:
-        if N_w % 2 != 0:
-            raise ValueError(f"w_gate_up has {N_w} rows; it must stack gate and up, 2 * N rows")
-        N = N_w // 2
-    else:
-        N = N_w
-    _check_scale(a_scale, "a_scale", M, "token (row of a)", a)
-    _check_scale(w_scale, "w_scale", N_w, "output channel (row of w)", a)
-    if bias is not None:
-        if gated:
-            raise ValueError("the gated GEMM takes no bias")
-        if bias.dim() != 1 or bias.shape[0] != N:
-            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({N},)")
-        if not bias.dtype.is_floating_point:
-            raise ValueError(f"bias.dtype={bias.dtype} must be a float dtype")
-        if bias.device != a.device:
-            raise ValueError(f"bias is on {bias.device} but a is on {a.device}")
-        if N > 1 and bias.stride(0) != 1:
-            raise ValueError("bias must be contiguous: pass bias.contiguous()")
-    if activation not in ACTIVATION_CODES:
-        raise ValueError(f"activation={activation!r} is not supported; choose one of {ACTIVATIONS}")
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype={out_dtype} is not supported; use torch.bfloat16, torch.float16 or torch.float32")
-    return M, N, K
-
-
 def _check_runnable(a: torch.Tensor) -> None:
     if a.device.type != "cuda" and not INTERPRETED:
         raise ValueError(
@@ -352,38 +267,63 @@ def _tiled_plan(config: dict, flags: tuple, gated: bool, fp8_fast_accum: bool, K
 
 
 def _launch_tiled(a, w, out, a_scale, w_scale, bias, flags: tuple, gated, fp8_fast_accum, config):
+    call = _tiled_call(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, config)
+    if call is not None:
+        call(a, w, out, a_scale, w_scale, bias if bias is not None else a_scale)
+    return out
+
+
+def _tiled_call(a, w, out, a_scale, w_scale, bias, flags: tuple, gated, fp8_fast_accum, config) -> TiledCall | None:
+    """This call's tiled launch as a ``TiledCall``; None when the autotuner's first call for the
+    tuning key has launched it already."""
     M, K = a.shape
     N = out.shape[1]
     bias_arg = bias if bias is not None else a_scale
-    bucket = m_bucket(M)
-    tune_key = (N, K, bucket, gated, fp8_fast_accum, flags, a.dtype, out.dtype, bias_arg.dtype)
-    # A split slot holds the gate and the up partial tile when gated.
-    tile_copies = 2 if gated else 1
+    tune_key = (N, K, m_bucket(M), gated, fp8_fast_accum, flags, a.dtype, out.dtype, bias_arg.dtype)
     if config is None and not INTERPRETED:
         plan = _TILED_PLANS.get(tune_key)
         if plan is None:
             config = _TUNED_TILED.get(tune_key)
             if config is None:
-                _autotune_tiled(a, w, out, a_scale, w_scale, bias_arg, flags, gated, fp8_fast_accum, tile_copies)
+                _autotune_tiled(a, w, out, a_scale, w_scale, bias_arg, flags, gated, fp8_fast_accum, 2 if gated else 1)
                 _TUNED_TILED[tune_key] = config_dict(_scaled_mm_autotuned.best_config)
-                return out
+                return None
             plan = _TILED_PLANS[tune_key] = _tiled_plan(config, flags, gated, fp8_fast_accum, K)
     else:
         plan = _tiled_plan(config or INTERPRETER_CONFIG, flags, gated, fp8_fast_accum, K)
-    block_m, block_n, constexprs, num_warps, num_stages, config_key = plan
-    splits = constexprs["SPLIT_K"]
-    programs = cdiv(M, block_m) * cdiv(N, block_n) * splits
-    # Every launch passes the workspace (unused without a split), so the autotuner's launches and
-    # the cached plans' share one pointer signature, and so one compiled binary.
-    partials, arrivals = gemm_tma._workspace_args(a, programs if splits > 1 else 0, tile_copies * block_m * block_n)
-    args = (a, w, out, a_scale, w_scale, bias_arg, partials, arrivals, M, N, K, bucket, a.stride(0), w.stride(0),
-            out.stride(0))
-    # N, K and the row strides are specialized by value (N and K are in tune_key); M and
-    # M_BUCKET are do_not_specialize'd (only their int64-ness matters).
-    key = (tune_key, config_key, args[12], args[13], args[14], M >= 2**31,
-           aligned(a, w, out, a_scale, w_scale, bias_arg, partials, arrivals))
-    _TILED(key, (programs,), args, constexprs, num_warps, num_stages)
-    return out
+    return TiledCall(plan, tune_key, a, w, out, gated)
+
+
+class TiledCall:
+    """A tiled launch minus its addresses (grid, integer arguments, constexprs, the key without
+    the pointers' alignment, the no-split workspace), as ``gemm_tma.PersistentCall``."""
+
+    __slots__ = ("key", "grid", "ints", "constexprs", "num_warps", "num_stages", "workspace", "slots", "tile_elems")
+
+    def __init__(self, plan: tuple, tune_key: tuple, a, w, out, gated: bool) -> None:
+        block_m, block_n, self.constexprs, self.num_warps, self.num_stages, config_key = plan
+        M, K = a.shape
+        N = out.shape[1]
+        splits = self.constexprs["SPLIT_K"]
+        programs = cdiv(M, block_m) * cdiv(N, block_n) * splits
+        self.grid = (programs,)
+        self.ints = (M, N, K, tune_key[2], a.stride(0), w.stride(0), out.stride(0))
+        # N, K and the row strides are specialized by value (N and K are in tune_key); M and
+        # M_BUCKET are do_not_specialize'd (only their int64-ness matters).
+        self.key = (tune_key, config_key, *self.ints[4:], M >= 2**31)
+        # Every launch passes the workspace (unused without a split), so the autotuner's launches
+        # and the plans' share one pointer signature, and so one compiled binary. A split slot
+        # holds the gate and the up partial tile when gated.
+        self.slots, self.tile_elems = (programs if splits > 1 else 0), (2 if gated else 1) * block_m * block_n
+        workspace = gemm_tma._workspace_args(a, self.slots, self.tile_elems)
+        fixed = self.slots == 0 and gemm_tma._NO_SPLIT_ARGS.get((a.get_device(), a.dtype)) is workspace
+        self.workspace = workspace if fixed else None
+
+    def __call__(self, a, w, out, a_scale, w_scale, bias_arg) -> None:
+        partials, arrivals = self.workspace or gemm_tma._workspace_args(a, self.slots, self.tile_elems)
+        _TILED((self.key, aligned(a, w, out, a_scale, w_scale, bias_arg, partials, arrivals)), self.grid,
+               (a, w, out, a_scale, w_scale, bias_arg, partials, arrivals, *self.ints), self.constexprs,
+               self.num_warps, self.num_stages)
 
 
 def _autotune_tiled(a, w, out, a_scale, w_scale, bias_arg, flags, gated, fp8_fast_accum, tile_copies):
@@ -428,12 +368,38 @@ def _pick_kernel(kernel, a, w, out, gated, config) -> str:
 
 def _launch(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config=None, fp8_fast_accum=True,
             kernel="auto"):
+    picked = _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config, fp8_fast_accum, kernel)
+    if picked is not None:
+        persistent, flags, fp8_fast_accum = picked
+        if persistent:
+            gemm_tma.launch_persistent(a, w, out, a_scale, w_scale, bias, flags, m_bucket(a.shape[0]), fp8_fast_accum,
+                                       INTERPRETED, config, gated=gated)
+        else:
+            _launch_tiled(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, config)
+    return out
+
+
+def _call(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config, fp8_fast_accum, kernel):
+    """``_launch``'s launch as an object (a ``TiledCall`` or ``gemm_tma.PersistentCall``); None when
+    there is nothing (left) to launch: an empty output, or the autotuner launched it."""
+    picked = _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config, fp8_fast_accum, kernel)
+    if picked is None:
+        return None
+    persistent, flags, fp8_fast_accum = picked
+    if persistent:
+        return gemm_tma.persistent_call(a, w, out, a_scale, w_scale, bias, flags, m_bucket(a.shape[0]),
+                                        fp8_fast_accum, INTERPRETED, config, gated=gated)
+    return _tiled_call(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, config)
+
+
+def _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config, fp8_fast_accum, kernel):
+    """(persistent?, epilogue flags, fp8_fast_accum) of a validated call; None for an empty output."""
     M, K = a.shape
     N = out.shape[1]
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
     if M == 0 or N == 0:
-        return out
+        return None
     if K == 0:
         # Empty reduction: acc is 0 everywhere; let the reference semantics hold without a launch.
         raise ValueError("K=0: nothing to multiply; the GEMM needs K >= 16")
@@ -443,15 +409,52 @@ def _launch(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, confi
     # result either way).
     flags = (is_int8, a_scale.numel() != 1, w_scale.numel() != 1, bias is not None, ACTIVATION_CODES[activation],
              raw_acc)
-    if _pick_kernel(kernel, a, w, out, gated, config) == "persistent":
-        return gemm_tma.launch_persistent(a, w, out, a_scale, w_scale, bias, flags, m_bucket(M), fp8_fast_accum,
-                                          INTERPRETED, config, gated=gated)
-    return _launch_tiled(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, config)
+    return _pick_kernel(kernel, a, w, out, gated, config) == "persistent", flags, fp8_fast_accum
+
+
+# Validated calls without config= / out= (GPU path), by signature: every tensor's shape, strides,
+# dtype and device, the flags (call_cache.SignatureCache). An entry holds the output's size and
+# the call's TiledCall / PersistentCall, so a repeated call skips validation, the kernel choice,
+# the plan and key lookups (CPU: ~27 -> ~12 us per call, benchmarks/NOTES-e2e.md, session 6b).
+# Settings read when an entry is made (PERSISTENT_MIN_M, gemm_configs.SMALL_M_SPLIT_K): clear
+# _CALLS after changing them.
+_CALLS = SignatureCache()
+
+
+def _cached_call(entry, a, w, a_scale, w_scale, bias):
+    M, N, out_dtype, device, call, persistent, activation, gated, fp8_fast_accum, kernel = entry
+    # Sizes as separate ints: torch parses them ~0.7 us faster than a tuple (session 6).
+    out = torch.empty(M, N, dtype=out_dtype, device=device)
+    if persistent and (a.data_ptr() | w.data_ptr() | out.data_ptr()) % 16:
+        # TMA descriptors need 16-byte aligned bases, which the signature does not fix: this call
+        # picks its kernel anew (tiled for "auto", the error for "persistent").
+        return _launch(a, w, a_scale, w_scale, bias, out, activation, gated, False, None, fp8_fast_accum, kernel)
+    call(a, w, out, a_scale, w_scale, bias if bias is not None else a_scale)
+    return out
+
+
+def _launch_new(signature, a, w, a_scale, w_scale, bias, out, activation, gated, config, fp8_fast_accum, kernel):
+    """The full path of a validated call; keeps its launch under ``signature`` (None: do not)."""
+    if signature is None:
+        return _launch(a, w, a_scale, w_scale, bias, out, activation, gated, False, config, fp8_fast_accum, kernel)
+    call = _call(a, w, a_scale, w_scale, bias, out, activation, gated, False, config, fp8_fast_accum, kernel)
+    if call is None:
+        return out
+    call(a, w, out, a_scale, w_scale, bias if bias is not None else a_scale)
+    persistent = isinstance(call, gemm_tma.PersistentCall)
+    # A tiled pick that only unaligned pointers forced (kernel "auto", persistent-sized M) is not
+    # kept: the next, aligned call of this signature must get the persistent kernel.
+    by_pointers = (not persistent and kernel == "auto" and a.shape[0] >= PERSISTENT_MIN_M
+                   and not (gated and a.dtype != torch.int8) and gemm_tma.strides_ok(a, w, out))
+    if signature is not None and not by_pointers:
+        _CALLS.add(signature, (out.shape[0], out.shape[1], out.dtype, out.device, call, persistent, activation, gated,
+                               fp8_fast_accum, kernel))
+    return out
 
 
 def _output(out, M, N, dtype, device):
     if out is None:
-        return torch.empty((M, N), dtype=dtype, device=device)
+        return torch.empty(M, N, dtype=dtype, device=device)
     if out.shape != (M, N) or out.dtype != dtype or out.device != device or not out.is_contiguous():
         raise ValueError(
             f"out is {tuple(out.shape)} {out.dtype} on {out.device}; expected a contiguous ({M}, {N}) {dtype} "
@@ -468,13 +471,23 @@ def scaled_mm(a, w, a_scale, w_scale, bias=None, activation="none", out_dtype=to
     (module docstring). ``kernel``: "auto", "tiled" or "persistent" (TMA; needs 16-byte aligned
     operands). ``config`` (dict of the chosen kernel's BLOCK_M/N/K, GROUP_M, num_warps,
     num_stages, ...) bypasses autotuning and ``out`` receives the result; ``config``, ``out`` and
-    ``kernel`` are for benchmarks and tests (the registered op takes none of them).
+    ``kernel`` are for benchmarks and tests (the registered op takes none of them). Calls
+    without ``config`` / ``out`` are cached per signature (``_CALLS``).
     """
+    signature = None
+    if config is None and out is None and not INTERPRETED:
+        signature = (a.shape, a.stride(), a.dtype, a.device, w.shape, w.stride(), w.dtype, w.device,
+                     a_scale.shape, a_scale.stride(), a_scale.dtype, a_scale.device,
+                     w_scale.shape, w_scale.stride(), w_scale.dtype, w_scale.device,
+                     None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
+                     activation, out_dtype, fp8_fast_accum, kernel, False)
+        entry = _CALLS.get(signature)
+        if entry is not None:
+            return _cached_call(entry, a, w, a_scale, w_scale, bias)
     M, N, _ = check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype)
     _check_runnable(a)
     out = _output(out, M, N, out_dtype, a.device)
-    return _launch(a, w, a_scale, w_scale, bias, out, activation, gated=False, raw_acc=False, config=config,
-                   fp8_fast_accum=fp8_fast_accum, kernel=kernel)
+    return _launch_new(signature, a, w, a_scale, w_scale, bias, out, activation, False, config, fp8_fast_accum, kernel)
 
 
 def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype=torch.bfloat16, config=None,
@@ -484,11 +497,20 @@ def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype
     ``kernel`` as for ``scaled_mm``: "auto" takes the persistent TMA kernel from PERSISTENT_MIN_M rows
     for INT8 (for FP8 the tiled kernel measured faster).
     """
+    signature = None
+    if config is None and out is None and not INTERPRETED:
+        signature = (a.shape, a.stride(), a.dtype, a.device, w_gate_up.shape, w_gate_up.stride(), w_gate_up.dtype,
+                     w_gate_up.device, a_scale.shape, a_scale.stride(), a_scale.dtype, a_scale.device,
+                     w_scale.shape, w_scale.stride(), w_scale.dtype, w_scale.device, None,
+                     activation, out_dtype, fp8_fast_accum, kernel, True)
+        entry = _CALLS.get(signature)
+        if entry is not None:
+            return _cached_call(entry, a, w_gate_up, a_scale, w_scale, None)
     M, N, _ = check_scaled_mm_args(a, w_gate_up, a_scale, w_scale, None, activation, out_dtype, gated=True)
     _check_runnable(a)
     out = _output(out, M, N, out_dtype, a.device)
-    return _launch(a, w_gate_up, a_scale, w_scale, None, out, activation, gated=True, raw_acc=False, config=config,
-                   fp8_fast_accum=fp8_fast_accum, kernel=kernel)
+    return _launch_new(signature, a, w_gate_up, a_scale, w_scale, None, out, activation, True, config, fp8_fast_accum,
+                       kernel)
 
 
 def int8_matmul_accumulator(a, w, config=None, out=None, kernel="auto"):

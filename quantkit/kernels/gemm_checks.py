@@ -1,0 +1,91 @@
+"""Argument checks of the scaled GEMM (shapes, dtypes, strides, devices): shared by the launchers
+in ``gemm.py`` and the registered ops' fake implementations (``triton_ops.py``), so a bad call
+raises the same ValueError on every path. No triton import: nothing here launches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantkit.kernels.reference import ACTIVATIONS, INT8_MAX, QUANT_DTYPES
+
+ACTIVATION_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}  # none=0 relu=1 silu=2 gelu=3 gelu_tanh=4
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Rows of a and w must start on 16-byte boundaries for wide loads (and the tensor-core paths
+# of cuBLAS/_scaled_mm have the same rule); with 1-byte elements that is K % 16 == 0.
+K_ALIGNMENT = 16
+# Largest K whose INT8 dot products cannot overflow an int32 accumulator.
+MAX_INT8_K = (2**31 - 1) // int(INT8_MAX * INT8_MAX)
+
+
+def _check_scale(scale: torch.Tensor, name: str, length: int, length_name: str, ref: torch.Tensor) -> bool:
+    """Validate a scale; returns True when it is a vector (one entry per row / channel)."""
+    if scale.dtype != torch.float32:
+        raise ValueError(f"{name}.dtype={scale.dtype}; scales must be float32: pass {name}.float()")
+    if scale.device != ref.device:
+        raise ValueError(f"{name} is on {scale.device} but the operands are on {ref.device}")
+    if scale.numel() == 1:
+        return False
+    if scale.dim() != 1 or scale.shape[0] != length:
+        raise ValueError(
+            f"{name} has shape {tuple(scale.shape)}; expected ({length},) (one per {length_name}) or a single "
+            f"element. A (N, 1) checkpoint scale must be passed as scale.view(-1)"
+        )
+    if scale.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous: pass {name}.contiguous()")
+    return True
+
+
+def check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype, gated=False):
+    """Raise ValueError naming the problem for anything the kernel cannot take; return (M, N_out, K)."""
+    if a.dim() != 2 or w.dim() != 2:
+        raise ValueError(
+            f"a and w must be 2-D, got a {tuple(a.shape)} and w {tuple(w.shape)}; flatten leading dims of a"
+        )
+    if a.dtype not in QUANT_DTYPES:
+        raise ValueError(f"a.dtype={a.dtype}; the GEMM takes int8 or float8_e4m3fn: quantize the activation first")
+    if w.dtype != a.dtype:
+        raise ValueError(f"w.dtype={w.dtype} != a.dtype={a.dtype}; quantize both to the same dtype")
+    M, K = a.shape
+    N_w, K_w = w.shape
+    if K_w != K:
+        raise ValueError(f"K mismatch: a is (M={M}, K={K}) but w is (N={N_w}, K={K_w}); w must be (N, K)")
+    if K % K_ALIGNMENT != 0:
+        raise ValueError(
+            f"K={K} is not a multiple of {K_ALIGNMENT}; pad K with zero columns in both a and w "
+            f"(zeros do not change the product)"
+        )
+    if a.dtype == torch.int8 and K > MAX_INT8_K:
+        raise ValueError(f"K={K} > {MAX_INT8_K} could overflow the int32 accumulator; split the reduction")
+    for name, t in (("a", a), ("w", w)):
+        if t.shape[0] > 1 and t.shape[1] > 0 and (t.stride(1) != 1 or t.stride(0) % K_ALIGNMENT != 0):
+            raise ValueError(
+                f"{name} has strides {t.stride()}; the kernel needs unit stride along K and a row stride "
+                f"that is a multiple of {K_ALIGNMENT}: pass {name}.contiguous()"
+            )
+    if w.device != a.device:
+        raise ValueError(f"w is on {w.device} but a is on {a.device}")
+    if gated:
+        if N_w % 2 != 0:
+            raise ValueError(f"w_gate_up has {N_w} rows; it must stack gate and up, 2 * N rows")
+        N = N_w // 2
+    else:
+        N = N_w
+    _check_scale(a_scale, "a_scale", M, "token (row of a)", a)
+    _check_scale(w_scale, "w_scale", N_w, "output channel (row of w)", a)
+    if bias is not None:
+        if gated:
+            raise ValueError("the gated GEMM takes no bias")
+        if bias.dim() != 1 or bias.shape[0] != N:
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({N},)")
+        if not bias.dtype.is_floating_point:
+            raise ValueError(f"bias.dtype={bias.dtype} must be a float dtype")
+        if bias.device != a.device:
+            raise ValueError(f"bias is on {bias.device} but a is on {a.device}")
+        if N > 1 and bias.stride(0) != 1:
+            raise ValueError("bias must be contiguous: pass bias.contiguous()")
+    if activation not in ACTIVATION_CODES:
+        raise ValueError(f"activation={activation!r} is not supported; choose one of {ACTIVATIONS}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype={out_dtype} is not supported; use torch.bfloat16, torch.float16 or torch.float32")
+    return M, N, K
