@@ -3,6 +3,9 @@
 import pytest
 import torch
 
+from quantkit.kernels import launch
+from tests.kernels.fake_launch import FakeDriver
+
 
 @pytest.fixture
 def poisoned_empty(monkeypatch):
@@ -16,3 +19,10 @@ def poisoned_empty(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(real_empty_like(*a, **kw)))
+
+
+@pytest.fixture
+def gpu_mode(monkeypatch):
+    """launch.CachedLaunch as on a GPU (not interpreted, a fake driver: fake_launch.py)."""
+    monkeypatch.setattr(launch, "INTERPRETED", False)
+    monkeypatch.setattr(launch, "_driver", lambda: FakeDriver())

@@ -13,6 +13,7 @@ import torch
 from quantkit.kernels import attention, attention_ops, call_cache, launch, quant, reference, rope
 from quantkit.models import fast_rope
 from tests.kernels.test_rope import hf_cos_sin
+from tests.kernels.fake_launch import FakeDriver, RecordingKernel
 
 DTYPES = [torch.int8, torch.float8_e4m3fn]
 DTYPE_IDS = ["int8", "fp8"]
@@ -192,47 +193,15 @@ def test_attention_and_rope_caches_stay_bounded(monkeypatch):
 # ---------------------------------------------------------------------------------------------- GPU launch path
 
 
-class _FakeCompiled:
-    function = "fn-handle"
-    packed_metadata = "packed"
-
-    def __init__(self):
-        self.runs = []
-
-    def run(self, *args):
-        self.runs.append(args)
-
-
-class _RecordingKernel:
-    def __init__(self):
-        self.compiled = _FakeCompiled()
-        self.triton_calls = []
-
-    def __getitem__(self, grid):
-        def launch_(*args, **kwargs):
-            self.triton_calls.append((grid, args, kwargs))
-            return self.compiled
-
-        return launch_
-
-
-class _FakeDriver:
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device):
-        return 1234
-
-
 @pytest.fixture
 def recorded(monkeypatch):
     """rope's and flash attention's CachedLaunch on the GPU path with a recording fake kernel."""
     monkeypatch.setattr(launch, "INTERPRETED", False)
-    monkeypatch.setattr(launch, "_driver", lambda: _FakeDriver())
+    monkeypatch.setattr(launch, "_driver", lambda: FakeDriver())
     kernels = {}
     for module, name in ((rope, "_ROPE"), (attention, "_FLASH_PREFILL")):
         cached = launch.CachedLaunch(getattr(module, name).kernel)
-        cached.kernel = kernels[name] = _RecordingKernel()
+        cached.kernel = kernels[name] = RecordingKernel()
         monkeypatch.setattr(module, name, cached)
         monkeypatch.setattr(module, "_CALLS", call_cache.SignatureCache())
     return kernels

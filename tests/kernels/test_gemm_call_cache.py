@@ -15,6 +15,7 @@ import torch
 import triton
 
 from quantkit.kernels import call_cache, gemm, gemm_tma, launch, reference
+from tests.kernels.fake_launch import FakeDriver, RecordingKernel
 
 DTYPES = [torch.int8, torch.float8_e4m3fn]
 DTYPE_IDS = ["int8", "fp8"]
@@ -193,38 +194,6 @@ def test_call_cache_stays_bounded(gpu_launcher, monkeypatch):
 # ---------------------------------------------------------------------------------------------- GPU launch path
 
 
-class _FakeCompiled:
-    function = "fn-handle"
-    packed_metadata = "packed"
-
-    def __init__(self):
-        self.runs = []
-
-    def run(self, *args):
-        self.runs.append(args)
-
-
-class _RecordingKernel:
-    def __init__(self):
-        self.compiled = _FakeCompiled()
-        self.triton_calls = []
-
-    def __getitem__(self, grid):
-        def launch_(*args, **kwargs):
-            self.triton_calls.append((grid, args, kwargs))
-            return self.compiled
-
-        return launch_
-
-
-class _FakeDriver:
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device):
-        return 1234
-
-
 class _FakeTuner:
     def __init__(self, best_config):
         self.best_config = best_config
@@ -240,7 +209,7 @@ def test_cached_calls_launch_directly_unless_the_launch_cache_is_off(monkeypatch
     with what triton's path got (weight descriptor included); ``launch.ENABLED = False`` sends
     them through triton's path; a new weight of the same signature gets its own descriptor."""
     monkeypatch.setattr(launch, "INTERPRETED", False)
-    monkeypatch.setattr(launch, "_driver", lambda: _FakeDriver())
+    monkeypatch.setattr(launch, "_driver", lambda: FakeDriver())
     monkeypatch.setattr(gemm, "INTERPRETED", False)
     monkeypatch.setattr(gemm, "_check_runnable", lambda a: None)
     monkeypatch.setattr(gemm_tma, "num_sms", lambda device_index: 132)
@@ -253,7 +222,7 @@ def test_cached_calls_launch_directly_unless_the_launch_cache_is_off(monkeypatch
     kernels = {}
     for module, name in ((gemm_tma, "_PERSISTENT"), (gemm, "_TILED")):
         cached = launch.CachedLaunch(getattr(module, name).kernel)
-        cached.kernel = kernels[name] = _RecordingKernel()
+        cached.kernel = kernels[name] = RecordingKernel()
         monkeypatch.setattr(module, name, cached)
     kernel = kernels["_PERSISTENT" if M >= gemm.PERSISTENT_MIN_M else "_TILED"]
     a, a_scale, w, w_scale, _ = _operands(M, 256, 128, torch.float8_e4m3fn)

@@ -13,52 +13,11 @@ import pytest
 import torch
 
 from quantkit.kernels import gemm_tma, launch
-
-
-class _FakeCompiled:
-    def __init__(self):
-        self.runs = []
-        self.function = "fn-handle"
-        self.packed_metadata = "packed"
-
-    def run(self, *args):
-        self.runs.append(args)
-
-
-class _FakeKernel:
-    """Stands in for a @triton.jit function: records triton-path launches, returns a compiled kernel."""
-
-    arg_names = ["x_ptr", "n", "BLOCK", "FLAG"]
-    __name__ = "fake_kernel"
-
-    def __init__(self):
-        self.compiled = _FakeCompiled()
-        self.triton_calls = []
-
-    def __getitem__(self, grid):
-        def launch_(*args, **kwargs):
-            self.triton_calls.append((grid, args, kwargs))
-            return self.compiled
-
-        return launch_
-
-
-class _FakeDriver:
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device):
-        return 1234
-
-
-@pytest.fixture
-def gpu_mode(monkeypatch):
-    monkeypatch.setattr(launch, "INTERPRETED", False)
-    monkeypatch.setattr(launch, "_driver", lambda: _FakeDriver())
+from tests.kernels.fake_launch import FakeCompiled, RecordingKernel
 
 
 def test_second_call_with_a_key_launches_the_compiled_kernel_directly(gpu_mode):
-    kernel = _FakeKernel()
+    kernel = RecordingKernel()
     cached = launch.CachedLaunch(kernel)
     x = object()
     cached(("k",), (7,), (x, 5), {"FLAG": True, "BLOCK": 64}, 4, 3)
@@ -79,7 +38,7 @@ def test_second_call_with_a_key_launches_the_compiled_kernel_directly(gpu_mode):
 
 
 def test_triton_args_are_used_on_the_triton_path_only(gpu_mode):
-    kernel = _FakeKernel()
+    kernel = RecordingKernel()
     cached = launch.CachedLaunch(kernel)
     light, full = object(), object()
     for _ in range(2):
@@ -89,13 +48,13 @@ def test_triton_args_are_used_on_the_triton_path_only(gpu_mode):
 
 
 def test_missing_constexpr_is_a_clear_error(gpu_mode):
-    cached = launch.CachedLaunch(_FakeKernel())
+    cached = launch.CachedLaunch(RecordingKernel())
     with pytest.raises(ValueError, match="missing \\['FLAG'\\]"):
         cached(("k",), (1,), (object(), 1), {"BLOCK": 8}, 4, 3)
 
 
 def test_interpreter_launch_hook_and_disabled_cache_go_through_triton(gpu_mode, monkeypatch):
-    kernel = _FakeKernel()
+    kernel = RecordingKernel()
     cached = launch.CachedLaunch(kernel)
     monkeypatch.setattr(launch, "ENABLED", False)
     for _ in range(2):
@@ -156,7 +115,7 @@ def test_weight_descriptor_is_cached_per_layout_and_holds_no_reference():
 class _CountingKernel:
     def __init__(self):
         self.triton_calls = 0
-        self.compiled = _FakeCompiled()
+        self.compiled = FakeCompiled()
 
     def __getitem__(self, grid):
         def launch_(*args, **kwargs):
