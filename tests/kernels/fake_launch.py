@@ -3,7 +3,6 @@ that records its direct launches, a @triton.jit stand-in that records triton-pat
 driver with a fixed device and stream. The GPU checks (benchmarks/gemm_launch.py) compare the two
 paths bit for bit on real kernels."""
 
-from quantkit.kernels import launch
 
 
 class FakeCompiled:
