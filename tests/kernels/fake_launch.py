@@ -4,7 +4,6 @@ driver with a fixed device and stream. The GPU checks (benchmarks/gemm_launch.py
 paths bit for bit on real kernels."""
 
 
-
 class FakeCompiled:
     function = "fn-handle"
     packed_metadata = "packed"
