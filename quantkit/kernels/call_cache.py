@@ -25,10 +25,20 @@ class SignatureCache(dict):
         super().__init__()
         self.max_entries = max_entries
 
+    def get(self, signature, default=None):
+        try:
+            return dict.get(self, signature, default)
+        except TypeError:  # an unhashable argument (window=[4], say): no entry; validation names it
+            return default
+
     def add(self, signature, entry):
+        """Keep ``entry`` under ``signature`` (not when it is unhashable); returns ``entry``."""
         if len(self) >= self.max_entries:
             self.clear()
-        self[signature] = entry
+        try:
+            self[signature] = entry
+        except TypeError:
+            pass
         return entry
 
 

@@ -562,7 +562,7 @@ def _plan(config: dict, kernel_flags: dict) -> tuple:
         raise ValueError("TAIL_SPLIT > 1 is not supported by the gated GEMM; use TAIL_SPLIT=1")
     constexprs = dict(kernel_flags, FP8_PROMOTE_K=min(bk, 128), **cfg)
     out_box = [bm, bn // cfg["EPILOGUE_SPLIT"]]
-    return bm, bn, bk, out_box, constexprs, num_warps, num_stages, (*cfg.values(), num_warps, num_stages)
+    return bm, bn, bk, out_box, constexprs, num_warps, num_stages, (*sorted(cfg.items()), num_warps, num_stages)
 
 
 def launch_persistent(a, w, out, a_scale, w_scale, bias, flags: tuple, m_bucket: int, fp8_fast_accum: bool,

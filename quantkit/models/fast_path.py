@@ -220,8 +220,7 @@ class FusedQKV(nn.Module):
             self.bias = None
         _register_input_scale(self, first)
         # [input, its version, the GEMM output viewed as (*leading, q + k + v), bit i: projection
-        # i took its part]. A list changed in place: assigning a module attribute per call goes
-        # through nn.Module.__setattr__ (~3 us on the eager hot path).
+        # i took its part]: a new list per GEMM, marked in place by each projection.
         self._stash = [None, None, None, 0]
         self._all_taken = (1 << len(self.sizes)) - 1
 
@@ -250,7 +249,9 @@ class FusedQKV(nn.Module):
         if stash[0] is not x or stash[1] != version or stash[3] >> index & 1:
             shape, dtype = shape_and_dtype(x)
             out = self._gemm(x, 0, self.offsets[-1] + self.sizes[-1], dtype)
-            stash[0], stash[1], stash[2], stash[3] = x, version, out.view(*shape[:-1], out.shape[1]), 0
+            # A new list per GEMM (stored past nn.Module.__setattr__, ~3 us): a caller holding the
+            # old one, e.g. another thread running the same model, keeps its own output.
+            stash = self.__dict__["_stash"] = [x, version, out.view(*shape[:-1], out.shape[1]), 0]
         stash[3] |= 1 << index
         part = stash[2].narrow(-1, self.offsets[index], self.sizes[index])
         if stash[3] == self._all_taken:

@@ -246,3 +246,14 @@ def test_flash_attention_launches_directly_with_tritons_arguments(recorded):
     attention.flash_attention(q, k, v, 0.5, 16)
     assert len(kernel.triton_calls) == 1
     assert kernel.compiled.runs[-1][9 + 22] == pytest.approx(0.5 * attention.LOG2E)
+
+
+def test_unhashable_arguments_still_get_the_clear_error():
+    # The signature is looked up before validation: an unhashable argument must fall through to
+    # it (ValueError naming the value), not fail the lookup with a TypeError.
+    q = torch.randn(1, 2, 8, 64)
+    k = v = torch.randn(1, 1, 8, 64)
+    with pytest.raises(ValueError, match="window"):
+        attention.flash_attention(q, k, v, 0.125, window=[4])
+    cache = call_cache.SignatureCache()
+    assert cache.get(([1],)) is None and cache.add(([1],), "entry") == "entry" and not cache

@@ -259,3 +259,11 @@ def test_cached_calls_launch_directly_unless_the_launch_cache_is_off(monkeypatch
 def kernel_arg_names(M):
     kernel = gemm_tma._scaled_mm_persistent_kernel if M >= gemm.PERSISTENT_MIN_M else gemm._scaled_mm_kernel
     return kernel.arg_names
+
+
+def test_explicit_configs_with_equal_values_under_other_keys_get_other_launch_keys():
+    # The compiled-kernel key holds the config's items, not its values in insertion order.
+    flags = (True, True, True, False, 0, False)
+    first = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    swapped = {"BLOCK_N": 16, "BLOCK_M": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    assert gemm._tiled_plan(first, flags, False, False, 128)[5] != gemm._tiled_plan(swapped, flags, False, False, 128)[5]
