@@ -14,12 +14,12 @@ op dispatcher's ~20-30 us per call dominated eager prefill); tracing still goes 
 The Triton launchers validate their inputs themselves, so the direct path checks once.
 """
 
-import importlib
 from typing import Optional
 
 import torch
 
 from quantkit.kernels import reference_attention as reference
+from quantkit.kernels.ops import kernel_module
 from quantkit.kernels.reference_attention import (
     check_decode_inputs,
     check_norm_inputs,
@@ -28,32 +28,20 @@ from quantkit.kernels.reference_attention import (
 )
 
 
-# Triton modules by name, imported on first use and kept: an import statement per call costs
-# ~0.7 us on the eager hot path (twice per call here: the kernels and ``triton_ops``).
-_MODULES: dict = {}
-
-
-def _kernels(name: str):
-    module = _MODULES.get(name)
-    if module is None:
-        module = _MODULES[name] = importlib.import_module(f"quantkit.kernels.{name}")
-    return module
-
-
 def _attention_kernels():
-    return _kernels("attention")
+    return kernel_module("attention")
 
 
 def _rope_kernels():
-    return _kernels("rope")
+    return kernel_module("rope")
 
 
 def _norm_kernels():
-    return _kernels("norm")
+    return kernel_module("norm")
 
 
 def _direct(x: torch.Tensor) -> bool:
-    return _kernels("triton_ops").direct_launch(x)
+    return kernel_module("triton_ops").direct_launch(x)
 
 
 # --------------------------------------------------------------------------- registered ops

@@ -317,9 +317,7 @@ class TiledCall:
         # and the plans' share one pointer signature, and so one compiled binary. A split slot
         # holds the gate and the up partial tile when gated.
         self.slots, self.tile_elems = (programs if splits > 1 else 0), (2 if gated else 1) * block_m * block_n
-        workspace = gemm_tma._workspace_args(a, self.slots, self.tile_elems)
-        fixed = self.slots == 0 and gemm_tma._NO_SPLIT_ARGS.get((a.get_device(), a.dtype)) is workspace
-        self.workspace = workspace if fixed else None
+        self.workspace = gemm_tma.call_workspace(a, self.slots, self.tile_elems)
 
     def __call__(self, a, w, out, a_scale, w_scale, bias_arg) -> None:
         partials, arrivals = self.workspace or gemm_tma._workspace_args(a, self.slots, self.tile_elems)
@@ -350,14 +348,17 @@ def _autotune_tiled(a, w, out, a_scale, w_scale, bias_arg, flags, gated, fp8_fas
                                INTERPRETED=False, FP8_FAST_ACCUM=fp8_fast_accum)
 
 
+def _persistent_sized(a, gated) -> bool:
+    """Whether kernel="auto" wants the persistent kernel for this call, its operands' alignment aside."""
+    return a.shape[0] >= PERSISTENT_MIN_M and not (gated and a.dtype != torch.int8)
+
+
 def _pick_kernel(kernel, a, w, out, gated, config) -> str:
     if kernel == "auto" and config is not None:
         # An explicit config names its kernel by its keys (only the persistent one splits its epilogue).
         kernel = "persistent" if "EPILOGUE_SPLIT" in config else "tiled"
     if kernel == "auto":
-        if a.shape[0] < PERSISTENT_MIN_M or (gated and a.dtype != torch.int8):
-            return "tiled"
-        return "persistent" if gemm_tma.descriptors_ok(a, w, out) else "tiled"
+        return "persistent" if _persistent_sized(a, gated) and gemm_tma.descriptors_ok(a, w, out) else "tiled"
     if kernel == "persistent":
         if not gemm_tma.descriptors_ok(a, w, out):
             raise ValueError(
@@ -427,7 +428,7 @@ def _cached_call(entry, a, w, a_scale, w_scale, bias):
     M, N, out_dtype, device, call, persistent, activation, gated, fp8_fast_accum, kernel = entry
     # Sizes as separate ints: torch parses them ~0.7 us faster than a tuple (session 6).
     out = torch.empty(M, N, dtype=out_dtype, device=device)
-    if persistent and (a.data_ptr() | w.data_ptr() | out.data_ptr()) % 16:
+    if persistent and not gemm_tma.pointers_aligned(a, w, out):
         # TMA descriptors need 16-byte aligned bases, which the signature does not fix: this call
         # picks its kernel anew (tiled for "auto", the error for "persistent").
         return _launch(a, w, a_scale, w_scale, bias, out, activation, gated, False, None, fp8_fast_accum, kernel)
@@ -446,9 +447,8 @@ def _launch_new(signature, a, w, a_scale, w_scale, bias, out, activation, gated,
     persistent = isinstance(call, gemm_tma.PersistentCall)
     # A tiled pick that only unaligned pointers forced (kernel "auto", persistent-sized M) is not
     # kept: the next, aligned call of this signature must get the persistent kernel.
-    by_pointers = (not persistent and kernel == "auto" and a.shape[0] >= PERSISTENT_MIN_M
-                   and not (gated and a.dtype != torch.int8) and gemm_tma.strides_ok(a, w, out))
-    if signature is not None and not by_pointers:
+    by_pointers = not persistent and kernel == "auto" and _persistent_sized(a, gated) and gemm_tma.strides_ok(a, w, out)
+    if not by_pointers:
         _CALLS.add(signature, (out.shape[0], out.shape[1], out.dtype, out.device, call, persistent, activation, gated,
                                fp8_fast_accum, kernel))
     return out

@@ -402,6 +402,14 @@ def _workspace_args(a: torch.Tensor, slots: int, tile_elems: int) -> tuple[torch
     return args
 
 
+def call_workspace(a: torch.Tensor, slots: int, tile_elems: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The workspace a cached launch (``PersistentCall``, ``gemm.TiledCall``) may keep: the fixed
+    no-split arguments of (device, dtype) once they exist; None (look it up per launch) for a
+    split's, or for a stand-in made inside a capture."""
+    workspace = _workspace_args(a, slots, tile_elems)
+    return workspace if slots == 0 and _NO_SPLIT_ARGS.get((a.get_device(), a.dtype)) is workspace else None
+
+
 _GRAPH_BENCH_REPS = 10
 _GRAPH_BENCH_REPLAYS = 5
 _FLUSH_BYTES = 256 << 20
@@ -642,9 +650,7 @@ class PersistentCall:
         # same pointer types as on the autotuner's path, so both find one compiled binary. That one
         # is fixed per (device, dtype) once it exists; a split's is looked up per launch.
         self.slots, self.tile_elems = (programs if splits > 1 else 0), bm * bn
-        workspace = _workspace_args(a, self.slots, self.tile_elems)
-        fixed = self.slots == 0 and _NO_SPLIT_ARGS.get((a.get_device(), a.dtype)) is workspace
-        self.workspace = workspace if fixed else None
+        self.workspace = call_workspace(a, self.slots, self.tile_elems)
 
     def __call__(self, a, w, out, a_scale, w_scale, bias_arg) -> None:
         tail = (a_scale, w_scale, bias_arg, *(self.workspace or _workspace_args(a, self.slots, self.tile_elems)),
@@ -658,7 +664,8 @@ class PersistentCall:
         args = (_Descriptor(a, *a_layout), w_desc, _Descriptor(out, *out_layout), *tail)
 
         def triton_args():
-            return (TensorDescriptor.from_tensor(a, list(a_layout[2])), TensorDescriptor.from_tensor(w, list(self.w_box)),
+            return (TensorDescriptor.from_tensor(a, list(a_layout[2])),
+                    TensorDescriptor.from_tensor(w, list(self.w_box)),
                     TensorDescriptor.from_tensor(out, list(out_layout[2])), *tail)
 
         _PERSISTENT((self.key, aligned(a_scale, w_scale, bias_arg)), self.grid, args, self.constexprs, self.num_warps,

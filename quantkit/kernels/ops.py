@@ -8,6 +8,8 @@ torch.compile and capture in CUDA graphs), ``"torch"`` runs the pure-torch twins
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from quantkit.kernels import reference
@@ -35,18 +37,21 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     return backend
 
 
-_TRITON_OPS = None
+# Triton-side modules by name, imported on first use so that the torch path never pays for (or
+# needs) Triton, and kept: an import statement per call costs ~1 us on the eager hot path.
+_KERNEL_MODULES: dict = {}
+
+
+def kernel_module(name: str):
+    """``quantkit.kernels.<name>``, imported once."""
+    module = _KERNEL_MODULES.get(name)
+    if module is None:
+        module = _KERNEL_MODULES[name] = importlib.import_module(f"quantkit.kernels.{name}")
+    return module
 
 
 def _triton_ops():
-    # Imported on first use so that the torch path never pays for (or needs) Triton; kept in a
-    # global afterwards (an import statement per call costs ~1 us on the eager hot path).
-    global _TRITON_OPS
-    if _TRITON_OPS is None:
-        from quantkit.kernels import triton_ops
-
-        _TRITON_OPS = triton_ops
-    return _TRITON_OPS
+    return kernel_module("triton_ops")
 
 
 def scaled_mm(a, w, a_scale, w_scale, bias=None, activation="none", out_dtype=torch.bfloat16, backend="torch"):
