@@ -19,8 +19,9 @@ by as many programs (more programs streaming the weight at decode sizes, where N
 leaves SMs idle); each slice stores its int32 / fp32 partial tile in gemm_tma's per-device
 workspace and the last to arrive sums them in slice order (deterministic, INT8 exact), runs the
 epilogue and resets its tile's counter (``gemm_epilogue.split_arrive`` / ``split_sum``, shared
-with the persistent kernel's split tail). SPLIT_K = 1 compiles to the unsplit kernel. The split
-configs are not in the default autotune pool yet (``gemm_configs.SMALL_M_SPLIT_K``).
+with the persistent kernel's split tail). SPLIT_K = 1 compiles to the unsplit kernel. The autotuner
+considers the split configs for M <= ``gemm_configs.SPLIT_K_MAX_M`` (measured: M = 1 gains, M = 16
+does not; ``gemm_configs.SMALL_M_SPLIT_K`` switches them off).
 
 Two kernels: this file's tiled kernel (one program per output tile, pointer loads, the gated
 variant, every M) and the persistent TMA kernel of ``gemm_tma.py`` (large M). For
@@ -211,8 +212,8 @@ def _autotune_bench(fn, quantiles=None):
 
 _AUTOTUNE_EXTRA = {"do_bench": _autotune_bench} if "do_bench" in inspect.signature(triton.autotune).parameters else {}
 
-# The split-K configs are always among the autotuner's configs; _prune_configs admits them (M <= 16)
-# only while gemm_configs.SMALL_M_SPLIT_K is on.
+# The split-K configs are always among the autotuner's configs; _prune_configs admits them for
+# M <= gemm_configs.SPLIT_K_MAX_M while gemm_configs.SMALL_M_SPLIT_K is on.
 _scaled_mm_autotuned = triton.autotune(
     configs=ALL_CONFIGS,
     key=["N", "K", "M_BUCKET", "IS_INT8", "FP8_FAST_ACCUM", "GATED", "HAS_BIAS", "ACTIVATION"],

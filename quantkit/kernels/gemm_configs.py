@@ -70,14 +70,16 @@ SMALL_M_SPLIT_K_CONFIGS = [
     _cfg(16, 128, 256, 4, 3, split_k=8),
     _cfg(16, 32, 512, 4, 3, split_k=8),
 ]
-# Off: the split-K configs have never run on a GPU (written in session 6 under the CPU
-# interpreter). Before turning this on, `benchmarks/gemm.py --split-k` must show on an H100, for
-# M = 1 and 16 at the four Llama-3-8B shapes and the gated MLP, INT8 and FP8: every split config
-# passing the GPU checks (INT8 exact, counters back at zero, repeat bit-equal) and the autotuned
-# pick with the switch on no slower than with it off at any point (the autotuner chooses per
-# shape, so a shape the split does not help keeps an unsplit config). Explicit
-# ``config={..., "SPLIT_K": s}`` works regardless.
-SMALL_M_SPLIT_K = False
+# Measured on an H100 (2026-11-24, `benchmarks/gemm.py --split-k`, results/gemm_splitk_s7_h100.*):
+# every split config passed the GPU checks (INT8 exact, counters back at zero, repeats bit-equal).
+# At M = 1 the autotuner's pick with them admitted, against its pick without them: 1.06-1.28x
+# (L2 rotated) / 0.99-1.16x (L2 flushed) at 4096x14336, 4096x4096 and 6144x4096, 0.97-1.03x at
+# 28672x4096 (already 448+ unsplit programs) and the gated 14336x4096. At M = 16 the unsplit tiles
+# already fill the GPU: 0.95-1.02x, split configs picked on noise. So the pool admits them for
+# M <= SPLIT_K_MAX_M only.
+# Explicit ``config={..., "SPLIT_K": s}`` works at every M.
+SMALL_M_SPLIT_K = True
+SPLIT_K_MAX_M = 8
 
 # 17 <= M <= 128: still mostly weight-bound; tiles that cover M in one or two row-tiles.
 MEDIUM_M_CONFIGS = [
@@ -131,7 +133,8 @@ def _prune_configs(configs, named_args, **kwargs):
     M = named_args["M"]
     gated = named_args.get("GATED", kwargs.get("GATED", False))
     if M <= 16:
-        family = SMALL_M_CONFIGS + (SMALL_M_SPLIT_K_CONFIGS if SMALL_M_SPLIT_K else [])
+        split = SMALL_M_SPLIT_K and M <= SPLIT_K_MAX_M
+        family = SMALL_M_CONFIGS + (SMALL_M_SPLIT_K_CONFIGS if split else [])
     else:
         family = MEDIUM_M_CONFIGS if M <= 128 else LARGE_M_CONFIGS
     wanted = {id(c) for c in family}

@@ -88,17 +88,20 @@ def test_every_slice_gets_at_least_one_k_step_and_all_steps_are_covered():
             assert [k for b, e in bounds for k in range(b, e)] == list(range(k_tiles))
 
 
-def test_split_configs_are_out_of_the_default_pool(monkeypatch):
+def test_split_configs_join_the_pool_only_at_decode_sizes(monkeypatch):
     configs = gemm._scaled_mm_autotuned.configs
     split = gemm_configs.SMALL_M_SPLIT_K_CONFIGS
     assert all(c in configs for c in split) and all(c.kwargs["SPLIT_K"] > 1 for c in split)
-    assert gemm_configs.SMALL_M_SPLIT_K is False
-    pool = gemm_configs._prune_configs(configs, {"M": 1})
-    assert pool == gemm_configs.SMALL_M_CONFIGS
-    monkeypatch.setattr(gemm_configs, "SMALL_M_SPLIT_K", True)
-    assert gemm_configs._prune_configs(configs, {"M": 16}) == gemm_configs.SMALL_M_CONFIGS + split
+    assert gemm_configs.SMALL_M_SPLIT_K is True
+    limit = gemm_configs.SPLIT_K_MAX_M
+    for M in (1, 3, limit):
+        assert gemm_configs._prune_configs(configs, {"M": M}) == gemm_configs.SMALL_M_CONFIGS + split
     assert gemm_configs._prune_configs(configs, {"M": 1, "GATED": True}) == gemm_configs.SMALL_M_CONFIGS + split
+    for M in (limit + 1, 16):
+        assert gemm_configs._prune_configs(configs, {"M": M}) == gemm_configs.SMALL_M_CONFIGS
     assert not any("SPLIT_K" in c.kwargs for c in gemm_configs._prune_configs(configs, {"M": 17}))
+    monkeypatch.setattr(gemm_configs, "SMALL_M_SPLIT_K", False)
+    assert gemm_configs._prune_configs(configs, {"M": 1}) == gemm_configs.SMALL_M_CONFIGS
 
 
 # ---------------------------------------------------------------------------------------------- kernel
@@ -219,7 +222,7 @@ def test_autotuner_path_clips_split_k_through_the_heuristic(monkeypatch):
     monkeypatch.setattr(gemm, "_TUNED_TILED", {})
     monkeypatch.setattr(gemm, "_TILED_PLANS", {})
     monkeypatch.setattr(gemm_configs, "SMALL_M_SPLIT_K", True)
-    M, K = 13, 1040
+    M, K = 7, 1040  # M <= SPLIT_K_MAX_M: the pool (and so the workspace) has split configs
     a, _, w, _, _ = _operands(M, K, torch.int8, seed=4)
     ones = torch.ones(1)
     flags = (True, False, False, False, 0, True)  # INT8, scalar scales, no bias, no activation, raw accumulator
