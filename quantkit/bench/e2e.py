@@ -27,7 +27,8 @@ Variants: "hf-bf16" (the baseline), per scheme "plain" (QuantLinears only, HF sd
 "fast-exact" (``optimize(exact=True)``: greedy-identical to plain), "fast" (``exact=False``:
 fused gated kernel, Triton norms, norms fused with the next layer's quantization) and, on
 request, "fast-no-norm-quant" (``exact=False, norm_quant=False``: the norm writes its 16-bit
-output and the consumers quantize it, for comparison). Ratios are against hf-bf16 of the same run.
+output and the consumers quantize it, for comparison) and "fast-no-residual" (``exact=False,
+residual_add=False``: residual adds as separate kernels). Ratios are against hf-bf16 of the same run.
 When torchao is installed, "torchao-fp8" / "torchao-int8" follow: the HF bf16 model after torchao's
 ``quantize_`` with its dynamic per-row FP8 / INT8 weight-and-activation configs, run the way HF
 runs (eager forward, ``model.generate``), like the baseline; its graph-replayed prefill column is
@@ -67,7 +68,7 @@ PROMPT_LEN, NEW_TOKENS = 512, 128
 SCHEMES = ("fp8", "int8")
 MODES = ("plain", "fast-exact", "fast")
 # Not in the default list: the fast path with the norm + quantization fusion off (comparison).
-EXTRA_MODES = ("fast-no-norm-quant",)
+EXTRA_MODES = ("fast-no-norm-quant", "fast-no-residual")
 TARGETS = {"prefill_fp8": 1.7, "prefill_int8": 1.4, "decode_b1_ms": 6.0, "memory_ratio": 0.6}
 
 
@@ -301,6 +302,8 @@ def prepare_variant(variant: str, config, device) -> torch.nn.Module:
     quantize(model, QuantConfig.preset(scheme), progress=False)
     if mode == "fast-no-norm-quant":
         optimize(model, exact=False, norm_quant=False)
+    elif mode == "fast-no-residual":
+        optimize(model, exact=False, residual_add=False)
     elif mode != "plain":
         optimize(model, exact=mode == "fast-exact")
     return model
@@ -373,20 +376,22 @@ def _add_ratios(rows: list[dict]) -> None:
             row["memory_ratio_vs_bf16"] = row["peak_bytes"] / ref["peak_bytes"]
         if ref.get("model_bytes"):
             row["model_bytes_ratio_vs_bf16"] = row["model_bytes"] / ref["model_bytes"]
-    # The norm + quantization fusion: each fast row against its fast-no-norm-quant twin.
+    # The norm + quantization fusion and the residual-add fusion: each fast row against its twin
+    # without that fusion (fast-no-norm-quant, fast-no-residual), when the run has one.
     by_key = {(r["variant"], r["workload"]): r for r in rows if "error" not in r}
-    for row in rows:
-        off = by_key.get((row["variant"] + "-no-norm-quant", row["workload"]))
-        if off is None or "error" in row:
-            continue
-        if "tokens_per_s" in row:
-            row["norm_quant_speedup"] = row["tokens_per_s"] / off["tokens_per_s"]
-            if "graph_tokens_per_s" in row and "graph_tokens_per_s" in off:
-                row["norm_quant_graph_speedup"] = row["graph_tokens_per_s"] / off["graph_tokens_per_s"]
-        else:
-            row["norm_quant_speedup"] = off["ms_per_token"] / row["ms_per_token"]
-        if off.get("workload_peak_bytes"):
-            row["norm_quant_peak_ratio"] = row["workload_peak_bytes"] / off["workload_peak_bytes"]
+    for suffix, label in (("-no-norm-quant", "norm_quant"), ("-no-residual", "residual")):
+        for row in rows:
+            off = by_key.get((row["variant"] + suffix, row["workload"]))
+            if off is None or "error" in row:
+                continue
+            if "tokens_per_s" in row:
+                row[f"{label}_speedup"] = row["tokens_per_s"] / off["tokens_per_s"]
+                if "graph_tokens_per_s" in row and "graph_tokens_per_s" in off:
+                    row[f"{label}_graph_speedup"] = row["graph_tokens_per_s"] / off["graph_tokens_per_s"]
+            else:
+                row[f"{label}_speedup"] = off["ms_per_token"] / row["ms_per_token"]
+            if off.get("workload_peak_bytes"):
+                row[f"{label}_peak_ratio"] = row["workload_peak_bytes"] / off["workload_peak_bytes"]
 
 
 def summarize_targets(rows: list[dict]) -> list[dict]:
@@ -483,7 +488,8 @@ def run_fast_path_checks(device: str = "cuda", dtype=torch.bfloat16, schemes=SCH
                 row.update(_norm_quant_check(base, plain, ids, new_tokens, device))
             row["passed"] = (row["exact_logits_equal"] and row["exact_tokens_equal"] and row.get("graph_equals_eager", True)
                              and row.get("norm_quant_graph_equals_eager", True)
-                             and row.get("norm_quant_fused_launches", 1) > 0)
+                             and row.get("norm_quant_fused_launches", 1) > 0
+                             and row.get("residual_logits_equal", True))
             print(json.dumps(row), flush=True)
             rows.append(row)
             del plain
@@ -497,8 +503,13 @@ def _norm_quant_check(base, plain, ids, new_tokens: int, device) -> dict:
 
     off = optimize(copy.deepcopy(plain), exact=False, norm_quant=False)
     on = optimize(copy.deepcopy(plain), exact=False)
+    no_residual = optimize(copy.deepcopy(plain), exact=False, residual_add=False)
     want = base(ids).logits.float()
     off_logits, on_logits = off(ids).logits.float(), on(ids).logits.float()
+    # The residual-add fusion must not change a bit (second calls: the first learns the consumers).
+    no_residual(ids)
+    residual_equal = bool(torch.equal(on(ids).logits.float(), no_residual(ids).logits.float()))
+    del no_residual
     off_tokens = generate(off, ids, new_tokens, eos_token_id=None)
     on_tokens = generate(on, ids, new_tokens, eos_token_id=None)
     out = {
@@ -510,6 +521,7 @@ def _norm_quant_check(base, plain, ids, new_tokens: int, device) -> dict:
         "norm_quant_tokens_equal": bool(torch.equal(on_tokens, off_tokens)),
         "norm_quant_report": str(on.quantkit_fast_path),
         "norm_quant_fused_launches": sum(m.fused_calls for m in on.modules() if isinstance(m, FastRMSNorm)),
+        "residual_logits_equal": residual_equal,
     }
     if torch.device(device).type == "cuda":
         eager = generate(on, ids, new_tokens, eos_token_id=None, cuda_graph=False)
@@ -588,12 +600,13 @@ def run_e2e_benchmark(
     targets = save(final=True)
     for t in targets:
         print(f"{'MET   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']:.3f}", flush=True)
-    for row in rows:
-        if "norm_quant_speedup" in row:
-            graph = row.get("norm_quant_graph_speedup")
-            print(f"norm+quant fusion {row['variant']:>10s} {row['workload']:>14s}: x{row['norm_quant_speedup']:.3f} "
-                  + (f"(graph x{graph:.3f}) " if graph else "")
-                  + f"peak x{row.get('norm_quant_peak_ratio', float('nan')):.3f} vs fusion off", flush=True)
+    for label, name in (("norm_quant", "norm+quant fusion"), ("residual", "residual-add fusion")):
+        for row in rows:
+            if f"{label}_speedup" in row:
+                graph = row.get(f"{label}_graph_speedup")
+                print(f"{name} {row['variant']:>10s} {row['workload']:>14s}: x{row[f'{label}_speedup']:.3f} "
+                      + (f"(graph x{graph:.3f}) " if graph else "")
+                      + f"peak x{row.get(f'{label}_peak_ratio', float('nan')):.3f} vs fusion off", flush=True)
     if skipped:
         print(f"skipped (deadline): {', '.join(skipped)}", flush=True)
     return rows

@@ -482,7 +482,15 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False, parts=CHECK_PAR
                     # autotuner skips it for fp32 too): check it with the bf16 output the models use,
                     # whose rounding (2**-9 relative at most) sets the bound.
                     out_dtype = torch.bfloat16
-                    out, ref = run(out_dtype)
+                    try:
+                        out, ref = run(out_dtype)
+                    except triton.runtime.errors.OutOfResources as error:
+                        # Its operand pipeline alone overflows shared memory (gated: two weight
+                        # tiles per stage): the autotuner skips it the same way; nothing to check.
+                        results.append({"check": f"config_{dtype}_gated={gated}", "ok": True, "skipped": str(error),
+                                        "config": str(cfg)})
+                        print(f"[skip] config_{dtype}_gated={gated} {cfg}: {error}", flush=True)
+                        continue
                     bound = 4e-3 if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
                 record(f"config_{dtype}_gated={gated}", _rel_err(out, ref) < bound, config=str(cfg),
                        out_dtype=str(out_dtype), rel_err=_rel_err(out, ref), bound=bound)

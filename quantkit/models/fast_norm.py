@@ -30,9 +30,9 @@ Numerics: the fused kernel quantizes the float32 normed row, the unfused path qu
 crosses a rounding boundary; ``rms_norm_quant_per_token``'s docstring (reference.py) has the
 order of operations. Hence only with ``exact=False``.
 
-The residual add stays the model's own ``residual + hidden_states``: fusing it into the norm
-kernel (which has a residual input) needs the decoder layer's code to hand over the residual and
-take back the new one, i.e. a per-architecture decoder layer, which quantkit does not fork.
+Residual adds: ``FastRMSNorm.fused_add_norm`` runs ``residual + x`` inside the same fused kernel
+(which writes the sum and the quantized normed rows); ``fast_layer`` uses it in pre-norm decoder
+layers.
 
 Safety: the pending norm reads its input when first asked; it records the input's version
 counter and refuses (RuntimeError) if the input was changed in place meanwhile. Inference-mode
@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from quantkit.kernels import attention_ops, ops
@@ -107,7 +108,10 @@ class PendingRMSNorm:
             q, scale, _ = ops.rms_norm_quant_per_token(self.x2d, self.weight, self.eps, dtype, None, self.offset,
                                                        backend=backend)
             cached = self.quantized[key] = (q, scale)
-            self.owner.output_counts[0] += 1
+            owner = self.owner
+            owner.output_counts[0] += 1
+            if owner.consumer_key[0] != key:
+                owner.consumer_key[0] = key
         return cached
 
     def materialize(self) -> torch.Tensor:
@@ -305,3 +309,99 @@ def defer_rms_norm(owner, x: torch.Tensor, weight: torch.Tensor) -> NormOutput:
     """A ``NormOutput`` for ``owner``'s norm of ``x`` (checks are the caller's: see FastRMSNorm)."""
     pending = PendingRMSNorm(x.reshape(-1, x.shape[-1]), weight, owner.eps, owner.offset, owner.backend, owner)
     return NormOutput.create(pending, x.shape)
+
+
+def _defers(norm: "FastRMSNorm", x: torch.Tensor) -> bool:
+    """Whether ``norm`` may return a deferred output for ``x`` (else the plain output)."""
+    return (norm.defer_output and type(x) is torch.Tensor and x.shape[-1] == norm.weight.shape[0] and x.numel()
+            and not (x.requires_grad and torch.is_grad_enabled()) and not torch.is_inference_mode_enabled()
+            and not x.is_inference() and not torch.compiler.is_compiling())
+
+
+class FastRMSNorm(nn.Module):
+    """``x / rms(x) * (offset + weight)`` through ``attention_ops.rms_norm`` (fp32 statistics, one cast).
+
+    With ``defer_output`` (set by ``optimize(exact=False, norm_quant=True)``) the output is a
+    ``NormOutput``: a per-token quantized consumer gets it from the fused norm + quantization
+    kernel and the 16-bit output is never written (module docs). Not under autograd (an input
+    that requires grad), inference mode (no version counter to check the input against) or
+    torch.compile tracing: there it returns the plain output. ``fused_calls`` /
+    ``materialized_calls`` count deferred outputs quantized by the fused kernel / read in 16 bits;
+    the first of the latter turns ``defer_output`` off.
+
+    Residual adds (``fast_layer``): ``fused_add_norm(x, residual)`` runs ``residual + x`` inside
+    the fused kernel for the (dtype, backend) its consumer asked for last (``consumer_key``), and
+    ``prepare`` hands such a result to this norm's next call on the very tensor it returned.
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float, offset: float, backend: str,
+                 defer_output: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        self.eps = float(eps)
+        self.offset = float(offset)
+        self.backend = backend
+        self.defer_output = defer_output
+        # Lists, so the hot path changes them without nn.Module.__setattr__ (~1 us):
+        # [fused, materialized] counts; the (dtype, backend) the last fused consumer asked for;
+        # a prepared (sum, its version, deferred output) for the next call.
+        self.output_counts = [0, 0]
+        self.consumer_key: list = [None]
+        self.prepared: list = [None]
+
+    @property
+    def fused_calls(self) -> int:
+        """Deferred outputs quantized by the fused norm + quantization kernel (one per launch)."""
+        return self.output_counts[0]
+
+    @property
+    def materialized_calls(self) -> int:
+        """Deferred outputs whose 16-bit values were computed after all."""
+        return self.output_counts[1]
+
+    def _weight_for(self, x: torch.Tensor) -> torch.Tensor:
+        # From the dict, not nn.Module.__getattr__ (~2 us a lookup; see GatedQuantMLP.forward).
+        weight = self._parameters["weight"]
+        return weight if weight.dtype == x.dtype else weight.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        prepared = self.prepared[0]
+        if prepared is not None:
+            self.prepared[0] = None
+            summed, version, normed = prepared
+            if x is summed and x._version == version:
+                return normed
+        weight = self._weight_for(x)
+        if _defers(self, x):
+            return defer_rms_norm(self, x, weight)
+        x = plain_tensor(x)
+        out, _ = attention_ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, self.eps, offset=self.offset,
+                                        backend=self.backend)
+        return out.reshape(x.shape)
+
+    def fused_add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[NormOutput, torch.Tensor] | None:
+        """(this norm's deferred output of ``residual + x``, ``residual + x``) from one fused add +
+        RMSNorm + per-token quantization launch, or None (then add and norm as usual): before a
+        consumer has asked for fused values (its dtype and backend are not known yet), and
+        wherever this norm would not defer. The sum is bit-equal to ``residual + x`` (fp32 add,
+        one rounding) and the quantized rows to those of the deferred norm of that sum."""
+        key = self.consumer_key[0]
+        if (key is None or not _defers(self, x) or type(residual) is not torch.Tensor
+                or residual.shape != x.shape or residual.dtype != x.dtype):
+            return None
+        width = x.shape[-1]
+        weight = self._weight_for(x)
+        q, scale, summed = ops.rms_norm_quant_per_token(x.reshape(-1, width), weight, self.eps, key[0],
+                                                        residual.reshape(-1, width), self.offset, backend=key[1])
+        pending = PendingRMSNorm(summed, weight, self.eps, self.offset, self.backend, self)
+        pending.quantized[key] = (q, scale)
+        self.output_counts[0] += 1
+        return NormOutput.create(pending, x.shape), summed.view(x.shape)
+
+    def prepare(self, summed: torch.Tensor, normed: NormOutput) -> None:
+        """Make the next call on ``summed`` (the same tensor, unchanged) return ``normed``."""
+        self.prepared[0] = (summed, summed._version, normed)
+
+    def extra_repr(self) -> str:
+        return (f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}, backend={self.backend}, "
+                f"defer_output={self.defer_output}")

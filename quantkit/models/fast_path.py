@@ -14,8 +14,9 @@ structure, never by architecture name:
   (``norm_quant``) a norm returns a deferred output (``fast_norm.NormOutput``): the quantized
   layers that read it (q/k/v, gate/up) get their int8/fp8 input from one fused RMSNorm +
   per-token quantization launch, and the 16-bit norm output is never written; any other reader
-  gets the plain 16-bit output, computed on first use (and the norm stops deferring). The
-  residual add stays the model's own ``+``: fusing it needs the decoder layer's code.
+  gets the plain 16-bit output, computed on first use (and the norm stops deferring).
+- Residual adds (with deferred norms): pre-norm decoder layers, recognised by their forward's
+  syntax tree (``fast_layer``), add inside the fused norm + quantization kernel.
 - Attention runs through the "quantkit" function registered with transformers'
   ``AttentionInterface`` (flash prefill, split-KV decode).
 - RoPE (CUDA, 16-bit): the modeling file's ``apply_rotary_pos_emb`` is routed to one launch
@@ -54,7 +55,8 @@ from torch import nn
 from quantkit.kernels import attention_ops, ops
 from quantkit.kernels.reference import ACTIVATIONS
 from quantkit.models.fast_attention import register_quantkit_attention
-from quantkit.models.fast_norm import NormOutput, defer_rms_norm, plain_tensor
+from quantkit.models.fast_layer import fuse_residual_adds
+from quantkit.models.fast_norm import FastRMSNorm, NormOutput, plain_tensor
 from quantkit.models.fast_rope import enable_fused_rope
 from quantkit.nn import QuantLinear
 from quantkit.nn.linear import quantize_input
@@ -77,6 +79,7 @@ class OptimizeReport:
     swapped_norms: list[str] = field(default_factory=list)
     kept_norms: list[str] = field(default_factory=list)
     deferred_norms: list[str] = field(default_factory=list)
+    fused_residual_layers: list[str] = field(default_factory=list)
     fused_rope: list[str] = field(default_factory=list)
     attention: str | None = None
 
@@ -86,6 +89,7 @@ class OptimizeReport:
             f"{len(self.fused_qkv)} q/k/v projections, "
             f"swapped {len(self.swapped_norms)} RMSNorms (kept {len(self.kept_norms)}; "
             f"{len(self.deferred_norms)} defer their output to a fused norm + quantization), "
+            f"residual adds fused into the norms of {len(self.fused_residual_layers)} decoder layers, "
             f"one-launch RoPE in {len(self.fused_rope)} attention modules, attention={self.attention}"
         )
 
@@ -315,58 +319,6 @@ def _qkv_fusable(module: nn.Module) -> bool:
     return same
 
 
-class FastRMSNorm(nn.Module):
-    """``x / rms(x) * (offset + weight)`` through ``attention_ops.rms_norm`` (fp32 statistics, one cast).
-
-    With ``defer_output`` (set by ``optimize(exact=False, norm_quant=True)``) the output is a
-    ``fast_norm.NormOutput``: a per-token quantized consumer gets it from the fused norm +
-    quantization kernel and the 16-bit output is never written (see ``fast_norm``). Not under
-    autograd (an input that requires grad), inference mode (no version counter to check the
-    input against) or torch.compile tracing: there it returns the plain output. ``fused_calls`` /
-    ``materialized_calls`` count deferred outputs quantized by the fused kernel / read in 16 bits;
-    the first of the latter turns ``defer_output`` off.
-    """
-
-    def __init__(self, weight: torch.Tensor, eps: float, offset: float, backend: str,
-                 defer_output: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        self.eps = float(eps)
-        self.offset = float(offset)
-        self.backend = backend
-        self.defer_output = defer_output
-        # [fused, materialized]: a list, so the hot path bumps it without nn.Module.__setattr__.
-        self.output_counts = [0, 0]
-
-    @property
-    def fused_calls(self) -> int:
-        """Deferred outputs quantized by the fused norm + quantization kernel (one per launch)."""
-        return self.output_counts[0]
-
-    @property
-    def materialized_calls(self) -> int:
-        """Deferred outputs whose 16-bit values were computed after all."""
-        return self.output_counts[1]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # From the dict, not nn.Module.__getattr__ (~2 us a lookup; see GatedQuantMLP.forward).
-        weight = self._parameters["weight"]
-        if weight.dtype != x.dtype:
-            weight = weight.to(x.dtype)
-        if (self.defer_output and type(x) is torch.Tensor and x.shape[-1] == weight.shape[0] and x.numel()
-                and not (x.requires_grad and torch.is_grad_enabled()) and not torch.is_inference_mode_enabled()
-                and not x.is_inference() and not torch.compiler.is_compiling()):
-            return defer_rms_norm(self, x, weight)
-        x = plain_tensor(x)
-        out, _ = attention_ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, self.eps, offset=self.offset,
-                                        backend=self.backend)
-        return out.reshape(x.shape)
-
-    def extra_repr(self) -> str:
-        return (f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}, backend={self.backend}, "
-                f"defer_output={self.defer_output}")
-
-
 def _is_gated_mlp(module: nn.Module) -> bool:
     parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
     return all(isinstance(p, nn.Module) for p in parts) and isinstance(getattr(module, "act_fn", None), nn.Module)
@@ -456,7 +408,8 @@ def _can_defer(width: int, backend: str, per_token_widths: set[int]) -> bool:
 
 @torch.no_grad()
 def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms: bool = True,
-             qkv: bool = True, rope: bool = True, norm_quant: bool | None = None) -> nn.Module:
+             qkv: bool = True, rope: bool = True, norm_quant: bool | None = None,
+             residual_add: bool | None = None) -> nn.Module:
     """Rewrite a quantized model in place for end-to-end inference and return it.
 
     exact: keep greedy outputs bit-identical to the plain QuantLinear model (see module docs).
@@ -467,6 +420,8 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
     norm_quant: swapped norms defer their output so that per-token quantized consumers get it from
     the fused RMSNorm + quantization kernel (``fast_norm``); default and only possible with
     exact=False (the fused kernel quantizes the fp32 normed value, not its 16-bit rounding).
+    residual_add: pre-norm decoder layers (Llama, Mistral, Qwen2/3) run their residual adds inside
+    the fused norm + quantization kernel (``fast_layer``); default and only possible with norm_quant.
     The report is attached as ``model.quantkit_fast_path``.
     """
     if norm_quant is None:
@@ -474,6 +429,11 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
     if norm_quant and exact:
         raise ValueError("norm_quant=True needs exact=False: the fused norm + quantization kernel quantizes the "
                          "float32 normed value, which the plain path rounds to 16 bits first")
+    if residual_add is None:
+        residual_add = norm_quant and norms
+    if residual_add and not (norm_quant and norms):
+        raise ValueError("residual_add=True needs norms=True and norm_quant=True (exact=False): the add runs "
+                         "inside the fused norm + quantization kernel")
     backend = _model_backend(model)
     report = OptimizeReport()
     for name, module in model.named_modules():
@@ -529,6 +489,7 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
             fast.defer_output = norm_quant and _can_defer(fast.weight.shape[0], backend, widths)
             if fast.defer_output:
                 report.deferred_norms.append(name)
+    report.fused_residual_layers = fuse_residual_adds(model, residual_add)
     if rope:
         report.fused_rope = enable_fused_rope(model)
     if attention:

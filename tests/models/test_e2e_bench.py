@@ -87,3 +87,15 @@ def test_norm_quant_comparison_variants_and_ratios():
     assert rows[0]["norm_quant_speedup"] == 1.2 and rows[0]["norm_quant_graph_speedup"] == 13.0 / 12.0
     assert rows[0]["norm_quant_peak_ratio"] == 60 / 64 and rows[2]["norm_quant_speedup"] == 1.25
     assert "norm_quant_speedup" not in rows[1]
+
+
+def test_residual_comparison_variant_and_ratio():
+    fast = e2e.prepare_variant("int8-fast-no-residual", _tiny_config(), "cpu").quantkit_fast_path
+    assert fast.fused_residual_layers == [] and fast.deferred_norms
+    rows = [{"variant": "fp8-fast", "workload": "decode_b1", "ms_per_token": 4.0, "workload_peak_bytes": 60,
+             "peak_bytes": 60},
+            {"variant": "fp8-fast-no-residual", "workload": "decode_b1", "ms_per_token": 4.4,
+             "workload_peak_bytes": 60, "peak_bytes": 60}]
+    e2e._add_ratios(rows)
+    assert rows[0]["residual_speedup"] == 4.4 / 4.0 and rows[0]["residual_peak_ratio"] == 1.0
+    assert "residual_speedup" not in rows[1] and "norm_quant_speedup" not in rows[0]
