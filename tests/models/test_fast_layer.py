@@ -8,6 +8,8 @@ does not apply.
 
 import copy
 import importlib
+import importlib.util
+import textwrap
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ import quantkit
 from quantkit.config import QuantConfig
 from quantkit.generate import generate
 from quantkit.kernels import attention_ops, ops
+from quantkit.models import fast_layer
 from quantkit.models.fast_layer import fused_forward, is_pre_norm_layer
 from quantkit.models.fast_path import FastRMSNorm, optimize
 from tests.models.test_fast_path import make_tiny
@@ -67,48 +70,37 @@ class _ResidualLaunches:
         monkeypatch.setattr(ops, "rms_norm_quant_per_token", spy)
 
 
-def test_the_check_takes_exactly_the_pre_norm_forward():
+def _layer_class_from(source: str, tmp_path, name: str):
+    """A LlamaDecoderLayer subclass whose forward is ``source``, from a real file (the check reads
+    the class's source with inspect, as it would a model's)."""
+    body = textwrap.indent(textwrap.dedent(source), "    ")
+    path = tmp_path / f"{name.lower()}_layer.py"
+    path.write_text("import torch\nfrom transformers.models.llama.modeling_llama import LlamaDecoderLayer\n\n\n"
+                    f"class {name}(LlamaDecoderLayer):\n{body}")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def test_the_check_takes_exactly_the_pre_norm_forward(tmp_path):
     for arch, name in PRE_NORM.items():
         assert is_pre_norm_layer(_bare(_layer_class(arch, name))), arch
     for arch, name in OTHER.items():
         assert not is_pre_norm_layer(_bare(_layer_class(arch, name))), arch
-    llama = _layer_class("llama", "LlamaDecoderLayer")
-
-    class Scaled(llama):  # one statement differs: the residual branch is scaled
-        def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                    use_cache=False, position_embeddings=None, **kwargs):
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-            hidden_states, _ = self.self_attn(
-                hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings,
-                **kwargs)
-            hidden_states = residual + hidden_states
-            residual = hidden_states
-            hidden_states = self.post_attention_layernorm(hidden_states)
-            hidden_states = self.mlp(hidden_states)
-            hidden_states = residual + 0.5 * hidden_states
-            return hidden_states
-
-    class Annotated(llama):  # annotations, a docstring and comments do not matter
-        def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
-                    past_key_values=None, use_cache: bool = False, position_embeddings=None, **kwargs) -> torch.Tensor:
-            """A docstring."""
-            residual = hidden_states  # a comment
-            hidden_states = self.input_layernorm(hidden_states)
-            hidden_states, _ = self.self_attn(
-                hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings,
-                **kwargs)
-            hidden_states = residual + hidden_states
-            residual = hidden_states
-            hidden_states = self.post_attention_layernorm(hidden_states)
-            hidden_states = self.mlp(hidden_states)
-            hidden_states = residual + hidden_states
-            return hidden_states
-
-    assert not is_pre_norm_layer(_bare(Scaled))
-    assert is_pre_norm_layer(_bare(Annotated))
+    template = fast_layer._PRE_NORM_FORWARD
+    closing = "    hidden_states = residual + hidden_states\n    return hidden_states"
+    assert closing in template
+    # One statement differs: the MLP branch is scaled.
+    scaled = template.replace(closing, "    hidden_states = residual + 0.5 * hidden_states\n    return hidden_states")
+    # Annotations, a docstring and comments do not matter.
+    annotated = (template.replace("hidden_states, attention_mask=None", "hidden_states: torch.Tensor, attention_mask=None")
+                 .replace("**kwargs):", "**kwargs) -> torch.Tensor:\n    \"\"\"A docstring.\"\"\"")
+                 .replace("residual = hidden_states\n", "residual = hidden_states  # a comment\n", 1))
+    assert scaled != template and annotated.count("torch.Tensor") == 2 and "# a comment" in annotated
+    assert not is_pre_norm_layer(_bare(_layer_class_from(scaled, tmp_path, "Scaled")))
+    assert is_pre_norm_layer(_bare(_layer_class_from(annotated, tmp_path, "Annotated")))
+    assert is_pre_norm_layer(_bare(_layer_class_from(template, tmp_path, "Same")))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
