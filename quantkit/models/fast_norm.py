@@ -387,7 +387,8 @@ class FastRMSNorm(nn.Module):
         one rounding) and the quantized rows to those of the deferred norm of that sum."""
         key = self.consumer_key[0]
         if (key is None or not _defers(self, x) or type(residual) is not torch.Tensor
-                or residual.shape != x.shape or residual.dtype != x.dtype):
+                or residual.shape != x.shape or residual.dtype != x.dtype or residual.is_inference()
+                or (residual.requires_grad and torch.is_grad_enabled())):
             return None
         width = x.shape[-1]
         weight = self._weight_for(x)

@@ -203,6 +203,15 @@ def test_no_fusion_where_norms_do_not_defer(monkeypatch):
         norm.defer_output = False
         x = torch.randn(2, 3, on.config.hidden_size, dtype=torch.bfloat16)
         assert norm.fused_add_norm(x, x.clone()) is None
+        norm.defer_output = True
+        assert norm.fused_add_norm(x, x.clone()) is not None
+        assert norm.fused_add_norm(x, x.float()) is None  # another dtype
+    # A residual that needs a gradient: the fused kernel has no backward.
+    residual = x.clone().requires_grad_()
+    assert norm.fused_add_norm(x, residual) is None
+    with torch.inference_mode():
+        residual = x.clone()
+    assert norm.fused_add_norm(x, residual) is None
 
 
 def test_switches_and_what_optimize_leaves_alone():
