@@ -23,7 +23,9 @@ forward. ``fused_forward`` runs the same statements, except:
   norm, whose deferred output is handed to its next call (``FastRMSNorm.prepare``) if that call
   gets the very tensor this layer returned, unchanged (identity and version counter); any other
   call computes its norm as usual. The returned sum is a real tensor, so hooks, hidden-state
-  outputs and any caller between the layers see ordinary values.
+  outputs and any caller between the layers see ordinary values; while forward hooks or pre-hooks
+  sit between two layers (they may write the tensor past its version counter, e.g. through
+  ``.data``) the closing add runs unfused.
 
 A ``fused_add_norm`` declines (and the layer adds and norms as before) until the norm's consumer
 has asked once for fused values (so the first forward learns the consumer's dtype and backend)
@@ -36,11 +38,12 @@ fusion (``optimize(exact=False, residual_add=False)``), bit for bit on the torch
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
-import types
 
 from torch import nn
+from torch.nn.modules import module as module_hooks
 
 from quantkit.models.fast_norm import FastRMSNorm
 
@@ -70,7 +73,7 @@ def forward(self, hidden_states, attention_mask=None, position_ids=None, past_ke
 
 
 def _normalized(function: ast.FunctionDef) -> str:
-    """The function's arguments and statements, without annotations, docstring or decorators."""
+    """The function's arguments, decorators and statements, without annotations or docstring."""
     function = ast.parse(ast.unparse(function)).body[0]  # a copy
     body = function.body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
@@ -79,31 +82,48 @@ def _normalized(function: ast.FunctionDef) -> str:
     for argument in arguments.posonlyargs + arguments.args + arguments.kwonlyargs + [arguments.vararg, arguments.kwarg]:
         if argument is not None:
             argument.annotation = None
-    function.body, function.decorator_list, function.returns, function.name = body, [], None, "forward"
+    function.body, function.returns, function.name = body, None, "forward"
     return ast.dump(function)
 
 
 _TEMPLATE = _normalized(ast.parse(_PRE_NORM_FORWARD).body[0])
-_MATCHES: dict[type, bool] = {}
+_MATCHES: dict = {}
+
+
+def _is_checkpointing_wrapper(function) -> bool:
+    # transformers' GradientCheckpointingLayer wraps every layer class's forward in one that only
+    # acts when training with gradient checkpointing (fused_forward defers to the class then).
+    code = getattr(function, "__code__", None)
+    return (code is not None and code.co_name == "forward_with_checkpointing"
+            and code.co_filename.replace("\\", "/").endswith("transformers/modeling_layers.py"))
 
 
 def is_pre_norm_layer(module: nn.Module) -> bool:
-    """Whether ``type(module).forward`` is the pre-norm dataflow of ``_PRE_NORM_FORWARD``."""
-    cls = type(module)
-    known = _MATCHES.get(cls)
+    """Whether ``type(module).forward`` is the pre-norm dataflow of ``_PRE_NORM_FORWARD``: no
+    decorator and no wrapper (they could change what it computes) but transformers' checkpointing
+    one."""
+    forward = type(module).forward
+    key = (type(module), forward)
+    known = _MATCHES.get(key)
     if known is None:
+        inner = forward.__wrapped__ if _is_checkpointing_wrapper(forward) else forward
         try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-            known = isinstance(tree.body[0], ast.FunctionDef) and _normalized(tree.body[0]) == _TEMPLATE
+            tree = ast.parse(textwrap.dedent(inspect.getsource(inner)))
+            known = (not hasattr(inner, "__wrapped__") and isinstance(tree.body[0], ast.FunctionDef)
+                     and _normalized(tree.body[0]) == _TEMPLATE)
         except (OSError, TypeError, SyntaxError, IndexError):
             known = False
-        _MATCHES[cls] = known
+        _MATCHES[key] = known
     return known
 
 
 def fused_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                   use_cache=False, position_embeddings=None, **kwargs):
     """``_PRE_NORM_FORWARD`` with its two adds inside the fused norm kernels (module docs)."""
+    if self.training:  # the class's forward (gradient checkpointing); the fused kernels have no backward
+        return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                  past_key_values=past_key_values, use_cache=use_cache,
+                                  position_embeddings=position_embeddings, **kwargs)
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(
@@ -123,8 +143,12 @@ def fused_forward(self, hidden_states, attention_mask=None, position_ids=None, p
     else:
         hidden_states, residual = fused
     hidden_states = self.mlp(hidden_states)
-    next_norm = self.__dict__.get("quantkit_next_norm")
-    fused = next_norm.fused_add_norm(hidden_states, residual) if next_norm is not None else None
+    following = self.__dict__.get("quantkit_next_layer")
+    fused = None
+    if following is not None and not _hooked(self, following):
+        next_norm = following.input_layernorm
+        if type(next_norm) is FastRMSNorm:
+            fused = next_norm.fused_add_norm(hidden_states, residual)
     if fused is None:
         return residual + hidden_states
     normed, summed = fused
@@ -132,14 +156,30 @@ def fused_forward(self, hidden_states, attention_mask=None, position_ids=None, p
     return summed
 
 
+def _hooked(layer: nn.Module, following: nn.Module) -> bool:
+    """Whether code may run between this layer's output and the next layer's input norm: forward
+    hooks (this layer's or global ones) and pre-hooks (the next layer's or its norm's) can change
+    the output in ways its version counter does not see (``.data``, NumPy views), so the closing
+    add then runs unfused and the next norm reads whatever the tensor holds."""
+    return bool(layer._forward_hooks or following._forward_pre_hooks
+                or following.input_layernorm._forward_pre_hooks or module_hooks._global_forward_hooks
+                or module_hooks._global_forward_pre_hooks)
+
+
 def _defers(norm) -> bool:
     return type(norm) is FastRMSNorm and norm.defer_output
 
 
+def _is_fused(forward) -> bool:
+    return isinstance(forward, functools.partial) and forward.func is fused_forward
+
+
 def fuse_residual_adds(model: nn.Module, enabled: bool) -> list[str]:
     """Give each pre-norm decoder layer with a deferring ``post_attention_layernorm`` the fused
-    forward (and a link to the next layer's deferring input norm); with ``enabled=False``, put
-    back the class's own forward. Returns the names of the fused layers."""
+    forward (and a link to the next layer, whose deferring input norm its closing add feeds);
+    with ``enabled=False``, take quantkit's forward off again. A layer whose instance already has
+    another forward (accelerate's device hooks, a user's patch) keeps it, unfused. Returns the
+    names of the fused layers. Run it (``optimize``) again after changing a model's layer list."""
     fused = []
     for name, stack in model.named_modules():
         if not isinstance(stack, nn.ModuleList):
@@ -148,14 +188,16 @@ def fuse_residual_adds(model: nn.Module, enabled: bool) -> list[str]:
         for index, layer in enumerate(layers):
             if not is_pre_norm_layer(layer):
                 continue
-            layer.__dict__.pop("forward", None)
-            layer.__dict__.pop("quantkit_next_norm", None)
-            if not (enabled and _defers(layer.post_attention_layernorm)):
+            if _is_fused(layer.__dict__.get("forward")):
+                del layer.__dict__["forward"]
+            layer.__dict__.pop("quantkit_next_layer", None)
+            if not (enabled and _defers(layer.post_attention_layernorm)) or "forward" in layer.__dict__:
                 continue
             following = layers[index + 1] if index + 1 < len(layers) else None
             if following is not None and is_pre_norm_layer(following) and _defers(following.input_layernorm):
-                # In __dict__, not as a submodule: the norm belongs to the next layer.
-                layer.__dict__["quantkit_next_norm"] = following.input_layernorm
-            layer.__dict__["forward"] = types.MethodType(fused_forward, layer)
+                # In __dict__, not as a submodule: the next layer is the list's, not this one's.
+                layer.__dict__["quantkit_next_layer"] = following
+            # A partial of a module-level function (not a bound method), so a pickled model loads.
+            layer.__dict__["forward"] = functools.partial(fused_forward, layer)
             fused.append(f"{name}.{index}" if name else str(index))
     return fused

@@ -74,7 +74,7 @@ class PendingRMSNorm:
     """The shared state of one deferred norm output and its reshaped views."""
 
     __slots__ = ("x2d", "device", "dtype", "version", "weight", "eps", "offset", "backend", "owner", "quantized",
-                 "output")
+                 "taken", "output")
 
     def __init__(self, x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, backend: str,
                  owner) -> None:
@@ -87,6 +87,7 @@ class PendingRMSNorm:
         self.backend = backend
         self.owner = owner
         self.quantized: dict = {}
+        self.taken = False  # a consumer has asked for fused values (``quantized`` may be prefilled)
         self.output: torch.Tensor | None = None
 
     def _check_input(self) -> None:
@@ -101,6 +102,7 @@ class PendingRMSNorm:
         """(q, scale) of the normed rows from the fused kernel, or None once the 16-bit output exists."""
         if self.output is not None:
             return None
+        self.taken = True
         key = (dtype, backend)
         cached = self.quantized.get(key)
         if cached is None:
@@ -127,7 +129,7 @@ class PendingRMSNorm:
             owner.output_counts[1] += 1
             # Stop deferring only if no consumer has taken fused values in this call: otherwise the
             # first forward would feed that consumer fused values and every later one unfused ones.
-            if owner.defer_output and not self.quantized:
+            if owner.defer_output and not self.taken:
                 owner.defer_output = False
                 logger.info("%s: a consumer read the 16-bit norm output; this norm no longer defers it", owner)
             # The quantized copies are not needed once the output exists (consumers then quantize it).

@@ -94,6 +94,8 @@ def test_split_configs_join_the_pool_only_at_decode_sizes(monkeypatch):
     assert all(c in configs for c in split) and all(c.kwargs["SPLIT_K"] > 1 for c in split)
     assert gemm_configs.SMALL_M_SPLIT_K is True
     limit = gemm_configs.SPLIT_K_MAX_M
+    # A power of two: the autotune key buckets M by powers of two, so one bucket never spans it.
+    assert gemm_configs.m_bucket(limit) == limit
     for M in (1, 3, limit):
         assert gemm_configs._prune_configs(configs, {"M": M}) == gemm_configs.SMALL_M_CONFIGS + split
     assert gemm_configs._prune_configs(configs, {"M": 1, "GATED": True}) == gemm_configs.SMALL_M_CONFIGS + split

@@ -70,13 +70,13 @@ class _ResidualLaunches:
         monkeypatch.setattr(ops, "rms_norm_quant_per_token", spy)
 
 
-def _layer_class_from(source: str, tmp_path, name: str):
+def _layer_class_from(source: str, tmp_path, name: str, prelude: str = ""):
     """A LlamaDecoderLayer subclass whose forward is ``source``, from a real file (the check reads
     the class's source with inspect, as it would a model's)."""
     body = textwrap.indent(textwrap.dedent(source), "    ")
     path = tmp_path / f"{name.lower()}_layer.py"
-    path.write_text("import torch\nfrom transformers.models.llama.modeling_llama import LlamaDecoderLayer\n\n\n"
-                    f"class {name}(LlamaDecoderLayer):\n{body}")
+    path.write_text("import functools\nimport torch\nfrom transformers.models.llama.modeling_llama import "
+                    f"LlamaDecoderLayer\n\n{prelude}\n\nclass {name}(LlamaDecoderLayer):\n{body}")
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -99,6 +99,10 @@ def test_the_check_takes_exactly_the_pre_norm_forward(tmp_path):
                  .replace("residual = hidden_states\n", "residual = hidden_states  # a comment\n", 1))
     assert scaled != template and annotated.count("torch.Tensor") == 2 and "# a comment" in annotated
     assert not is_pre_norm_layer(_bare(_layer_class_from(scaled, tmp_path, "Scaled")))
+    # A decorator may change what the forward computes: not taken, with or without functools.wraps.
+    decorated = template.replace("def forward(", "@halved\ndef forward(")
+    halving = "def halved(f):\n    @functools.wraps(f)\n    def g(*a, **k):\n        return f(*a, **k) * 0.5\n    return g\n"
+    assert not is_pre_norm_layer(_bare(_layer_class_from(decorated, tmp_path, "Decorated", halving)))
     assert is_pre_norm_layer(_bare(_layer_class_from(annotated, tmp_path, "Annotated")))
     assert is_pre_norm_layer(_bare(_layer_class_from(template, tmp_path, "Same")))
 
@@ -222,11 +226,89 @@ def test_switches_and_what_optimize_leaves_alone():
         optimize(copy.deepcopy(plain), exact=True, residual_add=True)
     on = optimize(copy.deepcopy(plain), exact=False)
     layer0, layer1 = on.model.layers
-    assert layer0.forward.__func__ is fused_forward and layer0.__dict__["quantkit_next_norm"] is layer1.input_layernorm
-    assert "quantkit_next_norm" not in layer1.__dict__  # the last layer: the final norm is not linked
+    assert layer0.forward.func is fused_forward and layer0.__dict__["quantkit_next_layer"] is layer1
+    assert "quantkit_next_layer" not in layer1.__dict__  # the last layer: the final norm is not linked
     optimize(on, exact=False, residual_add=False)  # again, switched off: the class's forward is back
-    assert "forward" not in layer0.__dict__ and "quantkit_next_norm" not in layer0.__dict__
+    assert "forward" not in layer0.__dict__ and "quantkit_next_layer" not in layer0.__dict__
     gemma = optimize(_quantized("gemma3", "int8"), exact=False)
     assert gemma.quantkit_fast_path.fused_residual_layers == []
     exact = optimize(copy.deepcopy(plain))
     assert exact.quantkit_fast_path.fused_residual_layers == []
+
+
+def test_a_forward_set_by_other_code_is_kept(monkeypatch):
+    # accelerate's device hooks (and users' patches) set the instance's forward: optimize keeps it.
+    plain = _quantized("llama", "int8")
+    calls = []
+    layer = plain.model.layers[1]
+    original = layer.forward
+    layer.forward = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    on = optimize(plain, exact=False)
+    assert on.quantkit_fast_path.fused_residual_layers == ["model.layers.0"]
+    optimize(on, exact=True)
+    optimize(on, exact=False, residual_add=False)
+    with torch.no_grad():
+        on(_ids(on))
+    assert calls == [1] and "forward" in layer.__dict__
+
+
+def test_a_pickled_fused_model_loads_and_still_fuses(tmp_path, monkeypatch):
+    off, on = _pair("llama", "fp8")
+    ids = _ids(on)
+    with torch.no_grad():
+        on(ids)  # consumers learned
+        torch.save(on, tmp_path / "model.pt")
+        loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+        twin = copy.deepcopy(on)
+        assert loaded.model.layers[0].forward.func is fused_forward
+        assert loaded.model.layers[0].forward.args[0] is loaded.model.layers[0]
+        launches = _ResidualLaunches(monkeypatch)
+        want = off(ids).logits
+        for model in (loaded, twin):
+            launches.with_residual = 0
+            assert torch.equal(model(ids).logits, want)
+            assert launches.with_residual == 2 * on.config.num_hidden_layers - 1
+
+
+def test_hooks_between_layers_turn_the_closing_fusion_off(monkeypatch):
+    off, on = _pair("llama", "int8")
+    ids = _ids(on)
+    steer = torch.randn(on.config.hidden_size, dtype=torch.bfloat16)
+
+    def steering(module, args, out):
+        out.data.add_(steer)  # past the version counter
+
+    with torch.no_grad():
+        on(ids)
+        for model in (on, off):
+            model.model.layers[0].register_forward_hook(steering)
+        launches = _ResidualLaunches(monkeypatch)
+        assert torch.equal(on(ids).logits, off(ids).logits)
+    # Both middle adds still fused; the closing add of the hooked layer is not (nor the last's).
+    assert launches.with_residual == 2
+
+
+def test_a_16_bit_reader_stops_the_deferral_with_the_fusion_too():
+    _, on = _pair("llama", "int8")
+    ids = _ids(on)
+    norm = on.model.layers[1].input_layernorm
+    with torch.no_grad():
+        on(ids)
+        on(ids)  # layer 0 now prepares layer 1's input norm
+        # A reader of the 16-bit norm output (what a non-quantized consumer would be).
+        on.model.layers[1].self_attn.register_forward_pre_hook(
+            lambda module, args, kwargs: (kwargs["hidden_states"].float(), None)[1], with_kwargs=True)
+        on(ids)
+    assert norm.defer_output is False
+
+
+def test_training_mode_runs_the_class_forward(monkeypatch):
+    off, on = _pair("llama", "int8")
+    ids = _ids(on)
+    with torch.no_grad():
+        on(ids)
+        on.train()
+        off.train()
+        launches = _ResidualLaunches(monkeypatch)
+        assert torch.equal(on(ids).logits, off(ids).logits)
+    assert launches.with_residual == 0
