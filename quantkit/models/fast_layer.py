@@ -120,21 +120,13 @@ def is_pre_norm_layer(module: nn.Module) -> bool:
 def fused_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                   use_cache=False, position_embeddings=None, **kwargs):
     """``_PRE_NORM_FORWARD`` with its two adds inside the fused norm kernels (module docs)."""
+    attention_args = dict(attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+                          use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
     if self.training:  # the class's forward (gradient checkpointing); the fused kernels have no backward
-        return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                  past_key_values=past_key_values, use_cache=use_cache,
-                                  position_embeddings=position_embeddings, **kwargs)
+        return type(self).forward(self, hidden_states, **attention_args)
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
-    hidden_states, _ = self.self_attn(
-        hidden_states=hidden_states,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=past_key_values,
-        use_cache=use_cache,
-        position_embeddings=position_embeddings,
-        **kwargs,
-    )
+    hidden_states, _ = self.self_attn(hidden_states=hidden_states, **attention_args)
     post_norm = self.post_attention_layernorm
     fused = post_norm.fused_add_norm(hidden_states, residual) if type(post_norm) is FastRMSNorm else None
     if fused is None:
