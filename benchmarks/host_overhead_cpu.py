@@ -281,7 +281,7 @@ def _profile(forward, calls: int = 20, top: int = 40) -> str:
     set_gc_mode("on")
     buffer = io.StringIO()
     stats = pstats.Stats(profiler, stream=buffer)
-    stats.strip_dirs().sort_stats("tottime").print_stats(top)
+    stats.strip_dirs().sort_stats(os.environ.get("QUANTKIT_PROFILE_SORT", "tottime")).print_stats(top)
     return buffer.getvalue()
 
 
@@ -404,7 +404,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--gc-modes", default=",".join(GC_MODES))
-    parser.add_argument("--profile", action="store_true", help="add a cProfile (gc off) of each variant")
+    parser.add_argument("--profile", action="store_true",
+                        help="add a cProfile (gc off) of each variant (sorted by QUANTKIT_PROFILE_SORT, default tottime)")
     parser.add_argument("--gemm-breakdown", action="store_true", help="add Python us per GEMM call and its parts")
     parser.add_argument("--compare", default=None, metavar="REF", help="A/B: REF's quantkit against this tree's")
     parser.add_argument("--rounds", type=int, default=3, help="child processes per side with --compare")
