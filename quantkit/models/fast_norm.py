@@ -390,7 +390,9 @@ class FastRMSNorm(nn.Module):
         key = self.consumer_key[0]
         if (key is None or not _defers(self, x) or type(residual) is not torch.Tensor
                 or residual.shape != x.shape or residual.dtype != x.dtype or residual.is_inference()
-                or (residual.requires_grad and torch.is_grad_enabled())):
+                or (residual.requires_grad and torch.is_grad_enabled())
+                # A model split over devices: the next layer's norm may live on another one.
+                or x.device != self._parameters["weight"].device or residual.device != x.device):
             return None
         width = x.shape[-1]
         weight = self._weight_for(x)

@@ -210,6 +210,8 @@ def test_no_fusion_where_norms_do_not_defer(monkeypatch):
         norm.defer_output = True
         assert norm.fused_add_norm(x, x.clone()) is not None
         assert norm.fused_add_norm(x, x.float()) is None  # another dtype
+        norm.to("meta")  # a norm on another device than its inputs (a model split over devices)
+        assert norm.fused_add_norm(x, x.clone()) is None
     # A residual that needs a gradient: the fused kernel has no backward.
     residual = x.clone().requires_grad_()
     assert norm.fused_add_norm(x, residual) is None
