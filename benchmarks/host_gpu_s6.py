@@ -127,14 +127,7 @@ def measure(variant: str, config, device: str, tokens: int, reps: int, block: in
         row[mode]["gc_ms_per_forward"] = seconds / n * 1e3
         row[mode]["device_allocs_frees_retries_per_forward"] = [c / n for c in allocator[mode]]
     if device == "cuda":
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            forward()
+        graph = launch.capture_graph(forward)
         row["graph_ms"] = launch.median_replay_ms(graph, 20)
         del graph
     print(json.dumps(row), flush=True)

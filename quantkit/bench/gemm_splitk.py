@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from quantkit.bench.common import environment_metadata
 from quantkit.bench.gemm import _rel_err, adaptive_graph_ms, fp8_fast_accum_tolerance, write_results
 from quantkit.kernels import gemm, gemm_configs, gemm_tma, reference
-from quantkit.kernels.launch import INTERPRETED, config_dict, median_replay_ms
+from quantkit.kernels.launch import INTERPRETED, capture_graph, config_dict, median_replay_ms
 
 SPLIT_K_MS = (1, 16)
 # (kind, N, K): the Llama-3-8B projections (qkv, o, gate+up stacked, down) and the gated MLP
@@ -114,14 +114,7 @@ def _check_graph_capture(record, N, K, gen) -> None:
         def call():
             gemm.scaled_mm(a, w, sa, sw, None, "silu", torch.bfloat16, config=cfg, out=out)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            call()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call()
+        graph = capture_graph(call)
         a2, sa2 = reference.quantize_per_token(torch.randn(16, K, device="cuda", generator=gen), dtype)
         a.copy_(a2)
         sa.copy_(sa2)
@@ -146,15 +139,12 @@ def rotate_timer(make, weights, replays: int = 9) -> float:
     for fn in fns:
         fn()  # compile / tune outside the capture
     torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fns[0]()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def cycle():
         for i in range(calls):
             fns[i % len(fns)]()
+
+    graph = capture_graph(cycle)
     ms = median_replay_ms(graph, replays) / calls
     del graph
     return ms

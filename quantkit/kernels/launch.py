@@ -140,6 +140,20 @@ def config_dict(config) -> dict:
     return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
+def capture_graph(fn) -> "torch.cuda.CUDAGraph":
+    """``fn()`` captured in a CUDA graph, after one warm-up call on a side stream (lazily made
+    workspaces, cuBLAS handles and compiled kernels then exist before the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def median_replay_ms(graph, replays: int) -> float:
     """Median GPU time (ms) of ``replays`` replays of a captured CUDA graph, after one warm-up."""
     graph.replay()

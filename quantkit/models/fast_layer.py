@@ -137,9 +137,9 @@ def fused_forward(self, hidden_states, attention_mask=None, position_ids=None, p
     hidden_states = self.mlp(hidden_states)
     following = self.__dict__.get("quantkit_next_layer")
     fused = None
-    if following is not None and not _hooked(self, following):
+    if following is not None:
         next_norm = following.input_layernorm
-        if type(next_norm) is FastRMSNorm:
+        if type(next_norm) is FastRMSNorm and not _hooked(self, following, next_norm):
             fused = next_norm.fused_add_norm(hidden_states, residual)
     if fused is None:
         return residual + hidden_states
@@ -148,17 +148,17 @@ def fused_forward(self, hidden_states, attention_mask=None, position_ids=None, p
     return summed
 
 
-def _hooked(layer: nn.Module, following: nn.Module) -> bool:
+def _hooked(layer: nn.Module, following: nn.Module, next_norm: nn.Module) -> bool:
     """Whether code may run between this layer's output and the next layer's input norm: forward
     hooks (this layer's or global ones) and pre-hooks (the next layer's or its norm's) can change
     the output in ways its version counter does not see (``.data``, NumPy views), so the closing
     add then runs unfused and the next norm reads whatever the tensor holds."""
     return bool(layer._forward_hooks or following._forward_pre_hooks
-                or following.input_layernorm._forward_pre_hooks or module_hooks._global_forward_hooks
+                or next_norm._forward_pre_hooks or module_hooks._global_forward_hooks
                 or module_hooks._global_forward_pre_hooks)
 
 
-def _defers(norm) -> bool:
+def _deferring(norm) -> bool:
     return type(norm) is FastRMSNorm and norm.defer_output
 
 
@@ -183,10 +183,10 @@ def fuse_residual_adds(model: nn.Module, enabled: bool) -> list[str]:
             if _is_fused(layer.__dict__.get("forward")):
                 del layer.__dict__["forward"]
             layer.__dict__.pop("quantkit_next_layer", None)
-            if not (enabled and _defers(layer.post_attention_layernorm)) or "forward" in layer.__dict__:
+            if not (enabled and _deferring(layer.post_attention_layernorm)) or "forward" in layer.__dict__:
                 continue
             following = layers[index + 1] if index + 1 < len(layers) else None
-            if following is not None and is_pre_norm_layer(following) and _defers(following.input_layernorm):
+            if following is not None and is_pre_norm_layer(following) and _deferring(following.input_layernorm):
                 # In __dict__, not as a submodule: the next layer is the list's, not this one's.
                 layer.__dict__["quantkit_next_layer"] = following
             # A partial of a module-level function (not a bound method), so a pickled model loads.

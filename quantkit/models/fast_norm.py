@@ -315,7 +315,9 @@ def defer_rms_norm(owner, x: torch.Tensor, weight: torch.Tensor) -> NormOutput:
 
 def _defers(norm: "FastRMSNorm", x: torch.Tensor) -> bool:
     """Whether ``norm`` may return a deferred output for ``x`` (else the plain output)."""
-    return (norm.defer_output and type(x) is torch.Tensor and x.shape[-1] == norm.weight.shape[0] and x.numel()
+    # The weight from the dict, not nn.Module.__getattr__ (~2 us a lookup on this hot path).
+    width = norm._parameters["weight"].shape[0]
+    return (norm.defer_output and type(x) is torch.Tensor and x.shape[-1] == width and x.numel()
             and not (x.requires_grad and torch.is_grad_enabled()) and not torch.is_inference_mode_enabled()
             and not x.is_inference() and not torch.compiler.is_compiling())
 
