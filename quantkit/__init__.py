@@ -21,6 +21,7 @@ from quantkit.models.loading import BUNDLED_MODEL, ModelLoadError, load_model
 from quantkit.calibration.data import BUNDLED_DATASET, DatasetError
 from quantkit.generate import generate as generate_tokens
 from quantkit.models.fast_path import optimize
+from quantkit.models.graphed import graphed
 from quantkit.nn import QuantLinear
 
 
@@ -44,6 +45,7 @@ __all__ = [
     "compare_perplexity",
     "evaluate_perplexity",
     "generate_tokens",
+    "graphed",
     "is_quantized_checkpoint",
     "load_tokenizer",
     "optimize",
