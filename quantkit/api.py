@@ -141,9 +141,12 @@ class Comparison:
 
 def compare_perplexity(baseline: nn.Module, quantized: nn.Module, tokens: torch.Tensor, window: int = 1024,
                        stride: int | None = None, bos_token_id: int | None = None,
-                       progress: bool = True) -> Comparison:
-    """Perplexity of both models on the same tokens with the same windows."""
+                       progress: bool = True, cuda_graph: bool = False) -> Comparison:
+    """Perplexity of both models on the same tokens with the same windows (``cuda_graph``: see
+    ``evaluate_perplexity``)."""
     return Comparison(
-        baseline=evaluate_perplexity(baseline, tokens, window, stride, bos_token_id, progress, "baseline perplexity"),
-        quantized=evaluate_perplexity(quantized, tokens, window, stride, bos_token_id, progress, "quantized perplexity"),
+        baseline=evaluate_perplexity(baseline, tokens, window, stride, bos_token_id, progress, "baseline perplexity",
+                                     cuda_graph),
+        quantized=evaluate_perplexity(quantized, tokens, window, stride, bos_token_id, progress,
+                                      "quantized perplexity", cuda_graph),
     )

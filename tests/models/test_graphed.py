@@ -142,3 +142,9 @@ def test_needs_cuda_model():
         graphed(make_tiny("llama"))
     with pytest.raises(ValueError, match="CUDA device"):
         quantkit.graphed(make_tiny("llama"))
+
+
+def test_perplexity_cuda_graph_needs_cuda():
+    tokens = torch.randint(3, 160, (40,))
+    with pytest.raises(ValueError, match="CUDA device"):
+        quantkit.evaluate_perplexity(make_tiny("llama"), tokens, window=16, cuda_graph=True, progress=False)
