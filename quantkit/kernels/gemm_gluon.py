@@ -31,8 +31,10 @@ K (a multiple of 16, for the 16-byte TMA row stride) are otherwise arbitrary; an
 is not a multiple of 16 bytes is written into a padded buffer and returned as a view.
 
 Gluon is compiled for sm_90 only and has no CPU interpreter: ``available()`` says whether this
-process can run it (a Hopper GPU and a triton whose Gluon has the APIs used here). Importing this
-module never fails; the kernels are defined only where Gluon imports.
+process can run it (a Hopper GPU and triton 3.6, whose Gluon API the kernels are written against;
+3.9 renamed pieces of it). Importing this module never fails; the kernels are defined only where
+Gluon imports. Offline check (no GPU): tests/kernels/test_gemm_gluon.py compiles every config for
+sm_90 under triton 3.6 and reads the PTX (wgmma.wait_group 1 in the K loop, setmaxnreg, no spills).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class GluonConfig:
     consumers: int = 1  # 1: one (cooperative) consumer partition; 2: ping-pong on alternate tiles
     consumer_warps: int = 8  # warps per consumer partition (4 = one warpgroup)
     epilogue_split: int = 4  # the output tile is stored in this many column chunks
+    epilogue_buffers: int = 2  # staging buffers per consumer: 2 lets a chunk's TMA store run under the next
     group_m: int = 8
     loader_regs: int = 40
     consumer_regs: int = 232  # a worker consumer's register budget (ping-pong only)
@@ -88,6 +91,8 @@ class GluonConfig:
         if self.block_n % (8 * self.epilogue_split) or self.epilogue_split not in (1, 2, 4):
             raise ValueError(f"epilogue_split={self.epilogue_split} must be 1, 2 or 4 and divide "
                              f"block_n={self.block_n} into multiples of 8")
+        if self.epilogue_buffers not in (1, 2) or self.epilogue_split % self.epilogue_buffers:
+            raise ValueError(f"epilogue_buffers={self.epilogue_buffers}: 1, or 2 with an even epilogue_split")
         if self.block_k % 32:
             raise ValueError(f"block_k={self.block_k} must be a multiple of 32 (one 8-bit wgmma K step)")
         if self.shared_bytes() > SHARED_LIMIT:
@@ -102,7 +107,8 @@ class GluonConfig:
 
     def shared_bytes(self, out_bytes: int = 2) -> int:
         ring = self.stages * (self.block_m + self.block_n) * self.block_k  # 8-bit operands
-        staging = self.consumers * self.block_m * (self.block_n // self.epilogue_split) * out_bytes
+        staging = (self.consumers * self.epilogue_buffers * self.block_m * (self.block_n // self.epilogue_split)
+                   * out_bytes)
         return ring + staging + 2 * self.stages * 8 + 1024  # barriers, alignment slack
 
 
@@ -118,20 +124,26 @@ CONFIGS = {
     # epilogue under the other's MMAs. Also the finer-grained tiling for partial last waves.
     "pp_128x128": GluonConfig(128, 128, 128, stages=5, consumers=2, consumer_warps=4, epilogue_split=2),
     # Ping-pong on 64x256 tiles: wider wgmma (n=256 for FP8), half the rows per tile.
-    "pp_64x256": GluonConfig(64, 256, 128, stages=5, consumers=2, consumer_warps=4, epilogue_split=4),
+    "pp_64x256": GluonConfig(64, 256, 128, stages=5, consumers=2, consumer_warps=4, epilogue_split=4,
+                             epilogue_buffers=1),
 }
 
 
+def _wave_efficiency(tiles: int, programs: int) -> float:
+    """tiles / (programs x the busiest program's tile count): how busy the SMs are on average."""
+    return tiles / (cdiv(tiles, programs) * programs)
+
+
 def pick_config(N: int, K: int, M: int, dtype: torch.dtype) -> GluonConfig:
-    """A first rule, to be replaced by measured picks (benchmarks/gemm_gluon.py times them all):
-    ping-pong 128x128 where 128x256 tiles leave a partial last wave that is mostly idle, else the
-    cooperative 128x256 kernel."""
-    tiles_256 = cdiv(M, 128) * cdiv(N, 256)
+    """A first rule, to be replaced by measured picks (benchmarks/gemm_gluon.py times every config):
+    the cooperative 128x256 kernel, unless its tiles fill the programs' last round much worse than
+    128x128 tiles would (6144x4096 at M=1024: 192 tiles on 132 SMs keep the SMs 73 % busy, 384
+    half-size tiles 97 %); then ping-pong 128x128. The same rule for FP8 and INT8 (both dtypes
+    run the same MMA rate on Hopper)."""
     sms = num_sms(torch.cuda.current_device()) if torch.cuda.is_available() else 132
-    waves = tiles_256 / sms
-    if waves < 4 and waves % 1 and waves % 1 < 0.6:
-        return CONFIGS["pp_128x128"]
-    return CONFIGS["coop_128x256"]
+    wide = _wave_efficiency(cdiv(M, 128) * cdiv(N, 256), sms)
+    narrow = _wave_efficiency(cdiv(M, 128) * cdiv(N, 128), sms)
+    return CONFIGS["pp_128x128"] if narrow > wide + 0.05 else CONFIGS["coop_128x256"]
 
 
 # Gluon is experimental and its API moves between releases (triton 3.9 renamed the TMA store and
@@ -233,8 +245,10 @@ if _GLUON_ERROR is None:
                 step += 1
 
     @gluon.jit
-    def _store_chunk(x, chunk: gl.constexpr, off_m, off_n, out_desc, c_smem, w_scale_ptr, bias_ptr, N,
-                     HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, layout: gl.constexpr):
+    def _store_chunk(x, chunk: gl.constexpr, off_m, off_n, out_desc, c_bufs, FIRST: gl.constexpr,
+                     BUFFERS: gl.constexpr, w_scale_ptr, bias_ptr, N, HAS_BIAS: gl.constexpr,
+                     ACTIVATION: gl.constexpr, layout: gl.constexpr):
+        # c_bufs[FIRST:FIRST + BUFFERS]: this consumer's output staging buffers
         CHUNK_N: gl.constexpr = out_desc.block_type.shape[1]
         x = gl.convert_layout(x, layout, assert_trivial=True)
         cols = off_n + chunk * CHUNK_N + gl.arange(0, CHUNK_N, layout=gl.SliceLayout(0, layout))
@@ -245,8 +259,10 @@ if _GLUON_ERROR is None:
             bias = gl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(gl.float32)
             x = x + gl.expand_dims(bias, 0)
         x = _activation(x, ACTIVATION)
-        # The staging buffer is reused chunk after chunk: the previous TMA store must have read it.
-        tma.store_wait(0)
+        # Chunks take the staging buffers in turn (the split is a multiple of BUFFERS, so every
+        # tile starts on buffer 0): the store issued BUFFERS chunks ago must have read this one.
+        c_smem = c_bufs.index(FIRST + chunk % BUFFERS)
+        tma.store_wait(BUFFERS - 1)
         c_smem.store(x.to(out_desc.dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(out_desc, [off_m, off_n + chunk * CHUNK_N], c_smem)
@@ -270,7 +286,8 @@ if _GLUON_ERROR is None:
         acc_dtype: gl.constexpr = gl.int32 if IS_INT8 else gl.float32
         mma_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, CONSUMER_WARPS, IS_INT8)
         chunk_layout: gl.constexpr = _chunk_layout(BLOCK_M, BLOCK_N, CONSUMER_WARPS, IS_INT8, EPILOGUE_SPLIT)
-        c_smem = c_bufs.index(CONSUMER)
+        BUFFERS: gl.constexpr = c_bufs.type.shape[0] // CONSUMERS
+        FIRST: gl.constexpr = CONSUMER * BUFFERS
 
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N)
@@ -300,26 +317,26 @@ if _GLUON_ERROR is None:
             a_scale = gl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
             x = acc.to(gl.float32) * gl.expand_dims(a_scale, 1)
             if EPILOGUE_SPLIT == 1:
-                _store_chunk(x, 0, off_m, off_n, out_desc, c_smem, w_scale_ptr, bias_ptr, N, HAS_BIAS, ACTIVATION,
-                             chunk_layout)
+                _store_chunk(x, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, chunk_layout)
             elif EPILOGUE_SPLIT == 2:
                 left, right = _halves(x)
-                _store_chunk(left, 0, off_m, off_n, out_desc, c_smem, w_scale_ptr, bias_ptr, N, HAS_BIAS, ACTIVATION,
-                             chunk_layout)
-                _store_chunk(right, 1, off_m, off_n, out_desc, c_smem, w_scale_ptr, bias_ptr, N, HAS_BIAS,
-                             ACTIVATION, chunk_layout)
+                _store_chunk(left, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, chunk_layout)
+                _store_chunk(right, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, chunk_layout)
             else:
                 left, right = _halves(x)
                 q0, q1 = _halves(left)
-                _store_chunk(q0, 0, off_m, off_n, out_desc, c_smem, w_scale_ptr, bias_ptr, N, HAS_BIAS, ACTIVATION,
-                             chunk_layout)
-                _store_chunk(q1, 1, off_m, off_n, out_desc, c_smem, w_scale_ptr, bias_ptr, N, HAS_BIAS, ACTIVATION,
-                             chunk_layout)
+                _store_chunk(q0, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, chunk_layout)
+                _store_chunk(q1, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, chunk_layout)
                 q2, q3 = _halves(right)
-                _store_chunk(q2, 2, off_m, off_n, out_desc, c_smem, w_scale_ptr, bias_ptr, N, HAS_BIAS, ACTIVATION,
-                             chunk_layout)
-                _store_chunk(q3, 3, off_m, off_n, out_desc, c_smem, w_scale_ptr, bias_ptr, N, HAS_BIAS, ACTIVATION,
-                             chunk_layout)
+                _store_chunk(q2, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, chunk_layout)
+                _store_chunk(q3, 3, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, chunk_layout)
         tma.store_wait(0)
 
     # M, N and K only size loops and masks (TMA does the addressing): not specialized, so odd
@@ -328,10 +345,12 @@ if _GLUON_ERROR is None:
     def _scaled_mm_kernel(a_desc, w_desc, out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
                           HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr,
                           STAGES: gl.constexpr, CONSUMERS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr,
-                          LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                          EPILOGUE_BUFFERS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          num_warps: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-        c_bufs = gl.allocate_shared_memory(out_desc.dtype, [CONSUMERS] + out_desc.block_type.shape, out_desc.layout)
+        c_bufs = gl.allocate_shared_memory(out_desc.dtype, [CONSUMERS * EPILOGUE_BUFFERS] + out_desc.block_type.shape,
+                                           out_desc.layout)
         ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -453,5 +472,6 @@ def gluon_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_s
         a_desc, w_desc, out_desc, a_scale, w_scale, bias_arg, M, N, K,
         HAS_BIAS=bias is not None, ACTIVATION=ACTIVATIONS.index(activation), GROUP_M=cfg.group_m,
         STAGES=cfg.stages, CONSUMERS=cfg.consumers, EPILOGUE_SPLIT=cfg.epilogue_split,
+        EPILOGUE_BUFFERS=cfg.epilogue_buffers,
         LOADER_REGS=cfg.loader_regs, CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.consumer_warps)
     return out

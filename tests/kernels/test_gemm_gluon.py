@@ -71,6 +71,7 @@ def _compile(config, dtype: str):
     }
     constants = dict(HAS_BIAS=True, ACTIVATION=2, GROUP_M=config.group_m, STAGES=config.stages,
                      CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
+                     EPILOGUE_BUFFERS=config.epilogue_buffers,
                      LOADER_REGS=config.loader_regs, CONSUMER_REGS=config.consumer_regs,
                      num_warps=config.consumer_warps)
     signature.update({name: "constexpr" for name in constants})
