@@ -5,9 +5,10 @@
 1. Checks, FP8 and INT8, every config in gemm_gluon.CONFIGS, odd shapes (M in 1, 13, 257, 1024;
    N x K in 384x4096, 389x272 (an output row that needs padding), 4096x272) against a float64
    reference ``act((a @ w.T) * a_scale[:, None] * w_scale[None, :] + bias)``; one config also with
-   silu, no bias and fp16 output. Tolerances (bf16 output): per element |out - ref| <= 2^-8 |ref|
-   plus a small absolute term (INT8: exact int32 sums, so only the output rounding), FP8 a looser
-   absolute term for wgmma's fast accumulation; plus a relative Frobenius bound. A second call
+   silu, no bias, gelu_tanh with an fp32 bias and fp16 output. Tolerances: per element
+   |out - ref| <= 2^-7 |ref| (one output ulp) + 1e-5 max|ref| for INT8 (exact int32 sums) or
+   1e-2 max|ref| for FP8 (wgmma's fast accumulation), and relative Frobenius error <= 2.5e-3 INT8
+   / 5e-3 FP8 (bf16 rounding alone gives ~1.7e-3; earlier sessions measured 2.0e-3 FP8 at K=4096). A second call
    must be bit-equal to the first. A dtype with a failed check is not timed (its configs neither).
 2. Timings at N x K in {6144x4096, 4096x4096, 28672x4096, 4096x14336} x M in {1024, 4096, 16384}:
    bf16 F.linear; ``torch._scaled_mm`` rowwise, fast accumulation, + bias add (the FP8 baseline);
@@ -106,11 +107,12 @@ def compare(out, ref, dtype) -> dict:
     """Per-element and Frobenius error of a 16-bit output against the float64 reference."""
     diff = (out.double() - ref).abs()
     scale = ref.abs().max().item() or 1.0
-    # One bf16/fp16 rounding is <= 2^-9 relative (2^-8 leaves room for fp32 epilogue rounding);
-    # FP8's wgmma accumulates in a reduced-precision adder (fast accumulation): an absolute
-    # term relative to the output's magnitude. INT8 sums are exact.
-    rel = 2.0**-8
-    abs_tol = (1e-5 if dtype == torch.int8 else 4e-3) * scale
+    # The output rounding: half a bf16 ulp, a whole one where the fp32 epilogue's own rounding
+    # tips a value across a rounding midpoint (2^-7 relative covers both). FP8's wgmma adds in a
+    # reduced-precision accumulator (fast accumulation): an absolute term relative to the output's
+    # magnitude, far looser than INT8's (exact int32 sums; only fp32 epilogue rounding).
+    rel = 2.0**-7
+    abs_tol = (1e-5 if dtype == torch.int8 else 1e-2) * scale
     bad = diff > rel * ref.abs() + abs_tol
     fro = (diff.norm() / ref.norm().clamp_min(1e-30)).item()
     fro_tol = 2.5e-3 if dtype == torch.int8 else 5e-3

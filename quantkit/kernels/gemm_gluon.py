@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import weakref
 
 import torch
 
@@ -390,10 +391,11 @@ if _GLUON_ERROR is None:
     _GL_DTYPES = {torch.int8: gl.int8, torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16,
                   torch.float16: gl.float16}
 
-# Weight descriptors by (pointer, shape, strides, dtype, tile): weights do not change between
-# calls, and the descriptor holds the tensor, so a cached pointer cannot be reused by another.
-_WEIGHT_DESCRIPTORS: dict = {}
-_WEIGHT_CACHE_SIZE = 256
+# Weight descriptors, per weight tensor (weights do not change between calls): by id() with a weak
+# reference whose callback drops the entry when the weight goes (a WeakKeyDictionary would compare
+# tensors with ==), each descriptor holding a detached alias rather than the weight object itself.
+# Keyed inside by tile, pointer and strides (a reassigned .data moves the pointer).
+_WEIGHT_DESCRIPTORS: dict[int, tuple[weakref.ref, dict]] = {}
 
 
 def _descriptor(t: torch.Tensor, block: list[int], shape=None, strides=None):
@@ -402,12 +404,14 @@ def _descriptor(t: torch.Tensor, block: list[int], shape=None, strides=None):
 
 
 def _weight_descriptor(w: torch.Tensor, block: list[int]):
-    key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, tuple(block))
-    desc = _WEIGHT_DESCRIPTORS.get(key)
+    entry = _WEIGHT_DESCRIPTORS.get(id(w))
+    if entry is None or entry[0]() is not w:
+        entry = _WEIGHT_DESCRIPTORS[id(w)] = (
+            weakref.ref(w, lambda _, key=id(w): _WEIGHT_DESCRIPTORS.pop(key, None)), {})
+    key = (tuple(block), w.data_ptr(), tuple(w.shape), tuple(w.stride()))
+    desc = entry[1].get(key)
     if desc is None:
-        if len(_WEIGHT_DESCRIPTORS) >= _WEIGHT_CACHE_SIZE:
-            _WEIGHT_DESCRIPTORS.clear()
-        desc = _WEIGHT_DESCRIPTORS[key] = _descriptor(w, block)
+        desc = entry[1][key] = _descriptor(w.detach(), block)
     return desc
 
 

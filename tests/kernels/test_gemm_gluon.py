@@ -99,3 +99,18 @@ def test_compiles_for_sm90(name, dtype, tmp_path):
         log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", "-o", str(tmp_path / "k.cubin"),
                               str(tmp_path / "k.ptx")], capture_output=True, text=True, check=True).stderr
         assert re.search(r"\b0 bytes spill stores", log), log
+
+
+@pytest.mark.skipif(gemm_gluon._GLUON_ERROR is not None, reason="Gluon does not import here")
+def test_weight_descriptor_cached_per_weight_and_released_with_it():
+    import gc
+
+    w = torch.zeros(256, 128, dtype=torch.int8)
+    first = gemm_gluon._weight_descriptor(w, [128, 128])
+    assert gemm_gluon._weight_descriptor(w, [128, 128]) is first
+    assert gemm_gluon._weight_descriptor(w, [256, 128]) is not first
+    assert first.base.data_ptr() == w.data_ptr() and first.base is not w
+    before = len(gemm_gluon._WEIGHT_DESCRIPTORS)
+    del w, first
+    gc.collect()
+    assert len(gemm_gluon._WEIGHT_DESCRIPTORS) == before - 1
