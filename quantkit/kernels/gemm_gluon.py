@@ -67,7 +67,7 @@ except (ImportError, AttributeError) as error:  # no Gluon, or one without Hoppe
 
 @dataclasses.dataclass(frozen=True)
 class GluonConfig:
-    """One kernel variant. Shared memory: STAGES x (A + W tile) + CONSUMERS x one output chunk."""
+    """One kernel variant. Shared memory: STAGES x (A + W tile) + CONSUMERS x EPILOGUE_BUFFERS output chunks."""
 
     block_m: int = 128
     block_n: int = 256
