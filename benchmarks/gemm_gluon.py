@@ -1,0 +1,388 @@
+"""The Gluon warp-specialized GEMM (quantkit/kernels/gemm_gluon.py) on a Hopper GPU: checks, then timings.
+
+    PYTHONUNBUFFERED=1 QUANTKIT_COMMIT=<sha> python benchmarks/gemm_gluon.py --out $OUT/gluon --deadline 500
+
+1. Checks, FP8 and INT8, every config in gemm_gluon.CONFIGS, odd shapes (M in 1, 13, 257, 1024;
+   N x K in 384x4096, 389x272 (an output row that needs padding), 4096x272) against a float64
+   reference ``act((a @ w.T) * a_scale[:, None] * w_scale[None, :] + bias)``; one config also with
+   silu, no bias, gelu_tanh with an fp32 bias and fp16 output. Tolerances: per element
+   |out - ref| <= 2^-7 |ref| (one output ulp) + 1e-5 max|ref| for INT8 (exact int32 sums) or
+   1e-2 max|ref| for FP8 (wgmma's fast accumulation), and relative Frobenius error <= 2.5e-3 INT8
+   / 5e-3 FP8 (bf16 rounding alone gives ~1.7e-3; earlier sessions measured 2.0e-3 FP8 at K=4096). A second call
+   must be bit-equal to the first. A dtype with a failed check is not timed (its configs neither).
+2. Timings at N x K in {6144x4096, 4096x4096, 28672x4096, 4096x14336} x M in {1024, 4096, 16384}:
+   bf16 F.linear; ``torch._scaled_mm`` rowwise, fast accumulation, + bias add (the FP8 baseline);
+   ``torch._int_mm`` + the dequant/bias epilogue as separate ops (the INT8 baseline); the Triton
+   kernel ``gemm.scaled_mm`` (autotuned, warmed first); every Gluon config and the launcher's own
+   pick ("auto"). Each op is timed from CUDA-graph replay (calls x (L2 flush, op) minus the flushes
+   alone), in ROUNDS rounds whose op order rotates every round (the first op after cuBLAS was
+   timed 5-10 % slow at >= 0.6 ms in earlier sessions: clock / power state); medians reported.
+3. Results: gemm_gluon.json (meta, checks, rows) and gemm_gluon.txt (tables: us, TFLOP/s, ratios),
+   rewritten after every point; no new point starts past --deadline seconds.
+
+Imports the kernels without quantkit/__init__.py (whose data-set dependencies the GPU image lacks).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if "quantkit" not in sys.modules:
+    _pkg = types.ModuleType("quantkit")
+    _pkg.__path__ = [str(ROOT / "quantkit")]
+    sys.modules["quantkit"] = _pkg
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+from quantkit.kernels import gemm, gemm_gluon, reference  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+T0 = time.time()
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+POINTS = [(M, N, K) for M in (1024, 4096, 16384) for N, K in SHAPES]
+CHECK_SHAPES = [(384, 4096), (389, 272), (4096, 272)]
+CHECK_MS = [1, 13, 257, 1024]
+ROUNDS = 3
+FLUSH_BYTES = 256 << 20
+DTYPE_NAMES = {FP8: "fp8", torch.int8: "int8"}
+
+
+def elapsed() -> float:
+    return time.time() - T0
+
+
+def log(msg: str) -> None:
+    print(f"[{elapsed():6.1f}s] {msg}", flush=True)
+
+
+def metadata() -> dict:
+    commit = os.environ.get("QUANTKIT_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=ROOT, check=False).stdout.strip()
+        except OSError:
+            commit = ""
+    return {"gpu": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "commit": commit or "unknown",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gluon_available": gemm_gluon.available(),
+            "configs": {name: vars(cfg) for name, cfg in gemm_gluon.CONFIGS.items()}}
+
+
+# ----------------------------------------------------------------------------------------------
+# Operands and the float64 reference
+# ----------------------------------------------------------------------------------------------
+
+def operands(M, N, K, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w_bf16 = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K**-0.5).to(torch.bfloat16)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1
+    a, a_scale = reference.quantize_per_token(x, dtype)
+    w, w_scale = reference.quantize_per_channel(w_bf16, dtype)
+    return x, w_bf16, bias, a, a_scale, w, w_scale
+
+
+def reference64(a, w, a_scale, w_scale, bias, activation):
+    out = (a.double() @ w.double().T) * a_scale.double()[:, None] * w_scale.double()[None, :]
+    if bias is not None:
+        out = out + bias.double()
+    return reference.apply_activation(out, activation)
+
+
+def compare(out, ref, dtype) -> dict:
+    """Per-element and Frobenius error of a 16-bit output against the float64 reference."""
+    diff = (out.double() - ref).abs()
+    scale = ref.abs().max().item() or 1.0
+    # The output rounding: half a bf16 ulp, a whole one where the fp32 epilogue's own rounding
+    # tips a value across a rounding midpoint (2^-7 relative covers both). FP8's wgmma adds in a
+    # reduced-precision accumulator (fast accumulation): an absolute term relative to the output's
+    # magnitude, far looser than INT8's (exact int32 sums; only fp32 epilogue rounding).
+    rel = 2.0**-7
+    abs_tol = (1e-5 if dtype == torch.int8 else 1e-2) * scale
+    bad = diff > rel * ref.abs() + abs_tol
+    fro = (diff.norm() / ref.norm().clamp_min(1e-30)).item()
+    fro_tol = 2.5e-3 if dtype == torch.int8 else 5e-3
+    return {"max_abs_err": diff.max().item(), "ref_absmax": scale, "bad_elements": int(bad.sum().item()),
+            "rel_fro": fro, "ok": bool(bad.sum().item() == 0 and fro <= fro_tol)}
+
+
+def run_checks(results: dict) -> dict:
+    """Every config x dtype at the odd shapes; returns {dtype name: passed}."""
+    passed = {}
+    extra = next(iter(gemm_gluon.CONFIGS))  # the config that also runs the epilogue variants
+    for dtype in (FP8, torch.int8):
+        name = DTYPE_NAMES[dtype]
+        ok_all = True
+        for N, K in CHECK_SHAPES:
+            for M in CHECK_MS:
+                _, _, bias, a, a_scale, w, w_scale = operands(M, N, K, dtype, seed=M + N + K)
+                for cfg_name in gemm_gluon.CONFIGS:
+                    variants = [("none", bias, torch.bfloat16)]
+                    if cfg_name == extra:
+                        variants += [("silu", bias, torch.bfloat16), ("none", None, torch.bfloat16),
+                                     ("gelu_tanh", bias.float(), torch.float16)]
+                    for activation, b, out_dtype in variants:
+                        row = {"dtype": name, "M": M, "N": N, "K": K, "config": cfg_name, "activation": activation,
+                               "bias": None if b is None else str(b.dtype), "out_dtype": str(out_dtype)}
+                        try:
+                            out = gemm_gluon.gluon_scaled_mm(a, w, a_scale, w_scale, b, activation, out_dtype,
+                                                             config=cfg_name)
+                            again = gemm_gluon.gluon_scaled_mm(a, w, a_scale, w_scale, b, activation, out_dtype,
+                                                               config=cfg_name)
+                            torch.cuda.synchronize()
+                            row.update(compare(out, reference64(a, w, a_scale, w_scale, b, activation), dtype))
+                            row["repeat_bit_equal"] = bool(torch.equal(out, again))
+                            row["ok"] = row["ok"] and row["repeat_bit_equal"] and tuple(out.shape) == (M, N)
+                        except Exception as error:  # a compile or launch failure is a failed check, recorded
+                            row.update(ok=False, error=f"{type(error).__name__}: {error}"[:2000])
+                            traceback.print_exc()
+                        ok_all &= row["ok"]
+                        results["checks"].append(row)
+                        if not row["ok"]:
+                            log(f"CHECK FAILED {row}")
+            log(f"checks {name} N={N} K={K}: {'ok' if ok_all else 'FAILED'}")
+        passed[name] = ok_all
+    return passed
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------
+
+_FLUSH = None
+
+
+def _replay_ms(graph, replays):
+    graph.replay()
+    samples = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def graph_ms(fn, target_ms=5.0, replays=7) -> float:
+    """GPU ms per call of ``fn`` with a cold L2: a CUDA graph of n x (flush, fn) minus one of the
+    n flushes alone; n scaled to about target_ms of work per replay (2..10)."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    reps = max(2, min(10, round(target_ms / max(start.elapsed_time(end), 1e-3))))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        _FLUSH.zero_()
+    torch.cuda.current_stream().wait_stream(side)
+    times = {}
+    for with_fn in (False, True):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                _FLUSH.zero_()
+                if with_fn:
+                    fn()
+        times[with_fn] = _replay_ms(graph, replays)
+        del graph
+    return max(times[True] - times[False], 1e-6) / reps
+
+
+def point_ops(M, N, K, passed):
+    """name -> zero-argument callable, for one (M, N, K)."""
+    ops = {}
+    x, w_bf16, bias, a8, as8, w8, ws8 = operands(M, N, K, FP8)
+    ops["bf16"] = lambda: F.linear(x, w_bf16)
+    scale_a, scale_b = as8[:, None].contiguous(), ws8[None, :].contiguous()
+    w8_t = w8.t()
+
+    def scaled_mm_bias():
+        out = torch._scaled_mm(a8, w8_t, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
+                               use_fast_accum=True)
+        return out.add_(bias)
+
+    ops["scaled_mm+bias"] = scaled_mm_bias
+    _, _, _, ai, asi, wi, wsi = operands(M, N, K, torch.int8)
+    wi_t = wi.t()
+
+    def int_mm_epilogue():
+        acc = torch._int_mm(ai, wi_t)
+        return (acc.float() * asi[:, None] * wsi[None, :] + bias.float()).to(torch.bfloat16)
+
+    ops["int_mm+epilogue"] = int_mm_epilogue
+    ops["triton_fp8"] = lambda: gemm.scaled_mm(a8, w8, as8, ws8, bias)
+    ops["triton_int8"] = lambda: gemm.scaled_mm(ai, wi, asi, wsi, bias)
+    for dtype, (a, a_scale, w, w_scale) in ((FP8, (a8, as8, w8, ws8)), (torch.int8, (ai, asi, wi, wsi))):
+        name = DTYPE_NAMES[dtype]
+        if not passed.get(name):
+            continue
+        for cfg_name in list(gemm_gluon.CONFIGS) + ["auto"]:
+            config = None if cfg_name == "auto" else cfg_name
+            ops[f"gluon_{name}_{cfg_name}"] = (
+                lambda a=a, w=w, s=a_scale, t=w_scale, c=config: gemm_gluon.gluon_scaled_mm(a, w, s, t, bias, config=c))
+    return ops
+
+
+def time_point(M, N, K, passed, rounds) -> dict:
+    ops = point_ops(M, N, K, passed)
+    errors = {}
+    for name, fn in list(ops.items()):  # compile / autotune outside the timings
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except Exception as error:
+            errors[name] = f"{type(error).__name__}: {error}"[:1000]
+            log(f"  {name} failed to run: {errors[name]}")
+            del ops[name]
+    names = list(ops)
+    samples = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(graph_ms(ops[name]) * 1e3)
+    us = {name: statistics.median(values) for name, values in samples.items()}
+    flops = 2.0 * M * N * K
+    row = {"M": M, "N": N, "K": K, "us": us, "rounds_us": samples, "errors": errors,
+           "tflops": {name: flops / (t * 1e-6) / 1e12 for name, t in us.items()},
+           "auto_config": gemm_gluon.pick_config(N, K, M, FP8).name}
+    for dtype in ("fp8", "int8"):
+        mine = {n: t for n, t in us.items() if n.startswith(f"gluon_{dtype}_")}
+        if mine:
+            best = min(mine, key=mine.get)
+            row[f"best_gluon_{dtype}"] = best
+    return row
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------------
+
+def ratio(num, den):
+    return num / den if num and den else float("nan")
+
+
+def text_report(results: dict) -> str:
+    meta = results["meta"]
+    lines = [f"Gluon GEMM, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, "
+             f"{meta['date']}", ""]
+    passed = results.get("checks_passed", {})
+    n_ok = sum(r["ok"] for r in results["checks"])
+    lines.append(f"checks: {n_ok}/{len(results['checks'])} passed; per dtype {passed}")
+    lines.append("")
+    head = ("| M | N x K | bf16 | _scaled_mm+bias | _int_mm+epi | triton fp8 | gluon fp8 best (config) | "
+            "fp8 gluon/_scaled_mm | fp8 triton/_scaled_mm | triton int8 | gluon int8 best (config) | "
+            "int8 gluon vs bf16 | int8 triton vs bf16 |")
+    lines += [head, "|" + "---|" * 13]
+    for row in results["rows"]:
+        us = row["us"]
+        bf, sm, im = us.get("bf16"), us.get("scaled_mm+bias"), us.get("int_mm+epilogue")
+        tf, ti = us.get("triton_fp8"), us.get("triton_int8")
+        bf8 = row.get("best_gluon_fp8")
+        bi8 = row.get("best_gluon_int8")
+        gf = us.get(bf8) if bf8 else None
+        gi = us.get(bi8) if bi8 else None
+        fmt = lambda v: f"{v:.1f}" if v else "-"  # noqa: E731
+        lines.append(
+            f"| {row['M']} | {row['N']}x{row['K']} | {fmt(bf)} | {fmt(sm)} | {fmt(im)} | {fmt(tf)} | "
+            f"{fmt(gf)} ({(bf8 or '-').replace('gluon_fp8_', '')}) | {ratio(sm, gf):.3f} | {ratio(sm, tf):.3f} | "
+            f"{fmt(ti)} | {fmt(gi)} ({(bi8 or '-').replace('gluon_int8_', '')}) | {ratio(bf, gi):.3f} | "
+            f"{ratio(bf, ti):.3f} |")
+    lines += ["", "Every op (us median / TFLOP/s; ratio = baseline us / op us; fp8 vs _scaled_mm+bias, "
+              "int8 vs bf16 and vs _int_mm+epi):", ""]
+    for row in results["rows"]:
+        us, tf = row["us"], row["tflops"]
+        lines.append(f"M={row['M']} N={row['N']} K={row['K']} (auto pick {row['auto_config']})")
+        for name in sorted(us):
+            extra = ""
+            if "fp8" in name:
+                extra = f"  x{ratio(us.get('scaled_mm+bias'), us[name]):.3f} _scaled_mm"
+            elif "int8" in name:
+                extra = (f"  x{ratio(us.get('bf16'), us[name]):.3f} bf16  "
+                         f"x{ratio(us.get('int_mm+epilogue'), us[name]):.3f} _int_mm+epi")
+            spread = ", ".join(f"{v:.1f}" for v in row["rounds_us"][name])
+            lines.append(f"  {name:32s} {us[name]:9.1f} us {tf[name]:7.1f} TFLOP/s{extra}   [{spread}]")
+        for name, err in row["errors"].items():
+            lines.append(f"  {name}: FAILED {err}")
+    if results.get("skipped_points"):
+        lines += ["", f"skipped (deadline): {results['skipped_points']}"]
+    return "\n".join(lines) + "\n"
+
+
+def write(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gemm_gluon.json").write_text(json.dumps(results, indent=1))
+    (out / "gemm_gluon.txt").write_text(text_report(results))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--deadline", type=float, default=500.0, help="no new timing point past this many seconds")
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--points", default="", help="comma-separated M:N:K subset (default: all 12)")
+    parser.add_argument("--skip-checks", action="store_true")
+    args = parser.parse_args()
+
+    results = {"meta": metadata(), "checks": [], "rows": [], "skipped_points": []}
+    log(f"{results['meta']['gpu']} torch {torch.__version__} triton {triton.__version__}; "
+        f"gluon available: {results['meta']['gluon_available']}")
+    if not results["meta"]["gluon_available"]:
+        write(results, args.out)
+        raise SystemExit("gemm_gluon.available() is False here: needs an sm_90 GPU and triton 3.6's Gluon")
+    if args.skip_checks:
+        passed = {"fp8": True, "int8": True}
+    else:
+        passed = run_checks(results)
+    results["checks_passed"] = passed
+    write(results, args.out)
+    log(f"checks done: {passed}")
+
+    points = POINTS
+    if args.points:
+        points = [tuple(int(v) for v in p.split(":")) for p in args.points.split(",")]
+    for M, N, K in points:
+        if elapsed() > args.deadline:
+            results["skipped_points"].append([M, N, K])
+            continue
+        log(f"point M={M} N={N} K={K}")
+        try:
+            row = time_point(M, N, K, passed, args.rounds)
+        except torch.cuda.OutOfMemoryError as error:
+            results["skipped_points"].append([M, N, K, f"OOM: {error}"[:300]])
+            torch.cuda.empty_cache()
+            continue
+        results["rows"].append(row)
+        us = row["us"]
+        log("  " + "  ".join(f"{n}={t:.1f}" for n, t in us.items()))
+        write(results, args.out)
+        torch.cuda.empty_cache()
+    write(results, args.out)
+    log(f"done; results in {args.out}")
+
+
+if __name__ == "__main__":
+    main()

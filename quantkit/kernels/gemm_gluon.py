@@ -1,0 +1,481 @@
+"""Warp-specialized persistent INT8 / FP8 scaled GEMM for Hopper, written in Gluon.
+
+``out = act(acc * a_scale[m] * w_scale[n] + bias[n])`` with ``acc = a @ w.T`` (a: (M, K), w: (N, K),
+both int8 or both float8_e4m3fn; fp32 accumulation for FP8, exact int32 for INT8), the same math as
+``reference.scaled_mm`` and the Triton kernels in gemm.py / gemm_tma.py.
+
+Why Gluon: the Triton kernels of gemm_tma.py are limited by what triton 3.6's compiler does on
+Hopper (benchmarks/NOTES-gemm.md, sessions 4-7): no warp specialization (the epilogue of a tile is
+not overlapped with the next tile's MMAs), and an int32-accumulator ``tl.dot`` compiled to a
+synchronous wgmma (``wgmma.wait_group 0`` after every K step). Gluon exposes the pieces directly:
+
+- one 1-warp **loader partition** walks this program's tiles and streams A and W K-slices into a
+  STAGES-deep shared-memory ring with TMA; each slot has a ``ready`` mbarrier (completed by the
+  TMA byte count) and an ``empty`` mbarrier (arrived by the consumer once its wgmma has read it);
+- **consumer partitions** (warpgroups) issue ``warpgroup_mma`` asynchronously and wait with
+  ``warpgroup_mma_wait(1)``: one MMA stays in flight while the next slot is waited for, for INT8
+  exactly as for FP8; the slot of the MMA that just retired is handed back to the loader;
+- the epilogue (row scale, column scale, bias, activation in fp32, cast) runs in the consumer
+  and stores through shared memory with TMA, in column chunks (EPILOGUE_SPLIT) to keep the
+  staging buffer small. The loader keeps fetching the next tile's K-slices meanwhile.
+- CONSUMERS=1 ("cooperative"): one partition of CONSUMER_WARPS (8: two warpgroups, each owns 64
+  rows of a 128-row tile). CONSUMERS=2 ("ping-pong"): two 4-warp partitions take alternate tiles
+  of the program; the loader fills the ring in tile order, so one consumer's MMAs start while the
+  other finishes its mainloop and runs its epilogue: the tensor cores stay busy during epilogues.
+
+W is consumed as stored, (N, K) with K contiguous: the MMA's B operand is the permuted
+shared-memory view of the W tile (8-bit wgmma takes K-major B only, which is this layout).
+Tiles are walked in grouped order (GROUP_M row-tiles share the weight tiles in L2), one program
+per SM. TMA zero-fills out-of-range rows and the K tail on load and clips the store, so M, N and
+K (a multiple of 16, for the 16-byte TMA row stride) are otherwise arbitrary; an output whose row
+is not a multiple of 16 bytes is written into a padded buffer and returned as a view.
+
+Gluon is compiled for sm_90 only and has no CPU interpreter: ``available()`` says whether this
+process can run it (a Hopper GPU and triton 3.6, whose Gluon API the kernels are written against;
+3.9 renamed pieces of it). Importing this module never fails; the kernels are defined only where
+Gluon imports. Offline check (no GPU): tests/kernels/test_gemm_gluon.py compiles every config for
+sm_90 under triton 3.6 and reads the PTX (wgmma.wait_group 1 in the K loop, setmaxnreg, no spills).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import weakref
+
+import torch
+
+from quantkit.kernels.launch import cdiv, num_sms
+from quantkit.kernels.reference import ACTIVATIONS
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _GLUON_ERROR = None
+except (ImportError, AttributeError) as error:  # no Gluon, or one without Hopper's pieces
+    _GLUON_ERROR = error
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonConfig:
+    """One kernel variant. Shared memory: STAGES x (A + W tile) + CONSUMERS x EPILOGUE_BUFFERS output chunks."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 128
+    stages: int = 4
+    consumers: int = 1  # 1: one (cooperative) consumer partition; 2: ping-pong on alternate tiles
+    consumer_warps: int = 8  # warps per consumer partition (4 = one warpgroup)
+    epilogue_split: int = 4  # the output tile is stored in this many column chunks
+    epilogue_buffers: int = 2  # staging buffers per consumer: 2 lets a chunk's TMA store run under the next
+    group_m: int = 8
+    loader_regs: int = 40
+    consumer_regs: int = 232  # a worker consumer's register budget (ping-pong only)
+
+    def __post_init__(self):
+        if self.consumers not in (1, 2):
+            raise ValueError(f"consumers={self.consumers}: 1 (cooperative) or 2 (ping-pong)")
+        if self.consumer_warps not in (4, 8):
+            raise ValueError(f"consumer_warps={self.consumer_warps}: 4 or 8 (whole warpgroups)")
+        if self.block_m % (16 * self.consumer_warps):
+            raise ValueError(f"block_m={self.block_m} must be a multiple of 16 rows per warp "
+                             f"({16 * self.consumer_warps} for {self.consumer_warps} warps)")
+        if self.block_n % (8 * self.epilogue_split) or self.epilogue_split not in (1, 2, 4):
+            raise ValueError(f"epilogue_split={self.epilogue_split} must be 1, 2 or 4 and divide "
+                             f"block_n={self.block_n} into multiples of 8")
+        if self.epilogue_buffers not in (1, 2) or self.epilogue_split % self.epilogue_buffers:
+            raise ValueError(f"epilogue_buffers={self.epilogue_buffers}: 1, or 2 with an even epilogue_split")
+        if self.block_k % 32:
+            raise ValueError(f"block_k={self.block_k} must be a multiple of 32 (one 8-bit wgmma K step)")
+        if self.shared_bytes() > SHARED_LIMIT:
+            raise ValueError(f"{self.name}: {self.shared_bytes()} bytes of shared memory, over the "
+                             f"{SHARED_LIMIT} of an H100; use fewer stages or a larger epilogue_split")
+
+    @property
+    def name(self) -> str:
+        kind = "pp" if self.consumers == 2 else f"coop{self.consumer_warps}w"
+        return (f"{kind}_{self.block_m}x{self.block_n}x{self.block_k}_s{self.stages}"
+                f"_e{self.epilogue_split}_g{self.group_m}")
+
+    def shared_bytes(self, out_bytes: int = 2) -> int:
+        ring = self.stages * (self.block_m + self.block_n) * self.block_k  # 8-bit operands
+        staging = (self.consumers * self.epilogue_buffers * self.block_m * (self.block_n // self.epilogue_split)
+                   * out_bytes)
+        return ring + staging + 2 * self.stages * 8 + 1024  # barriers, alignment slack
+
+
+SHARED_LIMIT = 232448  # 227 KB: an H100's shared memory per block (opt-in maximum)
+
+CONFIGS = {
+    # 128x256 tiles, two warpgroups on 64 rows each: the shape of the Triton kernel's best FP8
+    # config (q4), now with a producer warp and asynchronous INT8 MMAs.
+    "coop_128x256": GluonConfig(128, 256, 128, stages=4, consumers=1, consumer_warps=8, epilogue_split=4),
+    # The same tile with 64-deep K steps: twice the barrier traffic, a deeper ring.
+    "coop_128x256_k64": GluonConfig(128, 256, 64, stages=8, consumers=1, consumer_warps=8, epilogue_split=4),
+    # Ping-pong: two warpgroups on alternate 128x128 tiles (128 accumulator registers each), one's
+    # epilogue under the other's MMAs. Also the finer-grained tiling for partial last waves.
+    "pp_128x128": GluonConfig(128, 128, 128, stages=5, consumers=2, consumer_warps=4, epilogue_split=2),
+    # Ping-pong on 64x256 tiles: wider wgmma (n=256 for FP8), half the rows per tile.
+    "pp_64x256": GluonConfig(64, 256, 128, stages=5, consumers=2, consumer_warps=4, epilogue_split=4,
+                             epilogue_buffers=1),
+}
+
+
+def _wave_efficiency(tiles: int, programs: int) -> float:
+    """tiles / (programs x the busiest program's tile count): how busy the SMs are on average."""
+    return tiles / (cdiv(tiles, programs) * programs)
+
+
+def pick_config(N: int, K: int, M: int, dtype: torch.dtype) -> GluonConfig:
+    """A first rule, to be replaced by measured picks (benchmarks/gemm_gluon.py times every config):
+    the cooperative 128x256 kernel, unless its tiles fill the programs' last round much worse than
+    128x128 tiles would (6144x4096 at M=1024: 192 tiles on 132 SMs keep the SMs 73 % busy, 384
+    half-size tiles 97 %); then ping-pong 128x128. The same rule for FP8 and INT8 (both dtypes
+    run the same MMA rate on Hopper)."""
+    sms = num_sms(torch.cuda.current_device()) if torch.cuda.is_available() else 132
+    wide = _wave_efficiency(cdiv(M, 128) * cdiv(N, 256), sms)
+    narrow = _wave_efficiency(cdiv(M, 128) * cdiv(N, 128), sms)
+    return CONFIGS["pp_128x128"] if narrow > wide + 0.05 else CONFIGS["coop_128x256"]
+
+
+# Gluon is experimental and its API moves between releases (triton 3.9 renamed the TMA store and
+# changed warp_specialize's partition arguments): the kernels are written against triton 3.6.
+SUPPORTED_TRITON = ("3.6", )
+
+
+def available() -> bool:
+    """True when this process can run the Gluon kernels: a Hopper (sm_90) GPU and triton 3.6's
+    Gluon (the version they were written and compiled against). Never raises."""
+    if _GLUON_ERROR is not None or not torch.cuda.is_available():
+        return False
+    import triton
+
+    if not triton.__version__.startswith(SUPPORTED_TRITON):
+        return False
+    try:
+        if torch.cuda.get_device_capability() != (9, 0):
+            return False
+        params = inspect.signature(gl.warp_specialize).parameters
+    except (RuntimeError, AssertionError, TypeError, ValueError):
+        return False
+    return "functions_and_args" in params and "worker_num_regs" in params
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+if _GLUON_ERROR is None:
+
+    @gluon.constexpr_function
+    def _mma_layout(BLOCK_M, BLOCK_N, num_warps, IS_INT8):
+        # Warps stacked along M (16 rows each, whole warpgroups), the widest wgmma N that divides
+        # the tile: 256 for FP8; INT8 wgmma stops at 224, so 128 for 128- and 256-wide tiles.
+        max_n = 224 if IS_INT8 else 256
+        n = max_n
+        while n > BLOCK_N or BLOCK_N % n:
+            n -= 8 if not IS_INT8 else 16
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 32])
+
+    @gluon.constexpr_function
+    def _chunk_layout(BLOCK_M, BLOCK_N, num_warps, IS_INT8, EPILOGUE_SPLIT):
+        # A column chunk of the accumulator keeps its registers: in the wgmma layout the upper
+        # column bits are per-thread repetitions, so the chunk is the wgmma layout of a
+        # narrower instruction (checked at compile time by convert_layout(assert_trivial=True)).
+        full = _mma_layout(BLOCK_M, BLOCK_N, num_warps, IS_INT8)
+        n = min(full.instr_shape[1], BLOCK_N // EPILOGUE_SPLIT)
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 32])
+
+    @gluon.jit
+    def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+        # GROUP_M row-tiles walk the N tiles together: their shared weight tiles stay in L2.
+        per_group = GROUP_M * num_pid_n
+        first_m = (tile // per_group) * GROUP_M
+        rows = gl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % rows
+        pid_n = (tile % per_group) // rows
+        return pid_m, pid_n
+
+    @gluon.jit
+    def _activation(x, ACTIVATION: gl.constexpr):
+        # Codes follow reference.ACTIVATIONS; sigmoid as 1 / (1 + exp(-x)) saturates cleanly.
+        if ACTIVATION == 1:
+            x = gl.maximum(x, 0.0)
+        elif ACTIVATION == 2:
+            x = x / (1.0 + gl.exp(-x))
+        elif ACTIVATION == 3:
+            x = 0.5 * x * (1.0 + gl.erf(x * 0.7071067811865476))
+        elif ACTIVATION == 4:
+            # 0.5 x (1 + tanh(y)) = x sigmoid(2y)
+            inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+            x = x / (1.0 + gl.exp(-2.0 * inner))
+        return x
+
+    @gluon.jit
+    def _load_partition(a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, N, K,
+                        GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        k_steps = gl.cdiv(K, BLOCK_K)
+        step = 0  # K-slices issued by this program so far: the ring position
+        for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+            pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            for ki in range(k_steps):
+                slot = step % STAGES
+                # A fresh mbarrier counts as having completed the phase before its first, so the
+                # first lap over the ring does not wait.
+                mbarrier.wait(empty_bars.index(slot), ((step // STAGES) & 1) ^ 1)
+                ready = ready_bars.index(slot)
+                mbarrier.expect(ready, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_desc, [off_m, ki * BLOCK_K], ready, a_bufs.index(slot))
+                tma.async_copy_global_to_shared(w_desc, [off_n, ki * BLOCK_K], ready, w_bufs.index(slot))
+                step += 1
+
+    @gluon.jit
+    def _store_chunk(x, chunk: gl.constexpr, off_m, off_n, out_desc, c_bufs, FIRST: gl.constexpr,
+                     BUFFERS: gl.constexpr, w_scale_ptr, bias_ptr, N, HAS_BIAS: gl.constexpr,
+                     ACTIVATION: gl.constexpr, layout: gl.constexpr):
+        # c_bufs[FIRST:FIRST + BUFFERS]: this consumer's output staging buffers
+        CHUNK_N: gl.constexpr = out_desc.block_type.shape[1]
+        x = gl.convert_layout(x, layout, assert_trivial=True)
+        cols = off_n + chunk * CHUNK_N + gl.arange(0, CHUNK_N, layout=gl.SliceLayout(0, layout))
+        col_ok = cols < N
+        w_scale = gl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
+        x = x * gl.expand_dims(w_scale, 0)
+        if HAS_BIAS:
+            bias = gl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(gl.float32)
+            x = x + gl.expand_dims(bias, 0)
+        x = _activation(x, ACTIVATION)
+        # Chunks take the staging buffers in turn (the split is a multiple of BUFFERS, so every
+        # tile starts on buffer 0): the store issued BUFFERS chunks ago must have read this one.
+        c_smem = c_bufs.index(FIRST + chunk % BUFFERS)
+        tma.store_wait(BUFFERS - 1)
+        c_smem.store(x.to(out_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [off_m, off_n + chunk * CHUNK_N], c_smem)
+
+    @gluon.jit
+    def _halves(x):
+        # Columns [0, n/2) and [n/2, n) of a 2-D tile, each keeping its registers.
+        BM: gl.constexpr = x.shape[0]
+        BN: gl.constexpr = x.shape[1]
+        return x.reshape([BM, 2, BN // 2]).permute((0, 2, 1)).split()
+
+    @gluon.jit
+    def _consumer_partition(a_bufs, w_bufs, ready_bars, empty_bars, c_bufs, out_desc, a_scale_ptr, w_scale_ptr,
+                            bias_ptr, M, N, K, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+                            CONSUMER_WARPS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                            EPILOGUE_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr):
+        BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+        BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+        BLOCK_N: gl.constexpr = w_bufs.type.shape[1]
+        IS_INT8: gl.constexpr = a_bufs.dtype == gl.int8
+        acc_dtype: gl.constexpr = gl.int32 if IS_INT8 else gl.float32
+        mma_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, CONSUMER_WARPS, IS_INT8)
+        chunk_layout: gl.constexpr = _chunk_layout(BLOCK_M, BLOCK_N, CONSUMER_WARPS, IS_INT8, EPILOGUE_SPLIT)
+        BUFFERS: gl.constexpr = c_bufs.type.shape[0] // CONSUMERS
+        FIRST: gl.constexpr = CONSUMER * BUFFERS
+
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        k_steps = gl.cdiv(K, BLOCK_K)
+        nprog = gl.num_programs(0)
+        local = CONSUMER  # this program's tile count so far (both consumers'): the ring position
+        for tile in range(gl.program_id(0) + CONSUMER * nprog, num_pid_m * num_pid_n, CONSUMERS * nprog):
+            pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            step = local * k_steps
+            acc = gl.zeros((BLOCK_M, BLOCK_N), acc_dtype, layout=mma_layout)
+            for ki in range(k_steps):
+                slot = step % STAGES
+                mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+                # Keep this MMA in flight; the one before it has now retired, so its slot is free.
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES), pred=ki > 0)
+                step += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES))
+            local += CONSUMERS
+
+            # Epilogue in fp32, in the reference's order: (acc * a_scale) * w_scale + bias.
+            rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
+            a_scale = gl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
+            x = acc.to(gl.float32) * gl.expand_dims(a_scale, 1)
+            if EPILOGUE_SPLIT == 1:
+                _store_chunk(x, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, chunk_layout)
+            elif EPILOGUE_SPLIT == 2:
+                left, right = _halves(x)
+                _store_chunk(left, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, chunk_layout)
+                _store_chunk(right, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, chunk_layout)
+            else:
+                left, right = _halves(x)
+                q0, q1 = _halves(left)
+                _store_chunk(q0, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, chunk_layout)
+                _store_chunk(q1, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, chunk_layout)
+                q2, q3 = _halves(right)
+                _store_chunk(q2, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, chunk_layout)
+                _store_chunk(q3, 3, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, chunk_layout)
+        tma.store_wait(0)
+
+    # M, N and K only size loops and masks (TMA does the addressing): not specialized, so odd
+    # shapes share one binary per config.
+    @gluon.jit(do_not_specialize=["M", "N", "K"])
+    def _scaled_mm_kernel(a_desc, w_desc, out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
+                          HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr,
+                          STAGES: gl.constexpr, CONSUMERS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr,
+                          EPILOGUE_BUFFERS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          num_warps: gl.constexpr):
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+        c_bufs = gl.allocate_shared_memory(out_desc.dtype, [CONSUMERS * EPILOGUE_BUFFERS] + out_desc.block_type.shape,
+                                           out_desc.layout)
+        ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready_bars.index(i), count=1)
+            mbarrier.init(empty_bars.index(i), count=1)
+        # The barriers' initialization must be visible to the TMA unit before the first copy.
+        fence_async_shared()
+
+        # The default partition (the kernel's num_warps) is consumer 0; workers follow.
+        if CONSUMERS == 1:
+            gl.warp_specialize([
+                (_consumer_partition, (a_bufs, w_bufs, ready_bars, empty_bars, c_bufs, out_desc, a_scale_ptr,
+                                       w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M, STAGES,
+                                       EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION)),
+                (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, N, K, GROUP_M,
+                                   STAGES)),
+            ], [1], [LOADER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer_partition, (a_bufs, w_bufs, ready_bars, empty_bars, c_bufs, out_desc, a_scale_ptr,
+                                       w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M, STAGES,
+                                       EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION)),
+                (_consumer_partition, (a_bufs, w_bufs, ready_bars, empty_bars, c_bufs, out_desc, a_scale_ptr,
+                                       w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps, GROUP_M, STAGES,
+                                       EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION)),
+                (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, N, K, GROUP_M,
+                                   STAGES)),
+            ], [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+_GL_DTYPES = {}
+if _GLUON_ERROR is None:
+    _GL_DTYPES = {torch.int8: gl.int8, torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16,
+                  torch.float16: gl.float16}
+
+# Weight descriptors, per weight tensor (weights do not change between calls): by id() with a weak
+# reference whose callback drops the entry when the weight goes (a WeakKeyDictionary would compare
+# tensors with ==), each descriptor holding a detached alias rather than the weight object itself.
+# Keyed inside by tile, pointer and strides (a reassigned .data moves the pointer).
+_WEIGHT_DESCRIPTORS: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _descriptor(t: torch.Tensor, block: list[int], shape=None, strides=None):
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+    return TensorDescriptor(t, list(shape or t.shape), list(strides or t.stride()), block, layout)
+
+
+def _weight_descriptor(w: torch.Tensor, block: list[int]):
+    entry = _WEIGHT_DESCRIPTORS.get(id(w))
+    if entry is None or entry[0]() is not w:
+        entry = _WEIGHT_DESCRIPTORS[id(w)] = (
+            weakref.ref(w, lambda _, key=id(w): _WEIGHT_DESCRIPTORS.pop(key, None)), {})
+    key = (tuple(block), w.data_ptr(), tuple(w.shape), tuple(w.stride()))
+    desc = entry[1].get(key)
+    if desc is None:
+        desc = entry[1][key] = _descriptor(w.detach(), block)
+    return desc
+
+
+def _check(a, w, a_scale, w_scale, bias, activation, out_dtype):
+    if a.dtype not in (torch.int8, torch.float8_e4m3fn) or w.dtype != a.dtype:
+        raise ValueError(f"a and w must both be int8 or both float8_e4m3fn, got {a.dtype} and {w.dtype}")
+    if a.dim() != 2 or w.dim() != 2 or a.shape[1] != w.shape[1]:
+        raise ValueError(f"a (M, K) and w (N, K) expected, got {tuple(a.shape)} and {tuple(w.shape)}")
+    M, K = a.shape
+    N = w.shape[0]
+    if K % 16:
+        raise ValueError(f"K={K} is not a multiple of 16 (TMA needs 16-byte row strides); pad K")
+    for name, t in (("a", a), ("w", w)):
+        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            raise ValueError(f"{name} needs contiguous rows, a 16-byte aligned base and row stride; "
+                             f"call .contiguous()")
+    if a_scale.numel() != M or w_scale.numel() != N:
+        raise ValueError(f"a_scale needs M={M} values (per row) and w_scale N={N} (per column), got "
+                         f"{a_scale.numel()} and {w_scale.numel()}")
+    if bias is not None and bias.numel() != N:
+        raise ValueError(f"bias needs N={N} values, got {bias.numel()}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not supported; choose one of {ACTIVATIONS}")
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"out_dtype={out_dtype}: bfloat16 or float16")
+
+
+def gluon_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
+                    bias: torch.Tensor | None = None, activation: str = "none",
+                    out_dtype: torch.dtype = torch.bfloat16, config: GluonConfig | str | None = None) -> torch.Tensor:
+    """``act((a @ w.T) * a_scale[:, None] * w_scale[None, :] + bias)`` as (M, N) ``out_dtype``.
+
+    a: (M, K) int8 or float8_e4m3fn; w: (N, K) the same dtype, as stored; a_scale (M,) and
+    w_scale (N,) float32; bias (N,) bf16 / fp16 / fp32 or None; activation one of
+    reference.ACTIVATIONS. ``config``: a GluonConfig, a name in CONFIGS, or None for
+    ``pick_config``. Needs ``available()``. Where N * 2 bytes is not a multiple of 16 the result
+    is a view of a padded buffer (row stride rounded up to 8 elements).
+    """
+    if not available():
+        raise RuntimeError(f"the Gluon GEMM needs an sm_90 GPU and triton 3.6's Gluon ({_GLUON_ERROR or 'no GPU'})")
+    _check(a, w, a_scale, w_scale, bias, activation, out_dtype)
+    M, K = a.shape
+    N = w.shape[0]
+    if isinstance(config, str):
+        config = CONFIGS[config]
+    cfg = config or pick_config(N, K, M, a.dtype)
+
+    row = cdiv(N, 8) * 8  # 16-byte output rows for the TMA store
+    storage = torch.empty((M, row), device=a.device, dtype=out_dtype)
+    out = storage if row == N else storage[:, :N]
+    chunk_n = cfg.block_n // cfg.epilogue_split
+    a_desc = _descriptor(a, [cfg.block_m, cfg.block_k])
+    w_desc = _weight_descriptor(w, [cfg.block_n, cfg.block_k])
+    out_desc = _descriptor(storage, [cfg.block_m, chunk_n], shape=[M, N], strides=[row, 1])
+
+    a_scale = a_scale.reshape(-1).float().contiguous()
+    w_scale = w_scale.reshape(-1).float().contiguous()
+    bias_arg = bias.reshape(-1).contiguous() if bias is not None else w_scale
+    tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
+    grid = (min(num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device()), tiles), )
+    _scaled_mm_kernel[grid](
+        a_desc, w_desc, out_desc, a_scale, w_scale, bias_arg, M, N, K,
+        HAS_BIAS=bias is not None, ACTIVATION=ACTIVATIONS.index(activation), GROUP_M=cfg.group_m,
+        STAGES=cfg.stages, CONSUMERS=cfg.consumers, EPILOGUE_SPLIT=cfg.epilogue_split,
+        EPILOGUE_BUFFERS=cfg.epilogue_buffers,
+        LOADER_REGS=cfg.loader_regs, CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.consumer_warps)
+    return out
