@@ -53,6 +53,10 @@ SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 POINTS = [(M, N, K) for M in (1024, 4096, 16384) for N, K in SHAPES]
 CHECK_SHAPES = [(384, 4096), (389, 272), (4096, 272)]
 CHECK_MS = [1, 13, 257, 1024]
+# Several tiles per program and many K steps (an odd tile count per program in the second): the
+# ping-pong consumers' ring positions run far ahead of a small ring only here.
+LONG_CHECKS = [(1024, 4096, 4096), (1000, 6144, 4096)]
+SELECTED: list[str] = []  # --configs; empty = every config
 ROUNDS = 3
 FLUSH_BYTES = 256 << 20
 DTYPE_NAMES = {FP8: "fp8", torch.int8: "int8"}
@@ -120,17 +124,21 @@ def compare(out, ref, dtype) -> dict:
             "rel_fro": fro, "ok": bool(bad.sum().item() == 0 and fro <= fro_tol)}
 
 
+def configs() -> list[str]:
+    return [name for name in gemm_gluon.CONFIGS if not SELECTED or name in SELECTED]
+
+
 def run_checks(results: dict) -> dict:
     """Every config x dtype at the odd shapes; returns {dtype name: passed}."""
     passed = {}
-    extra = next(iter(gemm_gluon.CONFIGS))  # the config that also runs the epilogue variants
+    extra = configs()[0]  # the config that also runs the epilogue variants
     for dtype in (FP8, torch.int8):
         name = DTYPE_NAMES[dtype]
         ok_all = True
-        for N, K in CHECK_SHAPES:
-            for M in CHECK_MS:
+        for N, K, Ms in [(N, K, CHECK_MS) for N, K in CHECK_SHAPES] + [(N, K, [M]) for M, N, K in LONG_CHECKS]:
+            for M in Ms:
                 _, _, bias, a, a_scale, w, w_scale = operands(M, N, K, dtype, seed=M + N + K)
-                for cfg_name in gemm_gluon.CONFIGS:
+                for cfg_name in configs():
                     variants = [("none", bias, torch.bfloat16)]
                     if cfg_name == extra:
                         variants += [("silu", bias, torch.bfloat16), ("none", None, torch.bfloat16),
@@ -240,7 +248,8 @@ def point_ops(M, N, K, passed):
         name = DTYPE_NAMES[dtype]
         if not passed.get(name):
             continue
-        for cfg_name in list(gemm_gluon.CONFIGS) + ["auto"]:
+        auto = gemm_gluon.pick_config(N, K, M, dtype).name
+        for cfg_name in configs() + (["auto"] if auto in configs() else []):
             config = None if cfg_name == "auto" else cfg_name
             ops[f"gluon_{name}_{cfg_name}"] = (
                 lambda a=a, w=w, s=a_scale, t=w_scale, c=config: gemm_gluon.gluon_scaled_mm(a, w, s, t, bias, config=c))
@@ -345,7 +354,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--points", default="", help="comma-separated M:N:K subset (default: all 12)")
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--configs", default="", help="comma-separated config names (default: all)")
     args = parser.parse_args()
+    SELECTED[:] = [name for name in args.configs.split(",") if name]
 
     results = {"meta": metadata(), "checks": [], "rows": [], "skipped_points": []}
     log(f"{results['meta']['gpu']} torch {torch.__version__} triton {triton.__version__}; "
