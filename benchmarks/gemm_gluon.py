@@ -57,6 +57,7 @@ CHECK_MS = [1, 13, 257, 1024]
 # ping-pong consumers' ring positions run far ahead of a small ring only here.
 LONG_CHECKS = [(1024, 4096, 4096), (1000, 6144, 4096)]
 SELECTED: list[str] = []  # --configs; empty = every config
+OPTIONS = {"bias": True}  # --no-bias: the plain epilogue (no bias anywhere; the strictest baseline)
 ROUNDS = 3
 FLUSH_BYTES = 256 << 20
 DTYPE_NAMES = {FP8: "fp8", torch.int8: "int8"}
@@ -228,10 +229,15 @@ def point_ops(M, N, K, passed):
     scale_a, scale_b = as8[:, None].contiguous(), ws8[None, :].contiguous()
     w8_t = w8.t()
 
+    use_bias = OPTIONS["bias"]
+    bias_arg = bias if use_bias else None
+    if use_bias:
+        ops["bf16"] = lambda: F.linear(x, w_bf16, bias)
+
     def scaled_mm_bias():
         out = torch._scaled_mm(a8, w8_t, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
                                use_fast_accum=True)
-        return out.add_(bias)
+        return out.add_(bias) if use_bias else out
 
     ops["scaled_mm+bias"] = scaled_mm_bias
     _, _, _, ai, asi, wi, wsi = operands(M, N, K, torch.int8)
@@ -239,11 +245,12 @@ def point_ops(M, N, K, passed):
 
     def int_mm_epilogue():
         acc = torch._int_mm(ai, wi_t)
-        return (acc.float() * asi[:, None] * wsi[None, :] + bias.float()).to(torch.bfloat16)
+        out = acc.float() * asi[:, None] * wsi[None, :]
+        return (out + bias.float() if use_bias else out).to(torch.bfloat16)
 
     ops["int_mm+epilogue"] = int_mm_epilogue
-    ops["triton_fp8"] = lambda: gemm.scaled_mm(a8, w8, as8, ws8, bias)
-    ops["triton_int8"] = lambda: gemm.scaled_mm(ai, wi, asi, wsi, bias)
+    ops["triton_fp8"] = lambda: gemm.scaled_mm(a8, w8, as8, ws8, bias_arg)
+    ops["triton_int8"] = lambda: gemm.scaled_mm(ai, wi, asi, wsi, bias_arg)
     for dtype, (a, a_scale, w, w_scale) in ((FP8, (a8, as8, w8, ws8)), (torch.int8, (ai, asi, wi, wsi))):
         name = DTYPE_NAMES[dtype]
         if not passed.get(name):
@@ -252,7 +259,7 @@ def point_ops(M, N, K, passed):
         for cfg_name in configs() + (["auto"] if auto in configs() else []):
             config = None if cfg_name == "auto" else cfg_name
             ops[f"gluon_{name}_{cfg_name}"] = (
-                lambda a=a, w=w, s=a_scale, t=w_scale, c=config: gemm_gluon.gluon_scaled_mm(a, w, s, t, bias, config=c))
+                lambda a=a, w=w, s=a_scale, t=w_scale, c=config: gemm_gluon.gluon_scaled_mm(a, w, s, t, bias_arg, config=c))
     return ops
 
 
@@ -355,10 +362,12 @@ def main() -> None:
     parser.add_argument("--points", default="", help="comma-separated M:N:K subset (default: all 12)")
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--configs", default="", help="comma-separated config names (default: all)")
+    parser.add_argument("--no-bias", action="store_true", help="plain epilogue: no bias in any op")
     args = parser.parse_args()
+    OPTIONS["bias"] = not args.no_bias
     SELECTED[:] = [name for name in args.configs.split(",") if name]
 
-    results = {"meta": metadata(), "checks": [], "rows": [], "skipped_points": []}
+    results = {"meta": {**metadata(), "bias": OPTIONS["bias"]}, "checks": [], "rows": [], "skipped_points": []}
     log(f"{results['meta']['gpu']} torch {torch.__version__} triton {triton.__version__}; "
         f"gluon available: {results['meta']['gluon_available']}")
     if not results["meta"]["gluon_available"]:
