@@ -20,8 +20,21 @@ synchronous wgmma (``wgmma.wait_group 0`` after every K step). Gluon exposes the
   staging buffer small. The loader keeps fetching the next tile's K-slices meanwhile.
 - CONSUMERS=1 ("cooperative"): one partition of CONSUMER_WARPS (8: two warpgroups, each owns 64
   rows of a 128-row tile). CONSUMERS=2 ("ping-pong"): two 4-warp partitions take alternate tiles
-  of the program; the loader fills the ring in tile order, so one consumer's MMAs start while the
-  other finishes its mainloop and runs its epilogue: the tensor cores stay busy during epilogues.
+  of the program and take turns on the mainloop through an order barrier (CUTLASS's ping-pong):
+  a consumer waits for its turn before its tile's first ring wait and hands the turn over once
+  its tile's last MMA is issued, so its epilogue runs under the other consumer's MMAs.
+
+Barrier protocol (mbarrier waits name a phase only by its parity, so every wait must be for the
+current phase of its barrier or the one just completed, never one further ahead): the ring is
+consumed in this program's K-slice order, ``step`` = tile index in the program x k_steps + ki,
+by one consumer at a time (the order barrier), so when step s is waited for, every earlier step
+has been waited for and the loader cannot be more than one lap of the ring ahead or behind.
+The cooperative consumer walks the steps in that order by itself; the ping-pong consumers need
+the order barrier for it (without it, consumer 1 waited for step k_steps while the loader was
+still on the first lap: a stale phase of the same parity, garbage operands, slots released out
+of order). The formulas are plain Python functions (``ring_slot_phase``, ``previous_phase``,
+``turn_phase``) that the kernel compiles and tests/kernels/test_gemm_gluon.py runs in a model of
+the protocol (random tile and K-step counts and interleavings).
 
 W is consumed as stored, (N, K) with K contiguous: the MMA's B operand is the permuted
 shared-memory view of the W tile (8-bit wgmma takes K-major B only, which is this layout).
@@ -110,7 +123,7 @@ class GluonConfig:
         ring = self.stages * (self.block_m + self.block_n) * self.block_k  # 8-bit operands
         staging = (self.consumers * self.epilogue_buffers * self.block_m * (self.block_n // self.epilogue_split)
                    * out_bytes)
-        return ring + staging + 2 * self.stages * 8 + 1024  # barriers, alignment slack
+        return ring + staging + (2 * self.stages + self.consumers) * 8 + 1024  # barriers, alignment slack
 
 
 SHARED_LIMIT = 232448  # 227 KB: an H100's shared memory per block (opt-in maximum)
@@ -171,10 +184,42 @@ def available() -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
+# Barrier arithmetic: plain Python on non-negative ints, compiled into the kernel below (gluon.jit
+# of the same functions) and run by the protocol model in tests/kernels/test_gemm_gluon.py.
+# ----------------------------------------------------------------------------------------------
+
+
+def ring_slot_phase(step, STAGES):
+    """The ring slot of K-slice ``step`` (this program's running count) and the parity of its
+    fill: the loader's ``step // STAGES``-th fill of that slot completes phase ``step // STAGES`` of
+    its ready barrier, the consumer's release of it the same phase of its empty barrier."""
+    return step % STAGES, (step // STAGES) & 1
+
+
+def previous_phase(phase):
+    """The parity of phase ``phase - 1``: before a slot's ``phase``-th fill the loader waits for
+    the release of its previous fill, phase ``phase - 1`` of the empty barrier. A fresh mbarrier
+    counts phase -1 (parity 1) as completed, so the first lap over the ring does not wait."""
+    return (phase & 1) ^ 1
+
+
+def turn_phase(tile):
+    """Ping-pong: the order barrier phase that gives this program's ``tile``-th tile (counting
+    both consumers' tiles, 0, 1, 2, ...) its turn on the mainloop. Tile t's consumer waits on
+    order barrier t % 2, which the consumer of tile t - 1 arrives on when done with its mainloop:
+    the (t - 1) // 2-th arrival there, i.e. wait for ``previous_phase((t + 1) // 2)``; tile 0
+    waits for the fresh barrier's pre-completed phase (consumer 0 goes first)."""
+    return (((tile + 1) // 2) & 1) ^ 1  # previous_phase((tile + 1) // 2), spelled out for gluon.jit
+
+
+# ----------------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------------
 
 if _GLUON_ERROR is None:
+    _ring_slot_phase = gluon.jit(ring_slot_phase)
+    _previous_phase = gluon.jit(previous_phase)
+    _turn_phase = gluon.jit(turn_phase)
 
     @gluon.constexpr_function
     def _mma_layout(BLOCK_M, BLOCK_N, num_warps, IS_INT8):
@@ -235,10 +280,10 @@ if _GLUON_ERROR is None:
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
             for ki in range(k_steps):
-                slot = step % STAGES
-                # A fresh mbarrier counts as having completed the phase before its first, so the
-                # first lap over the ring does not wait.
-                mbarrier.wait(empty_bars.index(slot), ((step // STAGES) & 1) ^ 1)
+                slot, phase = _ring_slot_phase(step, STAGES)
+                # The slot's previous fill released (phase before this fill's); a fresh mbarrier
+                # counts as having completed it, so the first lap over the ring does not wait.
+                mbarrier.wait(empty_bars.index(slot), _previous_phase(phase))
                 ready = ready_bars.index(slot)
                 mbarrier.expect(ready, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(a_desc, [off_m, ki * BLOCK_K], ready, a_bufs.index(slot))
@@ -276,8 +321,8 @@ if _GLUON_ERROR is None:
         return x.reshape([BM, 2, BN // 2]).permute((0, 2, 1)).split()
 
     @gluon.jit
-    def _consumer_partition(a_bufs, w_bufs, ready_bars, empty_bars, c_bufs, out_desc, a_scale_ptr, w_scale_ptr,
-                            bias_ptr, M, N, K, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+    def _consumer_partition(a_bufs, w_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc, a_scale_ptr,
+                            w_scale_ptr, bias_ptr, M, N, K, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
                             CONSUMER_WARPS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                             EPILOGUE_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr):
         BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
@@ -301,14 +346,22 @@ if _GLUON_ERROR is None:
             off_n = pid_n * BLOCK_N
             step = local * k_steps
             acc = gl.zeros((BLOCK_M, BLOCK_N), acc_dtype, layout=mma_layout)
+            if CONSUMERS == 2:
+                # Our turn: the other consumer has issued all of the previous tile's ring waits
+                # and MMAs, so the ring positions below are at most one lap ahead of the loader.
+                mbarrier.wait(order_bars.index(CONSUMER), _turn_phase(local))
             for ki in range(k_steps):
-                slot = step % STAGES
-                mbarrier.wait(ready_bars.index(slot), (step // STAGES) & 1)
+                slot, phase = _ring_slot_phase(step, STAGES)
+                mbarrier.wait(ready_bars.index(slot), phase)
                 acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
                 # Keep this MMA in flight; the one before it has now retired, so its slot is free.
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES), pred=ki > 0)
                 step += 1
+            if CONSUMERS == 2:
+                # The next tile's turn (the other consumer's), while our last MMA finishes and our
+                # epilogue runs. After this program's last tile nobody waits for it: harmless.
+                mbarrier.arrive(order_bars.index(1 - CONSUMER))
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES))
             local += CONSUMERS
@@ -354,29 +407,33 @@ if _GLUON_ERROR is None:
                                            out_desc.layout)
         ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # Ping-pong: order_bars[c] gives consumer c its turn on the mainloop (unused with one consumer).
+        order_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready_bars.index(i), count=1)
             mbarrier.init(empty_bars.index(i), count=1)
+        for i in gl.static_range(CONSUMERS):
+            mbarrier.init(order_bars.index(i), count=1)
         # The barriers' initialization must be visible to the TMA unit before the first copy.
         fence_async_shared()
 
         # The default partition (the kernel's num_warps) is consumer 0; workers follow.
         if CONSUMERS == 1:
             gl.warp_specialize([
-                (_consumer_partition, (a_bufs, w_bufs, ready_bars, empty_bars, c_bufs, out_desc, a_scale_ptr,
-                                       w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M, STAGES,
-                                       EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION)),
+                (_consumer_partition, (a_bufs, w_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
+                                       a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M,
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, N, K, GROUP_M,
                                    STAGES)),
             ], [1], [LOADER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer_partition, (a_bufs, w_bufs, ready_bars, empty_bars, c_bufs, out_desc, a_scale_ptr,
-                                       w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M, STAGES,
-                                       EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION)),
-                (_consumer_partition, (a_bufs, w_bufs, ready_bars, empty_bars, c_bufs, out_desc, a_scale_ptr,
-                                       w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps, GROUP_M, STAGES,
-                                       EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION)),
+                (_consumer_partition, (a_bufs, w_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
+                                       a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M,
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION)),
+                (_consumer_partition, (a_bufs, w_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
+                                       a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps, GROUP_M,
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, N, K, GROUP_M,
                                    STAGES)),
             ], [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])

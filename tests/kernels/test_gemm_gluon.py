@@ -1,6 +1,7 @@
 """The Gluon GEMM's host side on a CPU: the module imports anywhere, says it cannot run, validates
 its configs. The kernel itself needs a Hopper GPU (benchmarks/gemm_gluon.py checks it there); with
-triton 3.6 installed, ``test_compiles_for_sm90`` compiles it offline and reads the PTX."""
+triton 3.6 installed, ``test_compiles_for_sm90`` compiles it offline and reads the PTX; the
+barrier protocol's formulas run in a CPU model of one program (``_run_protocol``)."""
 
 import re
 import shutil
@@ -114,3 +115,143 @@ def test_weight_descriptor_cached_per_weight_and_released_with_it():
     del w, first
     gc.collect()
     assert len(gemm_gluon._WEIGHT_DESCRIPTORS) == before - 1
+
+
+# ----------------------------------------------------------------------------------------------
+# A model of one program's barrier protocol (no GPU, no Gluon): the loader, the consumers, the
+# TMA unit and each consumer's wgmma queue as agents that a random scheduler interleaves, with
+# mbarriers that, like the hardware's, tell phases apart only by parity. The kernel's own
+# formulas (gemm_gluon.ring_slot_phase, previous_phase, turn_phase) pick slots and parities; the
+# model knows which phase each wait means and fails on a wait whose barrier is not at that phase
+# or the one just before it (a stale phase of the same parity passes, a missed one hangs), on a
+# slot read before its data landed or overwritten while an MMA reads it, and on a deadlock.
+# ----------------------------------------------------------------------------------------------
+
+
+class _Barrier:
+    """An mbarrier of arrival count 1: ``done`` phases completed; a wait for parity p passes
+    once the phase in progress has the other parity (a fresh one passes a wait for parity 1)."""
+
+    def __init__(self):
+        self.done = 0
+
+    def arrive(self):
+        self.done += 1
+
+    def passes(self, parity):
+        return (self.done & 1) != parity
+
+
+def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True):
+    ring_slot_phase, previous_phase, turn_phase = (gemm_gluon.ring_slot_phase, gemm_gluon.previous_phase,
+                                                   gemm_gluon.turn_phase)
+    ready = [_Barrier() for _ in range(stages)]
+    empty = [_Barrier() for _ in range(stages)]
+    order = [_Barrier() for _ in range(consumers)]
+    slot_data = [None] * stages  # the K-slice (step) whose data a slot holds
+    released = [None] * stages  # the last step released from each slot
+    landing = []  # TMA copies in flight: (slot, step)
+    in_flight = [[] for _ in range(consumers)]  # each consumer's issued, unretired MMAs: steps
+    handed_over = set()  # tiles whose consumer passed the turn on
+    consumed = []
+
+    def wait(bar, parity, phase):
+        # ``phase``: the phase this wait means (the model's own count; -1: a fresh barrier's
+        # pre-completed one). Its parity must be the kernel's, and the barrier must be at that
+        # phase or just past it whenever the waiter looks, or parity cannot tell it apart.
+        assert parity == phase & 1, (parity, phase)
+
+        def ready_to_go():
+            assert bar.done in (phase, phase + 1), f"waits for phase {phase}, barrier has completed {bar.done}"
+            return bar.passes(parity)
+
+        return ready_to_go
+
+    def loader():
+        step = 0
+        for _ in range(tiles):
+            for _ in range(k_steps):
+                slot, phase = ring_slot_phase(step, stages)
+                yield wait(empty[slot], previous_phase(phase), step // stages - 1)
+                assert step < stages or released[slot] == step - stages, "slot refilled before its release"
+                landing.append((slot, step))
+                step += 1
+
+    def consumer(c):
+        for local in range(c, tiles, consumers):
+            step = local * k_steps
+            if consumers == 2 and ordered:
+                yield wait(order[c], turn_phase(local), (local - 1) // 2)
+                assert local == 0 or local - 1 in handed_over, "turn taken before the previous tile's mainloop"
+            for ki in range(k_steps):
+                slot, phase = ring_slot_phase(step, stages)
+                yield wait(ready[slot], phase, step // stages)
+                assert slot_data[slot] == step, f"step {step} read slot {slot} holding step {slot_data[slot]}"
+                in_flight[c].append(step)
+                yield lambda: len(in_flight[c]) <= 1  # warpgroup_mma_wait(1)
+                if ki > 0:
+                    release(c, (step + stages - 1) % stages, step - 1)
+                step += 1
+            if consumers == 2 and ordered:
+                order[1 - c].arrive()
+                handed_over.add(local)
+            yield lambda: not in_flight[c]  # warpgroup_mma_wait(0)
+            release(c, (step + stages - 1) % stages, step - 1)
+
+    def release(c, slot, step):
+        assert slot == step % stages and slot_data[slot] == step and step not in in_flight[c]
+        released[slot] = step
+        consumed.append(step)
+        empty[slot].arrive()
+
+    agents = [loader()] + [consumer(c) for c in range(consumers)]
+    waiting = [None] * len(agents)  # the condition each agent is blocked on (None: runnable)
+    live = set(range(len(agents)))
+    while True:
+        moves = [("agent", i) for i in live if waiting[i] is None or waiting[i]()]
+        moves += [("land", i) for i in range(len(landing))]
+        moves += [("retire", c) for c in range(consumers) if in_flight[c]]
+        if not moves:
+            assert not live, f"deadlock: agents {sorted(live)} blocked"
+            break
+        kind, i = rng.choice(moves)
+        if kind == "land":  # TMA copies complete in any order
+            slot, step = landing.pop(i)
+            assert not any(slot_data[slot] in queue for queue in in_flight), "slot overwritten under an MMA"
+            slot_data[slot] = step
+            ready[slot].arrive()
+        elif kind == "retire":  # one consumer's wgmmas retire in issue order
+            step = in_flight[i].pop(0)
+            assert slot_data[step % stages] == step, "an MMA's operands changed before it retired"
+        else:
+            try:
+                waiting[i] = next(agents[i])
+            except StopIteration:
+                live.discard(i)
+                waiting[i] = None
+    assert sorted(consumed) == list(range(tiles * k_steps))
+
+
+@pytest.mark.parametrize("consumers", [1, 2], ids=["cooperative", "ping-pong"])
+def test_barrier_protocol_model(consumers):
+    """Random tile counts (odd and even), K-step counts from below to several times the ring,
+    random interleavings: no deadlock, every wait unambiguous, every slot read after its fill and
+    before its refill. Includes the GPU crash case: 3 tiles of 32 K steps on a 5-deep ring."""
+    import random
+
+    rng = random.Random(1234)
+    cases = [(3, 32, 5), (2, 32, 5), (1, 1, 2), (4, 1, 2)]
+    cases += [(rng.randint(1, 7), rng.randint(1, 30), rng.randint(2, 8)) for _ in range(150)]
+    for tiles, k_steps, stages in cases:
+        for _ in range(3):
+            _run_protocol(tiles, k_steps, stages, consumers, rng)
+
+
+def test_barrier_protocol_model_catches_unordered_ping_pong():
+    """Without the order barrier (the first ping-pong kernel, which crashed on the GPU at
+    M=1024, N=6144, K=4096) consumer 1 waits for a ring phase far ahead of the loader."""
+    import random
+
+    rng = random.Random(0)
+    with pytest.raises(AssertionError, match="waits for phase"):
+        _run_protocol(3, 32, 5, 2, rng, ordered=False)
