@@ -55,7 +55,9 @@ CHECK_SHAPES = [(384, 4096), (389, 272), (4096, 272)]
 CHECK_MS = [1, 13, 257, 1024]
 # Several tiles per program and many K steps (an odd tile count per program in the second): the
 # ping-pong consumers' ring positions run far ahead of a small ring only here.
-LONG_CHECKS = [(1024, 4096, 4096), (1000, 6144, 4096)]
+# (2048, 6144, 4000): 5-6 ping-pong tiles per program (both order barriers through several
+# phases), a K tail, step counts that are no multiple of the ring depth; K=272: K shorter than the ring.
+LONG_CHECKS = [(1024, 4096, 4096), (1000, 6144, 4096), (2048, 6144, 4000), (2048, 6144, 272)]
 SELECTED: list[str] = []  # --configs; empty = every config
 OPTIONS = {"bias": True}  # --no-bias: the plain epilogue (no bias anywhere; the strictest baseline)
 ROUNDS = 3
