@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from quantkit.kernels import gemm_tma
+from quantkit.kernels import gemm_gluon, gemm_tma
 from quantkit.kernels.call_cache import SignatureCache
 from quantkit.kernels.gemm_checks import (  # noqa: F401 - re-exported: gemm's API
     ACTIVATION_CODES, K_ALIGNMENT, MAX_INT8_K, OUT_DTYPES, check_scaled_mm_args)
@@ -235,7 +235,7 @@ def _check_runnable(a: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-KERNELS = ("auto", "tiled", "persistent")
+KERNELS = ("auto", "tiled", "persistent", "gluon")
 # kernel="auto" takes the persistent TMA kernel from this M on (measured on an H100 at
 # M = 1024 and 4096, all four Llama-3-8B shapes, INT8 and both FP8 modes: persistent 2-15 %
 # faster than tiled everywhere); below it the GEMM is partly weight-bandwidth bound and the
@@ -243,6 +243,12 @@ KERNELS = ("auto", "tiled", "persistent")
 # gate_up 2 x 14336 x 4096, M = 1024 / 4096 / 8192: INT8 persistent 6-9 % faster than tiled,
 # FP8 persistent 5-13 % slower; benchmarks/NOTES-gemm.md, session 3).
 PERSISTENT_MIN_M = 1024
+# kernel="auto" takes the warp-specialized Gluon kernel (gemm_gluon) for INT8 from this M on,
+# where it runs (sm_90, triton 3.6): asynchronous int32-accumulator wgmma, which triton 3.6 does
+# not generate, and a 128x128 ping-pong config for partial last waves. Measured on an H100 at
+# M = 1024 / 4096 / 16384, the four Llama-3-8B shapes: 1.03-1.55x the Triton INT8 kernel (plain
+# epilogue, benchmarks/NOTES-gemm.md, session 8). FP8 stays on Triton (Gluon 0.93-1.02x there).
+GLUON_MIN_M = 1024
 
 
 _TILED = CachedLaunch(_scaled_mm_kernel)
@@ -354,11 +360,28 @@ def _persistent_sized(a, gated) -> bool:
     return a.shape[0] >= PERSISTENT_MIN_M and not (gated and a.dtype != torch.int8)
 
 
-def _pick_kernel(kernel, a, w, out, gated, config) -> str:
+def gluon_takes(a, w, out, gated, flags) -> bool:
+    """Whether this call can run on the Gluon kernel: INT8 or FP8, not gated, no raw accumulator,
+    per-row and per-column scales, a 16-bit output, TMA-compatible operands, a Gluon-capable GPU."""
+    return (not gated and not flags[5] and flags[1] and flags[2] and out.dtype in (torch.bfloat16, torch.float16)
+            and a.shape[1] % 16 == 0 and gemm_tma.descriptors_ok(a, w, out) and gemm_gluon.available())
+
+
+def _pick_kernel(kernel, a, w, out, gated, config, flags) -> str:
     if kernel == "auto" and config is not None:
         # An explicit config names its kernel by its keys (only the persistent one splits its epilogue).
         kernel = "persistent" if "EPILOGUE_SPLIT" in config else "tiled"
+    if kernel == "gluon":
+        if config is not None or not gluon_takes(a, w, out, gated, flags):
+            raise ValueError(
+                "kernel='gluon' needs an sm_90 GPU with triton 3.6, no config, a non-gated call with per-row and "
+                "per-column scales, a bf16/fp16 output, K % 16 == 0 and 16-byte aligned operands: use kernel='auto'"
+            )
+        return "gluon"
     if kernel == "auto":
+        if (a.dtype == torch.int8 and a.shape[0] >= GLUON_MIN_M and not INTERPRETED
+                and gluon_takes(a, w, out, gated, flags)):
+            return "gluon"
         return "persistent" if _persistent_sized(a, gated) and gemm_tma.descriptors_ok(a, w, out) else "tiled"
     if kernel == "persistent":
         if not gemm_tma.descriptors_ok(a, w, out):
@@ -374,8 +397,11 @@ def _launch(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, confi
             kernel="auto"):
     picked = _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config, fp8_fast_accum, kernel)
     if picked is not None:
-        persistent, flags, fp8_fast_accum = picked
-        if persistent:
+        kind, flags, fp8_fast_accum = picked
+        if kind == "gluon":
+            gemm_gluon.tuned_call(a, w, out, a_scale, w_scale, bias, activation)(
+                a, w, out, a_scale, w_scale, bias if bias is not None else w_scale)
+        elif kind == "persistent":
             gemm_tma.launch_persistent(a, w, out, a_scale, w_scale, bias, flags, m_bucket(a.shape[0]), fp8_fast_accum,
                                        INTERPRETED, config, gated=gated)
         else:
@@ -389,15 +415,17 @@ def _call(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config,
     picked = _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config, fp8_fast_accum, kernel)
     if picked is None:
         return None
-    persistent, flags, fp8_fast_accum = picked
-    if persistent:
+    kind, flags, fp8_fast_accum = picked
+    if kind == "gluon":
+        return gemm_gluon.tuned_call(a, w, out, a_scale, w_scale, bias, activation)
+    if kind == "persistent":
         return gemm_tma.persistent_call(a, w, out, a_scale, w_scale, bias, flags, m_bucket(a.shape[0]),
                                         fp8_fast_accum, INTERPRETED, config, gated=gated)
     return _tiled_call(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, config)
 
 
 def _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config, fp8_fast_accum, kernel):
-    """(persistent?, epilogue flags, fp8_fast_accum) of a validated call; None for an empty output."""
+    """(kernel kind, epilogue flags, fp8_fast_accum) of a validated call; None for an empty output."""
     M, K = a.shape
     N = out.shape[1]
     if kernel not in KERNELS:
@@ -413,7 +441,7 @@ def _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config,
     # result either way).
     flags = (is_int8, a_scale.numel() != 1, w_scale.numel() != 1, bias is not None, ACTIVATION_CODES[activation],
              raw_acc)
-    return _pick_kernel(kernel, a, w, out, gated, config) == "persistent", flags, fp8_fast_accum
+    return _pick_kernel(kernel, a, w, out, gated, config, flags), flags, fp8_fast_accum
 
 
 # Validated calls without config= / out= (GPU path), by signature: every tensor's shape, strides,
@@ -445,7 +473,8 @@ def _launch_new(signature, a, w, a_scale, w_scale, bias, out, activation, gated,
     if call is None:
         return out
     call(a, w, out, a_scale, w_scale, bias if bias is not None else a_scale)
-    persistent = isinstance(call, gemm_tma.PersistentCall)
+    # Both TMA kernels need 16-byte aligned bases, which the signature does not fix.
+    persistent = isinstance(call, (gemm_tma.PersistentCall, gemm_gluon.GluonCall))
     # A tiled pick that only unaligned pointers forced (kernel "auto", persistent-sized M) is not
     # kept: the next, aligned call of this signature must get the persistent kernel.
     by_pointers = not persistent and kernel == "auto" and _persistent_sized(a, gated) and gemm_tma.strides_ok(a, w, out)

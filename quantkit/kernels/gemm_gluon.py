@@ -53,11 +53,13 @@ sm_90 under triton 3.6 and reads the PTX (wgmma.wait_group 1 in the K loop, setm
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import weakref
 
 import torch
 
+from quantkit.kernels.gemm_configs import m_bucket
 from quantkit.kernels.launch import cdiv, num_sms
 from quantkit.kernels.reference import ACTIVATIONS
 
@@ -170,12 +172,17 @@ def available() -> bool:
     Gluon (the version they were written and compiled against). Never raises."""
     if _GLUON_ERROR is not None or not torch.cuda.is_available():
         return False
+    return _available_on(torch.cuda.current_device())
+
+
+@functools.cache
+def _available_on(device_index: int) -> bool:
     import triton
 
     if not triton.__version__.startswith(SUPPORTED_TRITON):
         return False
     try:
-        if torch.cuda.get_device_capability() != (9, 0):
+        if torch.cuda.get_device_capability(device_index) != (9, 0):
             return False
         params = inspect.signature(gl.warp_specialize).parameters
     except (RuntimeError, AssertionError, TypeError, ValueError):
@@ -496,6 +503,66 @@ def _check(a, w, a_scale, w_scale, bias, activation, out_dtype):
         raise ValueError(f"out_dtype={out_dtype}: bfloat16 or float16")
 
 
+class GluonCall:
+    """A launch minus its addresses: config, grid and constexprs fixed for one call signature
+    (``gemm.scaled_mm`` keeps one per signature, as it does a ``gemm_tma.PersistentCall``).
+    Calling it launches with this call's tensors: a (M, K), w (N, K), out (M, N) with 16-byte rows,
+    a_scale (M,) and w_scale (N,) float32, ``bias_arg`` the bias or any tensor when there is none."""
+
+    __slots__ = ("config", "grid", "constexprs", "chunk_n")
+
+    def __init__(self, config: GluonConfig, M: int, N: int, device: torch.device, has_bias: bool,
+                 activation: str) -> None:
+        self.config = config
+        tiles = cdiv(M, config.block_m) * cdiv(N, config.block_n)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.grid = (min(num_sms(index), tiles),)
+        self.chunk_n = config.block_n // config.epilogue_split
+        self.constexprs = dict(
+            HAS_BIAS=has_bias, ACTIVATION=ACTIVATIONS.index(activation), GROUP_M=config.group_m,
+            STAGES=config.stages, CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
+            EPILOGUE_BUFFERS=config.epilogue_buffers, LOADER_REGS=config.loader_regs,
+            CONSUMER_REGS=config.consumer_regs, num_warps=config.consumer_warps)
+
+    def __call__(self, a, w, out, a_scale, w_scale, bias_arg) -> None:
+        cfg = self.config
+        M, K = a.shape
+        N = out.shape[1]
+        a_desc = _descriptor(a, [cfg.block_m, cfg.block_k])
+        w_desc = _weight_descriptor(w, [cfg.block_n, cfg.block_k])
+        out_desc = _descriptor(out, [cfg.block_m, self.chunk_n], shape=[M, N], strides=[out.stride(0), 1])
+        _scaled_mm_kernel[self.grid](a_desc, w_desc, out_desc, a_scale, w_scale, bias_arg, M, N, K, **self.constexprs)
+
+
+# The configs the first call of a (N, K, M bucket, dtype, epilogue) times; the fastest is kept.
+# Measured on an H100 (benchmarks/NOTES-gemm.md, session 8): among the four configs, one of these
+# three was the fastest INT8 kernel at each of the 12 large-M points.
+TUNE_CANDIDATES = ("pp_128x128", "coop_128x256", "coop_128x256_k64")
+_TUNED: dict[tuple, GluonConfig] = {}
+
+
+def tuned_call(a, w, out, a_scale, w_scale, bias, activation: str) -> GluonCall:
+    """The ``GluonCall`` of the fastest candidate config for this call's tuning key, timed on its
+    first call with the call's own tensors (CUDA-graph replays, L2 flushed; like Triton's
+    autotuner, this cannot run inside a graph capture: warm up first)."""
+    M, K = a.shape
+    N = out.shape[1]
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else w_scale
+    key = (N, K, m_bucket(M), a.dtype, has_bias, None if bias is None else bias.dtype, activation, out.dtype,
+           a.device)
+    config = _TUNED.get(key)
+    if config is None:
+        from quantkit.kernels.gemm_tma import _graph_bench_ms
+
+        times = {}
+        for name in TUNE_CANDIDATES:
+            call = GluonCall(CONFIGS[name], M, N, a.device, has_bias, activation)
+            times[name] = _graph_bench_ms(lambda call=call: call(a, w, out, a_scale, w_scale, bias_arg))
+        config = _TUNED[key] = CONFIGS[min(times, key=times.get)]
+    return GluonCall(config, M, N, a.device, has_bias, activation)
+
+
 def gluon_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
                     bias: torch.Tensor | None = None, activation: str = "none",
                     out_dtype: torch.dtype = torch.bfloat16, config: GluonConfig | str | None = None) -> torch.Tensor:
@@ -519,20 +586,8 @@ def gluon_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_s
     row = cdiv(N, 8) * 8  # 16-byte output rows for the TMA store
     storage = torch.empty((M, row), device=a.device, dtype=out_dtype)
     out = storage if row == N else storage[:, :N]
-    chunk_n = cfg.block_n // cfg.epilogue_split
-    a_desc = _descriptor(a, [cfg.block_m, cfg.block_k])
-    w_desc = _weight_descriptor(w, [cfg.block_n, cfg.block_k])
-    out_desc = _descriptor(storage, [cfg.block_m, chunk_n], shape=[M, N], strides=[row, 1])
-
     a_scale = a_scale.reshape(-1).float().contiguous()
     w_scale = w_scale.reshape(-1).float().contiguous()
     bias_arg = bias.reshape(-1).contiguous() if bias is not None else w_scale
-    tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-    grid = (min(num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device()), tiles), )
-    _scaled_mm_kernel[grid](
-        a_desc, w_desc, out_desc, a_scale, w_scale, bias_arg, M, N, K,
-        HAS_BIAS=bias is not None, ACTIVATION=ACTIVATIONS.index(activation), GROUP_M=cfg.group_m,
-        STAGES=cfg.stages, CONSUMERS=cfg.consumers, EPILOGUE_SPLIT=cfg.epilogue_split,
-        EPILOGUE_BUFFERS=cfg.epilogue_buffers,
-        LOADER_REGS=cfg.loader_regs, CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.consumer_warps)
+    GluonCall(cfg, M, N, a.device, bias is not None, activation)(a, w, out, a_scale, w_scale, bias_arg)
     return out

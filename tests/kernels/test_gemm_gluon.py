@@ -255,3 +255,61 @@ def test_barrier_protocol_model_catches_unordered_ping_pong():
     rng = random.Random(0)
     with pytest.raises(AssertionError, match="waits for phase"):
         _run_protocol(3, 32, 5, 2, rng, ordered=False)
+
+
+# ---------------------------------------------------------------- gemm.scaled_mm's dispatch to Gluon
+
+
+def _operands(M=1024, N=384, K=256, dtype=torch.int8, scalar_a=False):
+    a = torch.randint(-127, 128, (M, K), dtype=torch.int8).to(dtype) if dtype == torch.int8 else \
+        (torch.randn(M, K) * 3).to(dtype)
+    w = torch.randint(-127, 128, (N, K), dtype=torch.int8).to(dtype) if dtype == torch.int8 else \
+        (torch.randn(N, K) * 3).to(dtype)
+    a_scale = torch.rand(1 if scalar_a else M) + 0.5
+    w_scale = torch.rand(N) + 0.5
+    return a, w, a_scale, w_scale
+
+
+def _flags(a_scale, w_scale, gated=False, raw_acc=False):
+    return (True, a_scale.numel() != 1, w_scale.numel() != 1, False, 0, raw_acc)
+
+
+@pytest.fixture
+def gluon_capable(monkeypatch):
+    """A stand-in for an sm_90 GPU with triton 3.6: what is tested is gemm's rule, not the launch."""
+    from quantkit.kernels import gemm_tma
+
+    monkeypatch.setattr(gemm_gluon, "available", lambda: True)
+    monkeypatch.setattr(gemm_tma, "descriptors_ok", lambda a, w, out: True)
+
+
+def test_gluon_takes_per_row_and_column_scales_and_16_bit_outputs(gluon_capable):
+    from quantkit.kernels.gemm import gluon_takes
+
+    a, w, a_scale, w_scale = _operands()
+    out = torch.empty(a.shape[0], w.shape[0], dtype=torch.bfloat16)
+    assert gluon_takes(a, w, out, False, _flags(a_scale, w_scale))
+    assert gluon_takes(a, w, out.half(), False, _flags(a_scale, w_scale))
+    assert not gluon_takes(a, w, out, True, _flags(a_scale, w_scale))                 # gated: Triton's kernel
+    assert not gluon_takes(a, w, out, False, _flags(a_scale, w_scale, raw_acc=True))  # int32 accumulator
+    assert not gluon_takes(a, w, out.float(), False, _flags(a_scale, w_scale))        # fp32 output
+    _, _, scalar, _ = _operands(scalar_a=True)
+    assert not gluon_takes(a, w, out, False, _flags(scalar, w_scale))                 # static per-tensor scale
+    a2, w2, _, _ = _operands(K=264)
+    assert not gluon_takes(a2, w2, out, False, _flags(a_scale, w_scale))              # K % 16 != 0
+
+
+def test_gluon_takes_nothing_without_a_capable_gpu():
+    from quantkit.kernels.gemm import gluon_takes
+
+    a, w, a_scale, w_scale = _operands()
+    out = torch.empty(a.shape[0], w.shape[0], dtype=torch.bfloat16)
+    assert not gluon_takes(a, w, out, False, _flags(a_scale, w_scale))
+
+
+def test_explicit_gluon_kernel_is_refused_where_it_cannot_run():
+    from quantkit.kernels import gemm
+
+    a, w, a_scale, w_scale = _operands(M=13)
+    with pytest.raises(ValueError, match="kernel='gluon' needs an sm_90 GPU"):
+        gemm.scaled_mm(a, w, a_scale, w_scale, kernel="gluon")
