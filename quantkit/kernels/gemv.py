@@ -209,8 +209,8 @@ def _launch(a, w, out, a_scale, w_scale, bias, activation: str, raw_acc: bool, c
     num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 2)
     constexprs = dict(**flags, INTERPRETED=INTERPRETED, EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=block_m,
                       BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
-    # N, K and the row strides are specialized by value; M only by int_spec, but M < BLOCK_M
-    # changes nothing compiled and BLOCK_M is in tune_key.
+    # What triton specializes: N and K (by value in tune_key), the row strides (by value here),
+    # M == 1 (M is never a multiple of 16 here) and each pointer's 16-byte alignment.
     key = (tune_key, cfg["BLOCK_N"], cfg["BLOCK_K"], num_warps, num_stages, a.stride(0), w.stride(0), out.stride(0),
            M == 1, aligned(a, w, out, a_scale, w_scale, bias_arg))
     _GEMV(key, (cdiv(N, cfg["BLOCK_N"]),), args, constexprs, num_warps, num_stages)
