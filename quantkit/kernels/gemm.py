@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from quantkit.kernels import gemm_gluon, gemm_tma
+from quantkit.kernels import gemm_gluon, gemm_tma, gemv
 from quantkit.kernels.call_cache import SignatureCache
 from quantkit.kernels.gemm_checks import (  # noqa: F401 - re-exported: gemm's API
     ACTIVATION_CODES, K_ALIGNMENT, MAX_INT8_K, OUT_DTYPES, check_scaled_mm_args)
@@ -235,7 +235,7 @@ def _check_runnable(a: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-KERNELS = ("auto", "tiled", "persistent", "gluon")
+KERNELS = ("auto", "tiled", "persistent", "gluon", "gemv")
 # kernel="auto" takes the persistent TMA kernel from this M on (measured on an H100 at
 # M = 1024 and 4096, all four Llama-3-8B shapes, INT8 and both FP8 modes: persistent 2-15 %
 # faster than tiled everywhere); below it the GEMM is partly weight-bandwidth bound and the
@@ -249,6 +249,11 @@ PERSISTENT_MIN_M = 1024
 # M = 1024 / 4096 / 16384, the four Llama-3-8B shapes: 1.03-1.55x the Triton INT8 kernel (plain
 # epilogue, benchmarks/NOTES-gemm.md, session 8). FP8 stays on Triton (Gluon 0.93-1.02x there).
 GLUON_MIN_M = 1024
+# kernel="auto" takes the tensor-core-free GEMV (gemv.py) up to this M: measured on an H100 at
+# M = 1, the four Llama-3-8B shapes, both dtypes: 1.18-1.33x the tiled split-K kernel with the L2
+# flushed, 1.09-1.41x with rotated weights; at M = 4 it was slower (0.65-0.87x), M = 2 unmeasured
+# (benchmarks/NOTES-gemm.md, session 8). Not for the gated GEMM or the raw accumulator.
+GEMV_MAX_M = 1
 
 
 _TILED = CachedLaunch(_scaled_mm_kernel)
@@ -378,7 +383,14 @@ def _pick_kernel(kernel, a, w, out, gated, config, flags) -> str:
                 "per-column scales, a bf16/fp16 output, K % 16 == 0 and 16-byte aligned operands: use kernel='auto'"
             )
         return "gluon"
+    if kernel == "gemv":
+        if config is not None or gated or flags[5] or a.shape[0] > gemv.MAX_M:
+            raise ValueError(f"kernel='gemv' takes non-gated calls without config and M <= {gemv.MAX_M} rows "
+                             f"(M={a.shape[0]}): use kernel='auto'")
+        return "gemv"
     if kernel == "auto":
+        if a.shape[0] <= GEMV_MAX_M and not gated and not flags[5]:
+            return "gemv"
         if (a.dtype == torch.int8 and a.shape[0] >= GLUON_MIN_M and not INTERPRETED
                 and gluon_takes(a, w, out, gated, flags)):
             return "gluon"
@@ -398,7 +410,9 @@ def _launch(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, confi
     picked = _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config, fp8_fast_accum, kernel)
     if picked is not None:
         kind, flags, fp8_fast_accum = picked
-        if kind == "gluon":
+        if kind == "gemv":
+            gemv._launch(a, w, out, a_scale, w_scale, bias, activation, False, None)
+        elif kind == "gluon":
             gemm_gluon.tuned_call(a, w, out, a_scale, w_scale, bias, activation)(
                 a, w, out, a_scale, w_scale, bias if bias is not None else w_scale)
         elif kind == "persistent":
@@ -416,12 +430,26 @@ def _call(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config,
     if picked is None:
         return None
     kind, flags, fp8_fast_accum = picked
+    if kind == "gemv":
+        return _GemvCall(bias is not None, activation)
     if kind == "gluon":
         return gemm_gluon.tuned_call(a, w, out, a_scale, w_scale, bias, activation)
     if kind == "persistent":
         return gemm_tma.persistent_call(a, w, out, a_scale, w_scale, bias, flags, m_bucket(a.shape[0]),
                                         fp8_fast_accum, INTERPRETED, config, gated=gated)
     return _tiled_call(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, config)
+
+
+class _GemvCall:
+    """``gemv``'s launch in the shape of the other cached calls (the GEMV keeps its own plan cache)."""
+
+    __slots__ = ("has_bias", "activation")
+
+    def __init__(self, has_bias: bool, activation: str) -> None:
+        self.has_bias, self.activation = has_bias, activation
+
+    def __call__(self, a, w, out, a_scale, w_scale, bias_arg) -> None:
+        gemv._launch(a, w, out, a_scale, w_scale, bias_arg if self.has_bias else None, self.activation, False, None)
 
 
 def _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config, fp8_fast_accum, kernel):

@@ -167,3 +167,32 @@ def test_bad_input_raises_value_error(case):
     with pytest.raises(ValueError, match=needle):
         gemv.scaled_gemv(*args, **kwargs)
 
+
+
+# ------------------------------------------------------------------ gemm.scaled_mm's dispatch to it
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_scaled_mm_runs_single_rows_on_the_gemv(dtype):
+    from quantkit.kernels import gemm
+
+    a, a_scale, w, w_scale, bias = _operands(1, 96, 272, dtype, seed=7)
+    auto = gemm.scaled_mm(a, w, a_scale, w_scale, bias, "silu")
+    assert torch.equal(auto, gemv.scaled_gemv(a, w, a_scale, w_scale, bias, "silu"))
+    assert torch.equal(auto, gemm.scaled_mm(a, w, a_scale, w_scale, bias, "silu", kernel="gemv"))
+    tiled = gemm.scaled_mm(a, w, a_scale, w_scale, bias, "silu", kernel="tiled")
+    torch.testing.assert_close(auto.float(), tiled.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_scaled_mm_gemv_kernel_limits():
+    from quantkit.kernels import gemm
+
+    a, a_scale, w, w_scale, bias = _operands(4, 96, 272, torch.int8, seed=8)
+    assert torch.equal(gemm.scaled_mm(a, w, a_scale, w_scale, bias, kernel="gemv"),
+                       gemv.scaled_gemv(a, w, a_scale, w_scale, bias))
+    a5, a5_scale, _, _, _ = _operands(5, 96, 272, torch.int8, seed=9)
+    with pytest.raises(ValueError, match="kernel='gemv' takes .* M <= 4 rows \\(M=5\\)"):
+        gemm.scaled_mm(a5, w, a5_scale, w_scale, kernel="gemv")
+    stacked = torch.cat([w, w])
+    with pytest.raises(ValueError, match="kernel='gemv' takes non-gated"):
+        gemm.gated_scaled_mm(a[:1], stacked, a_scale[:1], torch.cat([w_scale, w_scale]), kernel="gemv")
