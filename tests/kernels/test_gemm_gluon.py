@@ -48,6 +48,14 @@ def test_gated_ring_holds_two_weight_tiles():
     assert gated.shared_bytes() - plain.shared_bytes() == 4 * 64 * 128
 
 
+def test_gated_tuning_buckets_are_not_capped():
+    from quantkit.kernels.gemm_configs import m_bucket
+
+    assert [gemm_gluon.tune_bucket(M, True) for M in (1, 1024, 1025, 4096, 16384, 20000)] == [
+        1, 1024, 2048, 4096, 16384, 32768]
+    assert all(gemm_gluon.tune_bucket(M, False) == m_bucket(M) for M in (1, 1024, 4096, 16384))
+
+
 def test_tune_candidates_are_configs():
     assert all(not gemm_gluon.CONFIGS[name].gated for name in gemm_gluon.TUNE_CANDIDATES)
     assert all(gemm_gluon.GATED_CONFIGS[name].gated for name in gemm_gluon.GATED_TUNE_CANDIDATES)
