@@ -20,6 +20,22 @@
 3. Results: gemm_gluon.json (meta, checks, rows) and gemm_gluon.txt (tables: us, TFLOP/s, ratios),
    rewritten after every point; no new point starts past --deadline seconds.
 
+Gated mode (``--gated``; gemm_gluon's GATED configs, ``act(gate) * up`` over a stacked (2N, K) weight):
+
+    PYTHONUNBUFFERED=1 python benchmarks/gemm_gluon.py --gated --out $OUT/gated --deadline 200
+
+1. Checks, INT8 and FP8, every gated config, M in {1, 13, 257, 1024, 2048} x N (outputs) in
+   {96, 384, 4096} x K in {272, 4096}, plus N=389 (a padded output row), silu; the first config
+   also with gelu_tanh and an fp16 output; INT8 also through ``gemm.gated_scaled_mm`` (kernel
+   "auto": Gluon from GLUON_MIN_M). Reference: float64 ``act(g) * u``, g and u the scaled GEMMs
+   over the gate and up rows. Tolerances as above, the absolute term relative to max|act(g)| x
+   max|u| (FP8: the accumulation error of g and u scaled by the other factor).
+2. Timings at gate_up 2 x 14336 x 4096 (N = 14336 outputs, K = 4096), M in {1024, 4096, 16384}:
+   bf16 (one F.linear over the stacked weight + silu * mul), the Triton gated kernel
+   (``gemm.gated_scaled_mm(kernel="persistent")``), two Gluon GEMMs (``gemm.scaled_mm(kernel="gluon")``,
+   tuned) + ``F.silu(g) * u``, every gated config and ``gemm.gated_scaled_mm`` (auto: tuned gated
+   Gluon). Same graph timing, rotation and medians. Results: gemm_gluon_gated.json / .txt.
+
 Imports the kernels without quantkit/__init__.py (whose data-set dependencies the GPU image lacks).
 """
 
@@ -110,10 +126,11 @@ def reference64(a, w, a_scale, w_scale, bias, activation):
     return reference.apply_activation(out, activation)
 
 
-def compare(out, ref, dtype) -> dict:
-    """Per-element and Frobenius error of a 16-bit output against the float64 reference."""
+def compare(out, ref, dtype, scale=None) -> dict:
+    """Per-element and Frobenius error of a 16-bit output against the float64 reference
+    (``scale``: the magnitude the absolute term is relative to; default max|ref|)."""
     diff = (out.double() - ref).abs()
-    scale = ref.abs().max().item() or 1.0
+    scale = scale or ref.abs().max().item() or 1.0
     # The output rounding: half a bf16 ulp, a whole one where the fp32 epilogue's own rounding
     # tips a value across a rounding midpoint (2^-7 relative covers both). FP8's wgmma adds in a
     # reduced-precision accumulator (fast accumulation): an absolute term relative to the output's
@@ -296,6 +313,228 @@ def time_point(M, N, K, passed, rounds) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
+# Gated mode
+# ----------------------------------------------------------------------------------------------
+
+GATED_CHECK_MS = [1, 13, 257, 1024, 2048]
+GATED_CHECK_SHAPES = [(N, K) for N in (96, 384, 4096) for K in (272, 4096)] + [(389, 272)]
+GATED_POINTS = [(M, 14336, 4096) for M in (1024, 4096, 16384)]
+
+
+def gated_configs() -> list[str]:
+    return [name for name in gemm_gluon.GATED_CONFIGS if not SELECTED or name in SELECTED]
+
+
+def gated_operands(M, N, K, dtype, seed=0):
+    """x (M, K) bf16, the stacked bf16 weight (2N, K), and their quantized forms (w_scale: 2N)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w_bf16 = (torch.randn(2 * N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K**-0.5).to(torch.bfloat16)
+    a, a_scale = reference.quantize_per_token(x, dtype)
+    w, w_scale = reference.quantize_per_channel(w_bf16, dtype)
+    return x, w_bf16, a, a_scale, w.contiguous(), w_scale.reshape(-1).contiguous()
+
+
+def gated_reference64(a, w, a_scale, w_scale, activation):
+    """float64 (act(g) * u, max|act(g)| x max|u|)."""
+    full = (a.double() @ w.double().T) * a_scale.double()[:, None] * w_scale.double()[None, :]
+    g, u = full.chunk(2, dim=-1)
+    act = reference.apply_activation(g, activation)
+    return act * u, (act.abs().max() * u.abs().max()).item()
+
+
+def run_gated_checks(results: dict) -> dict:
+    passed = {}
+    extra = gated_configs()[0]
+    for dtype in (torch.int8, FP8):
+        name = DTYPE_NAMES[dtype]
+        ok_all = True
+        for N, K in GATED_CHECK_SHAPES:
+            for M in GATED_CHECK_MS:
+                _, _, a, a_scale, w, w_scale = gated_operands(M, N, K, dtype, seed=M + N + K)
+                refs = {}
+                runs = []
+                for cfg_name in gated_configs():
+                    runs.append((cfg_name, "silu", torch.bfloat16))
+                    if cfg_name == extra:
+                        runs.append((cfg_name, "gelu_tanh", torch.float16))
+                if dtype == torch.int8 and M >= gemm.GLUON_MIN_M:
+                    runs += [("gemm.gated_scaled_mm", "silu", torch.bfloat16)]
+                for cfg_name, activation, out_dtype in runs:
+                    row = {"gated": True, "dtype": name, "M": M, "N": N, "K": K, "config": cfg_name,
+                           "activation": activation, "out_dtype": str(out_dtype)}
+                    try:
+                        if cfg_name == "gemm.gated_scaled_mm":
+                            fn = lambda: gemm.gated_scaled_mm(a, w, a_scale, w_scale, activation, out_dtype)  # noqa: E731
+                            row["picked"] = gemm._pick_kernel("auto", a, w, torch.empty(M, N, dtype=out_dtype,
+                                                                                          device="cuda"),
+                                                              True, None, (True, True, True, False, 2, False))
+                        else:
+                            fn = lambda: gemm_gluon.gluon_gated_scaled_mm(a, w, a_scale, w_scale, activation,  # noqa: E731
+                                                                          out_dtype, config=cfg_name)
+                        out = fn()
+                        again = fn()
+                        torch.cuda.synchronize()
+                        if activation not in refs:
+                            refs[activation] = gated_reference64(a, w, a_scale, w_scale, activation)
+                        ref, scale = refs[activation]
+                        row.update(compare(out, ref, dtype, scale=scale))
+                        row["repeat_bit_equal"] = bool(torch.equal(out, again))
+                        row["ok"] = row["ok"] and row["repeat_bit_equal"] and tuple(out.shape) == (M, N)
+                    except Exception as error:
+                        row.update(ok=False, error=f"{type(error).__name__}: {error}"[:2000])
+                        traceback.print_exc()
+                    ok_all &= row["ok"]
+                    results["checks"].append(row)
+                    if not row["ok"]:
+                        log(f"CHECK FAILED {row}")
+            log(f"gated checks {name} N={N} K={K}: {'ok' if ok_all else 'FAILED'}")
+        passed[name] = ok_all
+    return passed
+
+
+def gated_point_ops(M, N, K, passed, dtypes):
+    ops = {}
+    x, w_bf16, _, _, _, _ = gated_operands(M, N, K, torch.int8)
+
+    def bf16():
+        g, u = F.linear(x, w_bf16).chunk(2, dim=-1)
+        return F.silu(g) * u
+
+    ops["bf16"] = bf16
+    for dtype in dtypes:
+        name = DTYPE_NAMES[dtype]
+        _, _, a, a_scale, w, w_scale = gated_operands(M, N, K, dtype)
+        if dtype == torch.int8:
+            ops[f"triton_gated_{name}"] = (
+                lambda a=a, w=w, s=a_scale, t=w_scale: gemm.gated_scaled_mm(a, w, s, t, "silu", kernel="persistent"))
+        else:
+            ops[f"triton_gated_{name}"] = lambda a=a, w=w, s=a_scale, t=w_scale: gemm.gated_scaled_mm(a, w, s, t, "silu")
+        if not passed.get(name):
+            continue
+        w_gate, w_up, s_gate, s_up = w[:N], w[N:], w_scale[:N], w_scale[N:]
+
+        def two_gemms(a=a, s=a_scale, wg=w_gate, wu=w_up, sg=s_gate, su=s_up):
+            g = gemm.scaled_mm(a, wg, s, sg, kernel="gluon")
+            u = gemm.scaled_mm(a, wu, s, su, kernel="gluon")
+            return F.silu(g) * u
+
+        ops[f"gluon_2gemm_{name}"] = two_gemms
+        for cfg_name in gated_configs():
+            ops[f"gluon_{name}_{cfg_name}"] = (
+                lambda a=a, w=w, s=a_scale, t=w_scale, c=cfg_name: gemm_gluon.gluon_gated_scaled_mm(a, w, s, t, "silu",
+                                                                                                     config=c))
+        if dtype == torch.int8:
+            ops[f"gluon_{name}_gated_auto"] = (
+                lambda a=a, w=w, s=a_scale, t=w_scale: gemm.gated_scaled_mm(a, w, s, t, "silu", kernel="gluon"))
+    return ops
+
+
+def time_gated_point(M, N, K, passed, rounds, dtypes) -> dict:
+    ops = gated_point_ops(M, N, K, passed, dtypes)
+    errors = {}
+    for name, fn in list(ops.items()):  # compile / autotune outside the timings
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except Exception as error:
+            errors[name] = f"{type(error).__name__}: {error}"[:1000]
+            log(f"  {name} failed to run: {errors[name]}")
+            del ops[name]
+    names = list(ops)
+    samples = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(graph_ms(ops[name]) * 1e3)
+    us = {name: statistics.median(values) for name, values in samples.items()}
+    flops = 2.0 * M * 2 * N * K
+    tuned = {f"{key[0]}x{key[1]} m{key[2]} {DTYPE_NAMES.get(key[3], key[3])}{' gated' if key[-1] else ''}": cfg.name
+             for key, cfg in gemm_gluon._TUNED.items() if key[1] == K and key[0] == N}
+    row = {"M": M, "N": N, "K": K, "us": us, "rounds_us": samples, "errors": errors, "tuned": tuned,
+           "tflops": {name: flops / (t * 1e-6) / 1e12 for name, t in us.items()}}
+    for dtype in dtypes:
+        name = DTYPE_NAMES[dtype]
+        mine = {n: t for n, t in us.items() if n.startswith(f"gluon_{name}_gated_")}
+        if mine:
+            row[f"best_gluon_gated_{name}"] = min(mine, key=mine.get)
+    return row
+
+
+def gated_text_report(results: dict) -> str:
+    meta = results["meta"]
+    lines = [f"Gluon gated GEMM, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit "
+             f"{meta['commit']}, {meta['date']}", ""]
+    n_ok = sum(r["ok"] for r in results["checks"])
+    lines.append(f"checks: {n_ok}/{len(results['checks'])} passed; per dtype {results.get('checks_passed', {})}")
+    lines += ["", "| M | N x K | bf16 (+silu*mul) | triton gated int8 | 2 gluon GEMMs + silu*mul | gluon gated best "
+              "(config) | gated auto | best vs 2 GEMMs | best vs triton gated | best vs bf16 |", "|" + "---|" * 10]
+    fmt = lambda v: f"{v:.1f}" if v else "-"  # noqa: E731
+    for row in results["rows"]:
+        us = row["us"]
+        best = row.get("best_gluon_gated_int8")
+        gb = us.get(best) if best else None
+        two, tri, bf = us.get("gluon_2gemm_int8"), us.get("triton_gated_int8"), us.get("bf16")
+        lines.append(f"| {row['M']} | {row['N']}x{row['K']} | {fmt(bf)} | {fmt(tri)} | {fmt(two)} | {fmt(gb)} "
+                     f"({(best or '-').replace('gluon_int8_', '')}) | {fmt(us.get('gluon_int8_gated_auto'))} | "
+                     f"{ratio(two, gb):.3f} | {ratio(tri, gb):.3f} | {ratio(bf, gb):.3f} |")
+    lines += ["", "Every op (us median / TFLOP/s over the 2 x M x 2N x K of both halves):", ""]
+    for row in results["rows"]:
+        lines.append(f"M={row['M']} N={row['N']} K={row['K']} tuned {row['tuned']}")
+        for name in sorted(row["us"]):
+            spread = ", ".join(f"{v:.1f}" for v in row["rounds_us"][name])
+            lines.append(f"  {name:40s} {row['us'][name]:9.1f} us {row['tflops'][name]:7.1f} TFLOP/s   [{spread}]")
+        for name, err in row["errors"].items():
+            lines.append(f"  {name}: FAILED {err}")
+    if results.get("skipped_points"):
+        lines += ["", f"skipped (deadline): {results['skipped_points']}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_gated(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gemm_gluon_gated.json").write_text(json.dumps(results, indent=1))
+    (out / "gemm_gluon_gated.txt").write_text(gated_text_report(results))
+
+
+def main_gated(args) -> None:
+    results = {"meta": {**metadata(), "gated": True,
+                        "gated_configs": {n: vars(c) for n, c in gemm_gluon.GATED_CONFIGS.items()}},
+               "checks": [], "rows": [], "skipped_points": []}
+    log(f"gated mode; {results['meta']['gpu']} gluon available: {results['meta']['gluon_available']}")
+    if not results["meta"]["gluon_available"]:
+        write_gated(results, args.out)
+        raise SystemExit("gemm_gluon.available() is False here: needs an sm_90 GPU and triton 3.6's Gluon")
+    passed = {"fp8": True, "int8": True} if args.skip_checks else run_gated_checks(results)
+    results["checks_passed"] = passed
+    write_gated(results, args.out)
+    log(f"gated checks done: {passed}")
+    if args.checks_only:
+        return
+    dtypes = [torch.int8] + ([FP8] if args.gated_fp8 else [])
+    points = GATED_POINTS
+    if args.points:
+        points = [tuple(int(v) for v in p.split(":")) for p in args.points.split(",")]
+    for M, N, K in points:
+        if elapsed() > args.deadline:
+            results["skipped_points"].append([M, N, K])
+            continue
+        log(f"gated point M={M} N={N} K={K}")
+        try:
+            row = time_gated_point(M, N, K, passed, args.rounds, dtypes)
+        except torch.cuda.OutOfMemoryError as error:
+            results["skipped_points"].append([M, N, K, f"OOM: {error}"[:300]])
+            torch.cuda.empty_cache()
+            continue
+        results["rows"].append(row)
+        log("  " + "  ".join(f"{n}={t:.1f}" for n, t in row["us"].items()))
+        write_gated(results, args.out)
+        torch.cuda.empty_cache()
+    write_gated(results, args.out)
+    log(f"done; results in {args.out}")
+
+
+# ----------------------------------------------------------------------------------------------
 # Report
 # ----------------------------------------------------------------------------------------------
 
@@ -365,9 +604,15 @@ def main() -> None:
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--configs", default="", help="comma-separated config names (default: all)")
     parser.add_argument("--no-bias", action="store_true", help="plain epilogue: no bias in any op")
+    parser.add_argument("--gated", action="store_true", help="the gated mode: gated checks, gate_up timings")
+    parser.add_argument("--gated-fp8", action="store_true", help="gated timings: FP8 ops too")
+    parser.add_argument("--checks-only", action="store_true", help="gated mode: no timings")
     args = parser.parse_args()
     OPTIONS["bias"] = not args.no_bias
     SELECTED[:] = [name for name in args.configs.split(",") if name]
+    if args.gated:
+        main_gated(args)
+        return
 
     results = {"meta": {**metadata(), "bias": OPTIONS["bias"]}, "checks": [], "rows": [], "skipped_points": []}
     log(f"{results['meta']['gpu']} torch {torch.__version__} triton {triton.__version__}; "

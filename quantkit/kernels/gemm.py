@@ -248,6 +248,7 @@ PERSISTENT_MIN_M = 1024
 # not generate, and a 128x128 ping-pong config for partial last waves. Measured on an H100 at
 # M = 1024 / 4096 / 16384, the four Llama-3-8B shapes: 1.03-1.55x the Triton INT8 kernel (plain
 # epilogue, benchmarks/NOTES-gemm.md, session 8). FP8 stays on Triton (Gluon 0.93-1.02x there).
+# The gated INT8 GEMM (gated_scaled_mm) takes the Gluon kernel's gated mode from the same M.
 GLUON_MIN_M = 1024
 # kernel="auto" takes the tensor-core-free GEMV (gemv.py) up to this M: measured on an H100 at
 # M = 1, the four Llama-3-8B shapes, both dtypes: 1.18-1.33x the tiled split-K kernel with the L2
@@ -366,9 +367,10 @@ def _persistent_sized(a, gated) -> bool:
 
 
 def gluon_takes(a, w, out, gated, flags) -> bool:
-    """Whether this call can run on the Gluon kernel: INT8 or FP8, not gated, no raw accumulator,
-    per-row and per-column scales, a 16-bit output, TMA-compatible operands, a Gluon-capable GPU."""
-    return (not gated and not flags[5] and flags[1] and flags[2] and out.dtype in (torch.bfloat16, torch.float16)
+    """Whether this call can run on the Gluon kernel: INT8 or FP8, plain or gated (its gated mode:
+    the stacked [gate; up] weight, two accumulators), no raw accumulator, per-row and per-column
+    (gated: per weight row, 2N) scales, a 16-bit output, TMA-compatible operands, a Gluon-capable GPU."""
+    return (not flags[5] and flags[1] and flags[2] and out.dtype in (torch.bfloat16, torch.float16)
             and a.shape[1] % 16 == 0 and gemm_tma.descriptors_ok(a, w, out) and gemm_gluon.available())
 
 
@@ -379,8 +381,8 @@ def _pick_kernel(kernel, a, w, out, gated, config, flags) -> str:
     if kernel == "gluon":
         if config is not None or not gluon_takes(a, w, out, gated, flags):
             raise ValueError(
-                "kernel='gluon' needs an sm_90 GPU with triton 3.6, no config, a non-gated call with per-row and "
-                "per-column scales, a bf16/fp16 output, K % 16 == 0 and 16-byte aligned operands: use kernel='auto'"
+                "kernel='gluon' needs an sm_90 GPU with triton 3.6, no config, per-row and per-column scales, a "
+                "bf16/fp16 output, K % 16 == 0 and 16-byte aligned operands: use kernel='auto'"
             )
         return "gluon"
     if kernel == "gemv":
@@ -413,7 +415,7 @@ def _launch(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, confi
         if kind == "gemv":
             gemv._launch(a, w, out, a_scale, w_scale, bias, activation, False, None)
         elif kind == "gluon":
-            gemm_gluon.tuned_call(a, w, out, a_scale, w_scale, bias, activation)(
+            gemm_gluon.tuned_call(a, w, out, a_scale, w_scale, bias, activation, gated)(
                 a, w, out, a_scale, w_scale, bias if bias is not None else w_scale)
         elif kind == "persistent":
             gemm_tma.launch_persistent(a, w, out, a_scale, w_scale, bias, flags, m_bucket(a.shape[0]), fp8_fast_accum,
@@ -433,7 +435,7 @@ def _call(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config,
     if kind == "gemv":
         return _GemvCall(bias is not None, activation)
     if kind == "gluon":
-        return gemm_gluon.tuned_call(a, w, out, a_scale, w_scale, bias, activation)
+        return gemm_gluon.tuned_call(a, w, out, a_scale, w_scale, bias, activation, gated)
     if kind == "persistent":
         return gemm_tma.persistent_call(a, w, out, a_scale, w_scale, bias, flags, m_bucket(a.shape[0]),
                                         fp8_fast_accum, INTERPRETED, config, gated=gated)
@@ -554,8 +556,9 @@ def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype
                     out=None, fp8_fast_accum: bool = True, kernel: str = "auto"):
     """``act(gate) * up`` for a stacked (2N, K) [gate; up] weight -> (M, N), one GEMM, one write.
 
-    ``kernel`` as for ``scaled_mm``: "auto" takes the persistent TMA kernel from PERSISTENT_MIN_M rows
-    for INT8 (for FP8 the tiled kernel measured faster).
+    ``kernel`` as for ``scaled_mm``: "auto" takes the Gluon kernel's gated mode for INT8 from
+    GLUON_MIN_M rows where it runs (sm_90, triton 3.6; per-row and per-column scales), else the
+    persistent TMA kernel from PERSISTENT_MIN_M rows for INT8 (for FP8 the tiled kernel measured faster).
     """
     signature = None
     if config is None and out is None and not INTERPRETED:

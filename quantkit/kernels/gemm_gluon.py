@@ -24,6 +24,16 @@ synchronous wgmma (``wgmma.wait_group 0`` after every K step). Gluon exposes the
   a consumer waits for its turn before its tile's first ring wait and hands the turn over once
   its tile's last MMA is issued, so its epilogue runs under the other consumer's MMAs.
 
+- GATED (``GluonConfig.gated``, ``gluon_gated_scaled_mm``, the Gluon form of ``gemm.gated_scaled_mm``):
+  w is the stacked (2N, K) [gate; up] weight and the output (M, N) ``act(gate) * up``. Per K step
+  the loader brings the A tile, the gate W tile (rows n) and the up W tile (rows N + n) into one
+  ring slot under its one ready barrier (the expected bytes of all three); the consumer issues two
+  async wgmmas into two accumulators and waits down to 2 outstanding (this step's pair stays in
+  flight, the previous step's pair has retired: its slot goes back). Epilogue in fp32 in
+  gemm._store_tile's order, ``act((acc * a_scale) * w_scale[n]) * ((acc_up * a_scale) * w_scale[N + n])``,
+  one cast. Same ring, barriers and slot order as the plain form; GATED is a constexpr, the plain
+  kernel compiles as before. Tiles of GATED_CONFIGS hold two accumulators in the registers of one.
+
 Barrier protocol (mbarrier waits name a phase only by its parity, so every wait must be for the
 current phase of its barrier or the one just completed, never one further ahead): the ring is
 consumed in this program's K-slice order, ``step`` = tile index in the program x k_steps + ki,
@@ -82,7 +92,8 @@ except (ImportError, AttributeError) as error:  # no Gluon, or one without Hoppe
 
 @dataclasses.dataclass(frozen=True)
 class GluonConfig:
-    """One kernel variant. Shared memory: STAGES x (A + W tile) + CONSUMERS x EPILOGUE_BUFFERS output chunks."""
+    """One kernel variant. Shared memory: STAGES x (A + W tile) + CONSUMERS x EPILOGUE_BUFFERS output chunks
+    (gated: STAGES x (A + gate W + up W tile); block_n counts the N outputs, two W tiles per step)."""
 
     block_m: int = 128
     block_n: int = 256
@@ -95,6 +106,7 @@ class GluonConfig:
     group_m: int = 8
     loader_regs: int = 40
     consumer_regs: int = 232  # a worker consumer's register budget (ping-pong only)
+    gated: bool = False  # act(gate) * up over a stacked (2N, K) [gate; up] weight: two accumulators
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
@@ -117,12 +129,12 @@ class GluonConfig:
 
     @property
     def name(self) -> str:
-        kind = "pp" if self.consumers == 2 else f"coop{self.consumer_warps}w"
+        kind = ("gated_" if self.gated else "") + ("pp" if self.consumers == 2 else f"coop{self.consumer_warps}w")
         return (f"{kind}_{self.block_m}x{self.block_n}x{self.block_k}_s{self.stages}"
                 f"_e{self.epilogue_split}_g{self.group_m}")
 
     def shared_bytes(self, out_bytes: int = 2) -> int:
-        ring = self.stages * (self.block_m + self.block_n) * self.block_k  # 8-bit operands
+        ring = self.stages * (self.block_m + (2 if self.gated else 1) * self.block_n) * self.block_k  # 8-bit operands
         staging = (self.consumers * self.epilogue_buffers * self.block_m * (self.block_n // self.epilogue_split)
                    * out_bytes)
         return ring + staging + (2 * self.stages + self.consumers) * 8 + 1024  # barriers, alignment slack
@@ -142,6 +154,22 @@ CONFIGS = {
     # Ping-pong on 64x256 tiles: wider wgmma (n=256 for FP8), half the rows per tile.
     "pp_64x256": GluonConfig(64, 256, 128, stages=5, consumers=2, consumer_warps=4, epilogue_split=4,
                              epilogue_buffers=1),
+}
+
+# The gated form (``gated=True``): per K step the ring slot holds the A tile, the gate W tile (rows
+# n of the stacked weight) and the up W tile (rows N + n), and the consumer keeps two accumulators,
+# so the register budget of one accumulator tile is split between two: the tiles below hold 128
+# int32 accumulator registers per consumer thread like pp_128x128 / coop_128x256 do.
+GATED_CONFIGS = {
+    # Ping-pong, 128 rows x 64 outputs per consumer (gate + up: a 128x128 MMA tile per K step).
+    "gated_pp_128x64": GluonConfig(128, 64, 128, stages=6, consumers=2, consumer_warps=4, epilogue_split=2,
+                                   epilogue_buffers=1, gated=True),
+    # Cooperative, two warpgroups on 64 rows each of 128 rows x 128 outputs (a 128x256 MMA tile).
+    "gated_coop_128x128": GluonConfig(128, 128, 128, stages=4, consumers=1, consumer_warps=8, epilogue_split=4,
+                                      gated=True),
+    # The same with 64-deep K steps and a ring twice as deep.
+    "gated_coop_128x128_k64": GluonConfig(128, 128, 64, stages=8, consumers=1, consumer_warps=8, epilogue_split=4,
+                                          gated=True),
 }
 
 
@@ -273,8 +301,10 @@ if _GLUON_ERROR is None:
         return x
 
     @gluon.jit
-    def _load_partition(a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, N, K,
-                        GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    def _load_partition(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
+                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
+        # Gated: N counts the outputs; w_desc is the stacked (2N, K) weight, the up rows N below the
+        # gate rows, both W tiles of a step land in the slot's w_bufs / u_bufs under one ready barrier.
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -292,16 +322,25 @@ if _GLUON_ERROR is None:
                 # counts as having completed it, so the first lap over the ring does not wait.
                 mbarrier.wait(empty_bars.index(slot), _previous_phase(phase))
                 ready = ready_bars.index(slot)
-                mbarrier.expect(ready, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                if GATED:
+                    mbarrier.expect(ready, a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
+                else:
+                    mbarrier.expect(ready, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(a_desc, [off_m, ki * BLOCK_K], ready, a_bufs.index(slot))
                 tma.async_copy_global_to_shared(w_desc, [off_n, ki * BLOCK_K], ready, w_bufs.index(slot))
+                if GATED:
+                    # Up rows past 2N (N not a multiple of BLOCK_N) are zero-filled; gate rows past N
+                    # read up rows, whose outputs the clipped store drops.
+                    tma.async_copy_global_to_shared(w_desc, [N + off_n, ki * BLOCK_K], ready, u_bufs.index(slot))
                 step += 1
 
     @gluon.jit
-    def _store_chunk(x, chunk: gl.constexpr, off_m, off_n, out_desc, c_bufs, FIRST: gl.constexpr,
+    def _store_chunk(x, u, chunk: gl.constexpr, off_m, off_n, out_desc, c_bufs, FIRST: gl.constexpr,
                      BUFFERS: gl.constexpr, w_scale_ptr, bias_ptr, N, HAS_BIAS: gl.constexpr,
-                     ACTIVATION: gl.constexpr, layout: gl.constexpr):
-        # c_bufs[FIRST:FIRST + BUFFERS]: this consumer's output staging buffers
+                     ACTIVATION: gl.constexpr, GATED: gl.constexpr, layout: gl.constexpr):
+        # c_bufs[FIRST:FIRST + BUFFERS]: this consumer's output staging buffers. Gated: ``u`` is
+        # the up chunk (acc_up * a_scale; unused otherwise), out = act(gate) * up as in
+        # gemm._store_tile: act((acc * a_scale) * w_scale[n]) * ((acc_up * a_scale) * w_scale[N + n]).
         CHUNK_N: gl.constexpr = out_desc.block_type.shape[1]
         x = gl.convert_layout(x, layout, assert_trivial=True)
         cols = off_n + chunk * CHUNK_N + gl.arange(0, CHUNK_N, layout=gl.SliceLayout(0, layout))
@@ -312,6 +351,10 @@ if _GLUON_ERROR is None:
             bias = gl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(gl.float32)
             x = x + gl.expand_dims(bias, 0)
         x = _activation(x, ACTIVATION)
+        if GATED:
+            u = gl.convert_layout(u, layout, assert_trivial=True)
+            w_scale_up = gl.load(w_scale_ptr + N + cols, mask=col_ok, other=0.0)
+            x = x * (u * gl.expand_dims(w_scale_up, 0))
         # Chunks take the staging buffers in turn (the split is a multiple of BUFFERS, so every
         # tile starts on buffer 0): the store issued BUFFERS chunks ago must have read this one.
         c_smem = c_bufs.index(FIRST + chunk % BUFFERS)
@@ -328,10 +371,11 @@ if _GLUON_ERROR is None:
         return x.reshape([BM, 2, BN // 2]).permute((0, 2, 1)).split()
 
     @gluon.jit
-    def _consumer_partition(a_bufs, w_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc, a_scale_ptr,
-                            w_scale_ptr, bias_ptr, M, N, K, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
-                            CONSUMER_WARPS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                            EPILOGUE_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr):
+    def _consumer_partition(a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
+                            a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, CONSUMER: gl.constexpr,
+                            CONSUMERS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, GROUP_M: gl.constexpr,
+                            STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                            ACTIVATION: gl.constexpr, GATED: gl.constexpr):
         BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
         BLOCK_N: gl.constexpr = w_bufs.type.shape[1]
@@ -353,6 +397,8 @@ if _GLUON_ERROR is None:
             off_n = pid_n * BLOCK_N
             step = local * k_steps
             acc = gl.zeros((BLOCK_M, BLOCK_N), acc_dtype, layout=mma_layout)
+            if GATED:
+                acc_up = gl.zeros((BLOCK_M, BLOCK_N), acc_dtype, layout=mma_layout)
             if CONSUMERS == 2:
                 # Our turn: the other consumer has issued all of the previous tile's ring waits
                 # and MMAs, so the ring positions below are at most one lap ahead of the loader.
@@ -361,15 +407,25 @@ if _GLUON_ERROR is None:
                 slot, phase = _ring_slot_phase(step, STAGES)
                 mbarrier.wait(ready_bars.index(slot), phase)
                 acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
-                # Keep this MMA in flight; the one before it has now retired, so its slot is free.
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                if GATED:
+                    # Two MMA groups per step (gate, up): waiting down to 2 outstanding keeps this
+                    # step's pair in flight and retires the previous step's pair, whose slot is free.
+                    acc_up = warpgroup_mma(a_bufs.index(slot), u_bufs.index(slot).permute((1, 0)), acc_up,
+                                           is_async=True)
+                    acc, acc_up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_up))
+                else:
+                    # Keep this MMA in flight; the one before it has now retired, so its slot is free.
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES), pred=ki > 0)
                 step += 1
             if CONSUMERS == 2:
                 # The next tile's turn (the other consumer's), while our last MMA finishes and our
                 # epilogue runs. After this program's last tile nobody waits for it: harmless.
                 mbarrier.arrive(order_bars.index(1 - CONSUMER))
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            if GATED:
+                acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES))
             local += CONSUMERS
 
@@ -377,27 +433,35 @@ if _GLUON_ERROR is None:
             rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
             a_scale = gl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
             x = acc.to(gl.float32) * gl.expand_dims(a_scale, 1)
+            if GATED:
+                u = acc_up.to(gl.float32) * gl.expand_dims(a_scale, 1)
+            else:
+                u = x  # a stand-in, unused
             if EPILOGUE_SPLIT == 1:
-                _store_chunk(x, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, chunk_layout)
+                _store_chunk(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, GATED, chunk_layout)
             elif EPILOGUE_SPLIT == 2:
                 left, right = _halves(x)
-                _store_chunk(left, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, chunk_layout)
-                _store_chunk(right, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, chunk_layout)
+                u_left, u_right = _halves(u)
+                _store_chunk(left, u_left, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr,
+                             N, HAS_BIAS, ACTIVATION, GATED, chunk_layout)
+                _store_chunk(right, u_right, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr,
+                             bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, chunk_layout)
             else:
                 left, right = _halves(x)
+                u_left, u_right = _halves(u)
                 q0, q1 = _halves(left)
-                _store_chunk(q0, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, chunk_layout)
-                _store_chunk(q1, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, chunk_layout)
+                v0, v1 = _halves(u_left)
+                _store_chunk(q0, v0, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, GATED, chunk_layout)
+                _store_chunk(q1, v1, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, GATED, chunk_layout)
                 q2, q3 = _halves(right)
-                _store_chunk(q2, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, chunk_layout)
-                _store_chunk(q3, 3, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, chunk_layout)
+                v2, v3 = _halves(u_right)
+                _store_chunk(q2, v2, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, GATED, chunk_layout)
+                _store_chunk(q3, v3, 3, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, GATED, chunk_layout)
         tma.store_wait(0)
 
     # M, N and K only size loops and masks (TMA does the addressing): not specialized, so odd
@@ -407,9 +471,14 @@ if _GLUON_ERROR is None:
                           HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr,
                           STAGES: gl.constexpr, CONSUMERS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr,
                           EPILOGUE_BUFFERS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          num_warps: gl.constexpr):
+                          GATED: gl.constexpr, num_warps: gl.constexpr):
+        # GATED: out (M, N) = act(gate) * up over the stacked (2N, K) weight of w_desc; N counts outputs.
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+        if GATED:
+            u_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+        else:
+            u_bufs = w_bufs  # a stand-in, unused
         c_bufs = gl.allocate_shared_memory(out_desc.dtype, [CONSUMERS * EPILOGUE_BUFFERS] + out_desc.block_type.shape,
                                            out_desc.layout)
         ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -427,22 +496,22 @@ if _GLUON_ERROR is None:
         # The default partition (the kernel's num_warps) is consumer 0; workers follow.
         if CONSUMERS == 1:
             gl.warp_specialize([
-                (_consumer_partition, (a_bufs, w_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
+                (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION)),
-                (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, N, K, GROUP_M,
-                                   STAGES)),
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED)),
+                (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
+                                   GROUP_M, STAGES, GATED)),
             ], [1], [LOADER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer_partition, (a_bufs, w_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
+                (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION)),
-                (_consumer_partition, (a_bufs, w_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED)),
+                (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION)),
-                (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, N, K, GROUP_M,
-                                   STAGES)),
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED)),
+                (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
+                                   GROUP_M, STAGES, GATED)),
             ], [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -479,13 +548,18 @@ def _weight_descriptor(w: torch.Tensor, block: list[int]):
     return desc
 
 
-def _check(a, w, a_scale, w_scale, bias, activation, out_dtype):
+def _check(a, w, a_scale, w_scale, bias, activation, out_dtype, gated=False):
     if a.dtype not in (torch.int8, torch.float8_e4m3fn) or w.dtype != a.dtype:
         raise ValueError(f"a and w must both be int8 or both float8_e4m3fn, got {a.dtype} and {w.dtype}")
     if a.dim() != 2 or w.dim() != 2 or a.shape[1] != w.shape[1]:
         raise ValueError(f"a (M, K) and w (N, K) expected, got {tuple(a.shape)} and {tuple(w.shape)}")
     M, K = a.shape
     N = w.shape[0]
+    if gated:
+        if N % 2:
+            raise ValueError(f"the gated GEMM needs a stacked [gate; up] weight of 2N rows, got {N} rows")
+        if bias is not None:
+            raise ValueError("the gated GEMM takes no bias")
     if K % 16:
         raise ValueError(f"K={K} is not a multiple of 16 (TMA needs 16-byte row strides); pad K")
     for name, t in (("a", a), ("w", w)):
@@ -493,7 +567,7 @@ def _check(a, w, a_scale, w_scale, bias, activation, out_dtype):
             raise ValueError(f"{name} needs contiguous rows, a 16-byte aligned base and row stride; "
                              f"call .contiguous()")
     if a_scale.numel() != M or w_scale.numel() != N:
-        raise ValueError(f"a_scale needs M={M} values (per row) and w_scale N={N} (per column), got "
+        raise ValueError(f"a_scale needs M={M} values (per row) and w_scale {N} (per weight row), got "
                          f"{a_scale.numel()} and {w_scale.numel()}")
     if bias is not None and bias.numel() != N:
         raise ValueError(f"bias needs N={N} values, got {bias.numel()}")
@@ -507,7 +581,8 @@ class GluonCall:
     """A launch minus its addresses: config, grid and constexprs fixed for one call signature
     (``gemm.scaled_mm`` keeps one per signature, as it does a ``gemm_tma.PersistentCall``).
     Calling it launches with this call's tensors: a (M, K), w (N, K), out (M, N) with 16-byte rows,
-    a_scale (M,) and w_scale (N,) float32, ``bias_arg`` the bias or any tensor when there is none."""
+    a_scale (M,) and w_scale (N,) float32, ``bias_arg`` the bias or any tensor when there is none.
+    A gated config (``config.gated``): w the stacked (2N, K) [gate; up] weight, w_scale (2N,), no bias."""
 
     __slots__ = ("config", "grid", "constexprs", "chunk_n")
 
@@ -522,7 +597,7 @@ class GluonCall:
             HAS_BIAS=has_bias, ACTIVATION=ACTIVATIONS.index(activation), GROUP_M=config.group_m,
             STAGES=config.stages, CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
             EPILOGUE_BUFFERS=config.epilogue_buffers, LOADER_REGS=config.loader_regs,
-            CONSUMER_REGS=config.consumer_regs, num_warps=config.consumer_warps)
+            CONSUMER_REGS=config.consumer_regs, GATED=config.gated, num_warps=config.consumer_warps)
 
     def __call__(self, a, w, out, a_scale, w_scale, bias_arg) -> None:
         cfg = self.config
@@ -538,28 +613,44 @@ class GluonCall:
 # Measured on an H100 (benchmarks/NOTES-gemm.md, session 8): among the four configs, one of these
 # three was the fastest INT8 kernel at each of the 12 large-M points.
 TUNE_CANDIDATES = ("pp_128x128", "coop_128x256", "coop_128x256_k64")
+# The gated GEMM's candidates (all of GATED_CONFIGS until measurements narrow them).
+GATED_TUNE_CANDIDATES = ("gated_pp_128x64", "gated_coop_128x128", "gated_coop_128x128_k64")
 _TUNED: dict[tuple, GluonConfig] = {}
 
 
-def tuned_call(a, w, out, a_scale, w_scale, bias, activation: str) -> GluonCall:
+def tune_bucket(M: int, gated: bool) -> int:
+    """The M part of tuned_call's key: gemm_configs.m_bucket (powers of two, capped at 4096) for the
+    plain GEMM; for the gated one uncapped powers of two, since its best config changes past 4096
+    (H100, gate_up 2 x 14336 x 4096: gated_pp_128x64 fastest at M = 1024 / 4096, 18 % slower than
+    gated_coop_128x128_k64 at M = 16384)."""
+    return 1 << max(0, M - 1).bit_length() if gated else m_bucket(M)
+
+
+def config_named(name: str) -> GluonConfig:
+    """A config of CONFIGS or GATED_CONFIGS by name."""
+    return CONFIGS[name] if name in CONFIGS else GATED_CONFIGS[name]
+
+
+def tuned_call(a, w, out, a_scale, w_scale, bias, activation: str, gated: bool = False) -> GluonCall:
     """The ``GluonCall`` of the fastest candidate config for this call's tuning key, timed on its
     first call with the call's own tensors (CUDA-graph replays, L2 flushed; like Triton's
-    autotuner, this cannot run inside a graph capture: warm up first)."""
+    autotuner, this cannot run inside a graph capture: warm up first). ``gated``: w is the
+    stacked (2N, K) [gate; up] weight, out (M, N), no bias; among GATED_TUNE_CANDIDATES."""
     M, K = a.shape
     N = out.shape[1]
     has_bias = bias is not None
     bias_arg = bias if has_bias else w_scale
-    key = (N, K, m_bucket(M), a.dtype, has_bias, None if bias is None else bias.dtype, activation, out.dtype,
-           a.device)
+    key = (N, K, tune_bucket(M, gated), a.dtype, has_bias, None if bias is None else bias.dtype, activation, out.dtype,
+           a.device, gated)
     config = _TUNED.get(key)
     if config is None:
         from quantkit.kernels.gemm_tma import _graph_bench_ms
 
         times = {}
-        for name in TUNE_CANDIDATES:
-            call = GluonCall(CONFIGS[name], M, N, a.device, has_bias, activation)
+        for name in (GATED_TUNE_CANDIDATES if gated else TUNE_CANDIDATES):
+            call = GluonCall(config_named(name), M, N, a.device, has_bias, activation)
             times[name] = _graph_bench_ms(lambda call=call: call(a, w, out, a_scale, w_scale, bias_arg))
-        config = _TUNED[key] = CONFIGS[min(times, key=times.get)]
+        config = _TUNED[key] = config_named(min(times, key=times.get))
     return GluonCall(config, M, N, a.device, has_bias, activation)
 
 
@@ -582,6 +673,8 @@ def gluon_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_s
     if isinstance(config, str):
         config = CONFIGS[config]
     cfg = config or pick_config(N, K, M, a.dtype)
+    if cfg.gated:
+        raise ValueError(f"{cfg.name} is a gated config: use gluon_gated_scaled_mm")
 
     row = cdiv(N, 8) * 8  # 16-byte output rows for the TMA store
     storage = torch.empty((M, row), device=a.device, dtype=out_dtype)
@@ -590,4 +683,33 @@ def gluon_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_s
     w_scale = w_scale.reshape(-1).float().contiguous()
     bias_arg = bias.reshape(-1).contiguous() if bias is not None else w_scale
     GluonCall(cfg, M, N, a.device, bias is not None, activation)(a, w, out, a_scale, w_scale, bias_arg)
+    return out
+
+
+def gluon_gated_scaled_mm(a: torch.Tensor, w_gate_up: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
+                          activation: str = "silu", out_dtype: torch.dtype = torch.bfloat16,
+                          config: GluonConfig | str | None = None) -> torch.Tensor:
+    """``act(gate) * up`` as (M, N) ``out_dtype``, one GEMM over the stacked (2N, K) [gate; up] weight:
+    ``gate = (a @ w_gate_up[:N].T) * a_scale[:, None] * w_scale[None, :N]``, ``up`` the same with rows
+    and scales N..2N-1 (the arithmetic of ``gemm.gated_scaled_mm``). a: (M, K) int8 or
+    float8_e4m3fn; w_scale (2N,) float32. ``config``: a gated GluonConfig, a name in
+    GATED_CONFIGS, or None (gated_coop_128x128). Needs ``available()``.
+    """
+    if not available():
+        raise RuntimeError(f"the Gluon GEMM needs an sm_90 GPU and triton 3.6's Gluon ({_GLUON_ERROR or 'no GPU'})")
+    _check(a, w_gate_up, a_scale, w_scale, None, activation, out_dtype, gated=True)
+    M, K = a.shape
+    N = w_gate_up.shape[0] // 2
+    if isinstance(config, str):
+        config = GATED_CONFIGS[config]
+    cfg = config or GATED_CONFIGS["gated_coop_128x128"]
+    if not cfg.gated:
+        raise ValueError(f"{cfg.name} is not a gated config; choose one of GATED_CONFIGS")
+
+    row = cdiv(N, 8) * 8  # 16-byte output rows for the TMA store
+    storage = torch.empty((M, row), device=a.device, dtype=out_dtype)
+    out = storage if row == N else storage[:, :N]
+    a_scale = a_scale.reshape(-1).float().contiguous()
+    w_scale = w_scale.reshape(-1).float().contiguous()
+    GluonCall(cfg, M, N, a.device, False, activation)(a, w_gate_up, out, a_scale, w_scale, w_scale)
     return out

@@ -26,11 +26,39 @@ def test_launcher_refuses_without_a_gpu():
         gemm_gluon.gluon_scaled_mm(a, a, torch.ones(4), torch.ones(4))
 
 
-@pytest.mark.parametrize("name", list(gemm_gluon.CONFIGS))
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU answer")
+def test_gated_launcher_refuses_without_a_gpu():
+    a = torch.zeros(4, 32, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="sm_90"):
+        gemm_gluon.gluon_gated_scaled_mm(a, torch.zeros(8, 32, dtype=torch.int8), torch.ones(4), torch.ones(8))
+
+
+@pytest.mark.parametrize("name", list(gemm_gluon.CONFIGS) + list(gemm_gluon.GATED_CONFIGS))
 def test_configs_fit_in_shared_memory(name):
-    config = gemm_gluon.CONFIGS[name]
+    config = gemm_gluon.config_named(name)
     assert config.shared_bytes() <= gemm_gluon.SHARED_LIMIT
-    assert name.split("_")[0] in config.name
+    assert config.gated == (name in gemm_gluon.GATED_CONFIGS)
+    assert name.split("_")[1 if config.gated else 0] in config.name
+    assert config.name.startswith("gated_") == config.gated
+
+
+def test_gated_ring_holds_two_weight_tiles():
+    plain = gemm_gluon.GluonConfig(128, 64, 128, stages=4)
+    gated = gemm_gluon.GluonConfig(128, 64, 128, stages=4, gated=True)
+    assert gated.shared_bytes() - plain.shared_bytes() == 4 * 64 * 128
+
+
+def test_gated_tuning_buckets_are_not_capped():
+    from quantkit.kernels.gemm_configs import m_bucket
+
+    assert [gemm_gluon.tune_bucket(M, True) for M in (1, 1024, 1025, 4096, 16384, 20000)] == [
+        1, 1024, 2048, 4096, 16384, 32768]
+    assert all(gemm_gluon.tune_bucket(M, False) == m_bucket(M) for M in (1, 1024, 4096, 16384))
+
+
+def test_tune_candidates_are_configs():
+    assert all(not gemm_gluon.CONFIGS[name].gated for name in gemm_gluon.TUNE_CANDIDATES)
+    assert all(gemm_gluon.GATED_CONFIGS[name].gated for name in gemm_gluon.GATED_TUNE_CANDIDATES)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -51,7 +79,7 @@ def test_pick_config_returns_a_listed_config(M, N, K):
     assert gemm_gluon.pick_config(N, K, M, torch.float8_e4m3fn) in gemm_gluon.CONFIGS.values()
 
 
-def _compile(config, dtype: str):
+def _compile(config, dtype: str, activation: int = 2):
     """Compile for sm_90 without a GPU (Gluon's own source object, as its JIT builds it)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -70,11 +98,11 @@ def _compile(config, dtype: str):
         "out_desc": desc("bf16", [config.block_m, chunk_n], gl.bfloat16),
         "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
     }
-    constants = dict(HAS_BIAS=True, ACTIVATION=2, GROUP_M=config.group_m, STAGES=config.stages,
+    constants = dict(HAS_BIAS=not config.gated, ACTIVATION=activation, GROUP_M=config.group_m, STAGES=config.stages,
                      CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
                      EPILOGUE_BUFFERS=config.epilogue_buffers,
                      LOADER_REGS=config.loader_regs, CONSUMER_REGS=config.consumer_regs,
-                     num_warps=config.consumer_warps)
+                     GATED=config.gated, num_warps=config.consumer_warps)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(gemm_gluon._scaled_mm_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.consumer_warps))
@@ -83,15 +111,19 @@ def _compile(config, dtype: str):
 @pytest.mark.skipif(not triton.__version__.startswith(gemm_gluon.SUPPORTED_TRITON),
                     reason="the kernels are written against triton 3.6's Gluon")
 @pytest.mark.parametrize("dtype", ["fp8e4nv", "i8"])
-@pytest.mark.parametrize("name", list(gemm_gluon.CONFIGS))
+@pytest.mark.parametrize("name", list(gemm_gluon.CONFIGS) + list(gemm_gluon.GATED_CONFIGS))
 def test_compiles_for_sm90(name, dtype, tmp_path):
-    """Asynchronous wgmma for INT8 as for FP8 (one MMA in flight: wait_group 1 in the K loop),
-    a producer partition (setmaxnreg), shared memory within an H100's, no register spills."""
-    config = gemm_gluon.CONFIGS[name]
+    """Asynchronous wgmma for INT8 as for FP8 (one MMA in flight: wait_group 1 in the K loop; gated:
+    the gate and up MMAs of a step in flight, wait_group 2, and no wait_group 1 that would retire
+    the gate MMA of the step just issued), a producer partition (setmaxnreg), shared memory within
+    an H100's, no register spills."""
+    config = gemm_gluon.config_named(name)
     kernel = _compile(config, dtype)
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx
-    assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)
+    in_flight = 2 if config.gated else 1
+    waits = set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx))
+    assert waits == {"0", str(in_flight)}, waits
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert kernel.metadata.shared <= gemm_gluon.SHARED_LIMIT
     ptxas = shutil.which("ptxas", path=str(triton.__path__[0] + "/backends/nvidia/bin"))
@@ -290,7 +322,6 @@ def test_gluon_takes_per_row_and_column_scales_and_16_bit_outputs(gluon_capable)
     out = torch.empty(a.shape[0], w.shape[0], dtype=torch.bfloat16)
     assert gluon_takes(a, w, out, False, _flags(a_scale, w_scale))
     assert gluon_takes(a, w, out.half(), False, _flags(a_scale, w_scale))
-    assert not gluon_takes(a, w, out, True, _flags(a_scale, w_scale))                 # gated: Triton's kernel
     assert not gluon_takes(a, w, out, False, _flags(a_scale, w_scale, raw_acc=True))  # int32 accumulator
     assert not gluon_takes(a, w, out.float(), False, _flags(a_scale, w_scale))        # fp32 output
     _, _, scalar, _ = _operands(scalar_a=True)
@@ -313,3 +344,67 @@ def test_explicit_gluon_kernel_is_refused_where_it_cannot_run():
     a, w, a_scale, w_scale = _operands(M=13)
     with pytest.raises(ValueError, match="kernel='gluon' needs an sm_90 GPU"):
         gemm.scaled_mm(a, w, a_scale, w_scale, kernel="gluon")
+
+
+def test_gluon_takes_gated_calls_with_per_row_scales(gluon_capable):
+    from quantkit.kernels.gemm import gluon_takes
+
+    a, w, a_scale, w_scale = _operands(N=2 * 384)  # the stacked [gate; up] weight, 2N scales
+    out = torch.empty(a.shape[0], 384, dtype=torch.bfloat16)
+    assert gluon_takes(a, w, out, True, _flags(a_scale, w_scale))
+    assert not gluon_takes(a, w, out, True, _flags(a_scale, torch.ones(1)))           # one weight scale
+    assert not gluon_takes(a, w, out.float(), True, _flags(a_scale, w_scale))
+
+
+@pytest.mark.parametrize("dtype, M, gated, expected", [
+    (torch.int8, 1024, True, "gluon"),        # gated INT8 from GLUON_MIN_M: the Gluon gated mode
+    (torch.int8, 4096, True, "gluon"),
+    (torch.int8, 1023, True, "tiled"),        # below it (and below PERSISTENT_MIN_M)
+    (torch.float8_e4m3fn, 4096, True, "tiled"),  # gated FP8: the tiled Triton kernel, as before
+    (torch.int8, 1024, False, "gluon"),
+    (torch.float8_e4m3fn, 4096, False, "persistent"),
+], ids=["int8-gated-1024", "int8-gated-4096", "int8-gated-1023", "fp8-gated", "int8-plain", "fp8-plain"])
+def test_auto_pick_routes_gated_int8_to_gluon(gluon_capable, monkeypatch, dtype, M, gated, expected):
+    from quantkit.kernels import gemm
+
+    monkeypatch.setattr(gemm, "INTERPRETED", False)
+    N = 384
+    a, w, a_scale, w_scale = _operands(M=M, N=2 * N if gated else N, dtype=dtype)
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    flags = (dtype == torch.int8, True, True, False, 2 if gated else 0, False)
+    assert gemm._pick_kernel("auto", a, w, out, gated, None, flags) == expected
+    if gated:
+        assert gemm._pick_kernel("gluon", a, w, out, gated, None, flags) == "gluon"
+
+
+def test_gated_scaled_mm_launches_the_gluon_gated_call_and_caches_it(gluon_capable, monkeypatch):
+    """gemm.gated_scaled_mm (INT8, M >= GLUON_MIN_M) asks gemm_gluon.tuned_call for a gated call
+    once per signature and launches it with the stacked weight and the (M, N) output; the second
+    call of the signature launches the cached call directly."""
+    from quantkit.kernels import call_cache, gemm
+
+    monkeypatch.setattr(gemm, "INTERPRETED", False)
+    monkeypatch.setattr(gemm, "_check_runnable", lambda a: None)
+    monkeypatch.setattr(gemm, "_CALLS", call_cache.SignatureCache())
+    launches, tunes = [], []
+
+    class RecordingCall(gemm_gluon.GluonCall):
+        def __init__(self):
+            pass
+
+        def __call__(self, a, w, out, a_scale, w_scale, bias_arg):
+            launches.append((a, w, out, a_scale, w_scale))
+            out.fill_(1.0)
+
+    def tuned_call(a, w, out, a_scale, w_scale, bias, activation, gated=False):
+        tunes.append((tuple(w.shape), tuple(out.shape), bias, activation, gated))
+        return RecordingCall()
+
+    monkeypatch.setattr(gemm_gluon, "tuned_call", tuned_call)
+    N = 384
+    a, w, a_scale, w_scale = _operands(M=1024, N=2 * N)
+    for _ in range(2):
+        out = gemm.gated_scaled_mm(a, w, a_scale, w_scale, activation="silu")
+        assert out.shape == (1024, N) and bool((out == 1).all())
+    assert tunes == [((2 * N, 256), (1024, N), None, "silu", True)]
+    assert len(launches) == 2 and all(call[1] is w and call[4] is w_scale for call in launches)
