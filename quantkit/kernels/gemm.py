@@ -60,9 +60,8 @@ from quantkit.kernels.gemm_checks import (  # noqa: F401 - re-exported: gemm's A
 from quantkit.kernels.gemm_configs import (  # noqa: F401 - the config sets are part of gemm's API
     ALL_CONFIGS, HEURISTICS, INTERPRETER_CONFIG, LARGE_M_CONFIGS, MEDIUM_M_CONFIGS, SMALL_M_CONFIGS,
     SMALL_M_SPLIT_K_CONFIGS, _prune_configs, m_bucket, split_k_plan, split_k_programs)
-from quantkit.kernels.gemm_epilogue import dequant_epilogue, dot_accumulate, grouped_tile, split_arrive, split_sum
+from quantkit.kernels.gemm_epilogue import dot_accumulate, grouped_tile, split_arrive, split_sum, store_tile
 from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, config_dict
-from quantkit.kernels.quant import cast_for_store
 
 # M is not specialized (divisibility by 16, == 1): rows are wrapped, not aligned, so it would only
 # multiply the compiled variants per batch size.
@@ -148,7 +147,7 @@ def _scaled_mm_kernel(
         w_ptrs += BLOCK_K
 
     if SPLIT_K == 1:
-        _store_tile(acc, acc_up, offs_m, offs_n, M, N, out_ptr, stride_om, a_scale_ptr, w_scale_ptr, bias_ptr,
+        store_tile(acc, acc_up, offs_m, offs_n, M, N, out_ptr, stride_om, a_scale_ptr, w_scale_ptr, bias_ptr,
                     A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, ACTIVATION, GATED, RAW_ACC, INTERPRETED)
     else:
         # One slot of TILE (gate) or 2 x TILE (gate, up) elements per program, the slices of a
@@ -166,37 +165,9 @@ def _scaled_mm_kernel(
             acc = split_sum(tile_slots, offsets, row_mask, SLOT, SPLIT_K)
             if GATED:
                 acc_up = split_sum(tile_slots + TILE, offsets, row_mask, SLOT, SPLIT_K)
-            _store_tile(acc, acc_up, offs_m, offs_n, M, N, out_ptr, stride_om, a_scale_ptr, w_scale_ptr,
+            store_tile(acc, acc_up, offs_m, offs_n, M, N, out_ptr, stride_om, a_scale_ptr, w_scale_ptr,
                         bias_ptr, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, ACTIVATION, GATED, RAW_ACC, INTERPRETED)
             tl.store(arrivals_ptr + tile_id, 0)
-
-
-@triton.jit
-def _store_tile(acc, acc_up, offs_m, offs_n, M, N, out_ptr, stride_om, a_scale_ptr, w_scale_ptr, bias_ptr,
-                A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                ACTIVATION: tl.constexpr, GATED: tl.constexpr, RAW_ACC: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The fused epilogue of one output tile and its masked store (``acc_up``: gated form only)."""
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if RAW_ACC:
-        # Test hook: the int32 accumulator itself, to compare exactly with an integer matmul.
-        tl.store(out_ptrs, acc, mask=out_mask)
-    else:
-        out = dequant_epilogue(acc, offs_m, offs_n, M, N, a_scale_ptr, w_scale_ptr, bias_ptr,
-                               A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, ACTIVATION)
-        if GATED:
-            if A_PER_TOKEN:
-                a_scale = tl.load(a_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
-            else:
-                a_scale = tl.load(a_scale_ptr)
-            if W_PER_CHANNEL:
-                w_scale_up = tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0)[None, :]
-            else:
-                w_scale_up = tl.load(w_scale_ptr)
-            out = out * (acc_up.to(tl.float32) * a_scale * w_scale_up)
-        tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,7 +224,8 @@ GLUON_MIN_M = 1024
 # kernel="auto" takes the tensor-core-free GEMV (gemv.py) up to this M: measured on an H100 at
 # M = 1, the four Llama-3-8B shapes, both dtypes: 1.18-1.33x the tiled split-K kernel with the L2
 # flushed, 1.09-1.41x with rotated weights; at M = 4 it was slower (0.65-0.87x), M = 2 unmeasured
-# (benchmarks/NOTES-gemm.md, session 8). Not for the gated GEMM or the raw accumulator.
+# (benchmarks/NOTES-gemm.md, session 8). The gated GEMM too (gate and up rows in one program);
+# not for the raw accumulator.
 GEMV_MAX_M = 1
 
 
@@ -386,12 +358,12 @@ def _pick_kernel(kernel, a, w, out, gated, config, flags) -> str:
             )
         return "gluon"
     if kernel == "gemv":
-        if config is not None or gated or flags[5] or a.shape[0] > gemv.MAX_M:
-            raise ValueError(f"kernel='gemv' takes non-gated calls without config and M <= {gemv.MAX_M} rows "
+        if config is not None or flags[5] or a.shape[0] > gemv.MAX_M:
+            raise ValueError(f"kernel='gemv' takes calls without config and M <= {gemv.MAX_M} rows "
                              f"(M={a.shape[0]}): use kernel='auto'")
         return "gemv"
     if kernel == "auto":
-        if a.shape[0] <= GEMV_MAX_M and not gated and not flags[5]:
+        if a.shape[0] <= GEMV_MAX_M and not flags[5]:
             return "gemv"
         if (a.dtype == torch.int8 and a.shape[0] >= GLUON_MIN_M and not INTERPRETED
                 and gluon_takes(a, w, out, gated, flags)):
@@ -413,7 +385,7 @@ def _launch(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, confi
     if picked is not None:
         kind, flags, fp8_fast_accum = picked
         if kind == "gemv":
-            gemv._launch(a, w, out, a_scale, w_scale, bias, activation, False, None)
+            gemv._launch(a, w, out, a_scale, w_scale, bias, activation, False, None, gated)
         elif kind == "gluon":
             gemm_gluon.tuned_call(a, w, out, a_scale, w_scale, bias, activation, gated)(
                 a, w, out, a_scale, w_scale, bias if bias is not None else w_scale)
@@ -433,7 +405,7 @@ def _call(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config,
         return None
     kind, flags, fp8_fast_accum = picked
     if kind == "gemv":
-        return _GemvCall(bias is not None, activation)
+        return _GemvCall(bias is not None, activation, gated)
     if kind == "gluon":
         return gemm_gluon.tuned_call(a, w, out, a_scale, w_scale, bias, activation, gated)
     if kind == "persistent":
@@ -445,13 +417,14 @@ def _call(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config,
 class _GemvCall:
     """``gemv``'s launch in the shape of the other cached calls (the GEMV keeps its own plan cache)."""
 
-    __slots__ = ("has_bias", "activation")
+    __slots__ = ("has_bias", "activation", "gated")
 
-    def __init__(self, has_bias: bool, activation: str) -> None:
-        self.has_bias, self.activation = has_bias, activation
+    def __init__(self, has_bias: bool, activation: str, gated: bool) -> None:
+        self.has_bias, self.activation, self.gated = has_bias, activation, gated
 
     def __call__(self, a, w, out, a_scale, w_scale, bias_arg) -> None:
-        gemv._launch(a, w, out, a_scale, w_scale, bias_arg if self.has_bias else None, self.activation, False, None)
+        gemv._launch(a, w, out, a_scale, w_scale, bias_arg if self.has_bias else None, self.activation, False, None,
+                     self.gated)
 
 
 def _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config, fp8_fast_accum, kernel):

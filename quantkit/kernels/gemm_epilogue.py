@@ -1,13 +1,16 @@
-"""@triton.jit pieces shared by the tiled (gemm.py) and persistent TMA (gemm_tma.py) GEMM kernels:
-the tensor-core dot with its FP8 accumulation mode, the grouped tile order, the fused
-dequant + bias + activation epilogue on the fp32 accumulator, and the combine of K-split partial
-tiles through a workspace (``split_arrive`` / ``split_sum``).
+"""@triton.jit pieces shared by the tiled (gemm.py) and persistent TMA (gemm_tma.py) GEMM kernels
+and the GEMV (gemv.py): the tensor-core dot with its FP8 accumulation mode, the grouped tile
+order, the fused dequant + bias + activation epilogue on the fp32 accumulator (and its masked
+store, gated form included), and the combine of K-split partial tiles through a workspace
+(``split_arrive`` / ``split_sum``).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from quantkit.kernels.quant import cast_for_store
 
 
 @triton.jit
@@ -80,6 +83,36 @@ def dequant_epilogue(
     if HAS_BIAS:
         out = out + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     return apply_activation(out, ACTIVATION)
+
+
+@triton.jit
+def store_tile(acc, acc_up, offs_m, offs_n, M, N, out_ptr, stride_om, a_scale_ptr, w_scale_ptr, bias_ptr,
+                A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                ACTIVATION: tl.constexpr, GATED: tl.constexpr, RAW_ACC: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The fused epilogue of one output tile and its masked store (``acc_up``: gated form only, the
+    up half's accumulator; its column scales are ``w_scale[N + n]``). Shared by the tiled GEMM and
+    the GEMV."""
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if RAW_ACC:
+        # Test hook: the int32 accumulator itself, to compare exactly with an integer matmul.
+        tl.store(out_ptrs, acc, mask=out_mask)
+    else:
+        out = dequant_epilogue(acc, offs_m, offs_n, M, N, a_scale_ptr, w_scale_ptr, bias_ptr,
+                               A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, ACTIVATION)
+        if GATED:
+            if A_PER_TOKEN:
+                a_scale = tl.load(a_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
+            else:
+                a_scale = tl.load(a_scale_ptr)
+            if W_PER_CHANNEL:
+                w_scale_up = tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0)[None, :]
+            else:
+                w_scale_up = tl.load(w_scale_ptr)
+            out = out * (acc_up.to(tl.float32) * a_scale * w_scale_up)
+        tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
     acc       = sum_k a[m, k] * w[n, k]      int32 for INT8 (exact), fp32 for FP8 e4m3fn
 
 The semantics, argument checks and epilogue are ``gemm.scaled_mm``'s (``gemm_checks``,
-``gemm_epilogue.dequant_epilogue``, ``quant.cast_for_store``); the torch twin is
+``gemm_epilogue.store_tile``, gated form included); the torch twin is
 ``reference.scaled_mm``. Only the mainloop differs.
 
 Why a second kernel: at M <= 4 the GEMM is a stream of the (N, K) weight, 1 byte per element,
@@ -39,9 +39,8 @@ import triton.language as tl
 import triton.testing
 
 from quantkit.kernels.gemm_checks import ACTIVATION_CODES, check_scaled_mm_args
-from quantkit.kernels.gemm_epilogue import dequant_epilogue
+from quantkit.kernels.gemm_epilogue import store_tile
 from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, config_dict, next_power_of_2
-from quantkit.kernels.quant import cast_for_store
 
 # Largest M the GEMV takes: past 4 rows the products per weight byte (an int8 -> int32 widening
 # plus M multiply-adds) start to cost as much issue time as the byte's load; use gemm.scaled_mm.
@@ -59,6 +58,7 @@ def _scaled_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     RAW_ACC: tl.constexpr,
+    GATED: tl.constexpr,
     INTERPRETED: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -78,37 +78,41 @@ def _scaled_gemv_kernel(
     a_ptrs = a_ptr + (rows_a.to(tl.int64) * stride_am)[:, None, None] + offs_k[None, None, :]
     w_ptrs = w_ptr + (rows_w.to(tl.int64) * stride_wn)[None, :, None] + offs_k[None, None, :]
 
-    if IS_INT8:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # GATED: w is the stacked (2N, K) [gate; up] weight; the up rows sit N rows below the gate rows.
+    up_ptrs = w_ptrs + N * stride_wn
+
+    acc_dtype = tl.int32 if IS_INT8 else tl.float32
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
     for k_start in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, eviction_policy="evict_last")
             w = tl.load(w_ptrs, eviction_policy="evict_first")
+            if GATED:
+                w_up = tl.load(up_ptrs, eviction_policy="evict_first")
         else:
             k_mask = (offs_k < K - k_start)[None, None, :]
             a = tl.load(a_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_last")
             w = tl.load(w_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_first")
+            if GATED:
+                w_up = tl.load(up_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_first")
         if IS_INT8:
             # |a * w| <= 127**2 and K <= MAX_INT8_K: every partial sum fits in int32, exactly.
-            acc += tl.sum(a.to(tl.int32) * w.to(tl.int32), axis=2)
+            a_wide = a.to(tl.int32)
+            acc += tl.sum(a_wide * w.to(tl.int32), axis=2)
+            if GATED:
+                acc_up += tl.sum(a_wide * w_up.to(tl.int32), axis=2)
         else:
-            acc += tl.sum(a.to(tl.float32) * w.to(tl.float32), axis=2)
+            a_wide = a.to(tl.float32)
+            acc += tl.sum(a_wide * w.to(tl.float32), axis=2)
+            if GATED:
+                acc_up += tl.sum(a_wide * w_up.to(tl.float32), axis=2)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
 
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if RAW_ACC:
-        # Test hook: the int32 accumulator itself, to compare exactly with an integer matmul.
-        tl.store(out_ptrs, acc, mask=out_mask)
-    else:
-        out = dequant_epilogue(acc, offs_m, offs_n, M, N, a_scale_ptr, w_scale_ptr, bias_ptr,
-                               A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, ACTIVATION)
-        tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=out_mask)
+    store_tile(acc, acc_up, offs_m, offs_n, M, N, out_ptr, stride_om, a_scale_ptr, w_scale_ptr, bias_ptr,
+               A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, ACTIVATION, GATED, RAW_ACC, INTERPRETED)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,12 +187,13 @@ _GEMV = CachedLaunch(_scaled_gemv_kernel)
 _TUNED: dict = {}
 
 
-def _launch(a, w, out, a_scale, w_scale, bias, activation: str, raw_acc: bool, config: dict | None) -> None:
+def _launch(a, w, out, a_scale, w_scale, bias, activation: str, raw_acc: bool, config: dict | None,
+            gated: bool = False) -> None:
     M, K = a.shape
     N = out.shape[1]
     bias_arg = bias if bias is not None else a_scale
     flags = dict(IS_INT8=a.dtype == torch.int8, A_PER_TOKEN=a_scale.numel() != 1, W_PER_CHANNEL=w_scale.numel() != 1,
-                 HAS_BIAS=bias is not None, ACTIVATION=ACTIVATION_CODES[activation], RAW_ACC=raw_acc)
+                 HAS_BIAS=bias is not None, ACTIVATION=ACTIVATION_CODES[activation], RAW_ACC=raw_acc, GATED=gated)
     block_m = next_power_of_2(M)
     args = (a, w, out, a_scale, w_scale, bias_arg, M, N, K, a.stride(0), w.stride(0), out.stride(0))
     tune_key = (N, K, block_m, a.dtype, out.dtype, bias_arg.dtype, *flags.values())
