@@ -659,7 +659,7 @@ def _write(rows, targets, check_rows, meta, out_dir: Path, prefix: str, plot: bo
                        edgecolor=f"C{i}", ls="--", lw=1.2)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(group))], group)
         ax.set_ylabel(label)
-    axes[0].set_title("prefill: filled = eager, dashed outline = CUDA-graph replay", fontsize=9)
+    axes[0].set_title("prefill: filled = eager, dashed outline = quantkit.graphed (CUDA-graph replay)", fontsize=9)
     axes[1].axhline(TARGETS["decode_b1_ms"], color="k", ls=":", lw=1)
     peaks = [next((r.get("peak_bytes", 0) for r in rows if r["variant"] == v), 0) / 2**30 for v in variants]
     weights = [next((r.get("model_bytes", 0) for r in rows if r["variant"] == v), 0) / 2**30 for v in variants]
