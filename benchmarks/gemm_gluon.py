@@ -61,6 +61,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+from quantkit.bench.gemm import adaptive_graph_ms  # noqa: E402
 from quantkit.kernels import gemm, gemm_gluon, reference  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -77,7 +78,6 @@ LONG_CHECKS = [(1024, 4096, 4096), (1000, 6144, 4096), (2048, 6144, 4000), (2048
 SELECTED: list[str] = []  # --configs; empty = every config
 OPTIONS = {"bias": True}  # --no-bias: the plain epilogue (no bias anywhere; the strictest baseline)
 ROUNDS = 3
-FLUSH_BYTES = 256 << 20
 DTYPE_NAMES = {FP8: "fp8", torch.int8: "int8"}
 
 
@@ -191,53 +191,10 @@ def run_checks(results: dict) -> dict:
 # Timing
 # ----------------------------------------------------------------------------------------------
 
-_FLUSH = None
-
-
-def _replay_ms(graph, replays):
-    graph.replay()
-    samples = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
-
-
 def graph_ms(fn, target_ms=5.0, replays=7) -> float:
-    """GPU ms per call of ``fn`` with a cold L2: a CUDA graph of n x (flush, fn) minus one of the
-    n flushes alone; n scaled to about target_ms of work per replay (2..10)."""
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    reps = max(2, min(10, round(target_ms / max(start.elapsed_time(end), 1e-3))))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        _FLUSH.zero_()
-    torch.cuda.current_stream().wait_stream(side)
-    times = {}
-    for with_fn in (False, True):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                _FLUSH.zero_()
-                if with_fn:
-                    fn()
-        times[with_fn] = _replay_ms(graph, replays)
-        del graph
-    return max(times[True] - times[False], 1e-6) / reps
+    """GPU ms per call of ``fn`` with a cold L2: the standard GEMM benchmark's timer (a CUDA graph
+    of n x (L2 flush, fn) minus one of the flushes alone, n scaled to ~target_ms of work)."""
+    return adaptive_graph_ms(fn, target_ms=target_ms, replays=replays)
 
 
 def point_ops(M, N, K, passed):

@@ -712,14 +712,7 @@ def gluon_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_s
     if cfg.gated:
         raise ValueError(f"{cfg.name} is a gated config: use gluon_gated_scaled_mm")
 
-    row = cdiv(N, 8) * 8  # 16-byte output rows for the TMA store
-    storage = torch.empty((M, row), device=a.device, dtype=out_dtype)
-    out = storage if row == N else storage[:, :N]
-    a_scale = a_scale.reshape(-1).float().contiguous()
-    w_scale = w_scale.reshape(-1).float().contiguous()
-    bias_arg = bias.reshape(-1).contiguous() if bias is not None else w_scale
-    GluonCall(cfg, M, N, a.device, bias is not None, activation)(a, w, out, a_scale, w_scale, bias_arg)
-    return out
+    return _run(cfg, a, w, a_scale, w_scale, bias, activation, out_dtype, N)
 
 
 def gluon_gated_scaled_mm(a: torch.Tensor, w_gate_up: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
@@ -742,10 +735,18 @@ def gluon_gated_scaled_mm(a: torch.Tensor, w_gate_up: torch.Tensor, a_scale: tor
     if not cfg.gated:
         raise ValueError(f"{cfg.name} is not a gated config; choose one of GATED_CONFIGS")
 
-    row = cdiv(N, 8) * 8  # 16-byte output rows for the TMA store
+    return _run(cfg, a, w_gate_up, a_scale, w_scale, None, activation, out_dtype, N)
+
+
+def _run(cfg: GluonConfig, a, w, a_scale, w_scale, bias, activation, out_dtype, N) -> torch.Tensor:
+    """One launch of ``cfg`` into a fresh (M, N) output (a view of a padded buffer where N * 2
+    bytes is not a multiple of 16: the TMA store needs 16-byte rows)."""
+    M = a.shape[0]
+    row = cdiv(N, 8) * 8
     storage = torch.empty((M, row), device=a.device, dtype=out_dtype)
     out = storage if row == N else storage[:, :N]
     a_scale = a_scale.reshape(-1).float().contiguous()
     w_scale = w_scale.reshape(-1).float().contiguous()
-    GluonCall(cfg, M, N, a.device, False, activation)(a, w_gate_up, out, a_scale, w_scale, w_scale)
+    bias_arg = bias.reshape(-1).contiguous() if bias is not None else w_scale
+    GluonCall(cfg, M, N, a.device, bias is not None, activation)(a, w, out, a_scale, w_scale, bias_arg)
     return out
