@@ -239,8 +239,10 @@ def point_ops(M, N, K, passed):
     return ops
 
 
-def time_point(M, N, K, passed, rounds) -> dict:
-    ops = point_ops(M, N, K, passed)
+def timed_rounds(ops: dict, rounds: int) -> tuple[dict, dict, dict]:
+    """Median us per op over ``rounds`` rounds, the op order rotated each round (the first op after
+    the cuBLAS ones otherwise reads slow at >= 0.6 ms, NOTES-gemm session 5); ops that fail their
+    warm-up call are left out and reported."""
     errors = {}
     for name, fn in list(ops.items()):  # compile / autotune outside the timings
         try:
@@ -256,7 +258,12 @@ def time_point(M, N, K, passed, rounds) -> dict:
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
             samples[name].append(graph_ms(ops[name]) * 1e3)
-    us = {name: statistics.median(values) for name, values in samples.items()}
+    return {name: statistics.median(values) for name, values in samples.items()}, samples, errors
+
+
+def time_point(M, N, K, passed, rounds) -> dict:
+    ops = point_ops(M, N, K, passed)
+    us, samples, errors = timed_rounds(ops, rounds)
     flops = 2.0 * M * N * K
     row = {"M": M, "N": N, "K": K, "us": us, "rounds_us": samples, "errors": errors,
            "tflops": {name: flops / (t * 1e-6) / 1e12 for name, t in us.items()},
@@ -389,22 +396,7 @@ def gated_point_ops(M, N, K, passed, dtypes):
 
 def time_gated_point(M, N, K, passed, rounds, dtypes) -> dict:
     ops = gated_point_ops(M, N, K, passed, dtypes)
-    errors = {}
-    for name, fn in list(ops.items()):  # compile / autotune outside the timings
-        try:
-            fn()
-            torch.cuda.synchronize()
-        except Exception as error:
-            errors[name] = f"{type(error).__name__}: {error}"[:1000]
-            log(f"  {name} failed to run: {errors[name]}")
-            del ops[name]
-    names = list(ops)
-    samples = {name: [] for name in names}
-    for r in range(rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            samples[name].append(graph_ms(ops[name]) * 1e3)
-    us = {name: statistics.median(values) for name, values in samples.items()}
+    us, samples, errors = timed_rounds(ops, rounds)
     flops = 2.0 * M * 2 * N * K
     tuned = {f"{key[0]}x{key[1]} m{key[2]} {DTYPE_NAMES.get(key[3], key[3])}{' gated' if key[-1] else ''}": cfg.name
              for key, cfg in gemm_gluon._TUNED.items() if key[1] == K and key[0] == N}
