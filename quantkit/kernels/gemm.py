@@ -23,10 +23,14 @@ with the persistent kernel's split tail). SPLIT_K = 1 compiles to the unsplit ke
 considers the split configs for M <= ``gemm_configs.SPLIT_K_MAX_M`` (measured: M = 1 gains, M = 16
 does not; ``gemm_configs.SMALL_M_SPLIT_K`` switches them off).
 
-Two kernels: this file's tiled kernel (one program per output tile, pointer loads, the gated
-variant, every M) and the persistent TMA kernel of ``gemm_tma.py`` (large M). For
-M >= PERSISTENT_MIN_M (and 16-byte aligned operands), ``kernel="auto"`` takes the persistent one
-(the gated GEMM: for INT8 only, see PERSISTENT_MIN_M).
+Four kernels behind ``kernel="auto"`` (``_pick_kernel``), each with the same semantics and epilogue:
+- M <= GEMV_MAX_M (1): the tensor-core-free GEMV of ``gemv.py`` (a weight stream; gated too);
+- INT8 with M >= GLUON_MIN_M on an sm_90 GPU with triton 3.6: the warp-specialized Gluon kernel
+  of ``gemm_gluon.py`` (asynchronous int32 wgmma; gated too), where ``gluon_takes`` allows it;
+- otherwise M >= PERSISTENT_MIN_M with 16-byte aligned operands: the persistent TMA kernel of
+  ``gemm_tma.py`` (the gated GEMM: for INT8 only, see PERSISTENT_MIN_M);
+- everything else: this file's tiled kernel (one program per output tile, pointer loads, the
+  gated variant, every M; the one the raw-accumulator and explicit-config calls use).
 
 Tuning (config sets: ``gemm_configs.py``): autotuned over a few configs per M bucket (key N, K,
 M_BUCKET) on the GPU, once per key: the chosen config is then cached with a launch plan and the
