@@ -448,6 +448,9 @@ def _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config,
     # result either way).
     flags = (is_int8, a_scale.numel() != 1, w_scale.numel() != 1, bias is not None, ACTIVATION_CODES[activation],
              raw_acc)
+    if kernel == "gluon" and not is_int8 and not fp8_fast_accum:
+        raise ValueError("kernel='gluon' accumulates FP8 in the tensor cores' fast mode only; "
+                         "use kernel='auto' for fp8_fast_accum=False")
     return _pick_kernel(kernel, a, w, out, gated, config, flags), flags, fp8_fast_accum
 
 

@@ -58,7 +58,8 @@ def check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype, ga
     if a.dtype == torch.int8 and K > MAX_INT8_K:
         raise ValueError(f"K={K} > {MAX_INT8_K} could overflow the int32 accumulator; split the reduction")
     for name, t in (("a", a), ("w", w)):
-        if t.shape[0] > 1 and t.shape[1] > 0 and (t.stride(1) != 1 or t.stride(0) % K_ALIGNMENT != 0):
+        # A single row's row stride is never used, but its K stride always is.
+        if (t.shape[1] > 1 and t.stride(1) != 1) or (t.shape[0] > 1 and t.stride(0) % K_ALIGNMENT != 0):
             raise ValueError(
                 f"{name} has strides {t.stride()}; the kernel needs unit stride along K and a row stride "
                 f"that is a multiple of {K_ALIGNMENT}: pass {name}.contiguous()"

@@ -162,7 +162,7 @@ _AUTOTUNE_EXTRA = {"do_bench": _autotune_bench} if "do_bench" in inspect.signatu
 
 _scaled_gemv_autotuned = triton.autotune(
     configs=GEMV_CONFIGS,
-    key=["N", "K", "BLOCK_M", "IS_INT8", "A_PER_TOKEN", "W_PER_CHANNEL", "HAS_BIAS", "ACTIVATION", "RAW_ACC"],
+    key=["N", "K", "BLOCK_M", "IS_INT8", "A_PER_TOKEN", "W_PER_CHANNEL", "HAS_BIAS", "ACTIVATION", "RAW_ACC", "GATED"],
     **_AUTOTUNE_EXTRA,
 )(triton.heuristics({"EVEN_K": _even_k})(_scaled_gemv_kernel))
 

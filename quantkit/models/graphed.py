@@ -12,7 +12,10 @@ windows (perplexity), batched classification, and the prefill benchmark.
 What a call does: copy the tensor arguments into the graph's static input buffers, replay, and
 return the output with its tensors cloned (``clone_outputs=False`` returns the graph's own
 buffers instead, valid until the next call of this wrapper). The result is the eager forward's,
-bit for bit: same kernels, same arguments, same launch order.
+bit for bit: same kernels, same arguments, same launch order. One exception: with an
+``attention_mask``, transformers builds an explicit mask while a stream captures, where its eager
+forward may take the causal-kernel path for an all-ones mask; the results are then equal up to
+the attention kernel's rounding, not bitwise.
 
 Signature = positional and keyword arguments: for a tensor its shape, dtype and device; for
 anything else its value (which must be hashable). A new signature is captured after one warm-up
@@ -34,7 +37,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
+
+from quantkit.models.fast_norm import NormOutput, plain_tensor
 
 
 @dataclass
@@ -88,7 +93,7 @@ class GraphedForward:
         return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, entry.output)
 
     def reset(self) -> None:
-        """Drop every captured graph (their memory returns to the pool's allocator)."""
+        """Drop every captured graph; the next capture starts a new memory pool."""
         self._entries.clear()
 
     def __len__(self) -> int:
@@ -122,16 +127,29 @@ class GraphedForward:
         static_args, static_kwargs = tree_map(
             lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
         inputs = [leaf for leaf in tree_flatten((static_args, static_kwargs))[0] if isinstance(leaf, torch.Tensor)]
-        self._api.warm_up(lambda: self.model(*static_args, **static_kwargs))
-        if len(self._entries) >= self.max_graphs:
-            self._entries.popitem(last=False)
-            self.stats["evictions"] += 1
+
+        def forward():
+            # Deferred norm outputs (fast_norm.NormOutput: e.g. a base model's last_hidden_state,
+            # which nothing inside the forward reads) are computed here, inside the capture: left
+            # deferred, the first read after a replay would compute them eagerly and cache them,
+            # and every later replay would return those values.
+            return tree_map_only(NormOutput, plain_tensor, self.model(*static_args, **static_kwargs))
+
+        self._api.warm_up(forward)
+        if not self._entries:
+            # A pool whose graphs are all gone must not be captured into again (torch's caching
+            # allocator asserts on it while a block of it is still alive, e.g. a kept output).
+            self._pool = self._api.pool()
         try:
-            graph, output = self._api.capture(lambda: self.model(*static_args, **static_kwargs), self._pool)
+            graph, output = self._api.capture(forward, self._pool)
         except RuntimeError as exc:  # e.g. a forward that reads a device value on the host
             first_line = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
             raise ValueError(f"graphed(): this forward cannot be captured as a CUDA graph ({first_line}); "
                              "call the model directly") from exc
+        # Evicted only once the new graph exists: a refused capture keeps the graphs there were.
+        if len(self._entries) >= self.max_graphs:
+            self._entries.popitem(last=False)
+            self.stats["evictions"] += 1
         entry = self._entries[key] = _Entry(graph, inputs, output)
         self.stats["captures"] += 1
         self.stats["capture_s"] += time.perf_counter() - start
@@ -158,8 +176,16 @@ class _CudaGraphs:
 
     def capture(self, forward, pool):
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            output = forward()
+        stream = torch.cuda.current_stream(self.device)
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                output = forward()
+        except RuntimeError:
+            # A capture that fails inside the forward can leave the capture's side stream current
+            # (torch.cuda.graph's exit raises before restoring it): the caller's next eager call
+            # must run on its own stream.
+            torch.cuda.set_stream(stream)
+            raise
         return graph, output
 
     def replay(self, graph) -> None:

@@ -408,3 +408,11 @@ def test_gated_scaled_mm_launches_the_gluon_gated_call_and_caches_it(gluon_capab
         assert out.shape == (1024, N) and bool((out == 1).all())
     assert tunes == [((2 * N, 256), (1024, N), None, "silu", True)]
     assert len(launches) == 2 and all(call[1] is w and call[4] is w_scale for call in launches)
+
+
+def test_explicit_gluon_kernel_refuses_promoted_fp8():
+    from quantkit.kernels import gemm
+
+    a, w, a_scale, w_scale = _operands(M=13, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="fast mode only"):
+        gemm.scaled_mm(a, w, a_scale, w_scale, kernel="gluon", fp8_fast_accum=False)

@@ -211,3 +211,13 @@ def test_gated_gemv_matches_the_reference(dtype, M, activation):
         # Exact integer sums: only the fp32 epilogue and the bf16 rounding separate it from the twin.
         tiled = gemm.gated_scaled_mm(a, w, a_scale, w_scale, activation, kernel="tiled")
         assert torch.equal(out, tiled)
+
+
+def test_single_row_with_a_k_stride_is_refused():
+    from quantkit.kernels import gemm
+
+    a, a_scale, w, w_scale, _ = _operands(1, 96, 272, torch.int8, seed=12)
+    strided = torch.zeros(1, 2 * 272, dtype=torch.int8)
+    strided[:, ::2] = a
+    with pytest.raises(ValueError, match="unit stride along K"):
+        gemm.scaled_mm(strided[:, ::2], w, a_scale, w_scale)

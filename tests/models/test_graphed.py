@@ -8,6 +8,8 @@ tensors survive the next call (or not, with clone_outputs=False). The real captu
 on the GPU by benchmarks/e2e.py (``graphed_logits_equal``: replayed logits == eager logits).
 """
 
+import copy
+
 import pytest
 import torch
 from torch.utils._pytree import tree_flatten
@@ -148,3 +150,41 @@ def test_perplexity_cuda_graph_needs_cuda():
     tokens = torch.randint(3, 160, (40,))
     with pytest.raises(ValueError, match="CUDA device"):
         quantkit.evaluate_perplexity(make_tiny("llama"), tokens, window=16, cuda_graph=True, progress=False)
+
+
+def test_deferred_norm_outputs_are_computed_inside_the_capture(fast_model):
+    # A base model's last_hidden_state is the final norm's deferred output: nothing in the forward
+    # reads it. Each replay must return the norm of its own input, not the first call's.
+    from quantkit.models.fast_norm import NormOutput, plain_tensor
+
+    base = copy.deepcopy(fast_model.model)  # a norm that has never been read: still deferring
+    forward, _ = _wrapper(base)
+    x, y = torch.randint(0, 160, (1, 9)), torch.randint(0, 160, (1, 9))
+    got_x = forward(x).last_hidden_state
+    # What a real replay rewrites are the captured output's buffers: they must be plain tensors
+    # computed by the captured forward, not a deferred norm that Python computes on first read.
+    (entry,) = forward._entries.values()
+    assert not any(isinstance(leaf, NormOutput) for leaf in tree_flatten(entry.output)[0])
+    got_y = forward(y).last_hidden_state
+    with torch.no_grad():
+        expected_x = plain_tensor(base(x, use_cache=False).last_hidden_state)
+        expected_y = plain_tensor(base(y, use_cache=False).last_hidden_state)
+    assert torch.equal(got_x, expected_x) and torch.equal(got_y, expected_y)
+
+
+def test_a_refused_capture_keeps_the_graphs_there_were(fast_model):
+    forward, api = _wrapper(fast_model, max_graphs=1)
+    x = torch.randint(0, 160, (1, 5))
+    forward(x)
+    capture = api.capture
+
+    def refuse(fn, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    api.capture = refuse
+    with pytest.raises(ValueError, match="cannot be captured as a CUDA graph .*operation not permitted"):
+        forward(torch.randint(0, 160, (1, 6)))
+    api.capture = capture
+    assert len(forward) == 1 and forward.stats["evictions"] == 0
+    forward(x)
+    assert forward.stats["captures"] == 1
