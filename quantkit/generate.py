@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from quantkit.kernels.launch import side_stream
 from quantkit.kernels.ops import resolve_backend
 from quantkit.kernels.reference_attention import SUPPORTED_HEAD_DIMS
 from quantkit.models.fast_attention import register_static_cache_attention
@@ -160,18 +161,6 @@ def generate(
         model.set_attn_implementation(previous_attention)
 
 
-_WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _warmup_stream(device: torch.device) -> "torch.cuda.Stream":
-    # One side stream per device for every call: each new stream from torch's pool gets its own
-    # cuBLAS workspace (32 MiB on Hopper, for the bf16 lm_head) that stays allocated, so a fresh
-    # stream per call grew the process's memory by 32 MiB per generate() (up to 1 GiB).
-    if device not in _WARMUP_STREAMS:
-        _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
-    return _WARMUP_STREAMS[device]
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -229,7 +218,7 @@ def _generate(model, ids, max_new_tokens, eos, pad_token_id, capacity, use_graph
         _sync(device)
         start = time.perf_counter()
         saved = [t.clone() for t in state]
-        side = _warmup_stream(device)
+        side = side_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             step()  # compiles and autotunes every kernel outside the capture

@@ -135,15 +135,40 @@ class CachedLaunch:
             self.compiled[(device, key)] = (compiled, self._constexpr_tail(len(args), constexprs))
 
 
+def check_runnable(t: torch.Tensor, name: str) -> None:
+    """The Triton launchers' device check: CUDA tensors, or any tensor under the interpreter."""
+    if t.device.type != "cuda" and not INTERPRETED:
+        raise ValueError(
+            f"the Triton kernels need CUDA tensors ({name} is on {t.device}); use backend='torch' on CPU "
+            "or set TRITON_INTERPRET=1 before importing quantkit"
+        )
+
+
 def config_dict(config) -> dict:
     """A ``triton.Config`` as the explicit-config dict our launchers take (kwargs + warps/stages)."""
     return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
+_SIDE_STREAMS: dict = {}
+
+
+def side_stream(device=None) -> "torch.cuda.Stream":
+    """One side stream per CUDA device for warm-ups before graph captures, shared by every caller:
+    each new stream from torch's pool gets its own cuBLAS workspace (32 MiB on Hopper, e.g. for a
+    bf16 lm_head) that stays allocated, so a fresh stream per capture grows the process's memory
+    with every one (a stream per generate() call once reached 1 GiB)."""
+    index = None if device is None else torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+    return _SIDE_STREAMS[index]
+
+
 def capture_graph(fn) -> "torch.cuda.CUDAGraph":
     """``fn()`` captured in a CUDA graph, after one warm-up call on a side stream (lazily made
     workspaces, cuBLAS handles and compiled kernels then exist before the capture)."""
-    side = torch.cuda.Stream()
+    side = side_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()

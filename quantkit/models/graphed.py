@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
 
+from quantkit.kernels.launch import side_stream
 from quantkit.models.fast_norm import NormOutput, plain_tensor
 
 
@@ -168,7 +169,7 @@ class _CudaGraphs:
     def warm_up(self, forward) -> None:
         # On a side stream, as torch's graph docs ask: lazy initialisation (cuBLAS handles,
         # Triton compiles and autotuning) must not happen on the capturing stream.
-        side = torch.cuda.Stream(self.device)
+        side = side_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             forward()
