@@ -72,7 +72,7 @@ import torch
 import triton
 
 from quantkit.kernels.gemm_configs import m_bucket
-from quantkit.kernels.gemm_tma import _Descriptor
+from quantkit.kernels.gemm_tma import _Descriptor, _graph_bench_ms
 from quantkit.kernels.launch import aligned, cdiv, int_spec, launch_hooks_active, num_sms
 from quantkit.kernels.reference import ACTIVATIONS
 
@@ -598,7 +598,7 @@ class GluonCall:
     a_scale (M,) and w_scale (N,) float32, ``bias_arg`` the bias or any tensor when there is none.
     A gated config (``config.gated``): w the stacked (2N, K) [gate; up] weight, w_scale (2N,), no bias."""
 
-    __slots__ = ("config", "grid", "constexprs", "chunk_n")
+    __slots__ = ("config", "grid", "constexprs", "chunk_n", "key", "tail")
 
     def __init__(self, config: GluonConfig, M: int, N: int, device: torch.device, has_bias: bool,
                  activation: str) -> None:
@@ -612,6 +612,10 @@ class GluonCall:
             STAGES=config.stages, CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
             EPILOGUE_BUFFERS=config.epilogue_buffers, LOADER_REGS=config.loader_regs,
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, num_warps=config.consumer_warps)
+        # Per-call work kept off the hot path: the config's part of the compile key, and the
+        # constexprs in signature order (after the 9 runtime arguments) for the cached launcher.
+        self.key = (config, tuple(self.constexprs.items()))
+        self.tail = tuple(self.constexprs[name] for name in _scaled_mm_kernel.arg_names[9:])
 
     def __call__(self, a, w, out, a_scale, w_scale, bias_arg) -> None:
         cfg = self.config
@@ -619,11 +623,11 @@ class GluonCall:
         N = out.shape[1]
         # What the compiled binary depends on besides the config: the dtypes (descriptor element
         # types, the bias pointer), each integer's specialization and the scale/bias alignment.
-        key = (cfg, tuple(self.constexprs.items()), a.dtype, out.dtype, bias_arg.dtype, int_spec(M), int_spec(N),
-               int_spec(K), aligned(a_scale, w_scale, bias_arg))
+        key = (self.key, a.dtype, out.dtype, bias_arg.dtype, int_spec(M), int_spec(N), int_spec(K),
+               aligned(a_scale, w_scale, bias_arg))
         device = a.device.index if a.device.index is not None else torch.cuda.current_device()
-        entry = _COMPILED.get((device, key)) if CACHED_LAUNCH else None
-        if entry is None or launch_hooks_active():
+        compiled = _COMPILED.get((device, key)) if CACHED_LAUNCH else None
+        if compiled is None or launch_hooks_active():
             # Gluon's own launcher (validated descriptors); the compiled kernel is kept for later calls.
             a_desc = _descriptor(a, [cfg.block_m, cfg.block_k])
             w_desc = _weight_descriptor(w, [cfg.block_n, cfg.block_k])
@@ -631,18 +635,15 @@ class GluonCall:
             compiled = _scaled_mm_kernel[self.grid](a_desc, w_desc, out_desc, a_scale, w_scale, bias_arg, M, N, K,
                                                     **self.constexprs)
             if CACHED_LAUNCH and hasattr(compiled, "packed_metadata"):
-                # The constexprs in signature order, after the 9 runtime arguments.
-                names = _scaled_mm_kernel.arg_names[9:]
-                _COMPILED[(device, key)] = (compiled, tuple(self.constexprs[name] for name in names))
+                _COMPILED[(device, key)] = compiled
             return
         # The cached path (as launch.CachedLaunch does for the Triton kernels): the binary's own
         # launcher, with light descriptor objects carrying the fields it reads (base, shape,
         # strides, padding); the TMA maps are encoded from them as on Gluon's path.
-        compiled, tail = entry
         args = (_Descriptor(a, [M, K], [a.stride(0), 1], None), _Descriptor(w, [w.shape[0], K], [w.stride(0), 1], None),
                 _Descriptor(out, [M, N], [out.stride(0), 1], None), a_scale, w_scale, bias_arg, M, N, K)
         compiled.run(self.grid[0], 1, 1, _stream(device), compiled.function, compiled.packed_metadata, None, None,
-                     None, *args, *tail)
+                     None, *args, *self.tail)
 
 
 # The configs the first call of a (N, K, M bucket, dtype, epilogue) times; the fastest is kept.
@@ -680,8 +681,6 @@ def tuned_call(a, w, out, a_scale, w_scale, bias, activation: str, gated: bool =
            a.device, gated)
     config = _TUNED.get(key)
     if config is None:
-        from quantkit.kernels.gemm_tma import _graph_bench_ms
-
         times = {}
         for name in (GATED_TUNE_CANDIDATES if gated else TUNE_CANDIDATES):
             call = GluonCall(config_named(name), M, N, a.device, has_bias, activation)
