@@ -65,7 +65,7 @@ from quantkit.kernels.gemm_configs import (  # noqa: F401 - the config sets are 
     ALL_CONFIGS, HEURISTICS, INTERPRETER_CONFIG, LARGE_M_CONFIGS, MEDIUM_M_CONFIGS, SMALL_M_CONFIGS,
     SMALL_M_SPLIT_K_CONFIGS, _prune_configs, m_bucket, split_k_plan, split_k_programs)
 from quantkit.kernels.gemm_epilogue import dot_accumulate, grouped_tile, split_arrive, split_sum, store_tile
-from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, config_dict
+from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, config_dict
 
 # M is not specialized (divisibility by 16, == 1): rows are wrapped, not aligned, so it would only
 # multiply the compiled variants per batch size.
@@ -152,7 +152,7 @@ def _scaled_mm_kernel(
 
     if SPLIT_K == 1:
         store_tile(acc, acc_up, offs_m, offs_n, M, N, out_ptr, stride_om, a_scale_ptr, w_scale_ptr, bias_ptr,
-                    A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, ACTIVATION, GATED, RAW_ACC, INTERPRETED)
+                   A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, ACTIVATION, GATED, RAW_ACC, INTERPRETED)
     else:
         # One slot of TILE (gate) or 2 x TILE (gate, up) elements per program, the slices of a
         # tile side by side; only the rows < M are stored and summed (at M = 1 a sixteenth of
@@ -170,7 +170,7 @@ def _scaled_mm_kernel(
             if GATED:
                 acc_up = split_sum(tile_slots + TILE, offsets, row_mask, SLOT, SPLIT_K)
             store_tile(acc, acc_up, offs_m, offs_n, M, N, out_ptr, stride_om, a_scale_ptr, w_scale_ptr,
-                        bias_ptr, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, ACTIVATION, GATED, RAW_ACC, INTERPRETED)
+                       bias_ptr, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, ACTIVATION, GATED, RAW_ACC, INTERPRETED)
             tl.store(arrivals_ptr + tile_id, 0)
 
 
@@ -198,11 +198,7 @@ _scaled_mm_autotuned = triton.autotune(
 
 
 def _check_runnable(a: torch.Tensor) -> None:
-    if a.device.type != "cuda" and not INTERPRETED:
-        raise ValueError(
-            f"the Triton kernels need CUDA tensors (a is on {a.device}); use backend='torch' on CPU "
-            "or set TRITON_INTERPRET=1 before importing quantkit"
-        )
+    check_runnable(a, "a")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -87,8 +87,8 @@ def dequant_epilogue(
 
 @triton.jit
 def store_tile(acc, acc_up, offs_m, offs_n, M, N, out_ptr, stride_om, a_scale_ptr, w_scale_ptr, bias_ptr,
-                A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                ACTIVATION: tl.constexpr, GATED: tl.constexpr, RAW_ACC: tl.constexpr, INTERPRETED: tl.constexpr):
+               A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+               ACTIVATION: tl.constexpr, GATED: tl.constexpr, RAW_ACC: tl.constexpr, INTERPRETED: tl.constexpr):
     """The fused epilogue of one output tile and its masked store (``acc_up``: gated form only, the
     up half's accumulator; its column scales are ``w_scale[N + n]``). Shared by the tiled GEMM and
     the GEMV."""

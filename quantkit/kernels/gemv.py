@@ -40,7 +40,8 @@ import triton.testing
 
 from quantkit.kernels.gemm_checks import ACTIVATION_CODES, check_scaled_mm_args
 from quantkit.kernels.gemm_epilogue import store_tile
-from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, config_dict, next_power_of_2
+from quantkit.kernels.launch import (INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, config_dict,
+                                     next_power_of_2)
 
 # Largest M the GEMV takes: past 4 rows the products per weight byte (an int8 -> int32 widening
 # plus M multiply-adds) start to cost as much issue time as the byte's load; use gemm.scaled_mm.
@@ -225,11 +226,7 @@ def _check_gemv_args(a, w, a_scale, w_scale, bias, activation, out_dtype) -> tup
     M, N, K = check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype)
     if M > MAX_M:
         raise ValueError(f"M={M} rows: the GEMV takes 1 <= M <= {MAX_M}; use gemm.scaled_mm for larger M")
-    if a.device.type != "cuda" and not INTERPRETED:
-        raise ValueError(
-            f"the Triton kernels need CUDA tensors (a is on {a.device}); use reference.scaled_mm on CPU "
-            "or set TRITON_INTERPRET=1 before importing quantkit"
-        )
+    check_runnable(a, "a")
     return M, N, K
 
 

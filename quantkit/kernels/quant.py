@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.call_cache import SignatureCache
-from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, int_spec, next_power_of_2
+from quantkit.kernels.launch import (INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, int_spec,
+                                     next_power_of_2)
 from quantkit.kernels.reference import FP8_MAX, INT8_MAX, MIN_SCALE, QUANT_DTYPES, qmax_of
 
 # A whole row stays in registers up to this many elements (one read of the input); longer rows
@@ -418,11 +419,7 @@ def check_rms_norm_args(x, weight, residual) -> None:
 
 
 def _check_runnable(x: torch.Tensor) -> None:
-    if x.device.type != "cuda" and not INTERPRETED:
-        raise ValueError(
-            f"the Triton kernels need CUDA tensors (x is on {x.device}); use backend='torch' on CPU "
-            "or set TRITON_INTERPRET=1 before importing quantkit"
-        )
+    check_runnable(x, "x")
 
 
 # ----------------------------------------------------------------------------------------------
