@@ -433,17 +433,18 @@ def gated_text_report(results: dict) -> str:
         for name in sorted(row["us"]):
             spread = ", ".join(f"{v:.1f}" for v in row["rounds_us"][name])
             lines.append(f"  {name:40s} {row['us'][name]:9.1f} us {row['tflops'][name]:7.1f} TFLOP/s   [{spread}]")
-        for name, err in row["errors"].items():
-            lines.append(f"  {name}: FAILED {err}")
+        lines += [f"  {name}: FAILED {err}" for name, err in row["errors"].items()]
+    return _finish_report(lines, results)
+
+
+def _finish_report(lines: list[str], results: dict) -> str:
     if results.get("skipped_points"):
         lines += ["", f"skipped (deadline): {results['skipped_points']}"]
     return "\n".join(lines) + "\n"
 
 
 def write_gated(results: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gemm_gluon_gated.json").write_text(json.dumps(results, indent=1))
-    (out / "gemm_gluon_gated.txt").write_text(gated_text_report(results))
+    write(results, out, "gemm_gluon_gated", gated_text_report)
 
 
 def main_gated(args) -> None:
@@ -531,17 +532,15 @@ def text_report(results: dict) -> str:
                          f"x{ratio(us.get('int_mm+epilogue'), us[name]):.3f} _int_mm+epi")
             spread = ", ".join(f"{v:.1f}" for v in row["rounds_us"][name])
             lines.append(f"  {name:32s} {us[name]:9.1f} us {tf[name]:7.1f} TFLOP/s{extra}   [{spread}]")
-        for name, err in row["errors"].items():
-            lines.append(f"  {name}: FAILED {err}")
-    if results.get("skipped_points"):
-        lines += ["", f"skipped (deadline): {results['skipped_points']}"]
-    return "\n".join(lines) + "\n"
+        lines += [f"  {name}: FAILED {err}" for name, err in row["errors"].items()]
+    return _finish_report(lines, results)
 
 
-def write(results: dict, out: Path) -> None:
+def write(results: dict, out: Path, stem: str = "gemm_gluon", report=None) -> None:
+    """results as ``stem``.json and its text report as ``stem``.txt under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gemm_gluon.json").write_text(json.dumps(results, indent=1))
-    (out / "gemm_gluon.txt").write_text(text_report(results))
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    (out / f"{stem}.txt").write_text((report or text_report)(results))
 
 
 def main() -> None:
