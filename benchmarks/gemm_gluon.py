@@ -40,6 +40,7 @@ Imports the kernels without quantkit/__init__.py (whose data-set dependencies th
 """
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -79,6 +80,7 @@ SELECTED: list[str] = []  # --configs; empty = every config
 OPTIONS = {"bias": True}  # --no-bias: the plain epilogue (no bias anywhere; the strictest baseline)
 ROUNDS = 3
 DTYPE_NAMES = {FP8: "fp8", torch.int8: "int8"}
+DTYPES = [FP8, torch.int8]  # --dtypes
 
 
 def elapsed() -> float:
@@ -144,6 +146,24 @@ def compare(out, ref, dtype, scale=None) -> dict:
             "rel_fro": fro, "ok": bool(bad.sum().item() == 0 and fro <= fro_tol)}
 
 
+def add_variants(specs: list[str], gated: bool) -> None:
+    """``--variant FIELD=VALUE``: for each selected config, a copy with that field changed, named
+    ``name[FIELD=VALUE]``, registered in gemm_gluon's config tables (this process only) and selected."""
+    table = gemm_gluon.GATED_CONFIGS if gated else gemm_gluon.CONFIGS
+    base = [name for name in table if not SELECTED or name in SELECTED]
+    for spec in specs:
+        field, _, text = spec.partition("=")
+        kind = type(getattr(gemm_gluon.GluonConfig(), field, None))
+        if kind not in (bool, int) or not text:
+            raise SystemExit(f"--variant {spec!r}: expected FIELD=VALUE with an int or bool GluonConfig field")
+        value = text.lower() in ("1", "true") if kind is bool else int(text)
+        for name in base:
+            variant = f"{name}[{field}={text}]"
+            table[variant] = dataclasses.replace(table[name], **{field: value})
+            if SELECTED:
+                SELECTED.append(variant)
+
+
 def configs() -> list[str]:
     return [name for name in gemm_gluon.CONFIGS if not SELECTED or name in SELECTED]
 
@@ -152,7 +172,7 @@ def run_checks(results: dict) -> dict:
     """Every config x dtype at the odd shapes; returns {dtype name: passed}."""
     passed = {}
     extra = configs()[0]  # the config that also runs the epilogue variants
-    for dtype in (FP8, torch.int8):
+    for dtype in DTYPES:
         name = DTYPE_NAMES[dtype]
         ok_all = True
         for N, K, Ms in [(N, K, CHECK_MS) for N, K in CHECK_SHAPES] + [(N, K, [M]) for M, N, K in LONG_CHECKS]:
@@ -224,9 +244,11 @@ def point_ops(M, N, K, passed):
         out = acc.float() * asi[:, None] * wsi[None, :]
         return (out + bias.float() if use_bias else out).to(torch.bfloat16)
 
-    ops["int_mm+epilogue"] = int_mm_epilogue
+    if torch.int8 in DTYPES:
+        ops["int_mm+epilogue"] = int_mm_epilogue
     ops["triton_fp8"] = lambda: gemm.scaled_mm(a8, w8, as8, ws8, bias_arg)
-    ops["triton_int8"] = lambda: gemm.scaled_mm(ai, wi, asi, wsi, bias_arg)
+    if torch.int8 in DTYPES:
+        ops["triton_int8"] = lambda: gemm.scaled_mm(ai, wi, asi, wsi, bias_arg)
     for dtype, (a, a_scale, w, w_scale) in ((FP8, (a8, as8, w8, ws8)), (torch.int8, (ai, asi, wi, wsi))):
         name = DTYPE_NAMES[dtype]
         if not passed.get(name):
@@ -555,9 +577,14 @@ def main() -> None:
     parser.add_argument("--gated", action="store_true", help="the gated mode: gated checks, gate_up timings")
     parser.add_argument("--gated-fp8", action="store_true", help="gated timings: FP8 ops too")
     parser.add_argument("--checks-only", action="store_true", help="gated mode: no timings")
+    parser.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE",
+                        help="also run each selected config with this GluonConfig field changed (repeatable)")
+    parser.add_argument("--dtypes", default="fp8,int8", help="which of fp8,int8 to check and time")
     args = parser.parse_args()
     OPTIONS["bias"] = not args.no_bias
     SELECTED[:] = [name for name in args.configs.split(",") if name]
+    DTYPES[:] = [dtype for dtype, name in DTYPE_NAMES.items() if name in args.dtypes.split(",")]
+    add_variants(args.variant, gated=args.gated)
     if args.gated:
         main_gated(args)
         return
@@ -569,7 +596,7 @@ def main() -> None:
         write(results, args.out)
         raise SystemExit("gemm_gluon.available() is False here: needs an sm_90 GPU and triton 3.6's Gluon")
     if args.skip_checks:
-        passed = {"fp8": True, "int8": True}
+        passed = {DTYPE_NAMES[dtype]: True for dtype in DTYPES}
     else:
         passed = run_checks(results)
     results["checks_passed"] = passed

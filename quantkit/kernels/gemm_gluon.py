@@ -110,6 +110,7 @@ class GluonConfig:
     loader_regs: int = 40
     consumer_regs: int = 232  # a worker consumer's register budget (ping-pong only)
     gated: bool = False  # act(gate) * up over a stacked (2N, K) [gate; up] weight: two accumulators
+    early_scales: bool = True  # the tile's column scales loaded under the last MMA, not per output chunk
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
@@ -134,7 +135,7 @@ class GluonConfig:
     def name(self) -> str:
         kind = ("gated_" if self.gated else "") + ("pp" if self.consumers == 2 else f"coop{self.consumer_warps}w")
         return (f"{kind}_{self.block_m}x{self.block_n}x{self.block_k}_s{self.stages}"
-                f"_e{self.epilogue_split}_g{self.group_m}")
+                f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late"))
 
     def shared_bytes(self, out_bytes: int = 2) -> int:
         ring = self.stages * (self.block_m + (2 if self.gated else 1) * self.block_n) * self.block_k  # 8-bit operands
@@ -340,24 +341,28 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _store_chunk(x, u, chunk: gl.constexpr, off_m, off_n, out_desc, c_bufs, FIRST: gl.constexpr,
                      BUFFERS: gl.constexpr, w_scale_ptr, bias_ptr, N, HAS_BIAS: gl.constexpr,
-                     ACTIVATION: gl.constexpr, GATED: gl.constexpr, layout: gl.constexpr):
+                     ACTIVATION: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, layout: gl.constexpr):
         # c_bufs[FIRST:FIRST + BUFFERS]: this consumer's output staging buffers. Gated: ``u`` is
         # the up chunk (acc_up * a_scale; unused otherwise), out = act(gate) * up as in
         # gemm._store_tile: act((acc * a_scale) * w_scale[n]) * ((acc_up * a_scale) * w_scale[N + n]).
+        # SCALED: x (and u) arrive multiplied by their column scales already (early_scales).
         CHUNK_N: gl.constexpr = out_desc.block_type.shape[1]
         x = gl.convert_layout(x, layout, assert_trivial=True)
         cols = off_n + chunk * CHUNK_N + gl.arange(0, CHUNK_N, layout=gl.SliceLayout(0, layout))
         col_ok = cols < N
-        w_scale = gl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
-        x = x * gl.expand_dims(w_scale, 0)
+        if not SCALED:
+            w_scale = gl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
+            x = x * gl.expand_dims(w_scale, 0)
         if HAS_BIAS:
             bias = gl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(gl.float32)
             x = x + gl.expand_dims(bias, 0)
         x = _activation(x, ACTIVATION)
         if GATED:
             u = gl.convert_layout(u, layout, assert_trivial=True)
-            w_scale_up = gl.load(w_scale_ptr + N + cols, mask=col_ok, other=0.0)
-            x = x * (u * gl.expand_dims(w_scale_up, 0))
+            if not SCALED:
+                w_scale_up = gl.load(w_scale_ptr + N + cols, mask=col_ok, other=0.0)
+                u = u * gl.expand_dims(w_scale_up, 0)
+            x = x * u
         # Chunks take the staging buffers in turn (the split is a multiple of BUFFERS, so every
         # tile starts on buffer 0): the store issued BUFFERS chunks ago must have read this one.
         c_smem = c_bufs.index(FIRST + chunk % BUFFERS)
@@ -378,7 +383,7 @@ if _GLUON_ERROR is None:
                             a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, CONSUMER: gl.constexpr,
                             CONSUMERS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, GROUP_M: gl.constexpr,
                             STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                            ACTIVATION: gl.constexpr, GATED: gl.constexpr):
+                            ACTIVATION: gl.constexpr, GATED: gl.constexpr, EARLY_SCALES: gl.constexpr):
         BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
         BLOCK_N: gl.constexpr = w_bufs.type.shape[1]
@@ -425,6 +430,16 @@ if _GLUON_ERROR is None:
                 # The next tile's turn (the other consumer's), while our last MMA finishes and our
                 # epilogue runs. After this program's last tile nobody waits for it: harmless.
                 mbarrier.arrive(order_bars.index(1 - CONSUMER))
+            # The epilogue's scale loads go out while the last MMA is still running, so their
+            # latency hides under it (EARLY_SCALES: the column scales too, for the whole tile, not
+            # one round trip per output chunk).
+            rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
+            a_scale = gl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
+            if EARLY_SCALES:
+                cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+                w_scale = gl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
+                if GATED:
+                    w_scale_up = gl.load(w_scale_ptr + N + cols, mask=cols < N, other=0.0)
             if GATED:
                 acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
             else:
@@ -433,38 +448,40 @@ if _GLUON_ERROR is None:
             local += CONSUMERS
 
             # Epilogue in fp32, in the reference's order: (acc * a_scale) * w_scale + bias.
-            rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
-            a_scale = gl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
             x = acc.to(gl.float32) * gl.expand_dims(a_scale, 1)
+            if EARLY_SCALES:
+                x = x * gl.expand_dims(w_scale, 0)
             if GATED:
                 u = acc_up.to(gl.float32) * gl.expand_dims(a_scale, 1)
+                if EARLY_SCALES:
+                    u = u * gl.expand_dims(w_scale_up, 0)
             else:
                 u = x  # a stand-in, unused
             if EPILOGUE_SPLIT == 1:
                 _store_chunk(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, GATED, chunk_layout)
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
             elif EPILOGUE_SPLIT == 2:
                 left, right = _halves(x)
                 u_left, u_right = _halves(u)
                 _store_chunk(left, u_left, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr,
-                             N, HAS_BIAS, ACTIVATION, GATED, chunk_layout)
+                             N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
                 _store_chunk(right, u_right, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr,
-                             bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, chunk_layout)
+                             bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
             else:
                 left, right = _halves(x)
                 u_left, u_right = _halves(u)
                 q0, q1 = _halves(left)
                 v0, v1 = _halves(u_left)
                 _store_chunk(q0, v0, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, GATED, chunk_layout)
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
                 _store_chunk(q1, v1, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, GATED, chunk_layout)
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
                 q2, q3 = _halves(right)
                 v2, v3 = _halves(u_right)
                 _store_chunk(q2, v2, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, GATED, chunk_layout)
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
                 _store_chunk(q3, v3, 3, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, GATED, chunk_layout)
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
         tma.store_wait(0)
 
     # M, N and K only size loops and masks (TMA does the addressing): not specialized, so odd
@@ -474,7 +491,7 @@ if _GLUON_ERROR is None:
                           HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr,
                           STAGES: gl.constexpr, CONSUMERS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr,
                           EPILOGUE_BUFFERS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          GATED: gl.constexpr, num_warps: gl.constexpr):
+                          GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, num_warps: gl.constexpr):
         # GATED: out (M, N) = act(gate) * up over the stacked (2N, K) weight of w_desc; N counts outputs.
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -501,7 +518,7 @@ if _GLUON_ERROR is None:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED)),
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED)),
             ], [1], [LOADER_REGS])
@@ -509,10 +526,10 @@ if _GLUON_ERROR is None:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED)),
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED)),
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED)),
             ], [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -611,7 +628,8 @@ class GluonCall:
             HAS_BIAS=has_bias, ACTIVATION=ACTIVATIONS.index(activation), GROUP_M=config.group_m,
             STAGES=config.stages, CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
             EPILOGUE_BUFFERS=config.epilogue_buffers, LOADER_REGS=config.loader_regs,
-            CONSUMER_REGS=config.consumer_regs, GATED=config.gated, num_warps=config.consumer_warps)
+            CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
+            num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the
         # constexprs in signature order (after the 9 runtime arguments) for the cached launcher.
         self.key = (config, tuple(self.constexprs.items()))
