@@ -96,9 +96,21 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=1.5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--configs", default="", help="Gluon configs to build (default: all)")
+    parser.add_argument("--eager-calls", type=int, default=0,
+                        help="no timing: call each op this many times, eagerly (a target for ncu)")
     args = parser.parse_args()
     bench.OPTIONS["bias"] = False
     bench.SELECTED[:] = [name for name in args.configs.split(",") if name]
+    if args.eager_calls:
+        for point in args.points.split(","):
+            M, N, K = (int(v) for v in point.split(":"))
+            ops = bench.point_ops(M, N, K, {"fp8": True, "int8": True})
+            for name in (name for name in args.ops.split(",") if name in ops):
+                for _ in range(args.eager_calls):
+                    ops[name]()
+                torch.cuda.synchronize()
+                print(f"M={M} N={N} K={K} {name}: {args.eager_calls} calls", flush=True)
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     smi_path = args.out / "nvidia_smi_samples.csv"
     sampler = start_sampler(smi_path)
