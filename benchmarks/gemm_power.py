@@ -96,11 +96,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=1.5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--configs", default="", help="Gluon configs to build (default: all)")
+    parser.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE",
+                        help="as gemm_gluon.py --variant: Gluon config variants (ops gluon_<dtype>_<name>[FIELD=VALUE])")
     parser.add_argument("--eager-calls", type=int, default=0,
                         help="no timing: call each op this many times, eagerly (a target for ncu)")
     args = parser.parse_args()
     bench.OPTIONS["bias"] = False
     bench.SELECTED[:] = [name for name in args.configs.split(",") if name]
+    bench.add_variants(args.variant, gated=False)
     if args.eager_calls:
         for point in args.points.split(","):
             M, N, K = (int(v) for v in point.split(":"))
