@@ -161,7 +161,7 @@ def add_variants(specs: list[str], gated: bool) -> None:
             variant = f"{name}[{field}={text}]"
             try:
                 table[variant] = dataclasses.replace(table[name], **{field: value})
-            except ValueError as error:  # a change this config cannot take (e.g. deferred_epilogue on ping-pong)
+            except ValueError as error:  # a change this config cannot take (its __post_init__ refused it)
                 log(f"--variant {spec}: not for {name}: {error}")
                 continue
             if SELECTED:

@@ -111,10 +111,6 @@ class GluonConfig:
     consumer_regs: int = 232  # a worker consumer's register budget (ping-pong only)
     gated: bool = False  # act(gate) * up over a stacked (2N, K) [gate; up] weight: two accumulators
     early_scales: bool = True  # the tile's column scales loaded under the last MMA, not per output chunk
-    # Cooperative only: a tile's finished output is held in registers (16-bit pairs) and stored under
-    # the next tile's first MMA instead of with the tensor cores idle (needs early_scales). Calls
-    # with a bias keep the in-place epilogue (the bias would spill next to the accumulator).
-    deferred_epilogue: bool = False
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
@@ -129,9 +125,6 @@ class GluonConfig:
                              f"block_n={self.block_n} into multiples of 8")
         if self.epilogue_buffers not in (1, 2) or self.epilogue_split % self.epilogue_buffers:
             raise ValueError(f"epilogue_buffers={self.epilogue_buffers}: 1, or 2 with an even epilogue_split")
-        if self.deferred_epilogue and (self.consumers != 1 or not self.early_scales):
-            raise ValueError("deferred_epilogue needs consumers=1 (ping-pong already overlaps its epilogue) "
-                             "and early_scales=True")
         if self.block_k % 32:
             raise ValueError(f"block_k={self.block_k} must be a multiple of 32 (one 8-bit wgmma K step)")
         if self.shared_bytes() > SHARED_LIMIT:
@@ -142,8 +135,7 @@ class GluonConfig:
     def name(self) -> str:
         kind = ("gated_" if self.gated else "") + ("pp" if self.consumers == 2 else f"coop{self.consumer_warps}w")
         return (f"{kind}_{self.block_m}x{self.block_n}x{self.block_k}_s{self.stages}"
-                f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late")
-                + ("_d" if self.deferred_epilogue else ""))
+                f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late"))
 
     def shared_bytes(self, out_bytes: int = 2) -> int:
         ring = self.stages * (self.block_m + (2 if self.gated else 1) * self.block_n) * self.block_k  # 8-bit operands
@@ -347,11 +339,16 @@ if _GLUON_ERROR is None:
                 step += 1
 
     @gluon.jit
-    def _output_math(x, u, cols, w_scale_ptr, bias_ptr, N, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
-                     GATED: gl.constexpr, SCALED: gl.constexpr):
-        # x (and, gated, the up tile u) = acc * a_scale, fp32, in any layout whose column slice
-        # ``cols`` is. Out = act(x * w_scale[n] + bias[n]); gated: act(x * w_scale[n]) * (u * w_scale[N + n]),
-        # gemm._store_tile's order. SCALED: x and u carry their column scales already (early_scales).
+    def _store_chunk(x, u, chunk: gl.constexpr, off_m, off_n, out_desc, c_bufs, FIRST: gl.constexpr,
+                     BUFFERS: gl.constexpr, w_scale_ptr, bias_ptr, N, HAS_BIAS: gl.constexpr,
+                     ACTIVATION: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, layout: gl.constexpr):
+        # c_bufs[FIRST:FIRST + BUFFERS]: this consumer's output staging buffers. Gated: ``u`` is
+        # the up chunk (acc_up * a_scale; unused otherwise), out = act(gate) * up as in
+        # gemm._store_tile: act((acc * a_scale) * w_scale[n]) * ((acc_up * a_scale) * w_scale[N + n]).
+        # SCALED: x (and u) arrive multiplied by their column scales already (early_scales).
+        CHUNK_N: gl.constexpr = out_desc.block_type.shape[1]
+        x = gl.convert_layout(x, layout, assert_trivial=True)
+        cols = off_n + chunk * CHUNK_N + gl.arange(0, CHUNK_N, layout=gl.SliceLayout(0, layout))
         col_ok = cols < N
         if not SCALED:
             w_scale = gl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
@@ -361,37 +358,18 @@ if _GLUON_ERROR is None:
             x = x + gl.expand_dims(bias, 0)
         x = _activation(x, ACTIVATION)
         if GATED:
+            u = gl.convert_layout(u, layout, assert_trivial=True)
             if not SCALED:
                 w_scale_up = gl.load(w_scale_ptr + N + cols, mask=col_ok, other=0.0)
                 u = u * gl.expand_dims(w_scale_up, 0)
             x = x * u
-        return x
-
-    @gluon.jit
-    def _stage_store(y, chunk: gl.constexpr, off_m, off_n, out_desc, c_bufs, FIRST: gl.constexpr,
-                     BUFFERS: gl.constexpr):
-        # One output chunk through this consumer's staging buffers c_bufs[FIRST:FIRST + BUFFERS], in
-        # turn (the split is a multiple of BUFFERS, so every tile starts on buffer 0): the TMA store
-        # issued BUFFERS chunks ago must have read this buffer before it is written again.
-        CHUNK_N: gl.constexpr = out_desc.block_type.shape[1]
+        # Chunks take the staging buffers in turn (the split is a multiple of BUFFERS, so every
+        # tile starts on buffer 0): the store issued BUFFERS chunks ago must have read this one.
         c_smem = c_bufs.index(FIRST + chunk % BUFFERS)
         tma.store_wait(BUFFERS - 1)
-        c_smem.store(y.to(out_desc.dtype))
+        c_smem.store(x.to(out_desc.dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(out_desc, [off_m, off_n + chunk * CHUNK_N], c_smem)
-
-    @gluon.jit
-    def _store_chunk(x, u, chunk: gl.constexpr, off_m, off_n, out_desc, c_bufs, FIRST: gl.constexpr,
-                     BUFFERS: gl.constexpr, w_scale_ptr, bias_ptr, N, HAS_BIAS: gl.constexpr,
-                     ACTIVATION: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, layout: gl.constexpr):
-        # The output math of one column chunk, then its store (gated: u the matching up chunk).
-        CHUNK_N: gl.constexpr = out_desc.block_type.shape[1]
-        x = gl.convert_layout(x, layout, assert_trivial=True)
-        if GATED:
-            u = gl.convert_layout(u, layout, assert_trivial=True)
-        cols = off_n + chunk * CHUNK_N + gl.arange(0, CHUNK_N, layout=gl.SliceLayout(0, layout))
-        y = _output_math(x, u, cols, w_scale_ptr, bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, SCALED)
-        _stage_store(y, chunk, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS)
 
     @gluon.jit
     def _halves(x):
@@ -401,63 +379,11 @@ if _GLUON_ERROR is None:
         return x.reshape([BM, 2, BN // 2]).permute((0, 2, 1)).split()
 
     @gluon.jit
-    def _pack16(y):
-        # A 16-bit tile as int32 pairs of neighbouring columns (a thread's own pair in the wgmma
-        # layout): the held tile then takes one register per two values, not one per value.
-        BM: gl.constexpr = y.shape[0]
-        BN: gl.constexpr = y.shape[1]
-        lo, hi = y.to(gl.int16, bitcast=True).reshape([BM, BN // 2, 2]).split()
-        return (lo.to(gl.int32) & 0xFFFF) | (hi.to(gl.int32) << 16)
-
-    @gluon.constexpr_function
-    def _pair_layout(layout):
-        # The 16-bit staging layout seen as 32-bit pairs: TMA's swizzle moves 16-byte units, so the
-        # same bytes sit in the same places for either element width.
-        return gl.NVMMASharedLayout(swizzle_byte_width=layout.swizzle_byte_width, element_bitwidth=32, rank=2)
-
-    @gluon.jit
-    def _stage_store_packed(packed, chunk: gl.constexpr, off_m, off_n, out_desc, c_bufs, FIRST: gl.constexpr,
-                            BUFFERS: gl.constexpr):
-        # _stage_store for a chunk packed by _pack16: written as int32 pairs through a 32-bit view
-        # of the staging buffer, never unpacked into one register per value.
-        BM: gl.constexpr = out_desc.block_type.shape[0]
-        CHUNK_N: gl.constexpr = out_desc.block_type.shape[1]
-        c_smem = c_bufs.index(FIRST + chunk % BUFFERS)
-        tma.store_wait(BUFFERS - 1)
-        c_smem._reinterpret(gl.int32, [BM, CHUNK_N // 2], _pair_layout(out_desc.layout)).store(packed)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [off_m, off_n + chunk * CHUNK_N], c_smem)
-
-    @gluon.jit
-    def _store_held(packed, off_m, off_n, out_desc, c_bufs, FIRST: gl.constexpr, BUFFERS: gl.constexpr,
-                    EPILOGUE_SPLIT: gl.constexpr):
-        # A finished output tile (deferred_epilogue, packed by _pack16: packed column j holds output
-        # columns 2j and 2j + 1, so its column halves are the output's), in EPILOGUE_SPLIT chunks.
-        if EPILOGUE_SPLIT == 1:
-            _stage_store_packed(packed, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS)
-        elif EPILOGUE_SPLIT == 2:
-            left, right = _halves(packed)
-            _stage_store_packed(left, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS)
-            _stage_store_packed(right, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS)
-        else:
-            left, right = _halves(packed)
-            q0, q1 = _halves(left)
-            _stage_store_packed(q0, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS)
-            _stage_store_packed(q1, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS)
-            q2, q3 = _halves(right)
-            _stage_store_packed(q2, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS)
-            _stage_store_packed(q3, 3, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS)
-
-    @gluon.jit
     def _consumer_partition(a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                             a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, CONSUMER: gl.constexpr,
                             CONSUMERS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, GROUP_M: gl.constexpr,
                             STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                            ACTIVATION: gl.constexpr, GATED: gl.constexpr, EARLY_SCALES: gl.constexpr,
-                            DEFERRED: gl.constexpr):
-        # DEFERRED (deferred_epilogue, EARLY_SCALES implied): a tile's output math runs right after
-        # its mainloop, and the finished 16-bit tile is held in registers and stored under the next
-        # tile's first MMA, so the tensor cores idle only for the math, not for the stores.
+                            ACTIVATION: gl.constexpr, GATED: gl.constexpr, EARLY_SCALES: gl.constexpr):
         BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
         BLOCK_N: gl.constexpr = w_bufs.type.shape[1]
@@ -473,12 +399,7 @@ if _GLUON_ERROR is None:
         k_steps = gl.cdiv(K, BLOCK_K)
         nprog = gl.num_programs(0)
         local = CONSUMER  # this program's tile count so far (both consumers'): the ring position
-        first_tile = gl.program_id(0) + CONSUMER * nprog
-        if DEFERRED:
-            held = _pack16(gl.zeros((BLOCK_M, BLOCK_N), out_desc.dtype, layout=mma_layout))  # never stored
-            held_m = 0
-            held_n = 0
-        for tile in range(first_tile, num_pid_m * num_pid_n, CONSUMERS * nprog):
+        for tile in range(gl.program_id(0) + CONSUMER * nprog, num_pid_m * num_pid_n, CONSUMERS * nprog):
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
@@ -495,15 +416,10 @@ if _GLUON_ERROR is None:
                 mbarrier.wait(ready_bars.index(slot), phase)
                 acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
                 if GATED:
-                    acc_up = warpgroup_mma(a_bufs.index(slot), u_bufs.index(slot).permute((1, 0)), acc_up,
-                                           is_async=True)
-                if DEFERRED:
-                    if ki == 0 and tile != first_tile:
-                        # The previous tile's output, stored while this tile's first MMA runs.
-                        _store_held(held, held_m, held_n, out_desc, c_bufs, FIRST, BUFFERS, EPILOGUE_SPLIT)
-                if GATED:
                     # Two MMA groups per step (gate, up): waiting down to 2 outstanding keeps this
                     # step's pair in flight and retires the previous step's pair, whose slot is free.
+                    acc_up = warpgroup_mma(a_bufs.index(slot), u_bufs.index(slot).permute((1, 0)), acc_up,
+                                           is_async=True)
                     acc, acc_up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_up))
                 else:
                     # Keep this MMA in flight; the one before it has now retired, so its slot is free.
@@ -519,8 +435,8 @@ if _GLUON_ERROR is None:
             # one round trip per output chunk).
             rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
             a_scale = gl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
-            cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
             if EARLY_SCALES:
+                cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
                 w_scale = gl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
                 if GATED:
                     w_scale_up = gl.load(w_scale_ptr + N + cols, mask=cols < N, other=0.0)
@@ -541,12 +457,7 @@ if _GLUON_ERROR is None:
                     u = u * gl.expand_dims(w_scale_up, 0)
             else:
                 u = x  # a stand-in, unused
-            if DEFERRED:
-                held = _pack16(_output_math(x, u, cols, w_scale_ptr, bias_ptr, N, HAS_BIAS, ACTIVATION, GATED,
-                                            True).to(out_desc.dtype))
-                held_m = off_m
-                held_n = off_n
-            elif EPILOGUE_SPLIT == 1:
+            if EPILOGUE_SPLIT == 1:
                 _store_chunk(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
                              HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
             elif EPILOGUE_SPLIT == 2:
@@ -571,9 +482,6 @@ if _GLUON_ERROR is None:
                              HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
                 _store_chunk(q3, v3, 3, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
                              HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
-        if DEFERRED:
-            if local > CONSUMER:  # this consumer had a tile: its last output is still held
-                _store_held(held, held_m, held_n, out_desc, c_bufs, FIRST, BUFFERS, EPILOGUE_SPLIT)
         tma.store_wait(0)
 
     # M, N and K only size loops and masks (TMA does the addressing): not specialized, so odd
@@ -583,8 +491,7 @@ if _GLUON_ERROR is None:
                           HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr,
                           STAGES: gl.constexpr, CONSUMERS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr,
                           EPILOGUE_BUFFERS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, DEFERRED: gl.constexpr,
-                          num_warps: gl.constexpr):
+                          GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, num_warps: gl.constexpr):
         # GATED: out (M, N) = act(gate) * up over the stacked (2N, K) weight of w_desc; N counts outputs.
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -611,7 +518,7 @@ if _GLUON_ERROR is None:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, DEFERRED)),
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED)),
             ], [1], [LOADER_REGS])
@@ -619,10 +526,10 @@ if _GLUON_ERROR is None:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, DEFERRED)),
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, DEFERRED)),
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED)),
             ], [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -722,9 +629,7 @@ class GluonCall:
             STAGES=config.stages, CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
             EPILOGUE_BUFFERS=config.epilogue_buffers, LOADER_REGS=config.loader_regs,
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
-            # A tile's bias next to the next tile's accumulator would spill (ptxas, 256+ bytes):
-            # with a bias the epilogue stays in place.
-            DEFERRED=config.deferred_epilogue and not has_bias, num_warps=config.consumer_warps)
+            num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the
         # constexprs in signature order (after the 9 runtime arguments) for the cached launcher.
         self.key = (config, tuple(self.constexprs.items()))

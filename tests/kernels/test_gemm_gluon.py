@@ -102,8 +102,7 @@ def _compile(config, dtype: str, activation: int = 2):
                      CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
                      EPILOGUE_BUFFERS=config.epilogue_buffers,
                      LOADER_REGS=config.loader_regs, CONSUMER_REGS=config.consumer_regs,
-                     GATED=config.gated, EARLY_SCALES=config.early_scales, DEFERRED=config.deferred_epilogue,
-                     num_warps=config.consumer_warps)
+                     GATED=config.gated, EARLY_SCALES=config.early_scales, num_warps=config.consumer_warps)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(gemm_gluon._scaled_mm_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.consumer_warps))
