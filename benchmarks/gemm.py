@@ -10,6 +10,11 @@ of every split config, then M = 1 and 16 at the Llama-3-8B shapes and the gated 
 split config vs today's autotuned pick vs bf16 F.linear, and the verdict on
 ``gemm_configs.SMALL_M_SPLIT_K`` (gemm_splitk.json/.csv); with ``--smoke`` a CPU dry run of it.
 
+Each point's ops (quantkit FP8 / INT8, bf16 F.linear, the torch baselines) are timed in --rounds
+rounds whose order rotates by one op per round, medians reported: a GEMM timed right after a
+heavy one inherits its clock and power state (H100, 700 W cap: every large FP8 GEMM runs
+power-capped, results/gemm_power_s9_h100.txt), so no op keeps one position.
+
 Writes gemm.csv/json/png (GEMMs, gated MLP) and gemm_quant.csv/json (quantization kernels) and
 gemm_checks.json under --out. Same code as ``quantkit bench gemm`` (which runs it serially).
 
@@ -249,6 +254,8 @@ def main():
     parser.add_argument("--no-precompile", action="store_true", help="compile in the timing process (serial)")
     parser.add_argument("--estimate", action="store_true", help="print the run's size and time estimate and exit")
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter dry run on tiny shapes")
+    parser.add_argument("--rounds", type=int, default=bench_gemm.ROUNDS,
+                        help="timing rounds per point, the op order rotated each round (medians reported)")
     parser.add_argument("--split-k", action="store_true",
                         help="only the small-M split-K round: its checks, timings and verdict (gemm_splitk.json)")
     args = parser.parse_args()
@@ -336,7 +343,8 @@ def main():
         run_quant_benchmark(shapes=QUANT_SHAPES, out_dir=out, timer=timer)
     if "gemm" not in skip:
         run_gemm_benchmark(shapes=shapes, ms=ms, out_dir=out, gated="gated" not in skip, timer=timer,
-                           epilogues=epilogues, device=device, deadline_at=deadline_at, plot=not args.smoke)
+                           epilogues=epilogues, device=device, deadline_at=deadline_at, plot=not args.smoke,
+                           rounds=args.rounds)
     print(f"done in {time.monotonic() - T0:.0f}s", flush=True)
 
 

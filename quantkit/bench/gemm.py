@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -101,32 +102,43 @@ def _tflops(M, N, K, ms):
     return 2.0 * M * N * K / (ms * 1e-3) / 1e12 if ms and ms > 0 else float("nan")
 
 
-def bench_scaled_mm_point(M, N, K, epilogue, device="cuda", timer=bench_ms) -> list[dict]:
-    """Time quantkit FP8/INT8 and the three baselines at one (M, N, K, epilogue)."""
+ROUNDS = 3
+
+
+def rotated_medians(ops: dict, timer, rounds: int = ROUNDS) -> dict:
+    """Median ms per op over ``rounds`` rounds, the op order rotated by one each round: a GEMM
+    timed right after a heavy one inherits its clock / power state (on an H100 the first op after
+    cuBLAS read 5-10 % slow at >= 0.6 ms, and the power cap moves every FP8 kernel's clock), so no op
+    keeps one position. Also returns every round's time per op."""
+    names = list(ops)
+    samples = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(timer(ops[name]))
+    return {name: statistics.median(values) for name, values in samples.items()}, samples
+
+
+def bench_scaled_mm_point(M, N, K, epilogue, device="cuda", timer=bench_ms, rounds: int = ROUNDS) -> list[dict]:
+    """Time quantkit FP8/INT8 and the three baselines at one (M, N, K, epilogue), in rotated rounds."""
     has_bias, activation = EPILOGUES[epilogue]
-    rows = []
     x, w_bf16, bias, *_ = _make_operands(M, N, K, torch.int8, device)
     bias_arg = bias if has_bias else None
-
-    def bf16_linear():
-        return _activation(F.linear(x, w_bf16, bias_arg), activation)
-
-    t_bf16 = timer(bf16_linear)
-    base = {"M": M, "N": N, "K": K, "epilogue": epilogue}
-    rows.append({**base, "op": "bf16_F.linear", "ms": t_bf16, "tflops": _tflops(M, N, K, t_bf16)})
+    ops = {"bf16_F.linear": lambda: _activation(F.linear(x, w_bf16, bias_arg), activation)}
+    ours_of, baseline_of, checks = {}, {}, {}
 
     for dtype_name, dtype in (("fp8", torch.float8_e4m3fn), ("int8", torch.int8)):
         _, _, _, a, a_scale, w, w_scale = _make_operands(M, N, K, dtype, device)
         w_t = w.t()
         a_scale_col, w_scale_row = a_scale.view(-1, 1), w_scale.view(1, -1)
 
-        def ours():
+        def ours(a=a, w=w, a_scale=a_scale, w_scale=w_scale):
             return triton_ops.scaled_mm(a, w, a_scale, w_scale, bias_arg, activation, torch.bfloat16)
 
         if dtype == torch.float8_e4m3fn:
             # Like for like: quantkit's default FP8 mode is fast accumulation (gemm.py), so the
             # baseline is cuBLAS's fast-accumulation mode; the promoted mode is timed as well.
-            def baseline(fast_accum=True):
+            def scaled(fast_accum, a=a, w_t=w_t, a_scale_col=a_scale_col, w_scale_row=w_scale_row):
                 out = torch._scaled_mm(a, w_t, scale_a=a_scale_col, scale_b=w_scale_row, out_dtype=torch.bfloat16,
                                        use_fast_accum=fast_accum)
                 if has_bias:
@@ -134,12 +146,10 @@ def bench_scaled_mm_point(M, N, K, epilogue, device="cuda", timer=bench_ms) -> l
                 return _activation(out, activation)
 
             baseline_name = "torch._scaled_mm_rowwise_fast_accum+epilogue"
-            baseline_ok = True
-            t_promoted = timer(lambda: baseline(False))
-            rows.append({**base, "op": "torch._scaled_mm_rowwise_promoted+epilogue", "ms": t_promoted,
-                         "tflops": _tflops(M, N, K, t_promoted)})
+            ops["torch._scaled_mm_rowwise_promoted+epilogue"] = lambda scaled=scaled: scaled(False)
+            ops[baseline_name] = lambda scaled=scaled: scaled(True)
         else:
-            def baseline():
+            def int_mm(a=a, w_t=w_t, a_scale_col=a_scale_col, w_scale_row=w_scale_row):
                 acc = torch._int_mm(a, w_t)
                 out = acc.float() * a_scale_col * w_scale_row
                 if has_bias:
@@ -147,25 +157,32 @@ def bench_scaled_mm_point(M, N, K, epilogue, device="cuda", timer=bench_ms) -> l
                 return _activation(out, activation).to(torch.bfloat16)
 
             baseline_name = "torch._int_mm+epilogue"
-            baseline_ok = M > 16  # _int_mm's own restriction
+            if M > 16:  # _int_mm's own restriction
+                ops[baseline_name] = int_mm
+        ops[f"quantkit_{dtype_name}"] = ours
+        ours_of[dtype_name], baseline_of[dtype_name] = ours, baseline_name
+        checks[dtype_name] = (a, w, a_scale, w_scale)
 
-        t_ours = timer(ours)
-        t_base = timer(baseline) if baseline_ok else float("nan")
+    ms, _ = rotated_medians(ops, timer, rounds)
+    base = {"M": M, "N": N, "K": K, "epilogue": epilogue}
+    rows = [{**base, "op": name, "ms": t, "tflops": _tflops(M, N, K, t)} for name, t in ms.items()
+            if not name.startswith("quantkit_")]
+    for dtype_name, ours in ours_of.items():
+        a, w, a_scale, w_scale = checks[dtype_name]
+        t_ours, t_base = ms[f"quantkit_{dtype_name}"], ms.get(baseline_of[dtype_name], float("nan"))
         # The autotuner's pick at this very shape, checked against the reference twin.
         rel_err = _rel_err(ours(), reference.scaled_mm(a, w, a_scale, w_scale, bias_arg, activation, torch.float32))
         rows.append({
             **base, "op": f"quantkit_{dtype_name}", "ms": t_ours, "tflops": _tflops(M, N, K, t_ours), "rel_err": rel_err,
-            "baseline": baseline_name, "baseline_ms": t_base,
-            "speedup_vs_baseline": t_base / t_ours if baseline_ok else float("nan"),
-            "speedup_vs_bf16": t_bf16 / t_ours,
+            "baseline": baseline_of[dtype_name], "baseline_ms": t_base, "speedup_vs_baseline": t_base / t_ours,
+            "speedup_vs_bf16": ms["bf16_F.linear"] / t_ours,
         })
-        if baseline_ok:
-            rows.append({**base, "op": baseline_name, "ms": t_base, "tflops": _tflops(M, N, K, t_base)})
     return rows
 
 
-def bench_gated_point(M, N, K, dtype_name, activation="silu", device="cuda", timer=bench_ms) -> list[dict]:
-    """Fused gated GEMM (N output columns from a 2N x K weight) vs two GEMMs + elementwise."""
+def bench_gated_point(M, N, K, dtype_name, activation="silu", device="cuda", timer=bench_ms,
+                      rounds: int = ROUNDS) -> list[dict]:
+    """Fused gated GEMM (N output columns from a 2N x K weight) vs two GEMMs + elementwise, in rotated rounds."""
     dtype = torch.float8_e4m3fn if dtype_name == "fp8" else torch.int8
     x, w_bf16, _, a, a_scale, w, w_scale = _make_operands(M, 2 * N, K, dtype, device)
     w_gate, w_up = w[:N], w[N:]
@@ -183,7 +200,8 @@ def bench_gated_point(M, N, K, dtype_name, activation="silu", device="cuda", tim
         gate, up = F.linear(x, w_bf16).chunk(2, dim=-1)
         return _activation(gate, activation) * up
 
-    t_fused, t_two, t_bf16 = timer(fused), timer(two_gemms), timer(bf16_two_gemms)
+    ms, _ = rotated_medians({"fused": fused, "two": two_gemms, "bf16": bf16_two_gemms}, timer, rounds)
+    t_fused, t_two, t_bf16 = ms["fused"], ms["two"], ms["bf16"]
     rel_err = _rel_err(fused(), reference.gated_scaled_mm(a, w, a_scale, w_scale, activation, torch.float32))
     flops_k = 2 * N  # the GEMM is M x 2N x K
     base = {"M": M, "N": N, "K": K, "epilogue": f"gated_{activation}", "dtype": dtype_name}
@@ -256,13 +274,13 @@ def plot_tflops(rows: list[dict], path, title: str) -> None:
     plt.close(fig)
 
 
-def point_seconds(M: int, N: int, K: int, ops: int, replays: int = 16) -> float:
-    """Rough GPU seconds of timing ``ops`` ops of one (M, N, K) point with ``adaptive_graph_ms``:
-    two graphs (op + flush, flush) x ``replays`` x at least ~5 ms, at ~400 TFLOP/s on average
-    over bf16, FP8, INT8 and the unfused baselines, plus ~60 ms of capture per op."""
+def point_seconds(M: int, N: int, K: int, ops: int, replays: int = 16, rounds: int = ROUNDS) -> float:
+    """Rough GPU seconds of timing ``ops`` ops of one (M, N, K) point with ``adaptive_graph_ms`` in
+    ``rounds`` rounds: two graphs (op + flush, flush) x ``replays`` x at least ~5 ms, at ~400 TFLOP/s
+    on average over bf16, FP8, INT8 and the unfused baselines, plus ~60 ms of capture per op."""
     op_ms = 2.0 * M * N * K / 400e12 * 1e3 + 0.1
     per_replay_ms = max(5.0, 2 * op_ms)  # at least 2 calls per graph
-    return ops * (2 * replays * per_replay_ms * 1e-3 + 0.06)
+    return rounds * ops * (2 * replays * per_replay_ms * 1e-3 + 0.06)
 
 
 def _time_left(deadline_at):
@@ -271,10 +289,11 @@ def _time_left(deadline_at):
 
 def run_gemm_benchmark(shapes=None, ms=None, out_dir="benchmarks/results", plot=True,
                        epilogues=("plain", "bias_silu"), gated=True, timer=bench_graph_ms, device="cuda",
-                       deadline_at=None) -> list[dict]:
+                       deadline_at=None, rounds: int = ROUNDS) -> list[dict]:
     """Benchmark quantkit's GEMMs on the current GPU; writes gemm.csv/.json (+ gemm.png).
 
-    shapes: list of (N, K), default Llama-3-8B's projections; ms: list of M values.
+    shapes: list of (N, K), default Llama-3-8B's projections; ms: list of M values. Each point's ops
+    are timed in ``rounds`` rounds of rotated order (``rotated_medians``), medians reported.
     ``deadline_at`` (a ``time.monotonic()`` value): points whose estimated time (``point_seconds``,
     x 1.5) no longer fits are skipped and listed in the JSON's meta; the results written are complete
     for every point timed. Returns the rows written.
@@ -298,10 +317,11 @@ def run_gemm_benchmark(shapes=None, ms=None, out_dir="benchmarks/results", plot=
     if gated:
         N_gated, K_gated = GATED_SHAPE
         for M in ms:
-            if not fits(f"gated M={M}", 2 * point_seconds(M, 2 * N_gated, K_gated, 3)):
+            if not fits(f"gated M={M}", 2 * point_seconds(M, 2 * N_gated, K_gated, 3, rounds=rounds)):
                 continue
             for dtype_name in ("fp8", "int8"):
-                rows.extend(bench_gated_point(M, N_gated, K_gated, dtype_name, timer=timer, device=device))
+                rows.extend(bench_gated_point(M, N_gated, K_gated, dtype_name, timer=timer, device=device,
+                                              rounds=rounds))
             r = [x for x in rows if x["op"].startswith("quantkit_gated") and x["M"] == M]
             print("gated M=%d " % M + " ".join(f"{x['op']}: {x['ms']*1e3:.1f}us x{x['speedup_vs_baseline']:.2f} vs 2 GEMMs"
                                                 f" x{x['speedup_vs_bf16']:.2f} vs bf16 err {x['rel_err']:.1e}"
@@ -309,10 +329,10 @@ def run_gemm_benchmark(shapes=None, ms=None, out_dir="benchmarks/results", plot=
         write_results(rows, out_dir, "gemm", meta)
     for N, K in shapes:
         for M in ms:
-            if not fits(f"M={M} N={N} K={K}", len(epilogues) * point_seconds(M, N, K, 6)):
+            if not fits(f"M={M} N={N} K={K}", len(epilogues) * point_seconds(M, N, K, 6, rounds=rounds)):
                 continue
             for epilogue in epilogues:
-                rows.extend(bench_scaled_mm_point(M, N, K, epilogue, timer=timer, device=device))
+                rows.extend(bench_scaled_mm_point(M, N, K, epilogue, timer=timer, device=device, rounds=rounds))
             print_point(rows, M, N, K)
             write_results(rows, out_dir, "gemm", meta)  # partial results survive a time-out
     meta["autotune"] = autotune_choices()
