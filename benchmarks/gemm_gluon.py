@@ -147,20 +147,23 @@ def compare(out, ref, dtype, scale=None) -> dict:
 
 
 def add_variants(specs: list[str], gated: bool) -> None:
-    """``--variant FIELD=VALUE``: for each selected config, a copy with that field changed, named
-    ``name[FIELD=VALUE]``, registered in gemm_gluon's config tables (this process only) and selected."""
+    """``--variant FIELD=VALUE[,FIELD=VALUE...]``: for each selected config, a copy with those fields
+    changed, named ``name[spec]``, registered in gemm_gluon's config tables (this process only) and
+    selected. A config that refuses the change (its own checks) is left out, with a log line."""
     table = gemm_gluon.GATED_CONFIGS if gated else gemm_gluon.CONFIGS
     base = [name for name in table if not SELECTED or name in SELECTED]
     for spec in specs:
-        field, _, text = spec.partition("=")
-        kind = type(getattr(gemm_gluon.GluonConfig(), field, None))
-        if kind not in (bool, int) or not text:
-            raise SystemExit(f"--variant {spec!r}: expected FIELD=VALUE with an int or bool GluonConfig field")
-        value = text.lower() in ("1", "true") if kind is bool else int(text)
+        changes = {}
+        for part in spec.split(","):
+            field, _, text = part.partition("=")
+            kind = type(getattr(gemm_gluon.GluonConfig(), field, None))
+            if kind not in (bool, int) or not text:
+                raise SystemExit(f"--variant {spec!r}: expected FIELD=VALUE with an int or bool GluonConfig field")
+            changes[field] = text.lower() in ("1", "true") if kind is bool else int(text)
         for name in base:
-            variant = f"{name}[{field}={text}]"
+            variant = f"{name}[{spec}]"
             try:
-                table[variant] = dataclasses.replace(table[name], **{field: value})
+                table[variant] = dataclasses.replace(table[name], **changes)
             except ValueError as error:  # a change this config cannot take (its __post_init__ refused it)
                 log(f"--variant {spec}: not for {name}: {error}")
                 continue

@@ -111,13 +111,19 @@ class GluonConfig:
     consumer_regs: int = 232  # a worker consumer's register budget (ping-pong only)
     gated: bool = False  # act(gate) * up over a stacked (2N, K) [gate; up] weight: two accumulators
     early_scales: bool = True  # the tile's column scales loaded under the last MMA, not per output chunk
+    # consumers=2 only: both consumers work on every tile, consumer c on rows [c, c + 1) x block_m / 2
+    # ("cooperative" with independent warpgroups: each waits and releases ring slots on its own)
+    # instead of taking alternate tiles (ping-pong).
+    split_m: bool = False
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
             raise ValueError(f"consumers={self.consumers}: 1 (cooperative) or 2 (ping-pong)")
         if self.consumer_warps not in (4, 8):
             raise ValueError(f"consumer_warps={self.consumer_warps}: 4 or 8 (whole warpgroups)")
-        if self.block_m % (16 * self.consumer_warps):
+        if self.split_m and self.consumers != 2:
+            raise ValueError(f"split_m needs consumers=2 (two warpgroups on halves of each tile), got {self.consumers}")
+        if self.block_m % (16 * self.consumer_warps * (2 if self.split_m else 1)):
             raise ValueError(f"block_m={self.block_m} must be a multiple of 16 rows per warp "
                              f"({16 * self.consumer_warps} for {self.consumer_warps} warps)")
         if self.block_n % (8 * self.epilogue_split) or self.epilogue_split not in (1, 2, 4):
@@ -133,13 +139,19 @@ class GluonConfig:
 
     @property
     def name(self) -> str:
-        kind = ("gated_" if self.gated else "") + ("pp" if self.consumers == 2 else f"coop{self.consumer_warps}w")
+        kind = ("gated_" if self.gated else "") + (
+            "coop2x" if self.split_m else "pp" if self.consumers == 2 else f"coop{self.consumer_warps}w")
         return (f"{kind}_{self.block_m}x{self.block_n}x{self.block_k}_s{self.stages}"
                 f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late"))
 
+    @property
+    def stored_rows(self) -> int:
+        """Rows of one consumer's output chunk (its TMA store box)."""
+        return self.block_m // 2 if self.split_m else self.block_m
+
     def shared_bytes(self, out_bytes: int = 2) -> int:
         ring = self.stages * (self.block_m + (2 if self.gated else 1) * self.block_n) * self.block_k  # 8-bit operands
-        staging = (self.consumers * self.epilogue_buffers * self.block_m * (self.block_n // self.epilogue_split)
+        staging = (self.consumers * self.epilogue_buffers * self.stored_rows * (self.block_n // self.epilogue_split)
                    * out_bytes)
         return ring + staging + (2 * self.stages + self.consumers) * 8 + 1024  # barriers, alignment slack
 
@@ -158,6 +170,11 @@ CONFIGS = {
     # Ping-pong on 64x256 tiles: wider wgmma (n=256 for FP8), half the rows per tile.
     "pp_64x256": GluonConfig(64, 256, 128, stages=5, consumers=2, consumer_warps=4, epilogue_split=4,
                              epilogue_buffers=1),
+    # The cooperative tile with its two warpgroups as separate partitions (CUTLASS's cooperative
+    # kernel): no warpgroup barrier per K step, and a warpgroup that finishes its epilogue first
+    # starts the next tile's MMAs while the other still stores.
+    "coop2_128x256": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
+                                 split_m=True),
 }
 
 # The gated form (``gated=True``): per K step the ring slot holds the A tile, the gate W tile (rows
@@ -259,6 +276,10 @@ if _GLUON_ERROR is None:
     _ring_slot_phase = gluon.jit(ring_slot_phase)
     _previous_phase = gluon.jit(previous_phase)
     _turn_phase = gluon.jit(turn_phase)
+
+    @gluon.constexpr_function
+    def _split(BLOCK_M, CONSUMERS, SPLIT_M):
+        return BLOCK_M // CONSUMERS if SPLIT_M else BLOCK_M
 
     @gluon.constexpr_function
     def _mma_layout(BLOCK_M, BLOCK_N, num_warps, IS_INT8):
@@ -383,14 +404,19 @@ if _GLUON_ERROR is None:
                             a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, CONSUMER: gl.constexpr,
                             CONSUMERS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, GROUP_M: gl.constexpr,
                             STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                            ACTIVATION: gl.constexpr, GATED: gl.constexpr, EARLY_SCALES: gl.constexpr):
+                            ACTIVATION: gl.constexpr, GATED: gl.constexpr, EARLY_SCALES: gl.constexpr,
+                            SPLIT_M: gl.constexpr):
+        # SPLIT_M: every consumer takes every tile, rows [ROW0, ROW0 + TILE_M) of it; otherwise
+        # (ping-pong) consumer c takes this program's tiles c, c + 2, ... whole.
         BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
         BLOCK_N: gl.constexpr = w_bufs.type.shape[1]
         IS_INT8: gl.constexpr = a_bufs.dtype == gl.int8
         acc_dtype: gl.constexpr = gl.int32 if IS_INT8 else gl.float32
-        mma_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, CONSUMER_WARPS, IS_INT8)
-        chunk_layout: gl.constexpr = _chunk_layout(BLOCK_M, BLOCK_N, CONSUMER_WARPS, IS_INT8, EPILOGUE_SPLIT)
+        TILE_M: gl.constexpr = _split(BLOCK_M, CONSUMERS, SPLIT_M)
+        ROW0: gl.constexpr = CONSUMER * TILE_M if SPLIT_M else 0
+        mma_layout: gl.constexpr = _mma_layout(TILE_M, BLOCK_N, CONSUMER_WARPS, IS_INT8)
+        chunk_layout: gl.constexpr = _chunk_layout(TILE_M, BLOCK_N, CONSUMER_WARPS, IS_INT8, EPILOGUE_SPLIT)
         BUFFERS: gl.constexpr = c_bufs.type.shape[0] // CONSUMERS
         FIRST: gl.constexpr = CONSUMER * BUFFERS
 
@@ -398,42 +424,46 @@ if _GLUON_ERROR is None:
         num_pid_n = gl.cdiv(N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
         nprog = gl.num_programs(0)
-        local = CONSUMER  # this program's tile count so far (both consumers'): the ring position
-        for tile in range(gl.program_id(0) + CONSUMER * nprog, num_pid_m * num_pid_n, CONSUMERS * nprog):
+        TURNS: gl.constexpr = 1 if SPLIT_M else CONSUMERS  # consumers taking turns on this program's tiles
+        TURN: gl.constexpr = 0 if SPLIT_M else CONSUMER
+        local = TURN  # this program's tile count so far (both consumers'): the ring position
+        for tile in range(gl.program_id(0) + TURN * nprog, num_pid_m * num_pid_n, TURNS * nprog):
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-            off_m = pid_m * BLOCK_M
+            off_m = pid_m * BLOCK_M + ROW0
             off_n = pid_n * BLOCK_N
             step = local * k_steps
-            acc = gl.zeros((BLOCK_M, BLOCK_N), acc_dtype, layout=mma_layout)
+            acc = gl.zeros((TILE_M, BLOCK_N), acc_dtype, layout=mma_layout)
             if GATED:
-                acc_up = gl.zeros((BLOCK_M, BLOCK_N), acc_dtype, layout=mma_layout)
-            if CONSUMERS == 2:
+                acc_up = gl.zeros((TILE_M, BLOCK_N), acc_dtype, layout=mma_layout)
+            if TURNS == 2:
                 # Our turn: the other consumer has issued all of the previous tile's ring waits
                 # and MMAs, so the ring positions below are at most one lap ahead of the loader.
                 mbarrier.wait(order_bars.index(CONSUMER), _turn_phase(local))
             for ki in range(k_steps):
                 slot, phase = _ring_slot_phase(step, STAGES)
                 mbarrier.wait(ready_bars.index(slot), phase)
-                acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+                a_tile = a_bufs.index(slot)
+                if SPLIT_M:
+                    a_tile = a_tile.slice(ROW0, TILE_M)
+                acc = warpgroup_mma(a_tile, w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
                 if GATED:
                     # Two MMA groups per step (gate, up): waiting down to 2 outstanding keeps this
                     # step's pair in flight and retires the previous step's pair, whose slot is free.
-                    acc_up = warpgroup_mma(a_bufs.index(slot), u_bufs.index(slot).permute((1, 0)), acc_up,
-                                           is_async=True)
+                    acc_up = warpgroup_mma(a_tile, u_bufs.index(slot).permute((1, 0)), acc_up, is_async=True)
                     acc, acc_up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_up))
                 else:
                     # Keep this MMA in flight; the one before it has now retired, so its slot is free.
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES), pred=ki > 0)
                 step += 1
-            if CONSUMERS == 2:
+            if TURNS == 2:
                 # The next tile's turn (the other consumer's), while our last MMA finishes and our
                 # epilogue runs. After this program's last tile nobody waits for it: harmless.
                 mbarrier.arrive(order_bars.index(1 - CONSUMER))
             # The epilogue's scale loads go out while the last MMA is still running, so their
             # latency hides under it (EARLY_SCALES: the column scales too, for the whole tile, not
             # one round trip per output chunk).
-            rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
+            rows = off_m + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout))
             a_scale = gl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
             if EARLY_SCALES:
                 cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
@@ -445,7 +475,7 @@ if _GLUON_ERROR is None:
             else:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES))
-            local += CONSUMERS
+            local += TURNS
 
             # Epilogue in fp32, in the reference's order: (acc * a_scale) * w_scale + bias.
             x = acc.to(gl.float32) * gl.expand_dims(a_scale, 1)
@@ -491,7 +521,8 @@ if _GLUON_ERROR is None:
                           HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr,
                           STAGES: gl.constexpr, CONSUMERS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr,
                           EPILOGUE_BUFFERS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, num_warps: gl.constexpr):
+                          GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, SPLIT_M: gl.constexpr,
+                          num_warps: gl.constexpr):
         # GATED: out (M, N) = act(gate) * up over the stacked (2N, K) weight of w_desc; N counts outputs.
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -507,7 +538,8 @@ if _GLUON_ERROR is None:
         order_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready_bars.index(i), count=1)
-            mbarrier.init(empty_bars.index(i), count=1)
+            # SPLIT_M: both consumers read every slot, and both release it.
+            mbarrier.init(empty_bars.index(i), count=CONSUMERS if SPLIT_M else 1)
         for i in gl.static_range(CONSUMERS):
             mbarrier.init(order_bars.index(i), count=1)
         # The barriers' initialization must be visible to the TMA unit before the first copy.
@@ -518,7 +550,7 @@ if _GLUON_ERROR is None:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES)),
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED)),
             ], [1], [LOADER_REGS])
@@ -526,10 +558,10 @@ if _GLUON_ERROR is None:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES)),
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES)),
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED)),
             ], [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -629,7 +661,7 @@ class GluonCall:
             STAGES=config.stages, CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
             EPILOGUE_BUFFERS=config.epilogue_buffers, LOADER_REGS=config.loader_regs,
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
-            num_warps=config.consumer_warps)
+            SPLIT_M=config.split_m, num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the
         # constexprs in signature order (after the 9 runtime arguments) for the cached launcher.
         self.key = (config, tuple(self.constexprs.items()))
@@ -649,7 +681,7 @@ class GluonCall:
             # Gluon's own launcher (validated descriptors); the compiled kernel is kept for later calls.
             a_desc = _descriptor(a, [cfg.block_m, cfg.block_k])
             w_desc = _weight_descriptor(w, [cfg.block_n, cfg.block_k])
-            out_desc = _descriptor(out, [cfg.block_m, self.chunk_n], shape=[M, N], strides=[out.stride(0), 1])
+            out_desc = _descriptor(out, [cfg.stored_rows, self.chunk_n], shape=[M, N], strides=[out.stride(0), 1])
             compiled = _scaled_mm_kernel[self.grid](a_desc, w_desc, out_desc, a_scale, w_scale, bias_arg, M, N, K,
                                                     **self.constexprs)
             if CACHED_LAUNCH and hasattr(compiled, "packed_metadata"):

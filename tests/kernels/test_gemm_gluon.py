@@ -95,14 +95,15 @@ def _compile(config, dtype: str, activation: int = 2):
     signature = {
         "a_desc": desc(dtype, [config.block_m, config.block_k], operand),
         "w_desc": desc(dtype, [config.block_n, config.block_k], operand),
-        "out_desc": desc("bf16", [config.block_m, chunk_n], gl.bfloat16),
+        "out_desc": desc("bf16", [config.stored_rows, chunk_n], gl.bfloat16),
         "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
     }
     constants = dict(HAS_BIAS=not config.gated, ACTIVATION=activation, GROUP_M=config.group_m, STAGES=config.stages,
                      CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
                      EPILOGUE_BUFFERS=config.epilogue_buffers,
                      LOADER_REGS=config.loader_regs, CONSUMER_REGS=config.consumer_regs,
-                     GATED=config.gated, EARLY_SCALES=config.early_scales, num_warps=config.consumer_warps)
+                     GATED=config.gated, EARLY_SCALES=config.early_scales, SPLIT_M=config.split_m,
+                     num_warps=config.consumer_warps)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(gemm_gluon._scaled_mm_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.consumer_warps))
