@@ -191,6 +191,9 @@ GATED_CONFIGS = {
     # The same with 64-deep K steps and a ring twice as deep.
     "gated_coop_128x128_k64": GluonConfig(128, 128, 64, stages=8, consumers=1, consumer_warps=8, epilogue_split=4,
                                           gated=True),
+    # gated_coop_128x128 with its warpgroups as separate partitions (split_m, as coop2_128x256).
+    "gated_coop2_128x128": GluonConfig(128, 128, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
+                                       gated=True, split_m=True),
 }
 
 
@@ -697,9 +700,11 @@ class GluonCall:
 
 
 # The configs the first call of a (N, K, M bucket, dtype, epilogue) times; the fastest is kept.
-# Measured on an H100 (benchmarks/NOTES-gemm.md, session 8): among the four configs, one of these
-# three was the fastest INT8 kernel at each of the 12 large-M points.
-TUNE_CANDIDATES = ("pp_128x128", "coop_128x256", "coop_128x256_k64")
+# Measured on an H100 (benchmarks/NOTES-gemm.md, sessions 8-9): one of the first three was the
+# fastest INT8 kernel at each of the 12 large-M points in session 8; in session 9 coop2_128x256 beat
+# the tuned pick among them at all 8 points with M >= 4096 (1.01-1.07x); pp_128x128 stays for
+# M = 1024, where the partial last wave matters.
+TUNE_CANDIDATES = ("pp_128x128", "coop_128x256", "coop_128x256_k64", "coop2_128x256")
 # The gated GEMM's candidates (all of GATED_CONFIGS until measurements narrow them).
 GATED_TUNE_CANDIDATES = ("gated_pp_128x64", "gated_coop_128x128", "gated_coop_128x128_k64")
 _TUNED: dict[tuple, GluonConfig] = {}
