@@ -175,6 +175,10 @@ CONFIGS = {
     # starts the next tile's MMAs while the other still stores.
     "coop2_128x256": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
                                  split_m=True),
+    # The same ring bytes per step transposed: 256 rows x 128 columns, each warpgroup on 128 x 128
+    # (m64n128 wgmmas, as INT8 runs its 256-wide tiles). Twice the row tiles per weight tile.
+    "coop2_256x128": GluonConfig(256, 128, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
+                                 split_m=True),
 }
 
 # The gated form (``gated=True``): per K step the ring slot holds the A tile, the gate W tile (rows
