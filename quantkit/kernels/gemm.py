@@ -25,8 +25,9 @@ does not; ``gemm_configs.SMALL_M_SPLIT_K`` switches them off).
 
 Four kernels behind ``kernel="auto"`` (``_pick_kernel``), each with the same semantics and epilogue:
 - M <= GEMV_MAX_M (1): the tensor-core-free GEMV of ``gemv.py`` (a weight stream; gated too);
-- INT8 with M >= GLUON_MIN_M on an sm_90 GPU with triton 3.6: the warp-specialized Gluon kernel
-  of ``gemm_gluon.py`` (asynchronous int32 wgmma; gated too), where ``gluon_takes`` allows it;
+- M >= GLUON_MIN_M on an sm_90 GPU with triton 3.6: the warp-specialized Gluon kernel of
+  ``gemm_gluon.py`` (asynchronous wgmma, int32 for INT8), where ``gluon_takes`` allows it: INT8
+  plain and gated, FP8 plain with fast accumulation;
 - otherwise M >= PERSISTENT_MIN_M with 16-byte aligned operands: the persistent TMA kernel of
   ``gemm_tma.py`` (the gated GEMM: for INT8 only, see PERSISTENT_MIN_M);
 - everything else: this file's tiled kernel (one program per output tile, pointer loads, the
@@ -218,8 +219,11 @@ PERSISTENT_MIN_M = 1024
 # where it runs (sm_90, triton 3.6): asynchronous int32-accumulator wgmma, which triton 3.6 does
 # not generate, and a 128x128 ping-pong config for partial last waves. Measured on an H100 at
 # M = 1024 / 4096 / 16384, the four Llama-3-8B shapes: 1.03-1.55x the Triton INT8 kernel (plain
-# epilogue, benchmarks/NOTES-gemm.md, session 8). FP8 stays on Triton (Gluon 0.93-1.02x there).
-# The gated INT8 GEMM (gated_scaled_mm) takes the Gluon kernel's gated mode from the same M.
+# epilogue, benchmarks/NOTES-gemm.md, session 8). The gated INT8 GEMM (gated_scaled_mm) takes the
+# Gluon kernel's gated mode from the same M. FP8 (fast accumulation, not gated) from the same M
+# since session 10, tuned among gemm_gluon.FP8_TUNE_CANDIDATES: 1.004-1.082x the Triton FP8 kernel
+# at the same 12 points (with one candidate per config family it had been 0.93-1.04x); promoted
+# FP8 and gated FP8 stay on Triton (the Gluon kernel has no promotion; gated FP8 is untimed there).
 GLUON_MIN_M = 1024
 # kernel="auto" takes the tensor-core-free GEMV (gemv.py) up to this M: measured on an H100 at
 # M = 1, the four Llama-3-8B shapes, both dtypes: 1.18-1.33x the tiled split-K kernel with the L2
@@ -346,7 +350,7 @@ def gluon_takes(a, w, out, gated, flags) -> bool:
             and a.shape[1] % 16 == 0 and gemm_tma.descriptors_ok(a, w, out) and gemm_gluon.available())
 
 
-def _pick_kernel(kernel, a, w, out, gated, config, flags) -> str:
+def _pick_kernel(kernel, a, w, out, gated, config, flags, fp8_fast_accum=True) -> str:
     if kernel == "auto" and config is not None:
         # An explicit config names its kernel by its keys (only the persistent one splits its epilogue).
         kernel = "persistent" if "EPILOGUE_SPLIT" in config else "tiled"
@@ -365,8 +369,8 @@ def _pick_kernel(kernel, a, w, out, gated, config, flags) -> str:
     if kernel == "auto":
         if a.shape[0] <= GEMV_MAX_M and not flags[5]:
             return "gemv"
-        if (a.dtype == torch.int8 and a.shape[0] >= GLUON_MIN_M and not INTERPRETED
-                and gluon_takes(a, w, out, gated, flags)):
+        gluon_form = a.dtype == torch.int8 or (fp8_fast_accum and not gated)
+        if gluon_form and a.shape[0] >= GLUON_MIN_M and not INTERPRETED and gluon_takes(a, w, out, gated, flags):
             return "gluon"
         return "persistent" if _persistent_sized(a, gated) and gemm_tma.descriptors_ok(a, w, out) else "tiled"
     if kernel == "persistent":
@@ -447,7 +451,7 @@ def _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config,
     if kernel == "gluon" and not is_int8 and not fp8_fast_accum:
         raise ValueError("kernel='gluon' accumulates FP8 in the tensor cores' fast mode only; "
                          "use kernel='auto' for fp8_fast_accum=False")
-    return _pick_kernel(kernel, a, w, out, gated, config, flags), flags, fp8_fast_accum
+    return _pick_kernel(kernel, a, w, out, gated, config, flags, fp8_fast_accum), flags, fp8_fast_accum
 
 
 # Validated calls without config= / out= (GPU path), by signature: every tensor's shape, strides,

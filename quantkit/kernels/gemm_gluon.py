@@ -175,10 +175,10 @@ CONFIGS = {
     # starts the next tile's MMAs while the other still stores.
     "coop2_128x256": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
                                  split_m=True),
-    # The same ring bytes per step transposed: 256 rows x 128 columns, each warpgroup on 128 x 128
-    # (m64n128 wgmmas, as INT8 runs its 256-wide tiles). Twice the row tiles per weight tile.
-    "coop2_256x128": GluonConfig(256, 128, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
-                                 split_m=True),
+    # The same walking 16 row tiles per group (the weight tiles of a group stay in L2 for twice the
+    # rows): the fastest FP8 config at 9 of the 12 large-M points on the H100 (session 10).
+    "coop2_128x256_g16": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
+                                     split_m=True, group_m=16),
 }
 
 # The gated form (``gated=True``): per K step the ring slot holds the A tile, the gate W tile (rows
@@ -709,6 +709,11 @@ class GluonCall:
 # the tuned pick among them at all 8 points with M >= 4096 (1.01-1.07x); pp_128x128 stays for
 # M = 1024, where the partial last wave matters.
 TUNE_CANDIDATES = ("pp_128x128", "coop_128x256", "coop_128x256_k64", "coop2_128x256")
+# FP8's (fast accumulation; plain, not gated): measured on an H100 in session 10 at the same 12
+# points, each of these four was the fastest FP8 config at one point or more (pp_128x128 at
+# 6144x4096, M = 1024; coop2_128x256_g16 at 9), and the fastest of them beat the Triton FP8 kernel
+# at all 12 (1.004-1.082x, plain epilogue).
+FP8_TUNE_CANDIDATES = ("pp_128x128", "coop_128x256", "coop2_128x256", "coop2_128x256_g16")
 # The gated GEMM's candidates (all of GATED_CONFIGS until measurements narrow them).
 GATED_TUNE_CANDIDATES = ("gated_pp_128x64", "gated_coop_128x128", "gated_coop_128x128_k64")
 _TUNED: dict[tuple, GluonConfig] = {}
@@ -722,6 +727,13 @@ def tune_bucket(M: int, gated: bool) -> int:
     return 1 << max(0, M - 1).bit_length() if gated else m_bucket(M)
 
 
+def candidates(dtype: torch.dtype, gated: bool) -> tuple[str, ...]:
+    """The config names ``tuned_call`` times for a call of this operand dtype and form."""
+    if gated:
+        return GATED_TUNE_CANDIDATES
+    return TUNE_CANDIDATES if dtype == torch.int8 else FP8_TUNE_CANDIDATES
+
+
 def config_named(name: str) -> GluonConfig:
     """A config of CONFIGS or GATED_CONFIGS by name."""
     return CONFIGS[name] if name in CONFIGS else GATED_CONFIGS[name]
@@ -730,8 +742,8 @@ def config_named(name: str) -> GluonConfig:
 def tuned_call(a, w, out, a_scale, w_scale, bias, activation: str, gated: bool = False) -> GluonCall:
     """The ``GluonCall`` of the fastest candidate config for this call's tuning key, timed on its
     first call with the call's own tensors (CUDA-graph replays, L2 flushed; like Triton's
-    autotuner, this cannot run inside a graph capture: warm up first). ``gated``: w is the
-    stacked (2N, K) [gate; up] weight, out (M, N), no bias; among GATED_TUNE_CANDIDATES."""
+    autotuner, this cannot run inside a graph capture: warm up first), among ``candidates``.
+    ``gated``: w is the stacked (2N, K) [gate; up] weight, out (M, N), no bias."""
     M, K = a.shape
     N = out.shape[1]
     has_bias = bias is not None
@@ -741,7 +753,7 @@ def tuned_call(a, w, out, a_scale, w_scale, bias, activation: str, gated: bool =
     config = _TUNED.get(key)
     if config is None:
         times = {}
-        for name in (GATED_TUNE_CANDIDATES if gated else TUNE_CANDIDATES):
+        for name in candidates(a.dtype, gated):
             call = GluonCall(config_named(name), M, N, a.device, has_bias, activation)
             times[name] = _graph_bench_ms(lambda call=call: call(a, w, out, a_scale, w_scale, bias_arg))
         config = _TUNED[key] = config_named(min(times, key=times.get))

@@ -57,8 +57,12 @@ def test_gated_tuning_buckets_are_not_capped():
 
 
 def test_tune_candidates_are_configs():
-    assert all(not gemm_gluon.CONFIGS[name].gated for name in gemm_gluon.TUNE_CANDIDATES)
+    for names in (gemm_gluon.TUNE_CANDIDATES, gemm_gluon.FP8_TUNE_CANDIDATES):
+        assert names and all(not gemm_gluon.CONFIGS[name].gated for name in names)
     assert all(gemm_gluon.GATED_CONFIGS[name].gated for name in gemm_gluon.GATED_TUNE_CANDIDATES)
+    assert gemm_gluon.candidates(torch.int8, False) == gemm_gluon.TUNE_CANDIDATES
+    assert gemm_gluon.candidates(torch.float8_e4m3fn, False) == gemm_gluon.FP8_TUNE_CANDIDATES
+    assert gemm_gluon.candidates(torch.float8_e4m3fn, True) == gemm_gluon.GATED_TUNE_CANDIDATES
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -363,9 +367,12 @@ def test_gluon_takes_gated_calls_with_per_row_scales(gluon_capable):
     (torch.int8, 1023, True, "tiled"),        # below it (and below PERSISTENT_MIN_M)
     (torch.float8_e4m3fn, 4096, True, "tiled"),  # gated FP8: the tiled Triton kernel, as before
     (torch.int8, 1024, False, "gluon"),
-    (torch.float8_e4m3fn, 4096, False, "persistent"),
-], ids=["int8-gated-1024", "int8-gated-4096", "int8-gated-1023", "fp8-gated", "int8-plain", "fp8-plain"])
-def test_auto_pick_routes_gated_int8_to_gluon(gluon_capable, monkeypatch, dtype, M, gated, expected):
+    (torch.float8_e4m3fn, 4096, False, "gluon"),      # plain FP8 (fast accumulation) from GLUON_MIN_M
+    (torch.float8_e4m3fn, 1024, False, "gluon"),
+    (torch.float8_e4m3fn, 1023, False, "tiled"),
+], ids=["int8-gated-1024", "int8-gated-4096", "int8-gated-1023", "fp8-gated", "int8-plain", "fp8-plain",
+        "fp8-plain-1024", "fp8-plain-1023"])
+def test_auto_pick_routes_to_gluon(gluon_capable, monkeypatch, dtype, M, gated, expected):
     from quantkit.kernels import gemm
 
     monkeypatch.setattr(gemm, "INTERPRETED", False)
@@ -409,6 +416,22 @@ def test_gated_scaled_mm_launches_the_gluon_gated_call_and_caches_it(gluon_capab
         assert out.shape == (1024, N) and bool((out == 1).all())
     assert tunes == [((2 * N, 256), (1024, N), None, "silu", True)]
     assert len(launches) == 2 and all(call[1] is w and call[4] is w_scale for call in launches)
+
+
+@pytest.mark.parametrize("M", [1024, 4096])
+def test_auto_pick_keeps_promoted_fp8_on_triton(gluon_capable, monkeypatch, M):
+    """The Gluon kernel accumulates FP8 in the fast mode only: fp8_fast_accum=False stays on the
+    persistent Triton kernel (which promotes every 128 products), also past GLUON_MIN_M."""
+    from quantkit.kernels import gemm
+
+    monkeypatch.setattr(gemm, "INTERPRETED", False)
+    a, w, a_scale, w_scale = _operands(M=M, N=384, dtype=torch.float8_e4m3fn)
+    out = torch.empty(M, 384, dtype=torch.bfloat16)
+    flags = (False, True, True, False, 0, False)
+    assert gemm._pick_kernel("auto", a, w, out, False, None, flags, fp8_fast_accum=False) == "persistent"
+    picked = gemm._pick(a, w, a_scale, w_scale, None, out, "none", False, False, None, False, "auto")
+    assert picked[0] == "persistent" and picked[2] is False
+    assert gemm._pick(a, w, a_scale, w_scale, None, out, "none", False, False, None, True, "auto")[0] == "gluon"
 
 
 def test_explicit_gluon_kernel_refuses_promoted_fp8():
