@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 
 from quantkit.bench.common import bench_ms, environment_metadata
-from quantkit.kernels import gemm, gemm_tma, reference, triton_ops
+from quantkit.kernels import gemm, gemm_gluon, gemm_tma, reference, triton_ops
 from quantkit.kernels.launch import median_replay_ms
 
 # Llama-3-8B projections (N, K): qkv, o, gate+up (stacked), down.
@@ -224,6 +224,9 @@ def autotune_choices() -> dict:
         picks.update({f"{name} {key}": str(cfg) for key, cfg in getattr(tuner, "cache", {}).items()})
     # The launchers' own record (what later calls launch), keyed by their tuning keys.
     picks.update({f"persistent_tuned {key}": str(cfg) for key, cfg in gemm_tma._TUNED.items()})
+    # The Gluon kernel's picks, with every candidate's time on the tuning call.
+    picks.update({f"gluon_tuned {key}": f"{cfg.name} from {gemm_gluon.TUNE_TIMES.get(key)}"
+                  for key, cfg in gemm_gluon._TUNED.items()})
     return picks
 
 

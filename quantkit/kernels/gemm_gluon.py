@@ -717,6 +717,8 @@ FP8_TUNE_CANDIDATES = ("pp_128x128", "coop_128x256", "coop2_128x256", "coop2_128
 # The gated GEMM's candidates (all of GATED_CONFIGS until measurements narrow them).
 GATED_TUNE_CANDIDATES = ("gated_pp_128x64", "gated_coop_128x128", "gated_coop_128x128_k64")
 _TUNED: dict[tuple, GluonConfig] = {}
+# Per tuning key, every candidate's time (ms) when it was tuned: what the pick was made from.
+TUNE_TIMES: dict[tuple, dict[str, float]] = {}
 
 
 def tune_bucket(M: int, gated: bool) -> int:
@@ -756,6 +758,7 @@ def tuned_call(a, w, out, a_scale, w_scale, bias, activation: str, gated: bool =
         for name in candidates(a.dtype, gated):
             call = GluonCall(config_named(name), M, N, a.device, has_bias, activation)
             times[name] = _graph_bench_ms(lambda call=call: call(a, w, out, a_scale, w_scale, bias_arg))
+        TUNE_TIMES[key] = times
         config = _TUNED[key] = config_named(min(times, key=times.get))
     return GluonCall(config, M, N, a.device, has_bias, activation)
 

@@ -440,3 +440,44 @@ def test_explicit_gluon_kernel_refuses_promoted_fp8():
     a, w, a_scale, w_scale = _operands(M=13, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="fast mode only"):
         gemm.scaled_mm(a, w, a_scale, w_scale, kernel="gluon", fp8_fast_accum=False)
+
+
+@pytest.mark.parametrize("dtype, gated, expected", [
+    (torch.float8_e4m3fn, False, "FP8_TUNE_CANDIDATES"),
+    (torch.int8, False, "TUNE_CANDIDATES"),
+    (torch.int8, True, "GATED_TUNE_CANDIDATES"),
+])
+def test_tuned_call_times_the_dtypes_candidates_once_and_keeps_the_fastest(monkeypatch, dtype, gated, expected):
+    """The first call of a key times every candidate of its dtype and form (with the call's own
+    tensors), keeps the fastest and records every time; the next call of the key times nothing."""
+    names = getattr(gemm_gluon, expected)
+    times = {name: 1.0 + 0.1 * i for i, name in enumerate(names)}
+    fastest = names[-1]
+    times[fastest] = 0.5
+    launched = []
+
+    class FakeCall:
+        def __init__(self, config, M, N, device, has_bias, activation):
+            self.config = config
+
+        def __call__(self, a, w, out, a_scale, w_scale, bias_arg):
+            launched.append(self.config)
+
+    def bench(fn):
+        fn()
+        return times[next(n for n in names if gemm_gluon.config_named(n) == launched[-1])]
+
+    monkeypatch.setattr(gemm_gluon, "GluonCall", FakeCall)
+    monkeypatch.setattr(gemm_gluon, "_graph_bench_ms", bench)
+    monkeypatch.setattr(gemm_gluon, "_TUNED", {})
+    monkeypatch.setattr(gemm_gluon, "TUNE_TIMES", {})
+    a, w, a_scale, w_scale = _operands(M=1024, N=2 * 384 if gated else 384, dtype=dtype)
+    out = torch.empty(1024, 384, dtype=torch.bfloat16)
+    call = gemm_gluon.tuned_call(a, w, out, a_scale, w_scale, None, "silu" if gated else "none", gated)
+    assert call.config == gemm_gluon.config_named(fastest)
+    assert launched == [gemm_gluon.config_named(n) for n in names]
+    (recorded,) = gemm_gluon.TUNE_TIMES.values()
+    assert recorded == times
+    launched.clear()
+    again = gemm_gluon.tuned_call(a, w, out, a_scale, w_scale, None, "silu" if gated else "none", gated)
+    assert again.config == call.config and launched == []
