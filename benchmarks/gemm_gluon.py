@@ -27,7 +27,7 @@ Gated mode (``--gated``; gemm_gluon's GATED configs, ``act(gate) * up`` over a s
 1. Checks, INT8 and FP8, every gated config, M in {1, 13, 257, 1024, 2048} x N (outputs) in
    {96, 384, 4096} x K in {272, 4096}, plus N=389 (a padded output row), silu; the first config
    also with gelu_tanh and an fp16 output; INT8 also through ``gemm.gated_scaled_mm`` (kernel
-   "auto": Gluon from GLUON_MIN_M). Reference: float64 ``act(g) * u``, g and u the scaled GEMMs
+   "auto": Gluon from GLUON_GATED_MIN_M). Reference: float64 ``act(g) * u``, g and u the scaled GEMMs
    over the gate and up rows. Tolerances as above, the absolute term relative to max|act(g)| x
    max|u| (FP8: the accumulation error of g and u scaled by the other factor).
 2. Timings at gate_up 2 x 14336 x 4096 (N = 14336 outputs, K = 4096), M in {1024, 4096, 16384}:
@@ -349,7 +349,7 @@ def run_gated_checks(results: dict) -> dict:
                     runs.append((cfg_name, "silu", torch.bfloat16))
                     if cfg_name == extra:
                         runs.append((cfg_name, "gelu_tanh", torch.float16))
-                if dtype == torch.int8 and M >= gemm.GLUON_MIN_M:
+                if dtype == torch.int8 and M >= gemm.GLUON_GATED_MIN_M:
                     runs += [("gemm.gated_scaled_mm", "silu", torch.bfloat16)]
                 for cfg_name, activation, out_dtype in runs:
                     row = {"gated": True, "dtype": name, "M": M, "N": N, "K": K, "config": cfg_name,

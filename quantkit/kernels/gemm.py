@@ -25,9 +25,9 @@ does not; ``gemm_configs.SMALL_M_SPLIT_K`` switches them off).
 
 Four kernels behind ``kernel="auto"`` (``_pick_kernel``), each with the same semantics and epilogue:
 - M <= GEMV_MAX_M (1): the tensor-core-free GEMV of ``gemv.py`` (a weight stream; gated too);
-- M >= GLUON_MIN_M on an sm_90 GPU with triton 3.6: the warp-specialized Gluon kernel of
-  ``gemm_gluon.py`` (asynchronous wgmma, int32 for INT8), where ``gluon_takes`` allows it: INT8
-  plain and gated, FP8 plain with fast accumulation;
+- M >= GLUON_MIN_M (gated: GLUON_GATED_MIN_M) on an sm_90 GPU with triton 3.6: the
+  warp-specialized Gluon kernel of ``gemm_gluon.py`` (asynchronous wgmma, int32 for INT8), where
+  ``gluon_takes`` allows it: INT8 plain and gated, FP8 plain with fast accumulation;
 - otherwise M >= PERSISTENT_MIN_M with 16-byte aligned operands: the persistent TMA kernel of
   ``gemm_tma.py`` (the gated GEMM: for INT8 only, see PERSISTENT_MIN_M);
 - everything else: this file's tiled kernel (one program per output tile, pointer loads, the
@@ -215,16 +215,20 @@ KERNELS = ("auto", "tiled", "persistent", "gluon", "gemv")
 # gate_up 2 x 14336 x 4096, M = 1024 / 4096 / 8192: INT8 persistent 6-9 % faster than tiled,
 # FP8 persistent 5-13 % slower; benchmarks/NOTES-gemm.md, session 3).
 PERSISTENT_MIN_M = 1024
-# kernel="auto" takes the warp-specialized Gluon kernel (gemm_gluon) for INT8 from this M on,
-# where it runs (sm_90, triton 3.6): asynchronous int32-accumulator wgmma, which triton 3.6 does
-# not generate, and a 128x128 ping-pong config for partial last waves. Measured on an H100 at
-# M = 1024 / 4096 / 16384, the four Llama-3-8B shapes: 1.03-1.55x the Triton INT8 kernel (plain
-# epilogue, benchmarks/NOTES-gemm.md, session 8). The gated INT8 GEMM (gated_scaled_mm) takes the
-# Gluon kernel's gated mode from the same M. FP8 (fast accumulation, not gated) from the same M
-# since session 10, tuned among gemm_gluon.FP8_TUNE_CANDIDATES: 1.004-1.082x the Triton FP8 kernel
-# at the same 12 points (with one candidate per config family it had been 0.93-1.04x); promoted
-# FP8 and gated FP8 stay on Triton (the Gluon kernel has no promotion; gated FP8 is untimed there).
-GLUON_MIN_M = 1024
+# kernel="auto" takes the warp-specialized Gluon kernel (gemm_gluon) for INT8 and FP8 (fast
+# accumulation) from this M on, where it runs (sm_90, triton 3.6): asynchronous wgmma (int32 for
+# INT8, which triton 3.6 does not generate for tl.dot), and a 128x128 ping-pong config for partial
+# last waves, tuned per shape among gemm_gluon.candidates. Measured on an H100, the four
+# Llama-3-8B shapes, plain epilogue (benchmarks/NOTES-gemm.md): INT8 1.03-1.55x the Triton INT8
+# kernel at M = 1024 / 4096 / 16384 (session 8); FP8 1.004-1.082x the Triton FP8 kernel there
+# (session 10); at M = 256 and 512 the fastest candidate beat the tiled Triton kernel at all 8
+# points, FP8 1.05-1.29x and INT8 1.04-1.48x (session 10, results/gemm_gluon_s10_m256_512_h100.*).
+# Promoted FP8 stays on Triton (the Gluon kernel accumulates in the fast mode only).
+GLUON_MIN_M = 256
+# The gated GEMM (gated_scaled_mm) takes the Gluon kernel's gated mode for INT8 from this M
+# (measured at M = 1024 / 4096 / 16384 only, session 8); gated FP8 stays on Triton (its Gluon mode
+# passes the checks but is untimed).
+GLUON_GATED_MIN_M = 1024
 # kernel="auto" takes the tensor-core-free GEMV (gemv.py) up to this M: measured on an H100 at
 # M = 1, the four Llama-3-8B shapes, both dtypes: 1.18-1.33x the tiled split-K kernel with the L2
 # flushed, 1.09-1.41x with rotated weights; at M = 4 it was slower (0.65-0.87x), M = 2 unmeasured
@@ -370,7 +374,8 @@ def _pick_kernel(kernel, a, w, out, gated, config, flags, fp8_fast_accum=True) -
         if a.shape[0] <= GEMV_MAX_M and not flags[5]:
             return "gemv"
         gluon_form = a.dtype == torch.int8 or (fp8_fast_accum and not gated)
-        if gluon_form and a.shape[0] >= GLUON_MIN_M and not INTERPRETED and gluon_takes(a, w, out, gated, flags):
+        min_m = GLUON_GATED_MIN_M if gated else GLUON_MIN_M
+        if gluon_form and a.shape[0] >= min_m and not INTERPRETED and gluon_takes(a, w, out, gated, flags):
             return "gluon"
         return "persistent" if _persistent_sized(a, gated) and gemm_tma.descriptors_ok(a, w, out) else "tiled"
     if kernel == "persistent":
@@ -537,7 +542,7 @@ def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype
     """``act(gate) * up`` for a stacked (2N, K) [gate; up] weight -> (M, N), one GEMM, one write.
 
     ``kernel`` as for ``scaled_mm``: "auto" takes the Gluon kernel's gated mode for INT8 from
-    GLUON_MIN_M rows where it runs (sm_90, triton 3.6; per-row and per-column scales), else the
+    GLUON_GATED_MIN_M rows where it runs (sm_90, triton 3.6; per-row and per-column scales), else the
     persistent TMA kernel from PERSISTENT_MIN_M rows for INT8 (for FP8 the tiled kernel measured faster).
     """
     signature = None

@@ -362,16 +362,19 @@ def test_gluon_takes_gated_calls_with_per_row_scales(gluon_capable):
 
 
 @pytest.mark.parametrize("dtype, M, gated, expected", [
-    (torch.int8, 1024, True, "gluon"),        # gated INT8 from GLUON_MIN_M: the Gluon gated mode
+    (torch.int8, 1024, True, "gluon"),        # gated INT8 from GLUON_GATED_MIN_M: the Gluon gated mode
     (torch.int8, 4096, True, "gluon"),
     (torch.int8, 1023, True, "tiled"),        # below it (and below PERSISTENT_MIN_M)
+    (torch.int8, 256, True, "tiled"),
     (torch.float8_e4m3fn, 4096, True, "tiled"),  # gated FP8: the tiled Triton kernel, as before
     (torch.int8, 1024, False, "gluon"),
     (torch.float8_e4m3fn, 4096, False, "gluon"),      # plain FP8 (fast accumulation) from GLUON_MIN_M
-    (torch.float8_e4m3fn, 1024, False, "gluon"),
-    (torch.float8_e4m3fn, 1023, False, "tiled"),
-], ids=["int8-gated-1024", "int8-gated-4096", "int8-gated-1023", "fp8-gated", "int8-plain", "fp8-plain",
-        "fp8-plain-1024", "fp8-plain-1023"])
+    (torch.float8_e4m3fn, 256, False, "gluon"),
+    (torch.int8, 256, False, "gluon"),
+    (torch.float8_e4m3fn, 255, False, "tiled"),
+    (torch.int8, 255, False, "tiled"),
+], ids=["int8-gated-1024", "int8-gated-4096", "int8-gated-1023", "int8-gated-256", "fp8-gated", "int8-plain",
+        "fp8-plain", "fp8-plain-256", "int8-plain-256", "fp8-plain-255", "int8-plain-255"])
 def test_auto_pick_routes_to_gluon(gluon_capable, monkeypatch, dtype, M, gated, expected):
     from quantkit.kernels import gemm
 
@@ -386,7 +389,7 @@ def test_auto_pick_routes_to_gluon(gluon_capable, monkeypatch, dtype, M, gated, 
 
 
 def test_gated_scaled_mm_launches_the_gluon_gated_call_and_caches_it(gluon_capable, monkeypatch):
-    """gemm.gated_scaled_mm (INT8, M >= GLUON_MIN_M) asks gemm_gluon.tuned_call for a gated call
+    """gemm.gated_scaled_mm (INT8, M >= GLUON_GATED_MIN_M) asks gemm_gluon.tuned_call for a gated call
     once per signature and launches it with the stacked weight and the (M, N) output; the second
     call of the signature launches the cached call directly."""
     from quantkit.kernels import call_cache, gemm
@@ -418,19 +421,20 @@ def test_gated_scaled_mm_launches_the_gluon_gated_call_and_caches_it(gluon_capab
     assert len(launches) == 2 and all(call[1] is w and call[4] is w_scale for call in launches)
 
 
-@pytest.mark.parametrize("M", [1024, 4096])
+@pytest.mark.parametrize("M", [256, 1024, 4096])
 def test_auto_pick_keeps_promoted_fp8_on_triton(gluon_capable, monkeypatch, M):
     """The Gluon kernel accumulates FP8 in the fast mode only: fp8_fast_accum=False stays on the
-    persistent Triton kernel (which promotes every 128 products), also past GLUON_MIN_M."""
+    Triton kernels (which promote every 128 products), also past GLUON_MIN_M."""
     from quantkit.kernels import gemm
 
     monkeypatch.setattr(gemm, "INTERPRETED", False)
     a, w, a_scale, w_scale = _operands(M=M, N=384, dtype=torch.float8_e4m3fn)
     out = torch.empty(M, 384, dtype=torch.bfloat16)
     flags = (False, True, True, False, 0, False)
-    assert gemm._pick_kernel("auto", a, w, out, False, None, flags, fp8_fast_accum=False) == "persistent"
+    triton_kind = "persistent" if M >= gemm.PERSISTENT_MIN_M else "tiled"
+    assert gemm._pick_kernel("auto", a, w, out, False, None, flags, fp8_fast_accum=False) == triton_kind
     picked = gemm._pick(a, w, a_scale, w_scale, None, out, "none", False, False, None, False, "auto")
-    assert picked[0] == "persistent" and picked[2] is False
+    assert picked[0] == triton_kind and picked[2] is False
     assert gemm._pick(a, w, a_scale, w_scale, None, out, "none", False, False, None, True, "auto")[0] == "gluon"
 
 
