@@ -397,8 +397,11 @@ def gated_point_ops(M, N, K, passed, dtypes):
         name = DTYPE_NAMES[dtype]
         _, _, a, a_scale, w, w_scale = gated_operands(M, N, K, dtype)
         if dtype == torch.int8:
+            # The Triton kernel "auto" takes for gated INT8 where Gluon does not: persistent from
+            # PERSISTENT_MIN_M, tiled below it.
+            kind = "persistent" if M >= gemm.PERSISTENT_MIN_M else "tiled"
             ops[f"triton_gated_{name}"] = (
-                lambda a=a, w=w, s=a_scale, t=w_scale: gemm.gated_scaled_mm(a, w, s, t, "silu", kernel="persistent"))
+                lambda a=a, w=w, s=a_scale, t=w_scale: gemm.gated_scaled_mm(a, w, s, t, "silu", kernel=kind))
         else:
             ops[f"triton_gated_{name}"] = lambda a=a, w=w, s=a_scale, t=w_scale: gemm.gated_scaled_mm(a, w, s, t, "silu")
         if not passed.get(name):
