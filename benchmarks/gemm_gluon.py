@@ -32,7 +32,7 @@ Gated mode (``--gated``; gemm_gluon's GATED configs, ``act(gate) * up`` over a s
    max|u| (FP8: the accumulation error of g and u scaled by the other factor).
 2. Timings at gate_up 2 x 14336 x 4096 (N = 14336 outputs, K = 4096), M in {1024, 4096, 16384}:
    bf16 (one F.linear over the stacked weight + silu * mul), the Triton gated kernel
-   (``gemm.gated_scaled_mm(kernel="persistent")``), two Gluon GEMMs (``gemm.scaled_mm(kernel="gluon")``,
+   (``gemm.gated_scaled_mm``, kernel "persistent", "tiled" below PERSISTENT_MIN_M), two Gluon GEMMs (``gemm.scaled_mm(kernel="gluon")``,
    tuned) + ``F.silu(g) * u``, every gated config and ``gemm.gated_scaled_mm`` (auto: tuned gated
    Gluon). Same graph timing, rotation and medians. Results: gemm_gluon_gated.json / .txt.
 
