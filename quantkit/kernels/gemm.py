@@ -225,10 +225,14 @@ PERSISTENT_MIN_M = 1024
 # points, FP8 1.05-1.29x and INT8 1.04-1.48x (session 10, results/gemm_gluon_s10_m256_512_h100.*).
 # Promoted FP8 stays on Triton (the Gluon kernel accumulates in the fast mode only).
 GLUON_MIN_M = 256
-# The gated GEMM (gated_scaled_mm) takes the Gluon kernel's gated mode for INT8 from this M
-# (measured at M = 1024 / 4096 / 16384 only, session 8); gated FP8 stays on Triton (its Gluon mode
-# passes the checks but is untimed).
-GLUON_GATED_MIN_M = 1024
+# The gated GEMM (gated_scaled_mm) takes the Gluon kernel's gated mode for INT8 from this M:
+# gate_up 2 x 14336 x 4096 on an H100, tuned gated Gluon vs the Triton gated kernel "auto" used
+# otherwise: 1.13x / 1.36x at M = 256 / 512 (tiled; session 10,
+# results/gemm_gluon_gated_s10_m256_512_h100.*) and 1.20-1.34x at M = 1024 / 4096 / 16384
+# (persistent; session 8, results/gemm_gluon_gated_s8_h100.json). Gated FP8 stays on Triton: its
+# Gluon mode passes the checks and was 1.06x / 1.15x the tiled Triton kernel at M = 256 / 512, but
+# is untimed from M = 1024.
+GLUON_GATED_MIN_M = 256
 # kernel="auto" takes the tensor-core-free GEMV (gemv.py) up to this M: measured on an H100 at
 # M = 1, the four Llama-3-8B shapes, both dtypes: 1.18-1.33x the tiled split-K kernel with the L2
 # flushed, 1.09-1.41x with rotated weights; at M = 4 it was slower (0.65-0.87x), M = 2 unmeasured

@@ -364,8 +364,8 @@ def test_gluon_takes_gated_calls_with_per_row_scales(gluon_capable):
 @pytest.mark.parametrize("dtype, M, gated, expected", [
     (torch.int8, 1024, True, "gluon"),        # gated INT8 from GLUON_GATED_MIN_M: the Gluon gated mode
     (torch.int8, 4096, True, "gluon"),
-    (torch.int8, 1023, True, "tiled"),        # below it (and below PERSISTENT_MIN_M)
-    (torch.int8, 256, True, "tiled"),
+    (torch.int8, 256, True, "gluon"),
+    (torch.int8, 255, True, "tiled"),         # below it (and below PERSISTENT_MIN_M)
     (torch.float8_e4m3fn, 4096, True, "tiled"),  # gated FP8: the tiled Triton kernel, as before
     (torch.int8, 1024, False, "gluon"),
     (torch.float8_e4m3fn, 4096, False, "gluon"),      # plain FP8 (fast accumulation) from GLUON_MIN_M
@@ -373,7 +373,7 @@ def test_gluon_takes_gated_calls_with_per_row_scales(gluon_capable):
     (torch.int8, 256, False, "gluon"),
     (torch.float8_e4m3fn, 255, False, "tiled"),
     (torch.int8, 255, False, "tiled"),
-], ids=["int8-gated-1024", "int8-gated-4096", "int8-gated-1023", "int8-gated-256", "fp8-gated", "int8-plain",
+], ids=["int8-gated-1024", "int8-gated-4096", "int8-gated-256", "int8-gated-255", "fp8-gated", "int8-plain",
         "fp8-plain", "fp8-plain-256", "int8-plain-256", "fp8-plain-255", "int8-plain-255"])
 def test_auto_pick_routes_to_gluon(gluon_capable, monkeypatch, dtype, M, gated, expected):
     from quantkit.kernels import gemm
