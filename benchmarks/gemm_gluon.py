@@ -13,7 +13,8 @@
 2. Timings at N x K in {6144x4096, 4096x4096, 28672x4096, 4096x14336} x M in {1024, 4096, 16384}:
    bf16 F.linear; ``torch._scaled_mm`` rowwise, fast accumulation, + bias add (the FP8 baseline);
    ``torch._int_mm`` + the dequant/bias epilogue as separate ops (the INT8 baseline); the Triton
-   kernel ``gemm.scaled_mm`` (autotuned, warmed first); every Gluon config and the launcher's own
+   kernel ``gemm.scaled_mm`` would run without Gluon (kernel "persistent" from PERSISTENT_MIN_M,
+   "tiled" below; autotuned, warmed first); every Gluon config and the launcher's own
    pick ("auto"). Each op is timed from CUDA-graph replay (calls x (L2 flush, op) minus the flushes
    alone), in ROUNDS rounds whose op order rotates every round (the first op after cuBLAS was
    timed 5-10 % slow at >= 0.6 ms in earlier sessions: clock / power state); medians reported.
@@ -251,9 +252,11 @@ def point_ops(M, N, K, passed):
 
     if torch.int8 in DTYPES:
         ops["int_mm+epilogue"] = int_mm_epilogue
-    ops["triton_fp8"] = lambda: gemm.scaled_mm(a8, w8, as8, ws8, bias_arg)
+    # The Triton kernel "auto" takes where Gluon does not run (kernel="auto" is Gluon here).
+    triton_kind = "persistent" if M >= gemm.PERSISTENT_MIN_M else "tiled"
+    ops["triton_fp8"] = lambda: gemm.scaled_mm(a8, w8, as8, ws8, bias_arg, kernel=triton_kind)
     if torch.int8 in DTYPES:
-        ops["triton_int8"] = lambda: gemm.scaled_mm(ai, wi, asi, wsi, bias_arg)
+        ops["triton_int8"] = lambda: gemm.scaled_mm(ai, wi, asi, wsi, bias_arg, kernel=triton_kind)
     for dtype, (a, a_scale, w, w_scale) in ((FP8, (a8, as8, w8, ws8)), (torch.int8, (ai, asi, wi, wsi))):
         name = DTYPE_NAMES[dtype]
         if not passed.get(name):
@@ -359,7 +362,7 @@ def run_gated_checks(results: dict) -> dict:
                             fn = lambda: gemm.gated_scaled_mm(a, w, a_scale, w_scale, activation, out_dtype)  # noqa: E731
                             row["picked"] = gemm._pick_kernel("auto", a, w, torch.empty(M, N, dtype=out_dtype,
                                                                                           device="cuda"),
-                                                              True, None, (True, True, True, False, 2, False))
+                                                              True, None, (True, True, True, False, 2, False), True)
                         else:
                             fn = lambda: gemm_gluon.gluon_gated_scaled_mm(a, w, a_scale, w_scale, activation,  # noqa: E731
                                                                           out_dtype, config=cfg_name)

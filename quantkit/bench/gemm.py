@@ -224,9 +224,10 @@ def autotune_choices() -> dict:
         picks.update({f"{name} {key}": str(cfg) for key, cfg in getattr(tuner, "cache", {}).items()})
     # The launchers' own record (what later calls launch), keyed by their tuning keys.
     picks.update({f"persistent_tuned {key}": str(cfg) for key, cfg in gemm_tma._TUNED.items()})
-    # The Gluon kernel's picks, with every candidate's time on the tuning call.
-    picks.update({f"gluon_tuned {key}": f"{cfg.name} from {gemm_gluon.TUNE_TIMES.get(key)}"
-                  for key, cfg in gemm_gluon._TUNED.items()})
+    # The Gluon kernel's picks (by candidate name), with every candidate's time on the tuning call.
+    for key, cfg in gemm_gluon._TUNED.items():
+        times = gemm_gluon.TUNE_TIMES.get(key)
+        picks[f"gluon_tuned {key}"] = f"{min(times, key=times.get)} from {times}" if times else cfg.name
     return picks
 
 

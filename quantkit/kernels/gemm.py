@@ -350,15 +350,31 @@ def _persistent_sized(a, gated) -> bool:
     return a.shape[0] >= PERSISTENT_MIN_M and not (gated and a.dtype != torch.int8)
 
 
-def gluon_takes(a, w, out, gated, flags) -> bool:
+def gluon_takes(a, w, out, gated, flags, pointers: bool = True) -> bool:
     """Whether this call can run on the Gluon kernel: INT8 or FP8, plain or gated (its gated mode:
     the stacked [gate; up] weight, two accumulators), no raw accumulator, per-row and per-column
-    (gated: per weight row, 2N) scales, a 16-bit output, TMA-compatible operands, a Gluon-capable GPU."""
+    (gated: per weight row, 2N) scales, a 16-bit output, TMA-compatible operands, a Gluon-capable GPU.
+    ``pointers=False``: all of it but the base pointers' alignment (what a call signature fixes)."""
+    tma_ok = gemm_tma.descriptors_ok(a, w, out) if pointers else gemm_tma.strides_ok(a, w, out)
     return (not flags[5] and flags[1] and flags[2] and out.dtype in (torch.bfloat16, torch.float16)
-            and a.shape[1] % 16 == 0 and gemm_tma.descriptors_ok(a, w, out) and gemm_gluon.available())
+            and a.shape[1] % 16 == 0 and tma_ok and gemm_gluon.available())
 
 
-def _pick_kernel(kernel, a, w, out, gated, config, flags, fp8_fast_accum=True) -> str:
+def _gluon_sized(a, gated, fp8_fast_accum) -> bool:
+    """Whether kernel="auto" wants the Gluon kernel for this call's dtype, form and M (where
+    ``gluon_takes`` allows it): INT8 plain and gated, FP8 plain with fast accumulation."""
+    form = a.dtype == torch.int8 or (fp8_fast_accum and not gated)
+    return form and a.shape[0] >= (GLUON_GATED_MIN_M if gated else GLUON_MIN_M) and not INTERPRETED
+
+
+def _flags(a, a_scale, w_scale, bias, activation, raw_acc) -> tuple:
+    """The epilogue flags in FLAG_NAMES order. A 1-element scale is a broadcast scalar even when M
+    or N == 1 (same result either way)."""
+    return (a.dtype == torch.int8, a_scale.numel() != 1, w_scale.numel() != 1, bias is not None,
+            ACTIVATION_CODES[activation], raw_acc)
+
+
+def _pick_kernel(kernel, a, w, out, gated, config, flags, fp8_fast_accum: bool) -> str:
     if kernel == "auto" and config is not None:
         # An explicit config names its kernel by its keys (only the persistent one splits its epilogue).
         kernel = "persistent" if "EPILOGUE_SPLIT" in config else "tiled"
@@ -377,9 +393,7 @@ def _pick_kernel(kernel, a, w, out, gated, config, flags, fp8_fast_accum=True) -
     if kernel == "auto":
         if a.shape[0] <= GEMV_MAX_M and not flags[5]:
             return "gemv"
-        gluon_form = a.dtype == torch.int8 or (fp8_fast_accum and not gated)
-        min_m = GLUON_GATED_MIN_M if gated else GLUON_MIN_M
-        if gluon_form and a.shape[0] >= min_m and not INTERPRETED and gluon_takes(a, w, out, gated, flags):
+        if _gluon_sized(a, gated, fp8_fast_accum) and gluon_takes(a, w, out, gated, flags):
             return "gluon"
         return "persistent" if _persistent_sized(a, gated) and gemm_tma.descriptors_ok(a, w, out) else "tiled"
     if kernel == "persistent":
@@ -453,10 +467,7 @@ def _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config,
         raise ValueError("K=0: nothing to multiply; the GEMM needs K >= 16")
     is_int8 = a.dtype == torch.int8
     fp8_fast_accum = bool(fp8_fast_accum) and not is_int8  # meaningless for INT8: one compiled variant
-    # In FLAG_NAMES order. A 1-element scale is a broadcast scalar even when M or N == 1 (same
-    # result either way).
-    flags = (is_int8, a_scale.numel() != 1, w_scale.numel() != 1, bias is not None, ACTIVATION_CODES[activation],
-             raw_acc)
+    flags = _flags(a, a_scale, w_scale, bias, activation, raw_acc)
     if kernel == "gluon" and not is_int8 and not fp8_fast_accum:
         raise ValueError("kernel='gluon' accumulates FP8 in the tensor cores' fast mode only; "
                          "use kernel='auto' for fp8_fast_accum=False")
@@ -465,10 +476,11 @@ def _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config,
 
 # Validated calls without config= / out= (GPU path), by signature: every tensor's shape, strides,
 # dtype and device, the flags (call_cache.SignatureCache). An entry holds the output's size and
-# the call's TiledCall / PersistentCall, so a repeated call skips validation, the kernel choice,
-# the plan and key lookups (CPU: ~27 -> ~12 us per call, benchmarks/NOTES-e2e.md, session 6b).
-# Settings read when an entry is made (PERSISTENT_MIN_M, gemm_configs.SMALL_M_SPLIT_K): clear
-# _CALLS after changing them.
+# the call's launch object (TiledCall, gemm_tma.PersistentCall, gemm_gluon.GluonCall, _GemvCall),
+# so a repeated call skips validation, the kernel choice, the plan and key lookups (CPU: ~27 ->
+# ~12 us per call, benchmarks/NOTES-e2e.md, session 6b). Settings read when an entry is made
+# (PERSISTENT_MIN_M, GLUON_MIN_M, GLUON_GATED_MIN_M, GEMV_MAX_M, gemm_configs.SMALL_M_SPLIT_K):
+# clear _CALLS after changing them.
 _CALLS = SignatureCache()
 
 
@@ -494,9 +506,12 @@ def _launch_new(signature, a, w, a_scale, w_scale, bias, out, activation, gated,
     call(a, w, out, a_scale, w_scale, bias if bias is not None else a_scale)
     # Both TMA kernels need 16-byte aligned bases, which the signature does not fix.
     persistent = isinstance(call, (gemm_tma.PersistentCall, gemm_gluon.GluonCall))
-    # A tiled pick that only unaligned pointers forced (kernel "auto", persistent-sized M) is not
-    # kept: the next, aligned call of this signature must get the persistent kernel.
-    by_pointers = not persistent and kernel == "auto" and _persistent_sized(a, gated) and gemm_tma.strides_ok(a, w, out)
+    # A tiled pick that only unaligned pointers forced (kernel "auto", an M the persistent or the
+    # Gluon kernel would take) is not kept: the next, aligned call of this signature must get that kernel.
+    by_pointers = not persistent and kernel == "auto" and gemm_tma.strides_ok(a, w, out) and (
+        _persistent_sized(a, gated) or (
+            _gluon_sized(a, gated, fp8_fast_accum and a.dtype != torch.int8)
+            and gluon_takes(a, w, out, gated, _flags(a, a_scale, w_scale, bias, activation, False), pointers=False)))
     if not by_pointers:
         _CALLS.add(signature, (out.shape[0], out.shape[1], out.dtype, out.device, call, persistent, activation, gated,
                                fp8_fast_accum, kernel))

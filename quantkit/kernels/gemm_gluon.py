@@ -754,6 +754,10 @@ def tuned_call(a, w, out, a_scale, w_scale, bias, activation: str, gated: bool =
            a.device, gated)
     config = _TUNED.get(key)
     if config is None:
+        if a.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "a quantkit GEMM shape is being autotuned inside a CUDA graph capture; run the model "
+                "once eagerly on the same shapes (a warm-up call) before capturing it")
         times = {}
         for name in candidates(a.dtype, gated):
             call = GluonCall(config_named(name), M, N, a.device, has_bias, activation)

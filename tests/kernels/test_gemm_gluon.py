@@ -383,9 +383,9 @@ def test_auto_pick_routes_to_gluon(gluon_capable, monkeypatch, dtype, M, gated, 
     a, w, a_scale, w_scale = _operands(M=M, N=2 * N if gated else N, dtype=dtype)
     out = torch.empty(M, N, dtype=torch.bfloat16)
     flags = (dtype == torch.int8, True, True, False, 2 if gated else 0, False)
-    assert gemm._pick_kernel("auto", a, w, out, gated, None, flags) == expected
+    assert gemm._pick_kernel("auto", a, w, out, gated, None, flags, True) == expected
     if gated:
-        assert gemm._pick_kernel("gluon", a, w, out, gated, None, flags) == "gluon"
+        assert gemm._pick_kernel("gluon", a, w, out, gated, None, flags, True) == "gluon"
 
 
 def test_gated_scaled_mm_launches_the_gluon_gated_call_and_caches_it(gluon_capable, monkeypatch):
@@ -485,3 +485,84 @@ def test_tuned_call_times_the_dtypes_candidates_once_and_keeps_the_fastest(monke
     launched.clear()
     again = gemm_gluon.tuned_call(a, w, out, a_scale, w_scale, None, "silu" if gated else "none", gated)
     assert again.config == call.config and launched == []
+
+
+class _Recorded:
+    """A launch object standing in for a kernel's (TiledCall / GluonCall), recording its kind."""
+
+    def __init__(self, kind, log):
+        self.kind, self.log = kind, log
+
+    def __call__(self, a, w, out, a_scale, w_scale, bias_arg):
+        self.log.append(self.kind)
+        out.fill_(1.0)
+
+
+@pytest.mark.parametrize("M", [256, 512, 1024])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_tiled_pick_forced_by_unaligned_pointers_is_not_cached(monkeypatch, M, dtype):
+    """A call whose first use of a signature has a misaligned base pointer runs tiled (TMA needs
+    16-byte aligned bases); that pick must not be cached for the signature, or every later aligned
+    call would stay tiled. Gluon sizes from GLUON_MIN_M on, not only persistent ones."""
+    from quantkit.kernels import call_cache, gemm
+
+    monkeypatch.setattr(gemm, "INTERPRETED", False)
+    monkeypatch.setattr(gemm, "_check_runnable", lambda a: None)
+    monkeypatch.setattr(gemm, "_CALLS", call_cache.SignatureCache())
+    monkeypatch.setattr(gemm_gluon, "available", lambda: True)
+    picked = []
+    monkeypatch.setattr(gemm_gluon, "tuned_call", lambda *args, **kwargs: _Recorded("gluon", picked))
+    monkeypatch.setattr(gemm, "_tiled_call", lambda *args, **kwargs: _Recorded("tiled", picked))
+    K, N = 256, 384
+    _, w, a_scale, w_scale = _operands(M=M, N=N, K=K, dtype=dtype)
+    source, _, _, _ = _operands(M=M, N=N, K=K, dtype=dtype)
+    storage = torch.empty(M * K + 16, dtype=torch.int8).view(dtype)
+    unaligned = storage[1:1 + M * K].view(M, K)
+    unaligned.copy_(source)
+    aligned = source.clone()
+    assert unaligned.stride() == aligned.stride() and unaligned.data_ptr() % 16
+    gemm.scaled_mm(unaligned, w, a_scale, w_scale)
+    gemm.scaled_mm(aligned, w, a_scale, w_scale)
+    gemm.scaled_mm(aligned, w, a_scale, w_scale)
+    assert picked == ["tiled", "gluon", "gluon"]
+
+
+def test_promoted_and_fast_fp8_calls_keep_separate_kernels(monkeypatch):
+    """The same FP8 tensors with fp8_fast_accum=True (Gluon) and False (Triton, which promotes):
+    separate signature-cache entries, each call its own kernel, in either order and repeated."""
+    from quantkit.kernels import call_cache, gemm, gemm_tma
+
+    monkeypatch.setattr(gemm, "INTERPRETED", False)
+    monkeypatch.setattr(gemm, "_check_runnable", lambda a: None)
+    monkeypatch.setattr(gemm, "_CALLS", call_cache.SignatureCache())
+    monkeypatch.setattr(gemm_gluon, "available", lambda: True)
+    picked = []
+    monkeypatch.setattr(gemm_gluon, "tuned_call", lambda *args, **kwargs: _Recorded("gluon", picked))
+    monkeypatch.setattr(gemm, "_tiled_call", lambda *args, **kwargs: _Recorded("tiled", picked))
+    monkeypatch.setattr(gemm_tma, "persistent_call", lambda *args, **kwargs: _Recorded("persistent", picked))
+    a, w, a_scale, w_scale = _operands(M=1024, N=384, dtype=torch.float8_e4m3fn)
+    for fast in (False, True, False, True):
+        gemm.scaled_mm(a, w, a_scale, w_scale, fp8_fast_accum=fast)
+    assert picked == ["persistent", "gluon", "persistent", "gluon"]
+
+
+def test_tuned_call_refuses_to_tune_inside_a_graph_capture(monkeypatch):
+    """A first call of a tuning key inside a CUDA graph capture cannot time its candidates: a clear
+    error naming the fix (a warm-up call), not a broken capture. A tuned key still launches."""
+
+    class CudaOperand:  # a's attributes tuned_call reads, on a "GPU"
+        shape, dtype, device, is_cuda = (1024, 256), torch.int8, torch.device("cpu"), True
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(gemm_gluon, "_TUNED", {})
+    monkeypatch.setattr(gemm_gluon, "_graph_bench_ms", lambda fn: pytest.fail("no timing inside a capture"))
+    _, w, a_scale, w_scale = _operands(M=1024, N=384)
+    out = torch.empty(1024, 384, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="warm-up call"):
+        gemm_gluon.tuned_call(CudaOperand(), w, out, a_scale, w_scale, None, "none")
+    monkeypatch.setattr(gemm_gluon, "GluonCall", lambda config, *args: config)
+    key = (384, 256, gemm_gluon.tune_bucket(1024, False), torch.int8, False, None, "none", torch.bfloat16,
+           torch.device("cpu"), False)
+    gemm_gluon._TUNED[key] = gemm_gluon.CONFIGS["pp_128x128"]
+    assert gemm_gluon.tuned_call(CudaOperand(), w, out, a_scale, w_scale, None, "none") == gemm_gluon.CONFIGS[
+        "pp_128x128"]
