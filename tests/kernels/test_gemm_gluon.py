@@ -498,13 +498,11 @@ class _Recorded:
         out.fill_(1.0)
 
 
-@pytest.mark.parametrize("M", [256, 512, 1024])
-@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
-def test_tiled_pick_forced_by_unaligned_pointers_is_not_cached(monkeypatch, M, dtype):
-    """A call whose first use of a signature has a misaligned base pointer runs tiled (TMA needs
-    16-byte aligned bases); that pick must not be cached for the signature, or every later aligned
-    call would stay tiled. Gluon sizes from GLUON_MIN_M on, not only persistent ones."""
-    from quantkit.kernels import call_cache, gemm
+@pytest.fixture
+def recorded_kernels(monkeypatch):
+    """gemm's GPU path on CPU with a Gluon-capable stand-in: each launch appends its kernel's
+    name ("gluon", "tiled", "persistent") to the returned list; a fresh signature cache."""
+    from quantkit.kernels import call_cache, gemm, gemm_tma
 
     monkeypatch.setattr(gemm, "INTERPRETED", False)
     monkeypatch.setattr(gemm, "_check_runnable", lambda a: None)
@@ -513,6 +511,18 @@ def test_tiled_pick_forced_by_unaligned_pointers_is_not_cached(monkeypatch, M, d
     picked = []
     monkeypatch.setattr(gemm_gluon, "tuned_call", lambda *args, **kwargs: _Recorded("gluon", picked))
     monkeypatch.setattr(gemm, "_tiled_call", lambda *args, **kwargs: _Recorded("tiled", picked))
+    monkeypatch.setattr(gemm_tma, "persistent_call", lambda *args, **kwargs: _Recorded("persistent", picked))
+    return picked
+
+
+@pytest.mark.parametrize("M", [256, 512, 1024])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_tiled_pick_forced_by_unaligned_pointers_is_not_cached(recorded_kernels, M, dtype):
+    """A call whose first use of a signature has a misaligned base pointer runs tiled (TMA needs
+    16-byte aligned bases); that pick must not be cached for the signature, or every later aligned
+    call would stay tiled. Gluon sizes from GLUON_MIN_M on, not only persistent ones."""
+    from quantkit.kernels import gemm
+
     K, N = 256, 384
     _, w, a_scale, w_scale = _operands(M=M, N=N, K=K, dtype=dtype)
     source, _, _, _ = _operands(M=M, N=N, K=K, dtype=dtype)
@@ -524,26 +534,18 @@ def test_tiled_pick_forced_by_unaligned_pointers_is_not_cached(monkeypatch, M, d
     gemm.scaled_mm(unaligned, w, a_scale, w_scale)
     gemm.scaled_mm(aligned, w, a_scale, w_scale)
     gemm.scaled_mm(aligned, w, a_scale, w_scale)
-    assert picked == ["tiled", "gluon", "gluon"]
+    assert recorded_kernels == ["tiled", "gluon", "gluon"]
 
 
-def test_promoted_and_fast_fp8_calls_keep_separate_kernels(monkeypatch):
+def test_promoted_and_fast_fp8_calls_keep_separate_kernels(recorded_kernels):
     """The same FP8 tensors with fp8_fast_accum=True (Gluon) and False (Triton, which promotes):
     separate signature-cache entries, each call its own kernel, in either order and repeated."""
-    from quantkit.kernels import call_cache, gemm, gemm_tma
+    from quantkit.kernels import gemm
 
-    monkeypatch.setattr(gemm, "INTERPRETED", False)
-    monkeypatch.setattr(gemm, "_check_runnable", lambda a: None)
-    monkeypatch.setattr(gemm, "_CALLS", call_cache.SignatureCache())
-    monkeypatch.setattr(gemm_gluon, "available", lambda: True)
-    picked = []
-    monkeypatch.setattr(gemm_gluon, "tuned_call", lambda *args, **kwargs: _Recorded("gluon", picked))
-    monkeypatch.setattr(gemm, "_tiled_call", lambda *args, **kwargs: _Recorded("tiled", picked))
-    monkeypatch.setattr(gemm_tma, "persistent_call", lambda *args, **kwargs: _Recorded("persistent", picked))
     a, w, a_scale, w_scale = _operands(M=1024, N=384, dtype=torch.float8_e4m3fn)
     for fast in (False, True, False, True):
         gemm.scaled_mm(a, w, a_scale, w_scale, fp8_fast_accum=fast)
-    assert picked == ["persistent", "gluon", "persistent", "gluon"]
+    assert recorded_kernels == ["persistent", "gluon", "persistent", "gluon"]
 
 
 def test_tuned_call_refuses_to_tune_inside_a_graph_capture(monkeypatch):
