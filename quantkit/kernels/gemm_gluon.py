@@ -72,7 +72,7 @@ import torch
 import triton
 
 from quantkit.kernels.gemm_configs import m_bucket
-from quantkit.kernels.gemm_tma import _Descriptor, _graph_bench_ms
+from quantkit.kernels.gemm_tma import _Descriptor, _graph_bench_ms, refuse_tuning_in_capture
 from quantkit.kernels.launch import aligned, cdiv, int_spec, launch_hooks_active, num_sms
 from quantkit.kernels.reference import ACTIVATIONS
 
@@ -754,10 +754,8 @@ def tuned_call(a, w, out, a_scale, w_scale, bias, activation: str, gated: bool =
            a.device, gated)
     config = _TUNED.get(key)
     if config is None:
-        if a.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "a quantkit GEMM shape is being autotuned inside a CUDA graph capture; run the model "
-                "once eagerly on the same shapes (a warm-up call) before capturing it")
+        if a.is_cuda:
+            refuse_tuning_in_capture()
         times = {}
         for name in candidates(a.dtype, gated):
             call = GluonCall(config_named(name), M, N, a.device, has_bias, activation)

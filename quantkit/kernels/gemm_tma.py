@@ -437,6 +437,16 @@ def _graph_bench_ms(fn) -> float:
     return max(times["both"] - times["flush"], 1e-6) / _GRAPH_BENCH_REPS
 
 
+def refuse_tuning_in_capture() -> None:
+    """Raise, naming the fix, where the current CUDA stream is capturing a graph: tuning times its
+    candidates (any timer synchronizes), which would break the caller's capture. Shared by this
+    module's autotuner and gemm_gluon.tuned_call."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "a quantkit GEMM shape is being autotuned inside a CUDA graph capture; run the model "
+            "once eagerly on the same shapes (a warm-up call) before capturing it")
+
+
 def _autotune_bench(fn, quantiles=None):
     """The autotuner's timer: CUDA-graph replay with a cold L2 per call.
 
@@ -447,10 +457,7 @@ def _autotune_bench(fn, quantiles=None):
     where CUDA refuses the timing graph. Tuning cannot run inside the caller's own capture (any
     timer synchronizes): that is an error naming the fix, not a broken capture.
     """
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "a quantkit GEMM shape is being autotuned inside a CUDA graph capture; run the model "
-            "once eagerly on the same shapes (a warm-up call) before capturing it")
+    refuse_tuning_in_capture()
     try:
         ms = _graph_bench_ms(fn)
         return [ms] * len(quantiles) if quantiles else ms
