@@ -510,7 +510,7 @@ def _launch_new(signature, a, w, a_scale, w_scale, bias, out, activation, gated,
     # Gluon kernel would take) is not kept: the next, aligned call of this signature must get that kernel.
     by_pointers = not persistent and kernel == "auto" and gemm_tma.strides_ok(a, w, out) and (
         _persistent_sized(a, gated) or (
-            _gluon_sized(a, gated, fp8_fast_accum and a.dtype != torch.int8)
+            _gluon_sized(a, gated, fp8_fast_accum)
             and gluon_takes(a, w, out, gated, _flags(a, a_scale, w_scale, bias, activation, False), pointers=False)))
     if not by_pointers:
         _CALLS.add(signature, (out.shape[0], out.shape[1], out.dtype, out.device, call, persistent, activation, gated,
