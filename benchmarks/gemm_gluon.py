@@ -45,7 +45,6 @@ import dataclasses
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -63,7 +62,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from quantkit.bench.gemm import adaptive_graph_ms  # noqa: E402
+from quantkit.bench.gemm import adaptive_graph_ms, rotated_medians  # noqa: E402
 from quantkit.kernels import gemm, gemm_gluon, reference  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -223,6 +222,12 @@ def graph_ms(fn, target_ms=5.0, replays=7) -> float:
     return adaptive_graph_ms(fn, target_ms=target_ms, replays=replays)
 
 
+def triton_kind(M: int) -> str:
+    """The Triton kernel gemm's kernel="auto" takes where the Gluon kernel does not run (the
+    Triton baseline of these benchmarks; "auto" itself is Gluon here)."""
+    return "persistent" if M >= gemm.PERSISTENT_MIN_M else "tiled"
+
+
 def point_ops(M, N, K, passed):
     """name -> zero-argument callable, for one (M, N, K)."""
     ops = {}
@@ -252,11 +257,9 @@ def point_ops(M, N, K, passed):
 
     if torch.int8 in DTYPES:
         ops["int_mm+epilogue"] = int_mm_epilogue
-    # The Triton kernel "auto" takes where Gluon does not run (kernel="auto" is Gluon here).
-    triton_kind = "persistent" if M >= gemm.PERSISTENT_MIN_M else "tiled"
-    ops["triton_fp8"] = lambda: gemm.scaled_mm(a8, w8, as8, ws8, bias_arg, kernel=triton_kind)
+    ops["triton_fp8"] = lambda: gemm.scaled_mm(a8, w8, as8, ws8, bias_arg, kernel=triton_kind(M))
     if torch.int8 in DTYPES:
-        ops["triton_int8"] = lambda: gemm.scaled_mm(ai, wi, asi, wsi, bias_arg, kernel=triton_kind)
+        ops["triton_int8"] = lambda: gemm.scaled_mm(ai, wi, asi, wsi, bias_arg, kernel=triton_kind(M))
     for dtype, (a, a_scale, w, w_scale) in ((FP8, (a8, as8, w8, ws8)), (torch.int8, (ai, asi, wi, wsi))):
         name = DTYPE_NAMES[dtype]
         if not passed.get(name):
@@ -282,13 +285,8 @@ def timed_rounds(ops: dict, rounds: int) -> tuple[dict, dict, dict]:
             errors[name] = f"{type(error).__name__}: {error}"[:1000]
             log(f"  {name} failed to run: {errors[name]}")
             del ops[name]
-    names = list(ops)
-    samples = {name: [] for name in names}
-    for r in range(rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            samples[name].append(graph_ms(ops[name]) * 1e3)
-    return {name: statistics.median(values) for name, values in samples.items()}, samples, errors
+    us, samples = rotated_medians(ops, lambda fn: graph_ms(fn) * 1e3, rounds)
+    return us, samples, errors
 
 
 def time_point(M, N, K, passed, rounds) -> dict:
@@ -400,11 +398,8 @@ def gated_point_ops(M, N, K, passed, dtypes):
         name = DTYPE_NAMES[dtype]
         _, _, a, a_scale, w, w_scale = gated_operands(M, N, K, dtype)
         if dtype == torch.int8:
-            # The Triton kernel "auto" takes for gated INT8 where Gluon does not: persistent from
-            # PERSISTENT_MIN_M, tiled below it.
-            kind = "persistent" if M >= gemm.PERSISTENT_MIN_M else "tiled"
             ops[f"triton_gated_{name}"] = (
-                lambda a=a, w=w, s=a_scale, t=w_scale: gemm.gated_scaled_mm(a, w, s, t, "silu", kernel=kind))
+                lambda a=a, w=w, s=a_scale, t=w_scale: gemm.gated_scaled_mm(a, w, s, t, "silu", kernel=triton_kind(M)))
         else:
             ops[f"triton_gated_{name}"] = lambda a=a, w=w, s=a_scale, t=w_scale: gemm.gated_scaled_mm(a, w, s, t, "silu")
         if not passed.get(name):
