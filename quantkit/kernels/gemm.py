@@ -27,7 +27,7 @@ Four kernels behind ``kernel="auto"`` (``_pick_kernel``), each with the same sem
 - M <= GEMV_MAX_M (1): the tensor-core-free GEMV of ``gemv.py`` (a weight stream; gated too);
 - M >= GLUON_MIN_M (gated: GLUON_GATED_MIN_M) on an sm_90 GPU with triton 3.6: the
   warp-specialized Gluon kernel of ``gemm_gluon.py`` (asynchronous wgmma, int32 for INT8), where
-  ``gluon_takes`` allows it: INT8 plain and gated, FP8 plain with fast accumulation;
+  ``gluon_takes`` allows it: INT8, and FP8 with fast accumulation, plain and gated;
 - otherwise M >= PERSISTENT_MIN_M with 16-byte aligned operands: the persistent TMA kernel of
   ``gemm_tma.py`` (the gated GEMM: for INT8 only, see PERSISTENT_MIN_M);
 - everything else: this file's tiled kernel (one program per output tile, pointer loads, the
@@ -51,12 +51,10 @@ second accumulator tile in registers and caps the tile size (see benchmarks/NOTE
 
 from __future__ import annotations
 
-import inspect
 
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 
 from quantkit.kernels import gemm_gluon, gemm_tma, gemv
 from quantkit.kernels.call_cache import SignatureCache
@@ -179,22 +177,14 @@ def _scaled_mm_kernel(
 # Autotuning (the config sets, pruning and heuristics live in gemm_configs.py)
 # ----------------------------------------------------------------------------------------------
 
-
-def _autotune_bench(fn, quantiles=None):
-    # Shorter than the autotuner's default (25 ms warm-up, 100 ms of repeats): a few ms per
-    # config separates them well enough and keeps a cold start across many shapes short.
-    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
-
-
-_AUTOTUNE_EXTRA = {"do_bench": _autotune_bench} if "do_bench" in inspect.signature(triton.autotune).parameters else {}
-
-# The split-K configs are always among the autotuner's configs; _prune_configs admits them for
-# M <= gemm_configs.SPLIT_K_MAX_M while gemm_configs.SMALL_M_SPLIT_K is on.
+# Configs are timed by gemm_tma's autotune timer (CUDA-graph replay, L2 flushed per call), as
+# the persistent kernel's are. The split-K configs are always among the autotuner's configs;
+# _prune_configs admits them for M <= gemm_configs.SPLIT_K_MAX_M while gemm_configs.SMALL_M_SPLIT_K is on.
 _scaled_mm_autotuned = triton.autotune(
     configs=ALL_CONFIGS,
     key=["N", "K", "M_BUCKET", "IS_INT8", "FP8_FAST_ACCUM", "GATED", "HAS_BIAS", "ACTIVATION"],
     prune_configs_by={"early_config_prune": _prune_configs},
-    **_AUTOTUNE_EXTRA,
+    **gemm_tma.AUTOTUNE_EXTRA,
 )(triton.heuristics(HEURISTICS)(_scaled_mm_kernel))
 
 
@@ -229,9 +219,10 @@ GLUON_MIN_M = 256
 # gate_up 2 x 14336 x 4096 on an H100, tuned gated Gluon vs the Triton gated kernel "auto" used
 # otherwise: 1.13x / 1.36x at M = 256 / 512 (tiled; session 10,
 # results/gemm_gluon_gated_s10_m256_512_h100.*) and 1.20-1.34x at M = 1024 / 4096 / 16384
-# (persistent; session 8, results/gemm_gluon_gated_s8_h100.json). Gated FP8 stays on Triton: its
-# Gluon mode passes the checks and was 1.06x / 1.15x the tiled Triton kernel at M = 256 / 512, but
-# is untimed from M = 1024.
+# (persistent; session 8, results/gemm_gluon_gated_s8_h100.json). Gated FP8 (fast accumulation)
+# too since session 11: its fastest gated config against the tiled Triton gated FP8 kernel was
+# 1.06x / 1.15x at M = 256 / 512 (session 10) and 1.14x / 1.14x / 1.05x at M = 1024 / 4096 / 16384
+# (results/gemm_gluon_gated_s11_h100.*).
 GLUON_GATED_MIN_M = 256
 # kernel="auto" takes the tensor-core-free GEMV (gemv.py) up to this M: measured on an H100 at
 # M = 1, the four Llama-3-8B shapes, both dtypes: 1.18-1.33x the tiled split-K kernel with the L2
@@ -362,8 +353,8 @@ def gluon_takes(a, w, out, gated, flags, pointers: bool = True) -> bool:
 
 def _gluon_sized(a, gated, fp8_fast_accum) -> bool:
     """Whether kernel="auto" wants the Gluon kernel for this call's dtype, form and M (where
-    ``gluon_takes`` allows it): INT8 plain and gated, FP8 plain with fast accumulation."""
-    form = a.dtype == torch.int8 or (fp8_fast_accum and not gated)
+    ``gluon_takes`` allows it): INT8, and FP8 with fast accumulation, plain and gated."""
+    form = a.dtype == torch.int8 or fp8_fast_accum
     return form and a.shape[0] >= (GLUON_GATED_MIN_M if gated else GLUON_MIN_M) and not INTERPRETED
 
 
@@ -560,9 +551,10 @@ def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype
                     out=None, fp8_fast_accum: bool = True, kernel: str = "auto"):
     """``act(gate) * up`` for a stacked (2N, K) [gate; up] weight -> (M, N), one GEMM, one write.
 
-    ``kernel`` as for ``scaled_mm``: "auto" takes the Gluon kernel's gated mode for INT8 from
-    GLUON_GATED_MIN_M rows where it runs (sm_90, triton 3.6; per-row and per-column scales), else the
-    persistent TMA kernel from PERSISTENT_MIN_M rows for INT8 (for FP8 the tiled kernel measured faster).
+    ``kernel`` as for ``scaled_mm``: "auto" takes the Gluon kernel's gated mode for INT8 and for
+    FP8 with fast accumulation from GLUON_GATED_MIN_M rows where it runs (sm_90, triton 3.6; per-row
+    and per-column scales), else the persistent TMA kernel from PERSISTENT_MIN_M rows for INT8 (for
+    FP8 the tiled kernel measured faster).
     """
     signature = None
     if config is None and out is None and not INTERPRETED:

@@ -42,6 +42,7 @@ row strides) live there.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import triton.testing
 
@@ -466,6 +467,13 @@ def _autotune_bench(fn, quantiles=None):
     return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
 
+# Every quantkit autotuner (this kernel's, the tiled kernel's in gemm.py, the GEMV's) times its
+# configs with _autotune_bench. The tiled kernel and the GEMV used eager do_bench until session 11:
+# at M = 128, 4096x4096 (a ~15 us GEMM) its launches were host-bound and the pick was a 128x128
+# tile on 32 of 132 SMs, 19.4 us against 14.5 us for the session-9 pick (NOTES-gemm, session 10).
+AUTOTUNE_EXTRA = {"do_bench": _autotune_bench} if "do_bench" in inspect.signature(triton.autotune).parameters else {}
+
+
 @functools.lru_cache(maxsize=None)
 def _autotuned(gated: bool = False):
     return make_autotuner(GATED_CONFIGS if gated else PERSISTENT_CONFIGS)
@@ -474,14 +482,11 @@ def _autotuned(gated: bool = False):
 def make_autotuner(configs: list, prune=None):
     """The persistent kernel autotuned over ``configs`` (benchmarks build candidate sets with it);
     ``prune``: the early-prune function (default ``_prune_by_dtype``)."""
-    import inspect
-
-    extra = {"do_bench": _autotune_bench} if "do_bench" in inspect.signature(triton.autotune).parameters else {}
     return triton.autotune(
         configs=configs,
         key=["N", "K", "M_BUCKET", "IS_INT8", "FP8_FAST_ACCUM", "HAS_BIAS", "ACTIVATION", "OUT_CODE", "GATED"],
         prune_configs_by={"early_config_prune": prune or _prune_by_dtype},
-        **extra,
+        **AUTOTUNE_EXTRA,
     )(triton.heuristics({"FP8_PROMOTE_K": _fp8_promote_k, "TAIL_SPLITS": _tail_splits})(_scaled_mm_persistent_kernel))
 
 

@@ -31,15 +31,14 @@ interpreter one fixed config (``INTERPRETER_CONFIG``).
 
 from __future__ import annotations
 
-import inspect
 
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 
 from quantkit.kernels.gemm_checks import ACTIVATION_CODES, check_scaled_mm_args
 from quantkit.kernels.gemm_epilogue import store_tile
+from quantkit.kernels.gemm_tma import AUTOTUNE_EXTRA
 from quantkit.kernels.launch import (INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, config_dict,
                                      next_power_of_2)
 
@@ -154,17 +153,10 @@ def _even_k(args):
     return args["K"] % args["BLOCK_K"] == 0
 
 
-def _autotune_bench(fn, quantiles=None):
-    # As gemm._autotune_bench: a few ms per config separates them and keeps a cold start short.
-    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
-
-
-_AUTOTUNE_EXTRA = {"do_bench": _autotune_bench} if "do_bench" in inspect.signature(triton.autotune).parameters else {}
-
 _scaled_gemv_autotuned = triton.autotune(
     configs=GEMV_CONFIGS,
     key=["N", "K", "BLOCK_M", "IS_INT8", "A_PER_TOKEN", "W_PER_CHANNEL", "HAS_BIAS", "ACTIVATION", "RAW_ACC", "GATED"],
-    **_AUTOTUNE_EXTRA,
+    **AUTOTUNE_EXTRA,
 )(triton.heuristics({"EVEN_K": _even_k})(_scaled_gemv_kernel))
 
 

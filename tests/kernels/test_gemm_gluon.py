@@ -366,14 +366,16 @@ def test_gluon_takes_gated_calls_with_per_row_scales(gluon_capable):
     (torch.int8, 4096, True, "gluon"),
     (torch.int8, 256, True, "gluon"),
     (torch.int8, 255, True, "tiled"),         # below it (and below PERSISTENT_MIN_M)
-    (torch.float8_e4m3fn, 4096, True, "tiled"),  # gated FP8: the tiled Triton kernel, as before
+    (torch.float8_e4m3fn, 4096, True, "gluon"),  # gated FP8 (fast accumulation) from GLUON_GATED_MIN_M
+    (torch.float8_e4m3fn, 255, True, "tiled"),
     (torch.int8, 1024, False, "gluon"),
     (torch.float8_e4m3fn, 4096, False, "gluon"),      # plain FP8 (fast accumulation) from GLUON_MIN_M
     (torch.float8_e4m3fn, 256, False, "gluon"),
     (torch.int8, 256, False, "gluon"),
     (torch.float8_e4m3fn, 255, False, "tiled"),
     (torch.int8, 255, False, "tiled"),
-], ids=["int8-gated-1024", "int8-gated-4096", "int8-gated-256", "int8-gated-255", "fp8-gated", "int8-plain",
+], ids=["int8-gated-1024", "int8-gated-4096", "int8-gated-256", "int8-gated-255", "fp8-gated", "fp8-gated-255",
+        "int8-plain",
         "fp8-plain", "fp8-plain-256", "int8-plain-256", "fp8-plain-255", "int8-plain-255"])
 def test_auto_pick_routes_to_gluon(gluon_capable, monkeypatch, dtype, M, gated, expected):
     from quantkit.kernels import gemm
@@ -424,7 +426,7 @@ def test_gated_scaled_mm_launches_the_gluon_gated_call_and_caches_it(gluon_capab
 @pytest.mark.parametrize("M", [256, 1024, 4096])
 def test_auto_pick_keeps_promoted_fp8_on_triton(gluon_capable, monkeypatch, M):
     """The Gluon kernel accumulates FP8 in the fast mode only: fp8_fast_accum=False stays on the
-    Triton kernels (which promote every 128 products), also past GLUON_MIN_M."""
+    Triton kernels (which promote every 128 products), also past GLUON_MIN_M, plain and gated."""
     from quantkit.kernels import gemm
 
     monkeypatch.setattr(gemm, "INTERPRETED", False)
@@ -433,6 +435,9 @@ def test_auto_pick_keeps_promoted_fp8_on_triton(gluon_capable, monkeypatch, M):
     flags = (False, True, True, False, 0, False)
     triton_kind = "persistent" if M >= gemm.PERSISTENT_MIN_M else "tiled"
     assert gemm._pick_kernel("auto", a, w, out, False, None, flags, fp8_fast_accum=False) == triton_kind
+    gated_out = torch.empty(M, 192, dtype=torch.bfloat16)  # the gated GEMM's FP8 Triton kernel is the tiled one
+    gated_flags = (False, True, True, False, 2, False)
+    assert gemm._pick_kernel("auto", a, w, gated_out, True, None, gated_flags, fp8_fast_accum=False) == "tiled"
     picked = gemm._pick(a, w, a_scale, w_scale, None, out, "none", False, False, None, False, "auto")
     assert picked[0] == triton_kind and picked[2] is False
     assert gemm._pick(a, w, a_scale, w_scale, None, out, "none", False, False, None, True, "auto")[0] == "gluon"
@@ -450,14 +455,21 @@ def test_explicit_gluon_kernel_refuses_promoted_fp8():
     (torch.float8_e4m3fn, False, "FP8_TUNE_CANDIDATES"),
     (torch.int8, False, "TUNE_CANDIDATES"),
     (torch.int8, True, "GATED_TUNE_CANDIDATES"),
+    (torch.float8_e4m3fn, True, "GATED_TUNE_CANDIDATES"),
 ])
-def test_tuned_call_times_the_dtypes_candidates_once_and_keeps_the_fastest(monkeypatch, dtype, gated, expected):
+def test_tuned_call_times_the_dtypes_candidates_and_keeps_the_fastest_median(monkeypatch, dtype, gated, expected):
     """The first call of a key times every candidate of its dtype and form (with the call's own
-    tensors), keeps the fastest and records every time; the next call of the key times nothing."""
+    tensors) in TUNE_ROUNDS rounds, the order rotating by one each round, keeps the candidate with
+    the fastest median and records the medians; the next call of the key times nothing. One slow
+    outlier sample (the last candidate's first round: the fastest median) does not decide it."""
     names = getattr(gemm_gluon, expected)
-    times = {name: 1.0 + 0.1 * i for i, name in enumerate(names)}
+    rounds = gemm_gluon.TUNE_ROUNDS
+    assert rounds >= 3
+    samples = {name: [1.0 + 0.1 * i] * rounds for i, name in enumerate(names)}
     fastest = names[-1]
-    times[fastest] = 0.5
+    samples[fastest] = [9.0] + [0.5] * (rounds - 1)
+    samples[names[0]] = [0.4] + [2.0] * (rounds - 1)  # one lucky sample: not the pick
+    served = {name: iter(values) for name, values in samples.items()}
     launched = []
 
     class FakeCall:
@@ -469,7 +481,7 @@ def test_tuned_call_times_the_dtypes_candidates_once_and_keeps_the_fastest(monke
 
     def bench(fn):
         fn()
-        return times[next(n for n in names if gemm_gluon.config_named(n) == launched[-1])]
+        return next(served[next(n for n in names if gemm_gluon.config_named(n) == launched[-1])])
 
     monkeypatch.setattr(gemm_gluon, "GluonCall", FakeCall)
     monkeypatch.setattr(gemm_gluon, "_graph_bench_ms", bench)
@@ -479,9 +491,10 @@ def test_tuned_call_times_the_dtypes_candidates_once_and_keeps_the_fastest(monke
     out = torch.empty(1024, 384, dtype=torch.bfloat16)
     call = gemm_gluon.tuned_call(a, w, out, a_scale, w_scale, None, "silu" if gated else "none", gated)
     assert call.config == gemm_gluon.config_named(fastest)
-    assert launched == [gemm_gluon.config_named(n) for n in names]
+    order = [n for turn in range(rounds) for n in names[turn % len(names):] + names[:turn % len(names)]]
+    assert launched == [gemm_gluon.config_named(n) for n in order]
     (recorded,) = gemm_gluon.TUNE_TIMES.values()
-    assert recorded == times
+    assert recorded == {name: sorted(values)[rounds // 2] for name, values in samples.items()}
     launched.clear()
     again = gemm_gluon.tuned_call(a, w, out, a_scale, w_scale, None, "silu" if gated else "none", gated)
     assert again.config == call.config and launched == []
