@@ -116,11 +116,6 @@ class GluonConfig:
     # ("cooperative" with independent warpgroups: each waits and releases ring slots on its own)
     # instead of taking alternate tiles (ping-pong).
     split_m: bool = False
-    # split_m only: consumer 1 starts its first tile this many ring steps after consumer 0 (0: both
-    # start together). The two stay that far apart (the ring lets the first run at most STAGES
-    # steps ahead), so the one's epilogue runs under the other's last MMAs of the tile instead of
-    # both leaving the tensor cores idle at once.
-    stagger: int = 0
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
@@ -137,9 +132,6 @@ class GluonConfig:
                              f"block_n={self.block_n} into multiples of 8")
         if self.epilogue_buffers not in (1, 2) or self.epilogue_split % self.epilogue_buffers:
             raise ValueError(f"epilogue_buffers={self.epilogue_buffers}: 1, or 2 with an even epilogue_split")
-        if self.stagger and not (self.split_m and 0 < self.stagger <= self.stages):
-            raise ValueError(f"stagger={self.stagger} needs split_m and 1 <= stagger <= stages={self.stages} "
-                             "(consumer 0 must reach it without a slot consumer 1 has yet to release)")
         if self.block_k % 32:
             raise ValueError(f"block_k={self.block_k} must be a multiple of 32 (one 8-bit wgmma K step)")
         if self.shared_bytes() > SHARED_LIMIT:
@@ -151,8 +143,7 @@ class GluonConfig:
         kind = ("gated_" if self.gated else "") + (
             "coop2x" if self.split_m else "pp" if self.consumers == 2 else f"coop{self.consumer_warps}w")
         return (f"{kind}_{self.block_m}x{self.block_n}x{self.block_k}_s{self.stages}"
-                f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late")
-                + (f"_t{self.stagger}" if self.stagger else ""))
+                f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late"))
 
     @property
     def stored_rows(self) -> int:
@@ -422,7 +413,7 @@ if _GLUON_ERROR is None:
                             CONSUMERS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, GROUP_M: gl.constexpr,
                             STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                             ACTIVATION: gl.constexpr, GATED: gl.constexpr, EARLY_SCALES: gl.constexpr,
-                            SPLIT_M: gl.constexpr, STAGGER: gl.constexpr):
+                            SPLIT_M: gl.constexpr):
         # SPLIT_M: every consumer takes every tile, rows [ROW0, ROW0 + TILE_M) of it; otherwise
         # (ping-pong) consumer c takes this program's tiles c, c + 2, ... whole.
         BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
@@ -456,10 +447,6 @@ if _GLUON_ERROR is None:
                 # Our turn: the other consumer has issued all of the previous tile's ring waits
                 # and MMAs, so the ring positions below are at most one lap ahead of the loader.
                 mbarrier.wait(order_bars.index(CONSUMER), _turn_phase(local))
-            if STAGGER > 0 and CONSUMER == 1:
-                # Split tiles, staggered: start the first tile once consumer 0 has issued its first
-                # STAGGER steps (order_bars is not used for turns here); later tiles keep the gap.
-                mbarrier.wait(order_bars.index(1), 0, pred=local == 0)
             for ki in range(k_steps):
                 slot, phase = _ring_slot_phase(step, STAGES)
                 mbarrier.wait(ready_bars.index(slot), phase)
@@ -476,8 +463,6 @@ if _GLUON_ERROR is None:
                     # Keep this MMA in flight; the one before it has now retired, so its slot is free.
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES), pred=ki > 0)
-                if STAGGER > 0 and CONSUMER == 0:
-                    mbarrier.arrive(order_bars.index(1), pred=(local == 0) & (ki == gl.minimum(k_steps, STAGGER) - 1))
                 step += 1
             if TURNS == 2:
                 # The next tile's turn (the other consumer's), while our last MMA finishes and our
@@ -545,7 +530,7 @@ if _GLUON_ERROR is None:
                           STAGES: gl.constexpr, CONSUMERS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr,
                           EPILOGUE_BUFFERS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, SPLIT_M: gl.constexpr,
-                          STAGGER: gl.constexpr, num_warps: gl.constexpr):
+                          num_warps: gl.constexpr):
         # GATED: out (M, N) = act(gate) * up over the stacked (2N, K) weight of w_desc; N counts outputs.
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -573,8 +558,7 @@ if _GLUON_ERROR is None:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M,
-                                       STAGGER)),
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED)),
             ], [1], [LOADER_REGS])
@@ -582,12 +566,10 @@ if _GLUON_ERROR is None:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M,
-                                       STAGGER)),
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M,
-                                       STAGGER)),
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED)),
             ], [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -687,7 +669,7 @@ class GluonCall:
             STAGES=config.stages, CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
             EPILOGUE_BUFFERS=config.epilogue_buffers, LOADER_REGS=config.loader_regs,
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
-            SPLIT_M=config.split_m, STAGGER=config.stagger, num_warps=config.consumer_warps)
+            SPLIT_M=config.split_m, num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the
         # constexprs in signature order (after the 9 runtime arguments) for the cached launcher.
         self.key = (config, tuple(self.constexprs.items()))

@@ -3,7 +3,6 @@ its configs. The kernel itself needs a Hopper GPU (benchmarks/gemm_gluon.py chec
 triton 3.6 installed, ``test_compiles_for_sm90`` compiles it offline and reads the PTX; the
 barrier protocol's formulas run in a CPU model of one program (``_run_protocol``)."""
 
-import dataclasses
 import re
 import shutil
 import subprocess
@@ -108,7 +107,7 @@ def _compile(config, dtype: str, activation: int = 2):
                      EPILOGUE_BUFFERS=config.epilogue_buffers,
                      LOADER_REGS=config.loader_regs, CONSUMER_REGS=config.consumer_regs,
                      GATED=config.gated, EARLY_SCALES=config.early_scales, SPLIT_M=config.split_m,
-                     STAGGER=config.stagger, num_warps=config.consumer_warps)
+                     num_warps=config.consumer_warps)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(gemm_gluon._scaled_mm_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.consumer_warps))
@@ -167,32 +166,24 @@ def test_weight_descriptor_cached_per_weight_and_released_with_it():
 
 
 class _Barrier:
-    """An mbarrier of ``count`` arrivals per phase: ``done`` phases completed; a wait for parity p
-    passes once the phase in progress has the other parity (a fresh one passes a wait for parity 1)."""
+    """An mbarrier of arrival count 1: ``done`` phases completed; a wait for parity p passes
+    once the phase in progress has the other parity (a fresh one passes a wait for parity 1)."""
 
-    def __init__(self, count=1):
+    def __init__(self):
         self.done = 0
-        self.count = count
-        self.arrivals = 0
 
     def arrive(self):
-        self.arrivals += 1
-        if self.arrivals == self.count:
-            self.arrivals = 0
-            self.done += 1
+        self.done += 1
 
     def passes(self, parity):
         return (self.done & 1) != parity
 
 
-def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=False, stagger=0):
-    """``split``: two consumers on halves of every tile (split_m), each releasing every slot
-    (empty barriers of 2 arrivals); ``stagger``: consumer 1 starts once consumer 0 has issued that
-    many steps of its first tile (the kernel's STAGGER, signalled on order barrier 1)."""
+def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True):
     ring_slot_phase, previous_phase, turn_phase = (gemm_gluon.ring_slot_phase, gemm_gluon.previous_phase,
                                                    gemm_gluon.turn_phase)
     ready = [_Barrier() for _ in range(stages)]
-    empty = [_Barrier(2 if split else 1) for _ in range(stages)]
+    empty = [_Barrier() for _ in range(stages)]
     order = [_Barrier() for _ in range(consumers)]
     slot_data = [None] * stages  # the K-slice (step) whose data a slot holds
     released = [None] * stages  # the last step released from each slot
@@ -224,13 +215,11 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
                 step += 1
 
     def consumer(c):
-        for local in (range(tiles) if split else range(c, tiles, consumers)):
+        for local in range(c, tiles, consumers):
             step = local * k_steps
-            if consumers == 2 and ordered and not split:
+            if consumers == 2 and ordered:
                 yield wait(order[c], turn_phase(local), (local - 1) // 2)
                 assert local == 0 or local - 1 in handed_over, "turn taken before the previous tile's mainloop"
-            if stagger and c == 1 and local == 0:
-                yield wait(order[1], 0, 0)
             for ki in range(k_steps):
                 slot, phase = ring_slot_phase(step, stages)
                 yield wait(ready[slot], phase, step // stages)
@@ -239,10 +228,8 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
                 yield lambda: len(in_flight[c]) <= 1  # warpgroup_mma_wait(1)
                 if ki > 0:
                     release(c, (step + stages - 1) % stages, step - 1)
-                if stagger and c == 0 and local == 0 and ki == min(k_steps, stagger) - 1:
-                    order[1].arrive()
                 step += 1
-            if consumers == 2 and ordered and not split:
+            if consumers == 2 and ordered:
                 order[1 - c].arrive()
                 handed_over.add(local)
             yield lambda: not in_flight[c]  # warpgroup_mma_wait(0)
@@ -279,7 +266,7 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
             except StopIteration:
                 live.discard(i)
                 waiting[i] = None
-    assert sorted(consumed) == sorted(list(range(tiles * k_steps)) * (2 if split else 1))
+    assert sorted(consumed) == list(range(tiles * k_steps))
 
 
 @pytest.mark.parametrize("consumers", [1, 2], ids=["cooperative", "ping-pong"])
@@ -295,38 +282,6 @@ def test_barrier_protocol_model(consumers):
     for tiles, k_steps, stages in cases:
         for _ in range(3):
             _run_protocol(tiles, k_steps, stages, consumers, rng)
-
-
-@pytest.mark.parametrize("stagger", [0, 1, 2, "stages"])
-def test_barrier_protocol_model_split_tiles(stagger):
-    """Two consumers on halves of every tile (split_m), started together or staggered by up to a
-    whole ring (GluonConfig.stagger <= stages): no deadlock, no ambiguous wait, no early refill."""
-    import random
-
-    rng = random.Random(99)
-    cases = [(3, 32, 4), (1, 1, 2), (2, 3, 4), (4, 2, 2)]
-    cases += [(rng.randint(1, 6), rng.randint(1, 24), rng.randint(2, 6)) for _ in range(100)]
-    for tiles, k_steps, stages in cases:
-        steps = stages if stagger == "stages" else min(stagger, stages)
-        for _ in range(3):
-            _run_protocol(tiles, k_steps, stages, 2, rng, split=True, stagger=steps)
-
-
-def test_barrier_protocol_model_catches_a_stagger_past_the_ring():
-    """Consumer 0 cannot get stages + 1 steps ahead: the slot of that step waits for consumer 1's
-    release, and consumer 1 waits for the stagger signal (what GluonConfig refuses)."""
-    import random
-
-    with pytest.raises(AssertionError, match="deadlock"):
-        _run_protocol(2, 8, 4, 2, random.Random(0), split=True, stagger=5)
-
-
-def test_stagger_needs_split_tiles_and_at_most_a_ring():
-    base = gemm_gluon.CONFIGS["coop2_128x256"]
-    assert dataclasses.replace(base, stagger=base.stages).stagger == base.stages
-    for bad in (dict(stagger=base.stages + 1), dict(stagger=1, split_m=False)):
-        with pytest.raises(ValueError, match="stagger"):
-            dataclasses.replace(base, **bad)
 
 
 def test_barrier_protocol_model_catches_unordered_ping_pong():
