@@ -166,24 +166,31 @@ def test_weight_descriptor_cached_per_weight_and_released_with_it():
 
 
 class _Barrier:
-    """An mbarrier of arrival count 1: ``done`` phases completed; a wait for parity p passes
-    once the phase in progress has the other parity (a fresh one passes a wait for parity 1)."""
+    """An mbarrier of ``count`` arrivals per phase: ``done`` phases completed; a wait for parity p
+    passes once the phase in progress has the other parity (a fresh one passes a wait for parity 1)."""
 
-    def __init__(self):
+    def __init__(self, count=1):
         self.done = 0
+        self.count = count
+        self.arrivals = 0
 
     def arrive(self):
-        self.done += 1
+        self.arrivals += 1
+        if self.arrivals == self.count:
+            self.arrivals = 0
+            self.done += 1
 
     def passes(self, parity):
         return (self.done & 1) != parity
 
 
-def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True):
+def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=False):
+    """``split``: two consumers on halves of every tile (split_m), each releasing every slot
+    (empty barriers of 2 arrivals)."""
     ring_slot_phase, previous_phase, turn_phase = (gemm_gluon.ring_slot_phase, gemm_gluon.previous_phase,
                                                    gemm_gluon.turn_phase)
     ready = [_Barrier() for _ in range(stages)]
-    empty = [_Barrier() for _ in range(stages)]
+    empty = [_Barrier(2 if split else 1) for _ in range(stages)]
     order = [_Barrier() for _ in range(consumers)]
     slot_data = [None] * stages  # the K-slice (step) whose data a slot holds
     released = [None] * stages  # the last step released from each slot
@@ -215,9 +222,9 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True):
                 step += 1
 
     def consumer(c):
-        for local in range(c, tiles, consumers):
+        for local in (range(tiles) if split else range(c, tiles, consumers)):
             step = local * k_steps
-            if consumers == 2 and ordered:
+            if consumers == 2 and ordered and not split:
                 yield wait(order[c], turn_phase(local), (local - 1) // 2)
                 assert local == 0 or local - 1 in handed_over, "turn taken before the previous tile's mainloop"
             for ki in range(k_steps):
@@ -229,7 +236,7 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True):
                 if ki > 0:
                     release(c, (step + stages - 1) % stages, step - 1)
                 step += 1
-            if consumers == 2 and ordered:
+            if consumers == 2 and ordered and not split:
                 order[1 - c].arrive()
                 handed_over.add(local)
             yield lambda: not in_flight[c]  # warpgroup_mma_wait(0)
@@ -266,7 +273,7 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True):
             except StopIteration:
                 live.discard(i)
                 waiting[i] = None
-    assert sorted(consumed) == list(range(tiles * k_steps))
+    assert sorted(consumed) == sorted(list(range(tiles * k_steps)) * (2 if split else 1))
 
 
 @pytest.mark.parametrize("consumers", [1, 2], ids=["cooperative", "ping-pong"])
@@ -282,6 +289,19 @@ def test_barrier_protocol_model(consumers):
     for tiles, k_steps, stages in cases:
         for _ in range(3):
             _run_protocol(tiles, k_steps, stages, consumers, rng)
+
+
+def test_barrier_protocol_model_split_tiles():
+    """Two consumers on halves of every tile (split_m: the coop2 configs), each waiting for and
+    releasing every slot: no deadlock, no ambiguous wait, no refill before both released."""
+    import random
+
+    rng = random.Random(99)
+    cases = [(3, 32, 4), (1, 1, 2), (2, 3, 4), (4, 2, 2)]
+    cases += [(rng.randint(1, 6), rng.randint(1, 24), rng.randint(2, 6)) for _ in range(100)]
+    for tiles, k_steps, stages in cases:
+        for _ in range(3):
+            _run_protocol(tiles, k_steps, stages, 2, rng, split=True)
 
 
 def test_barrier_protocol_model_catches_unordered_ping_pong():
