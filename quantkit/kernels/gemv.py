@@ -31,7 +31,6 @@ interpreter one fixed config (``INTERPRETER_CONFIG``).
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
