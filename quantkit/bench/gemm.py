@@ -16,7 +16,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import statistics
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import triton
 
 from quantkit.bench.common import bench_ms, environment_metadata
 from quantkit.kernels import gemm, gemm_gluon, gemm_tma, reference, triton_ops
-from quantkit.kernels.launch import median_replay_ms
+from quantkit.kernels.launch import median_replay_ms, rotated_medians
 
 # Llama-3-8B projections (N, K): qkv, o, gate+up (stacked), down.
 LLAMA3_8B_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
@@ -102,21 +101,7 @@ def _tflops(M, N, K, ms):
     return 2.0 * M * N * K / (ms * 1e-3) / 1e12 if ms and ms > 0 else float("nan")
 
 
-ROUNDS = 3
-
-
-def rotated_medians(ops: dict, timer, rounds: int = ROUNDS) -> dict:
-    """Median ms per op over ``rounds`` rounds, the op order rotated by one each round: a GEMM
-    timed right after a heavy one inherits its clock / power state (on an H100 the first op after
-    cuBLAS read 5-10 % slow at >= 0.6 ms, and the power cap moves every FP8 kernel's clock), so no op
-    keeps one position. Also returns every round's time per op."""
-    names = list(ops)
-    samples = {name: [] for name in names}
-    for r in range(rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            samples[name].append(timer(ops[name]))
-    return {name: statistics.median(values) for name, values in samples.items()}, samples
+ROUNDS = 3  # timing rounds per point (launch.rotated_medians)
 
 
 def bench_scaled_mm_point(M, N, K, epilogue, device="cuda", timer=bench_ms, rounds: int = ROUNDS) -> list[dict]:

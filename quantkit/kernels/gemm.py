@@ -51,7 +51,6 @@ second accumulator tile in registers and caps the tile size (see benchmarks/NOTE
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

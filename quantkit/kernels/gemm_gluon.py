@@ -66,7 +66,6 @@ import dataclasses
 import functools
 import inspect
 import os
-import statistics
 import weakref
 
 import torch
@@ -74,7 +73,7 @@ import triton
 
 from quantkit.kernels.gemm_configs import m_bucket
 from quantkit.kernels.gemm_tma import _Descriptor, _graph_bench_ms, refuse_tuning_in_capture
-from quantkit.kernels.launch import aligned, cdiv, int_spec, launch_hooks_active, num_sms
+from quantkit.kernels.launch import aligned, cdiv, int_spec, launch_hooks_active, num_sms, rotated_medians
 from quantkit.kernels.reference import ACTIVATIONS
 
 try:
@@ -765,14 +764,10 @@ def tuned_call(a, w, out, a_scale, w_scale, bias, activation: str, gated: bool =
     if config is None:
         if a.is_cuda:
             refuse_tuning_in_capture()
-        names = candidates(a.dtype, gated)
-        calls = {name: GluonCall(config_named(name), M, N, a.device, has_bias, activation) for name in names}
-        samples = {name: [] for name in names}
-        for turn in range(TUNE_ROUNDS):
-            for name in names[turn % len(names):] + names[:turn % len(names)]:
-                call = calls[name]
-                samples[name].append(_graph_bench_ms(lambda call=call: call(a, w, out, a_scale, w_scale, bias_arg)))
-        times = {name: statistics.median(values) for name, values in samples.items()}
+        calls = {name: GluonCall(config_named(name), M, N, a.device, has_bias, activation)
+                 for name in candidates(a.dtype, gated)}
+        times, _ = rotated_medians(calls, lambda call: _graph_bench_ms(
+            lambda: call(a, w, out, a_scale, w_scale, bias_arg)), TUNE_ROUNDS)
         TUNE_TIMES[key] = times
         config = _TUNED[key] = config_named(min(times, key=times.get))
     return GluonCall(config, M, N, a.device, has_bias, activation)

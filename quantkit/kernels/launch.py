@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+import statistics
 
 import torch
 from triton import knobs
@@ -191,6 +192,21 @@ def median_replay_ms(graph, replays: int) -> float:
         end.synchronize()
         samples.append(start.elapsed_time(end))
     return sorted(samples)[len(samples) // 2]
+
+
+def rotated_medians(ops: dict, timer, rounds: int) -> tuple[dict, dict]:
+    """Median time per op over ``rounds`` rounds, the op order rotated by one each round, and every
+    round's time per op. ``timer(op)`` times one op. A GEMM timed right after a heavy one inherits
+    its clock / power state (on an H100 the first op after cuBLAS read 5-10 % slow at >= 0.6 ms, and
+    the power cap moves every FP8 kernel's clock), so no op keeps one position. Used by the
+    benchmarks and by gemm_gluon's tuner."""
+    names = list(ops)
+    samples = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(timer(ops[name]))
+    return {name: statistics.median(values) for name, values in samples.items()}, samples
 
 
 @functools.lru_cache(maxsize=None)
