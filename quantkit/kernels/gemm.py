@@ -25,7 +25,7 @@ does not; ``gemm_configs.SMALL_M_SPLIT_K`` switches them off).
 
 Four kernels behind ``kernel="auto"`` (``_pick_kernel``), each with the same semantics and epilogue:
 - M <= GEMV_MAX_M (1): the tensor-core-free GEMV of ``gemv.py`` (a weight stream; gated too);
-- M >= GLUON_MIN_M (gated: GLUON_GATED_MIN_M) on an sm_90 GPU with triton 3.6: the
+- M >= GLUON_MIN_M (gated: GLUON_GATED_MIN_M) on an sm_90 GPU with triton 3.6 or 3.9: the
   warp-specialized Gluon kernel of ``gemm_gluon.py`` (asynchronous wgmma, int32 for INT8), where
   ``gluon_takes`` allows it: INT8, and FP8 with fast accumulation, plain and gated;
 - otherwise M >= PERSISTENT_MIN_M with 16-byte aligned operands: the persistent TMA kernel of
@@ -205,7 +205,7 @@ KERNELS = ("auto", "tiled", "persistent", "gluon", "gemv")
 # FP8 persistent 5-13 % slower; benchmarks/NOTES-gemm.md, session 3).
 PERSISTENT_MIN_M = 1024
 # kernel="auto" takes the warp-specialized Gluon kernel (gemm_gluon) for INT8 and FP8 (fast
-# accumulation) from this M on, where it runs (sm_90, triton 3.6): asynchronous wgmma (int32 for
+# accumulation) from this M on, where it runs (sm_90, triton 3.6 or 3.9): asynchronous wgmma (int32 for
 # INT8, which triton 3.6 does not generate for tl.dot), and a 128x128 ping-pong config for partial
 # last waves, tuned per shape among gemm_gluon.candidates. Measured on an H100, the four
 # Llama-3-8B shapes, plain epilogue (benchmarks/NOTES-gemm.md): INT8 1.03-1.55x the Triton INT8
@@ -373,7 +373,7 @@ def _pick_kernel(kernel, a, w, out, gated, config, flags, fp8_fast_accum: bool) 
     if kernel == "gluon":
         if config is not None or not gluon_takes(a, w, out, gated, flags):
             raise ValueError(
-                "kernel='gluon' needs an sm_90 GPU with triton 3.6, no config, per-row and per-column scales, a "
+                "kernel='gluon' needs an sm_90 GPU with triton 3.6 or 3.9, no config, per-row and per-column scales, a "
                 "bf16/fp16 output, K % 16 == 0 and 16-byte aligned operands: use kernel='auto'"
             )
         return "gluon"
@@ -553,7 +553,7 @@ def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype
     """``act(gate) * up`` for a stacked (2N, K) [gate; up] weight -> (M, N), one GEMM, one write.
 
     ``kernel`` as for ``scaled_mm``: "auto" takes the Gluon kernel's gated mode for INT8 and for
-    FP8 with fast accumulation from GLUON_GATED_MIN_M rows where it runs (sm_90, triton 3.6; per-row
+    FP8 with fast accumulation from GLUON_GATED_MIN_M rows where it runs (sm_90, triton 3.6 / 3.9; per-row
     and per-column scales), else the persistent TMA kernel from PERSISTENT_MIN_M rows for INT8 (for
     FP8 the tiled kernel measured faster).
     """

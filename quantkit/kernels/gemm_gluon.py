@@ -54,10 +54,16 @@ K (a multiple of 16, for the 16-byte TMA row stride) are otherwise arbitrary; an
 is not a multiple of 16 bytes is written into a padded buffer and returned as a view.
 
 Gluon is compiled for sm_90 only and has no CPU interpreter: ``available()`` says whether this
-process can run it (a Hopper GPU and triton 3.6, whose Gluon API the kernels are written against;
-3.9 renamed pieces of it). Importing this module never fails; the kernels are defined only where
-Gluon imports. Offline check (no GPU): tests/kernels/test_gemm_gluon.py compiles every config for
-sm_90 under triton 3.6 and reads the PTX (wgmma.wait_group 1 in the K loop, setmaxnreg, no spills).
+process can run it (a Hopper GPU and triton 3.6 or 3.9, the Gluon APIs the kernels are written
+against: ``_tma_load`` / ``_tma_store`` take either release's names). Importing this module never
+fails; the kernels are defined only where Gluon imports. Offline check (no GPU):
+tests/kernels/test_gemm_gluon.py compiles every config for sm_90 under the installed triton (3.6 or
+3.9, the CPU test pin) and reads the PTX (wgmma.wait_group 1 in the K loop, setmaxnreg, no spills).
+
+Tried and measured, not kept (benchmarks/NOTES-gemm.md, session 12; code in commit 5e5ed47): 2-CTA
+clusters sharing the W tile through TMA multicast (triton 3.9's Gluon), cuBLAS's arrangement. They
+passed the GPU checks and sped the L2-bound ping-pong kernel up (pp_128x128: 2-18 % at M = 16384),
+but no cluster config was the fastest FP8 config at any of the 12 large-M points.
 """
 
 from __future__ import annotations
@@ -92,12 +98,9 @@ try:
     # old names raise): the kernels call these two.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-    # TMA multicast and multi-CTA barriers (3.9): what the 2-CTA cluster configs need.
-    MULTICAST = "multicast" in inspect.signature(_tma_load).parameters and hasattr(mbarrier, "allocate_mbarrier")
     _GLUON_ERROR = None
 except (ImportError, AttributeError) as error:  # no Gluon, or one without Hopper's pieces
     _GLUON_ERROR = error
-    MULTICAST = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,10 +125,6 @@ class GluonConfig:
     # ("cooperative" with independent warpgroups: each waits and releases ring slots on its own)
     # instead of taking alternate tiles (ping-pong).
     split_m: bool = False
-    # CTAs per cluster along M: 2 launches each program as a 2-CTA cluster working on 2 x block_m
-    # rows; the W tile of a K step, common to both, is loaded once by the first CTA and multicast
-    # to both (TMA multicast, triton 3.9), so the cluster reads W from L2 once for both CTAs.
-    cluster: int = 1
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
@@ -142,10 +141,6 @@ class GluonConfig:
                              f"block_n={self.block_n} into multiples of 8")
         if self.epilogue_buffers not in (1, 2) or self.epilogue_split % self.epilogue_buffers:
             raise ValueError(f"epilogue_buffers={self.epilogue_buffers}: 1, or 2 with an even epilogue_split")
-        if self.cluster not in (1, 2):
-            raise ValueError(f"cluster={self.cluster}: 1, or 2 (a 2-CTA cluster sharing the W tile)")
-        if self.cluster == 2 and (self.split_m or self.gated):
-            raise ValueError("cluster=2 is for the plain GEMM with whole tiles per consumer (no split_m, not gated)")
         if self.block_k % 32:
             raise ValueError(f"block_k={self.block_k} must be a multiple of 32 (one 8-bit wgmma K step)")
         if self.shared_bytes() > SHARED_LIMIT:
@@ -157,8 +152,7 @@ class GluonConfig:
         kind = ("gated_" if self.gated else "") + (
             "coop2x" if self.split_m else "pp" if self.consumers == 2 else f"coop{self.consumer_warps}w")
         return (f"{kind}_{self.block_m}x{self.block_n}x{self.block_k}_s{self.stages}"
-                f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late")
-                + (f"_c{self.cluster}" if self.cluster > 1 else ""))
+                f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late"))
 
     @property
     def stored_rows(self) -> int:
@@ -169,8 +163,7 @@ class GluonConfig:
         ring = self.stages * (self.block_m + (2 if self.gated else 1) * self.block_n) * self.block_k  # 8-bit operands
         staging = (self.consumers * self.epilogue_buffers * self.stored_rows * (self.block_n // self.epilogue_split)
                    * out_bytes)
-        barriers = ((3 if self.cluster > 1 else 2) * self.stages + self.consumers) * 8
-        return ring + staging + barriers + 1024  # alignment slack
+        return ring + staging + (2 * self.stages + self.consumers) * 8 + 1024  # barriers, alignment slack
 
 
 SHARED_LIMIT = 232448  # 227 KB: an H100's shared memory per block (opt-in maximum)
@@ -197,17 +190,6 @@ CONFIGS = {
     "coop2_128x256_g16": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
                                      split_m=True, group_m=16),
 }
-# 2-CTA clusters sharing each W tile through TMA multicast (triton 3.9's Gluon; MULTICAST): per CTA
-# the tile, ring and registers of the config they extend, each cluster on 2 x 128 rows. pp_128x128_c2
-# is the arrangement of cuBLAS's FP8 kernel on the H100 (nvjet ..._128x128_128x6_1x2_...: 128x128
-# tiles, a 1x2 cluster; benchmarks/NOTES-gemm.md, session 9): per 128x128 output tile an SM reads
-# 128 + 64 operand rows from L2 instead of 128 + 128.
-CLUSTER_CONFIGS = {
-    "pp_128x128_c2": dataclasses.replace(CONFIGS["pp_128x128"], cluster=2),
-    "coop_128x256_c2": dataclasses.replace(CONFIGS["coop_128x256"], cluster=2),
-}
-if MULTICAST:
-    CONFIGS.update(CLUSTER_CONFIGS)
 
 # The gated form (``gated=True``): per K step the ring slot holds the A tile, the gate W tile (rows
 # n of the stacked weight) and the up W tile (rows N + n), and the consumer keeps two accumulators,
@@ -246,14 +228,15 @@ def pick_config(N: int, K: int, M: int, dtype: torch.dtype) -> GluonConfig:
     return CONFIGS["pp_128x128"] if narrow > wide + 0.05 else CONFIGS["coop_128x256"]
 
 
-# Gluon is experimental and its API moves between releases (triton 3.9 renamed the TMA store and
-# changed warp_specialize's partition arguments): the kernels are written against triton 3.6.
+# Gluon is experimental and its API moves between releases: the kernels are written against triton
+# 3.6 (the GPU image's) and 3.9 (the CPU test pin, and what torch 2.13 installs), compiled offline for
+# sm_90 under both (tests/kernels/test_gemm_gluon.py) and checked on an H100 under both (NOTES-gemm).
 SUPPORTED_TRITON = ("3.6", "3.9")
 
 
 def available() -> bool:
-    """True when this process can run the Gluon kernels: a Hopper (sm_90) GPU and triton 3.6's
-    Gluon (the version they were written and compiled against). Never raises."""
+    """True when this process can run the Gluon kernels: a Hopper (sm_90) GPU and the Gluon of a
+    triton in SUPPORTED_TRITON (the versions they were written and compiled against). Never raises."""
     if _GLUON_ERROR is not None or not torch.cuda.is_available():
         return False
     return _available_on(torch.cuda.current_device())
@@ -317,46 +300,23 @@ if _GLUON_ERROR is None:
         return BLOCK_M // CONSUMERS if SPLIT_M else BLOCK_M
 
     @gluon.constexpr_function
-    def _cga(CLUSTER, RANK=2):
-        # Where a cluster's CTAs sit in a tensor: CTA 1 holds the second half of dim 0 (rows).
-        return [] if CLUSTER == 1 else [[1] + [0] * (RANK - 1)]
-
-    @gluon.constexpr_function
-    def _mma_layout(BLOCK_M, BLOCK_N, num_warps, IS_INT8, CLUSTER=1):
+    def _mma_layout(BLOCK_M, BLOCK_N, num_warps, IS_INT8):
         # Warps stacked along M (16 rows each, whole warpgroups), the widest wgmma N that divides
         # the tile: 256 for FP8; INT8 wgmma stops at 224, so 128 for 128- and 256-wide tiles.
-        # CLUSTER = 2: BLOCK_M counts both CTAs' rows, each CTA holds its half.
         max_n = 224 if IS_INT8 else 256
         n = max_n
         while n > BLOCK_N or BLOCK_N % n:
             n -= 8 if not IS_INT8 else 16
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 32],
-                                         cga_layout=_cga(CLUSTER))
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 32])
 
     @gluon.constexpr_function
-    def _chunk_layout(BLOCK_M, BLOCK_N, num_warps, IS_INT8, EPILOGUE_SPLIT, CLUSTER=1):
+    def _chunk_layout(BLOCK_M, BLOCK_N, num_warps, IS_INT8, EPILOGUE_SPLIT):
         # A column chunk of the accumulator keeps its registers: in the wgmma layout the upper
         # column bits are per-thread repetitions, so the chunk is the wgmma layout of a
         # narrower instruction (checked at compile time by convert_layout(assert_trivial=True)).
-        full = _mma_layout(BLOCK_M, BLOCK_N, num_warps, IS_INT8, CLUSTER)
+        full = _mma_layout(BLOCK_M, BLOCK_N, num_warps, IS_INT8)
         n = min(full.instr_shape[1], BLOCK_N // EPILOGUE_SPLIT)
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 32],
-                                         cga_layout=_cga(CLUSTER))
-
-    if MULTICAST:
-        @gluon.jit
-        def _barriers(count: gl.constexpr, CLUSTER: gl.constexpr, PAIR: gl.constexpr = False):
-            # count mbarriers per CTA: index(i) is each CTA's own barrier i. PAIR (CLUSTER = 2): one
-            # barrier per pair of CTAs, in the first CTA: both CTAs arrive on it (init's count is
-            # per CTA), only the first CTA waits on it (triton lowers a wait in the second to nothing).
-            if CLUSTER == 1:
-                return gl.allocate_shared_memory(gl.int64, [count, 1], mbarrier.MBarrierLayout())
-            else:
-                return mbarrier.allocate_mbarrier(batch=count, two_ctas=PAIR)
-    else:
-        @gluon.jit
-        def _barriers(count: gl.constexpr, CLUSTER: gl.constexpr, PAIR: gl.constexpr = False):
-            return gl.allocate_shared_memory(gl.int64, [count, 1], mbarrier.MBarrierLayout())
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 32])
 
     @gluon.jit
     def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
@@ -384,15 +344,10 @@ if _GLUON_ERROR is None:
         return x
 
     @gluon.jit
-    def _load_partition(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, pair_empty_bars, M, N, K,
-                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, CLUSTER: gl.constexpr):
+    def _load_partition(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
+                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
         # Gated: N counts the outputs; w_desc is the stacked (2N, K) weight, the up rows N below the
         # gate rows, both W tiles of a step land in the slot's w_bufs / u_bufs under one ready barrier.
-        # CLUSTER = 2: each CTA loads its half of the A tile (a_desc's layout splits the rows); the
-        # first CTA loads the W tile into both CTAs' slot (multicast: triton issues it from the
-        # first CTA only), so before refilling a slot it also waits for the other CTA's release of
-        # it (pair_empty_bars: a pair barrier, both CTAs' consumers arrive on it). Each CTA's ready
-        # barrier expects its A half and the whole W tile.
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -410,22 +365,16 @@ if _GLUON_ERROR is None:
                 # counts as having completed it, so the first lap over the ring does not wait.
                 mbarrier.wait(empty_bars.index(slot), _previous_phase(phase))
                 ready = ready_bars.index(slot)
-                if CLUSTER > 1:
-                    mbarrier.wait(pair_empty_bars.index(slot), _previous_phase(phase))
-                    mbarrier.expect(ready, a_desc.nbytes_per_cta + w_desc.nbytes_per_cta)
-                    _tma_load(a_desc, [off_m, ki * BLOCK_K], ready, a_bufs.index(slot))
-                    _tma_load(w_desc, [off_n, ki * BLOCK_K], ready, w_bufs.index(slot), multicast=True)
+                if GATED:
+                    mbarrier.expect(ready, a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
                 else:
-                    if GATED:
-                        mbarrier.expect(ready, a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
-                    else:
-                        mbarrier.expect(ready, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
-                    _tma_load(a_desc, [off_m, ki * BLOCK_K], ready, a_bufs.index(slot))
-                    _tma_load(w_desc, [off_n, ki * BLOCK_K], ready, w_bufs.index(slot))
-                    if GATED:
-                        # Up rows past 2N (N not a multiple of BLOCK_N) are zero-filled; gate rows past N
-                        # read up rows, whose outputs the clipped store drops.
-                        _tma_load(w_desc, [N + off_n, ki * BLOCK_K], ready, u_bufs.index(slot))
+                    mbarrier.expect(ready, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                _tma_load(a_desc, [off_m, ki * BLOCK_K], ready, a_bufs.index(slot))
+                _tma_load(w_desc, [off_n, ki * BLOCK_K], ready, w_bufs.index(slot))
+                if GATED:
+                    # Up rows past 2N (N not a multiple of BLOCK_N) are zero-filled; gate rows past N
+                    # read up rows, whose outputs the clipped store drops.
+                    _tma_load(w_desc, [N + off_n, ki * BLOCK_K], ready, u_bufs.index(slot))
                 step += 1
 
     @gluon.jit
@@ -469,17 +418,14 @@ if _GLUON_ERROR is None:
         return x.reshape([BM, 2, BN // 2]).permute((0, 2, 1)).split()
 
     @gluon.jit
-    def _consumer_partition(a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, pair_empty_bars, order_bars, c_bufs,
-                            out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, CONSUMER: gl.constexpr,
+    def _consumer_partition(a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
+                            a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, CONSUMER: gl.constexpr,
                             CONSUMERS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, GROUP_M: gl.constexpr,
                             STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                             ACTIVATION: gl.constexpr, GATED: gl.constexpr, EARLY_SCALES: gl.constexpr,
-                            SPLIT_M: gl.constexpr, CLUSTER: gl.constexpr):
+                            SPLIT_M: gl.constexpr):
         # SPLIT_M: every consumer takes every tile, rows [ROW0, ROW0 + TILE_M) of it; otherwise
         # (ping-pong) consumer c takes this program's tiles c, c + 2, ... whole.
-        # CLUSTER = 2: the program is a 2-CTA cluster; tiles, buffers and layouts count both CTAs'
-        # rows (BLOCK_M = 2 x the rows of each CTA), each CTA computes and stores its half. A slot
-        # is released to both loaders: this CTA's and the first CTA's (which multicasts W).
         BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
         BLOCK_N: gl.constexpr = w_bufs.type.shape[1]
@@ -487,8 +433,8 @@ if _GLUON_ERROR is None:
         acc_dtype: gl.constexpr = gl.int32 if IS_INT8 else gl.float32
         TILE_M: gl.constexpr = _split(BLOCK_M, CONSUMERS, SPLIT_M)
         ROW0: gl.constexpr = CONSUMER * TILE_M if SPLIT_M else 0
-        mma_layout: gl.constexpr = _mma_layout(TILE_M, BLOCK_N, CONSUMER_WARPS, IS_INT8, CLUSTER)
-        chunk_layout: gl.constexpr = _chunk_layout(TILE_M, BLOCK_N, CONSUMER_WARPS, IS_INT8, EPILOGUE_SPLIT, CLUSTER)
+        mma_layout: gl.constexpr = _mma_layout(TILE_M, BLOCK_N, CONSUMER_WARPS, IS_INT8)
+        chunk_layout: gl.constexpr = _chunk_layout(TILE_M, BLOCK_N, CONSUMER_WARPS, IS_INT8, EPILOGUE_SPLIT)
         BUFFERS: gl.constexpr = c_bufs.type.shape[0] // CONSUMERS
         FIRST: gl.constexpr = CONSUMER * BUFFERS
 
@@ -527,8 +473,6 @@ if _GLUON_ERROR is None:
                     # Keep this MMA in flight; the one before it has now retired, so its slot is free.
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES), pred=ki > 0)
-                if CLUSTER > 1:
-                    mbarrier.arrive(pair_empty_bars.index((step + STAGES - 1) % STAGES), pred=ki > 0)
                 step += 1
             if TURNS == 2:
                 # The next tile's turn (the other consumer's), while our last MMA finishes and our
@@ -549,8 +493,6 @@ if _GLUON_ERROR is None:
             else:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES))
-            if CLUSTER > 1:
-                mbarrier.arrive(pair_empty_bars.index((step + STAGES - 1) % STAGES))
             local += TURNS
 
             # Epilogue in fp32, in the reference's order: (acc * a_scale) * w_scale + bias.
@@ -598,7 +540,7 @@ if _GLUON_ERROR is None:
                           STAGES: gl.constexpr, CONSUMERS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr,
                           EPILOGUE_BUFFERS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, SPLIT_M: gl.constexpr,
-                          CLUSTER: gl.constexpr, num_warps: gl.constexpr):
+                          num_warps: gl.constexpr):
         # GATED: out (M, N) = act(gate) * up over the stacked (2N, K) weight of w_desc; N counts outputs.
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -608,21 +550,14 @@ if _GLUON_ERROR is None:
             u_bufs = w_bufs  # a stand-in, unused
         c_bufs = gl.allocate_shared_memory(out_desc.dtype, [CONSUMERS * EPILOGUE_BUFFERS] + out_desc.block_type.shape,
                                            out_desc.layout)
-        ready_bars = _barriers(STAGES, CLUSTER)
-        empty_bars = _barriers(STAGES, CLUSTER)
-        # CLUSTER = 2: the first CTA's pair_empty_bars[s] completes when both CTAs have released slot s.
-        if CLUSTER > 1:
-            pair_empty_bars = _barriers(STAGES, CLUSTER, True)
-        else:
-            pair_empty_bars = empty_bars  # a stand-in, unused
+        ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         # Ping-pong: order_bars[c] gives consumer c its turn on the mainloop (unused with one consumer).
-        order_bars = _barriers(CONSUMERS, CLUSTER)
+        order_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready_bars.index(i), count=1)
             # SPLIT_M: both consumers read every slot, and both release it.
             mbarrier.init(empty_bars.index(i), count=CONSUMERS if SPLIT_M else 1)
-            if CLUSTER > 1:
-                mbarrier.init(pair_empty_bars.index(i), count=1)  # per CTA: two arrivals in all
         for i in gl.static_range(CONSUMERS):
             mbarrier.init(order_bars.index(i), count=1)
         # The barriers' initialization must be visible to the TMA unit before the first copy.
@@ -631,28 +566,22 @@ if _GLUON_ERROR is None:
         # The default partition (the kernel's num_warps) is consumer 0; workers follow.
         if CONSUMERS == 1:
             gl.warp_specialize([
-                (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, pair_empty_bars, order_bars,
-                                       c_bufs, out_desc,
+                (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M,
-                                       CLUSTER)),
-                (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, pair_empty_bars,
-                                   M, N, K, GROUP_M, STAGES, GATED, CLUSTER)),
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M)),
+                (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
+                                   GROUP_M, STAGES, GATED)),
             ], [1], [LOADER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, pair_empty_bars, order_bars,
-                                       c_bufs, out_desc,
+                (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M,
-                                       CLUSTER)),
-                (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, pair_empty_bars, order_bars,
-                                       c_bufs, out_desc,
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M)),
+                (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M,
-                                       CLUSTER)),
-                (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, pair_empty_bars,
-                                   M, N, K, GROUP_M, STAGES, GATED, CLUSTER)),
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M)),
+                (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
+                                   GROUP_M, STAGES, GATED)),
             ], [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -672,30 +601,20 @@ if _GLUON_ERROR is None:
 _WEIGHT_DESCRIPTORS: dict[int, tuple[weakref.ref, dict]] = {}
 
 
-def _descriptor(t: torch.Tensor, block: list[int], shape=None, strides=None, cga=None):
-    """``cga``: the layout's CTA bases for a 2-CTA cluster ([[1, 0]]: each CTA takes half of the
-    block's rows; [[0, 0]]: both take the whole block, multicast), None for one CTA."""
-    if cga is None:
-        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
-    else:
-        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype], cga_layout=cga)
+def _descriptor(t: torch.Tensor, block: list[int], shape=None, strides=None):
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
     return TensorDescriptor(t, list(shape or t.shape), list(strides or t.stride()), block, layout)
 
 
-def cluster_layouts(cluster: int) -> tuple:
-    """The CTA bases of (A and the output, W) for ``cluster`` CTAs per program: rows split, W shared."""
-    return (None, None) if cluster == 1 else ([[1, 0]], [[0, 0]])
-
-
-def _weight_descriptor(w: torch.Tensor, block: list[int], cga=None):
+def _weight_descriptor(w: torch.Tensor, block: list[int]):
     entry = _WEIGHT_DESCRIPTORS.get(id(w))
     if entry is None or entry[0]() is not w:
         entry = _WEIGHT_DESCRIPTORS[id(w)] = (
             weakref.ref(w, lambda _, key=id(w): _WEIGHT_DESCRIPTORS.pop(key, None)), {})
-    key = (tuple(block), w.data_ptr(), tuple(w.shape), tuple(w.stride()), str(cga))
+    key = (tuple(block), w.data_ptr(), tuple(w.shape), tuple(w.stride()))
     desc = entry[1].get(key)
     if desc is None:
-        desc = entry[1][key] = _descriptor(w.detach(), block, cga=cga)
+        desc = entry[1][key] = _descriptor(w.detach(), block)
     return desc
 
 
@@ -746,27 +665,25 @@ class GluonCall:
     a_scale (M,) and w_scale (N,) float32, ``bias_arg`` the bias or any tensor when there is none.
     A gated config (``config.gated``): w the stacked (2N, K) [gate; up] weight, w_scale (2N,), no bias."""
 
-    __slots__ = ("config", "grid", "constexprs", "chunk_n", "key", "tail", "launch_options")
+    __slots__ = ("config", "grid", "constexprs", "chunk_n", "key", "tail")
 
     def __init__(self, config: GluonConfig, M: int, N: int, device: torch.device, has_bias: bool,
                  activation: str) -> None:
         self.config = config
-        # One program per SM; with clusters one per pair of SMs, each on 2 x block_m rows.
-        tiles = cdiv(M, config.cluster * config.block_m) * cdiv(N, config.block_n)
+        tiles = cdiv(M, config.block_m) * cdiv(N, config.block_n)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        self.grid = (min(num_sms(index) // config.cluster, tiles),)
+        self.grid = (min(num_sms(index), tiles),)
         self.chunk_n = config.block_n // config.epilogue_split
         self.constexprs = dict(
             HAS_BIAS=has_bias, ACTIVATION=ACTIVATIONS.index(activation), GROUP_M=config.group_m,
             STAGES=config.stages, CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
             EPILOGUE_BUFFERS=config.epilogue_buffers, LOADER_REGS=config.loader_regs,
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
-            SPLIT_M=config.split_m, CLUSTER=config.cluster, num_warps=config.consumer_warps)
+            SPLIT_M=config.split_m, num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the
         # constexprs in signature order (after the 9 runtime arguments) for the cached launcher.
         self.key = (config, tuple(self.constexprs.items()))
         self.tail = tuple(self.constexprs[name] for name in _scaled_mm_kernel.arg_names[9:])
-        self.launch_options = {"num_ctas": config.cluster} if config.cluster > 1 else {}
 
     def __call__(self, a, w, out, a_scale, w_scale, bias_arg) -> None:
         cfg = self.config
@@ -780,13 +697,11 @@ class GluonCall:
         compiled = _COMPILED.get((device, key)) if CACHED_LAUNCH else None
         if compiled is None or launch_hooks_active():
             # Gluon's own launcher (validated descriptors); the compiled kernel is kept for later calls.
-            rows, shared = cluster_layouts(cfg.cluster)
-            a_desc = _descriptor(a, [cfg.cluster * cfg.block_m, cfg.block_k], cga=rows)
-            w_desc = _weight_descriptor(w, [cfg.block_n, cfg.block_k], cga=shared)
-            out_desc = _descriptor(out, [cfg.cluster * cfg.stored_rows, self.chunk_n], shape=[M, N],
-                                   strides=[out.stride(0), 1], cga=rows)
+            a_desc = _descriptor(a, [cfg.block_m, cfg.block_k])
+            w_desc = _weight_descriptor(w, [cfg.block_n, cfg.block_k])
+            out_desc = _descriptor(out, [cfg.stored_rows, self.chunk_n], shape=[M, N], strides=[out.stride(0), 1])
             compiled = _scaled_mm_kernel[self.grid](a_desc, w_desc, out_desc, a_scale, w_scale, bias_arg, M, N, K,
-                                                    **self.constexprs, **self.launch_options)
+                                                    **self.constexprs)
             if CACHED_LAUNCH and hasattr(compiled, "packed_metadata"):
                 _COMPILED[(device, key)] = compiled
             return
@@ -881,7 +796,8 @@ def gluon_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_s
     is a view of a padded buffer (row stride rounded up to 8 elements).
     """
     if not available():
-        raise RuntimeError(f"the Gluon GEMM needs an sm_90 GPU and triton 3.6's Gluon ({_GLUON_ERROR or 'no GPU'})")
+        raise RuntimeError(f"the Gluon GEMM needs an sm_90 GPU and the Gluon of triton 3.6 or 3.9 "
+                           f"({_GLUON_ERROR or 'no GPU'})")
     _check(a, w, a_scale, w_scale, bias, activation, out_dtype)
     M, K = a.shape
     N = w.shape[0]
@@ -904,7 +820,8 @@ def gluon_gated_scaled_mm(a: torch.Tensor, w_gate_up: torch.Tensor, a_scale: tor
     GATED_CONFIGS, or None (gated_coop_128x128). Needs ``available()``.
     """
     if not available():
-        raise RuntimeError(f"the Gluon GEMM needs an sm_90 GPU and triton 3.6's Gluon ({_GLUON_ERROR or 'no GPU'})")
+        raise RuntimeError(f"the Gluon GEMM needs an sm_90 GPU and the Gluon of triton 3.6 or 3.9 "
+                           f"({_GLUON_ERROR or 'no GPU'})")
     _check(a, w_gate_up, a_scale, w_scale, None, activation, out_dtype, gated=True)
     M, K = a.shape
     N = w_gate_up.shape[0] // 2
