@@ -20,6 +20,17 @@ def test_not_available_without_a_gpu():
     assert gemm_gluon.available() is False
 
 
+@pytest.mark.skipif(gemm_gluon._GLUON_ERROR is not None, reason="Gluon does not import here")
+def test_tma_copies_take_the_installed_releases_names():
+    """3.9 renamed the TMA copies and left the 3.6 names as functions that raise: the kernels'
+    aliases must be the working ones of whichever triton is installed."""
+    from triton.experimental.gluon.language.nvidia.hopper import tma
+
+    renamed = hasattr(tma, "async_load")
+    assert gemm_gluon._tma_load is (tma.async_load if renamed else tma.async_copy_global_to_shared)
+    assert gemm_gluon._tma_store is (tma.async_store if renamed else tma.async_copy_shared_to_global)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU answer")
 def test_launcher_refuses_without_a_gpu():
     a = torch.zeros(4, 32, dtype=torch.int8)
