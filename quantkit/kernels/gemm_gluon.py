@@ -120,14 +120,7 @@ class GluonConfig:
     loader_regs: int = 40
     consumer_regs: int = 232  # a worker consumer's register budget (ping-pong only)
     gated: bool = False  # act(gate) * up over a stacked (2N, K) [gate; up] weight: two accumulators
-    early_scales: bool = True  # the tile's column scales loaded under the last MMA, not per output chunk (unless staged)
-    # The tile's row and column scales loaded when its mainloop starts, the column scales two per
-    # thread, spread over the accumulator layout (through shared memory) once the mainloop is done:
-    # their global-load latency hides under the MMAs instead of stalling the epilogue.
-    staged_scales: bool = False
-    # The next tile's coordinates (integer divisions) computed under the tile's last MMAs, not
-    # between its epilogue and its first MMA.
-    lean_tiles: bool = False
+    early_scales: bool = True  # the tile's column scales loaded under the last MMA, not per output chunk
     # consumers=2 only: both consumers work on every tile, consumer c on rows [c, c + 1) x block_m / 2
     # ("cooperative" with independent warpgroups: each waits and releases ring slots on its own)
     # instead of taking alternate tiles (ping-pong).
@@ -159,8 +152,7 @@ class GluonConfig:
         kind = ("gated_" if self.gated else "") + (
             "coop2x" if self.split_m else "pp" if self.consumers == 2 else f"coop{self.consumer_warps}w")
         return (f"{kind}_{self.block_m}x{self.block_n}x{self.block_k}_s{self.stages}"
-                f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late")
-                + ("_staged" if self.staged_scales else "") + ("_lean" if self.lean_tiles else ""))
+                f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late"))
 
     @property
     def stored_rows(self) -> int:
@@ -326,28 +318,6 @@ if _GLUON_ERROR is None:
         n = min(full.instr_shape[1], BLOCK_N // EPILOGUE_SPLIT)
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 32])
 
-    @gluon.constexpr_function
-    def _scale_layout(CHUNK_N, num_warps):
-        # An output chunk's column scales spread evenly over the consumer's threads (replicated
-        # where there are fewer columns than threads).
-        return gl.BlockedLayout([max(1, CHUNK_N // (32 * num_warps))], [32], [num_warps], [0])
-
-    @gluon.jit
-    def _staged_chunk(w_scale_ptr, bias_ptr, off_n, N, chunk: gl.constexpr, CHUNK_N: gl.constexpr,
-                      HAS_BIAS: gl.constexpr, GATED: gl.constexpr, layout: gl.constexpr):
-        # One output chunk's column scales (+ the up rows' scales, + the bias), a register or two
-        # per thread: loaded when a tile's mainloop starts, used by its epilogue (_store_chunk).
-        cols = off_n + chunk * CHUNK_N + gl.arange(0, CHUNK_N, layout=layout)
-        col_ok = cols < N
-        w_c = gl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
-        u_c = w_c  # a stand-in, unused
-        b_c = w_c
-        if GATED:
-            u_c = gl.load(w_scale_ptr + N + cols, mask=col_ok, other=0.0)
-        if HAS_BIAS:
-            b_c = gl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(gl.float32)
-        return w_c, u_c, b_c
-
     @gluon.jit
     def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
         # GROUP_M row-tiles walk the N tiles together: their shared weight tiles stay in L2.
@@ -410,38 +380,25 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _store_chunk(x, u, chunk: gl.constexpr, off_m, off_n, out_desc, c_bufs, FIRST: gl.constexpr,
                      BUFFERS: gl.constexpr, w_scale_ptr, bias_ptr, N, HAS_BIAS: gl.constexpr,
-                     ACTIVATION: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, layout: gl.constexpr,
-                     staged, STAGED: gl.constexpr):
+                     ACTIVATION: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, layout: gl.constexpr):
         # c_bufs[FIRST:FIRST + BUFFERS]: this consumer's output staging buffers. Gated: ``u`` is
         # the up chunk (acc_up * a_scale; unused otherwise), out = act(gate) * up as in
         # gemm._store_tile: act((acc * a_scale) * w_scale[n]) * ((acc_up * a_scale) * w_scale[N + n]).
         # SCALED: x (and u) arrive multiplied by their column scales already (early_scales).
-        # STAGED: ``staged`` = (column scales, up column scales, bias) of this chunk, loaded when the
-        # tile's mainloop started, in the compact layout of _staged_chunk; spread here through
-        # shared memory (no global-load latency in the epilogue).
         CHUNK_N: gl.constexpr = out_desc.block_type.shape[1]
-        col_layout: gl.constexpr = gl.SliceLayout(0, layout)
         x = gl.convert_layout(x, layout, assert_trivial=True)
-        cols = off_n + chunk * CHUNK_N + gl.arange(0, CHUNK_N, layout=col_layout)
+        cols = off_n + chunk * CHUNK_N + gl.arange(0, CHUNK_N, layout=gl.SliceLayout(0, layout))
         col_ok = cols < N
-        if STAGED:
-            w_c, u_c, b_c = staged
-            x = x * gl.expand_dims(gl.convert_layout(w_c, col_layout), 0)
-        elif not SCALED:
+        if not SCALED:
             w_scale = gl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
             x = x * gl.expand_dims(w_scale, 0)
         if HAS_BIAS:
-            if STAGED:
-                bias = gl.convert_layout(b_c, col_layout)
-            else:
-                bias = gl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(gl.float32)
+            bias = gl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(gl.float32)
             x = x + gl.expand_dims(bias, 0)
         x = _activation(x, ACTIVATION)
         if GATED:
             u = gl.convert_layout(u, layout, assert_trivial=True)
-            if STAGED:
-                u = u * gl.expand_dims(gl.convert_layout(u_c, col_layout), 0)
-            elif not SCALED:
+            if not SCALED:
                 w_scale_up = gl.load(w_scale_ptr + N + cols, mask=col_ok, other=0.0)
                 u = u * gl.expand_dims(w_scale_up, 0)
             x = x * u
@@ -466,7 +423,7 @@ if _GLUON_ERROR is None:
                             CONSUMERS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, GROUP_M: gl.constexpr,
                             STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                             ACTIVATION: gl.constexpr, GATED: gl.constexpr, EARLY_SCALES: gl.constexpr,
-                            SPLIT_M: gl.constexpr, STAGED_SCALES: gl.constexpr, LEAN_TILES: gl.constexpr):
+                            SPLIT_M: gl.constexpr):
         # SPLIT_M: every consumer takes every tile, rows [ROW0, ROW0 + TILE_M) of it; otherwise
         # (ping-pong) consumer c takes this program's tiles c, c + 2, ... whole.
         BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
@@ -487,44 +444,15 @@ if _GLUON_ERROR is None:
         nprog = gl.num_programs(0)
         TURNS: gl.constexpr = 1 if SPLIT_M else CONSUMERS  # consumers taking turns on this program's tiles
         TURN: gl.constexpr = 0 if SPLIT_M else CONSUMER
-        CHUNK_N: gl.constexpr = BLOCK_N // EPILOGUE_SPLIT
-        scale_layout: gl.constexpr = _scale_layout(CHUNK_N, CONSUMER_WARPS)
         local = TURN  # this program's tile count so far (both consumers'): the ring position
-        first_tile = gl.program_id(0) + TURN * nprog
-        tiles = num_pid_m * num_pid_n
-        if LEAN_TILES:
-            pid_m, pid_n = _grouped_tile(first_tile, num_pid_m, num_pid_n, GROUP_M)
-        for tile in range(first_tile, tiles, TURNS * nprog):
-            if not LEAN_TILES:
-                pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-            acc = gl.zeros((TILE_M, BLOCK_N), acc_dtype, layout=mma_layout)
-            if GATED:
-                acc_up = gl.zeros((TILE_M, BLOCK_N), acc_dtype, layout=mma_layout)
+        for tile in range(gl.program_id(0) + TURN * nprog, num_pid_m * num_pid_n, TURNS * nprog):
+            pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * BLOCK_M + ROW0
             off_n = pid_n * BLOCK_N
             step = local * k_steps
-            if STAGED_SCALES:
-                # In flight during the mainloop: the row scales in the accumulator's row layout (a
-                # few registers), each output chunk's column scales (and bias) compact.
-                rows = off_m + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout))
-                a_scale = gl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
-                staged0 = _staged_chunk(w_scale_ptr, bias_ptr, off_n, N, 0, CHUNK_N, HAS_BIAS, GATED, scale_layout)
-                staged1 = staged0
-                staged2 = staged0
-                staged3 = staged0
-                if EPILOGUE_SPLIT > 1:
-                    staged1 = _staged_chunk(w_scale_ptr, bias_ptr, off_n, N, 1, CHUNK_N, HAS_BIAS, GATED, scale_layout)
-                if EPILOGUE_SPLIT > 2:
-                    staged2 = _staged_chunk(w_scale_ptr, bias_ptr, off_n, N, 2, CHUNK_N, HAS_BIAS, GATED, scale_layout)
-                    staged3 = _staged_chunk(w_scale_ptr, bias_ptr, off_n, N, 3, CHUNK_N, HAS_BIAS, GATED, scale_layout)
-            else:
-                staged0 = off_n  # stand-ins, unused
-                staged1 = off_n
-                staged2 = off_n
-                staged3 = off_n
-            if LEAN_TILES:
-                next_m = pid_m
-                next_n = pid_n
+            acc = gl.zeros((TILE_M, BLOCK_N), acc_dtype, layout=mma_layout)
+            if GATED:
+                acc_up = gl.zeros((TILE_M, BLOCK_N), acc_dtype, layout=mma_layout)
             if TURNS == 2:
                 # Our turn: the other consumer has issued all of the previous tile's ring waits
                 # and MMAs, so the ring positions below are at most one lap ahead of the loader.
@@ -545,12 +473,6 @@ if _GLUON_ERROR is None:
                     # Keep this MMA in flight; the one before it has now retired, so its slot is free.
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES), pred=ki > 0)
-                if LEAN_TILES:
-                    if ki == 0:
-                        # The next tile's coordinates (integer divisions) under this tile's first
-                        # MMAs, clamped: past this program's last tile they are harmless.
-                        next_m, next_n = _grouped_tile(gl.minimum(tile + TURNS * nprog, tiles - 1), num_pid_m,
-                                                       num_pid_n, GROUP_M)
                 step += 1
             if TURNS == 2:
                 # The next tile's turn (the other consumer's), while our last MMA finishes and our
@@ -559,17 +481,13 @@ if _GLUON_ERROR is None:
             # The epilogue's scale loads go out while the last MMA is still running, so their
             # latency hides under it (EARLY_SCALES: the column scales too, for the whole tile, not
             # one round trip per output chunk).
-            if LEAN_TILES:
-                pid_m = next_m
-                pid_n = next_n
-            if not STAGED_SCALES:
-                rows = off_m + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout))
-                a_scale = gl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
-                if EARLY_SCALES:
-                    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
-                    w_scale = gl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
-                    if GATED:
-                        w_scale_up = gl.load(w_scale_ptr + N + cols, mask=cols < N, other=0.0)
+            rows = off_m + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout))
+            a_scale = gl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
+            if EARLY_SCALES:
+                cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+                w_scale = gl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
+                if GATED:
+                    w_scale_up = gl.load(w_scale_ptr + N + cols, mask=cols < N, other=0.0)
             if GATED:
                 acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
             else:
@@ -589,30 +507,29 @@ if _GLUON_ERROR is None:
                 u = x  # a stand-in, unused
             if EPILOGUE_SPLIT == 1:
                 _store_chunk(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, staged0, STAGED_SCALES)
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
             elif EPILOGUE_SPLIT == 2:
                 left, right = _halves(x)
                 u_left, u_right = _halves(u)
                 _store_chunk(left, u_left, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr,
-                             N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, staged0, STAGED_SCALES)
+                             N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
                 _store_chunk(right, u_right, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr,
-                             bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, staged1,
-                             STAGED_SCALES)
+                             bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
             else:
                 left, right = _halves(x)
                 u_left, u_right = _halves(u)
                 q0, q1 = _halves(left)
                 v0, v1 = _halves(u_left)
                 _store_chunk(q0, v0, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, staged0, STAGED_SCALES)
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
                 _store_chunk(q1, v1, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, staged1, STAGED_SCALES)
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
                 q2, q3 = _halves(right)
                 v2, v3 = _halves(u_right)
                 _store_chunk(q2, v2, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, staged2, STAGED_SCALES)
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
                 _store_chunk(q3, v3, 3, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, staged3, STAGED_SCALES)
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
         tma.store_wait(0)
 
     # M, N and K only size loops and masks (TMA does the addressing): not specialized, so odd
@@ -623,7 +540,7 @@ if _GLUON_ERROR is None:
                           STAGES: gl.constexpr, CONSUMERS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr,
                           EPILOGUE_BUFFERS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, SPLIT_M: gl.constexpr,
-                          STAGED_SCALES: gl.constexpr, LEAN_TILES: gl.constexpr, num_warps: gl.constexpr):
+                          num_warps: gl.constexpr):
         # GATED: out (M, N) = act(gate) * up over the stacked (2N, K) weight of w_desc; N counts outputs.
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -651,8 +568,7 @@ if _GLUON_ERROR is None:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M,
-                                       STAGED_SCALES, LEAN_TILES)),
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED)),
             ], [1], [LOADER_REGS])
@@ -660,12 +576,10 @@ if _GLUON_ERROR is None:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M,
-                                       STAGED_SCALES, LEAN_TILES)),
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
                                        a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M,
-                                       STAGED_SCALES, LEAN_TILES)),
+                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED)),
             ], [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -764,9 +678,8 @@ class GluonCall:
             HAS_BIAS=has_bias, ACTIVATION=ACTIVATIONS.index(activation), GROUP_M=config.group_m,
             STAGES=config.stages, CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
             EPILOGUE_BUFFERS=config.epilogue_buffers, LOADER_REGS=config.loader_regs,
-            CONSUMER_REGS=config.consumer_regs, GATED=config.gated,
-            EARLY_SCALES=config.early_scales and not config.staged_scales, SPLIT_M=config.split_m,
-            STAGED_SCALES=config.staged_scales, LEAN_TILES=config.lean_tiles, num_warps=config.consumer_warps)
+            CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
+            SPLIT_M=config.split_m, num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the
         # constexprs in signature order (after the 9 runtime arguments) for the cached launcher.
         self.key = (config, tuple(self.constexprs.items()))

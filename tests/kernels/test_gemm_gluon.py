@@ -118,8 +118,7 @@ def _compile(config, dtype: str, activation: int = 2):
                      CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
                      EPILOGUE_BUFFERS=config.epilogue_buffers,
                      LOADER_REGS=config.loader_regs, CONSUMER_REGS=config.consumer_regs,
-                     GATED=config.gated, EARLY_SCALES=config.early_scales and not config.staged_scales,
-                     SPLIT_M=config.split_m, STAGED_SCALES=config.staged_scales, LEAN_TILES=config.lean_tiles,
+                     GATED=config.gated, EARLY_SCALES=config.early_scales, SPLIT_M=config.split_m,
                      num_warps=config.consumer_warps)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(gemm_gluon._scaled_mm_kernel, signature, constants)
