@@ -177,6 +177,12 @@ CONFIGS = {
     # Ping-pong: two warpgroups on alternate 128x128 tiles (128 accumulator registers each), one's
     # epilogue under the other's MMAs. Also the finer-grained tiling for partial last waves.
     "pp_128x128": GluonConfig(128, 128, 128, stages=5, consumers=2, consumer_warps=4, epilogue_split=2),
+    # The same with one staging buffer per consumer, the freed 32 KB a sixth ring stage: a ping-pong
+    # consumer's epilogue runs under the other's MMAs, so waiting for the previous chunk's store
+    # costs little there, and the deeper ring hides more L2 latency. On an H200 (session 13) the
+    # fastest INT8 config at 11 of the 12 large-M points, 1.10-1.15x pp_128x128 at M = 16384.
+    "pp_128x128_s6": GluonConfig(128, 128, 128, stages=6, consumers=2, consumer_warps=4, epilogue_split=2,
+                                 epilogue_buffers=1),
     # Ping-pong on 64x256 tiles: wider wgmma (n=256 for FP8), half the rows per tile.
     "pp_64x256": GluonConfig(64, 256, 128, stages=5, consumers=2, consumer_warps=4, epilogue_split=4,
                              epilogue_buffers=1),
@@ -719,12 +725,12 @@ class GluonCall:
 # fastest INT8 kernel at each of the 12 large-M points in session 8; in session 9 coop2_128x256 beat
 # the tuned pick among them at all 8 points with M >= 4096 (1.01-1.07x); pp_128x128 stays for
 # M = 1024, where the partial last wave matters.
-TUNE_CANDIDATES = ("pp_128x128", "coop_128x256", "coop_128x256_k64", "coop2_128x256")
+TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop_128x256_k64", "coop2_128x256")
 # FP8's (fast accumulation; plain, not gated): measured on an H100 in session 10 at the same 12
 # points, each of these four was the fastest FP8 config at one point or more (pp_128x128 at
 # 6144x4096, M = 1024; coop2_128x256_g16 at 9), and the fastest of them beat the Triton FP8 kernel
 # at all 12 (1.004-1.082x, plain epilogue).
-FP8_TUNE_CANDIDATES = ("pp_128x128", "coop_128x256", "coop2_128x256", "coop2_128x256_g16")
+FP8_TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop2_128x256", "coop2_128x256_g16")
 # The gated GEMM's candidates, INT8 and FP8 (all of GATED_CONFIGS): at gate_up 2 x 14336 x 4096
 # on an H100 each was the fastest gated config of a dtype at one M or more of 256 ... 16384
 # (sessions 10 and 11; gated_coop2_128x128 for FP8 and INT8 at M = 4096).
