@@ -77,7 +77,6 @@ import weakref
 import torch
 import triton
 
-from quantkit.kernels.gemm_configs import m_bucket
 from quantkit.kernels.gemm_tma import _Descriptor, _graph_bench_ms, refuse_tuning_in_capture
 from quantkit.kernels.launch import aligned, cdiv, int_spec, launch_hooks_active, num_sms, rotated_medians
 from quantkit.kernels.reference import ACTIVATIONS
@@ -746,11 +745,13 @@ TUNE_TIMES: dict[tuple, dict[str, float]] = {}
 
 
 def tune_bucket(M: int, gated: bool) -> int:
-    """The M part of tuned_call's key: gemm_configs.m_bucket (powers of two, capped at 4096) for the
-    plain GEMM; for the gated one uncapped powers of two, since its best config changes past 4096
-    (H100, gate_up 2 x 14336 x 4096: gated_pp_128x64 fastest at M = 1024 / 4096, 18 % slower than
-    gated_coop_128x128_k64 at M = 16384)."""
-    return 1 << max(0, M - 1).bit_length() if gated else m_bucket(M)
+    """The M part of tuned_call's key: powers of two, uncapped (not gemm_configs.m_bucket's cap at
+    4096), gated or not: the best config changes past 4096. Gated (H100, gate_up 2 x 14336 x 4096):
+    gated_pp_128x64 fastest at M = 1024 / 4096, 18 % slower than gated_coop_128x128_k64 at
+    M = 16384. Plain (H100, session 13, when the key was capped): pp_128x128_s6 won the tuning at
+    28672x4096, M = 4096 by 1 % and then ran M = 16384 too, L2-bound there: 0.82x `_scaled_mm`,
+    3853 us against 2820 us for coop2_128x256_g16 in session 12."""
+    return 1 << max(0, M - 1).bit_length()
 
 
 def candidates(dtype: torch.dtype, gated: bool) -> tuple[str, ...]:
