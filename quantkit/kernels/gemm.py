@@ -221,9 +221,9 @@ GLUON_MIN_M = 256
 # (persistent; session 8, results/gemm_gluon_gated_s8_h100.json). Gated FP8 (fast accumulation)
 # too since session 11: its fastest gated config against the tiled Triton gated FP8 kernel was
 # 1.06x / 1.15x at M = 256 / 512 (session 10) and 1.14x / 1.14x / 1.05x at M = 1024 / 4096 / 16384
-# (results/gemm_gluon_gated_s11_h100.*), both with the Triton kernel tuned by eager do_bench. Against
-# it tuned by the graph timer: not yet measured (session 11's "parity" timed this Gluon kernel as
-# its own baseline: benchmarks/NOTES-gemm.md, session 12).
+# (results/gemm_gluon_gated_s11_h100.*), both with the Triton kernel tuned by eager do_bench; against
+# it tuned by the graph timer 1.05x / 1.13x / 1.18x at M = 256 / 1024 / 4096 (session 13,
+# results/gemm_gluon_gated_s13_fp8_pinned_h100.*).
 GLUON_GATED_MIN_M = 256
 # kernel="auto" takes the tensor-core-free GEMV (gemv.py) up to this M: measured on an H100 at
 # M = 1, the four Llama-3-8B shapes, both dtypes: 1.18-1.33x the tiled split-K kernel with the L2
