@@ -748,13 +748,13 @@ _TUNED: dict[tuple, GluonConfig] = {}
 TUNE_TIMES: dict[tuple, dict[str, float]] = {}
 
 
-def tune_bucket(M: int, gated: bool) -> int:
+def tune_bucket(M: int) -> int:
     """The M part of tuned_call's key: powers of two, uncapped (not gemm_configs.m_bucket's cap at
-    4096), gated or not: the best config changes past 4096. Gated (H100, gate_up 2 x 14336 x 4096):
-    gated_pp_128x64 fastest at M = 1024 / 4096, 18 % slower than gated_coop_128x128_k64 at
-    M = 16384. Plain (H100, session 13, when the key was capped): pp_128x128_s6 won the tuning at
-    28672x4096, M = 4096 by 1 % and then ran M = 16384 too, L2-bound there: 0.82x `_scaled_mm`,
-    3853 us against 2820 us for coop2_128x256_g16 in session 12."""
+    4096), for the plain and the gated GEMM alike: the best config changes past 4096. Gated (H100,
+    gate_up 2 x 14336 x 4096): gated_pp_128x64 fastest at M = 1024 / 4096, 18 % slower than
+    gated_coop_128x128_k64 at M = 16384. Plain (H100, session 13, when the key was capped):
+    pp_128x128_s6 won the tuning at 28672x4096, M = 4096 by 2 % and then ran M = 16384 too,
+    L2-bound there: 0.82x `_scaled_mm`, 3853 us against 2820 us for coop2_128x256_g16 in session 12."""
     return 1 << max(0, M - 1).bit_length()
 
 
@@ -780,7 +780,7 @@ def tuned_call(a, w, out, a_scale, w_scale, bias, activation: str, gated: bool =
     N = out.shape[1]
     has_bias = bias is not None
     bias_arg = bias if has_bias else w_scale
-    key = (N, K, tune_bucket(M, gated), a.dtype, has_bias, None if bias is None else bias.dtype, activation, out.dtype,
+    key = (N, K, tune_bucket(M), a.dtype, has_bias, None if bias is None else bias.dtype, activation, out.dtype,
            a.device, gated)
     config = _TUNED.get(key)
     if config is None:

@@ -69,9 +69,8 @@ def test_gated_ring_holds_two_weight_tiles():
 def test_tuning_buckets_are_not_capped():
     # Past gemm_configs.m_bucket's cap at 4096 the best config changes (M = 16384 once ran the
     # M = 4096 pick, an L2-bound ping-pong config, at 0.82x cuBLAS): every power of two is a key.
-    for gated in (True, False):
-        assert [gemm_gluon.tune_bucket(M, gated) for M in (1, 1024, 1025, 4096, 16384, 20000)] == [
-            1, 1024, 2048, 4096, 16384, 32768]
+    assert [gemm_gluon.tune_bucket(M) for M in (1, 1024, 1025, 4096, 16384, 20000)] == [
+        1, 1024, 2048, 4096, 16384, 32768]
 
 
 def test_tune_candidates_are_configs():
@@ -142,6 +141,8 @@ def _ptxas_for_sm90():
         return shutil.which("ptxas", path=str(triton.__path__[0] + "/backends/nvidia/bin"))
 
 
+COMPILE_CASES = [(name, dtype) for name in list(gemm_gluon.CONFIGS) + list(gemm_gluon.GATED_CONFIGS)
+                 for dtype in ("fp8e4nv", "i8")]
 # Every config and dtype compiled in one fresh process. Not in this one: under TRITON_INTERPRET=1,
 # once other tests had run interpreted Triton kernels, Gluon's compiler ended up in Triton's
 # interpreter (tl.cdiv raising inside triton/runtime/interpreter.py) or not depending on the order
@@ -150,19 +151,18 @@ _BUILD_SCRIPT = """
 import json, sys
 from quantkit.kernels import gemm_gluon
 from tests.kernels.test_gemm_gluon import _compile
-out = sys.argv[1]
+out, cases = sys.argv[1], json.loads(sys.argv[2])
 summary = {}
-for name in list(gemm_gluon.CONFIGS) + list(gemm_gluon.GATED_CONFIGS):
-    for dtype in ("fp8e4nv", "i8"):
-        key = name + "-" + dtype
-        try:
-            kernel = _compile(gemm_gluon.config_named(name), dtype)
-        except Exception as error:
-            summary[key] = {"error": (type(error).__name__ + ": " + str(error))[-4000:]}
-            continue
-        with open(out + "/" + key + ".ptx", "w") as handle:
-            handle.write(kernel.asm["ptx"])
-        summary[key] = {"shared": kernel.metadata.shared}
+for name, dtype in cases:
+    key = name + "-" + dtype
+    try:
+        kernel = _compile(gemm_gluon.config_named(name), dtype)
+    except Exception as error:
+        summary[key] = {"error": (type(error).__name__ + ": " + str(error))[-4000:]}
+        continue
+    with open(out + "/" + key + ".ptx", "w") as handle:
+        handle.write(kernel.asm["ptx"])
+    summary[key] = {"shared": kernel.metadata.shared}
 with open(out + "/summary.json", "w") as handle:
     json.dump(summary, handle)
 """
@@ -172,8 +172,8 @@ with open(out + "/summary.json", "w") as handle:
 def sm90_builds(tmp_path_factory):
     out = tmp_path_factory.mktemp("sm90")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT, str(out)], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=1200)
+    run = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT, str(out), json.dumps(COMPILE_CASES)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=1200)
     if run.returncode:
         pytest.fail(f"the sm_90 build process failed ({run.returncode}): {run.stderr[-4000:]}")
     return out, json.loads((out / "summary.json").read_text())
@@ -181,8 +181,7 @@ def sm90_builds(tmp_path_factory):
 
 @pytest.mark.skipif(not triton.__version__.startswith(gemm_gluon.SUPPORTED_TRITON),
                     reason="the kernels are written against the Gluon of triton 3.6 and 3.9")
-@pytest.mark.parametrize("dtype", ["fp8e4nv", "i8"])
-@pytest.mark.parametrize("name", list(gemm_gluon.CONFIGS) + list(gemm_gluon.GATED_CONFIGS))
+@pytest.mark.parametrize("name, dtype", COMPILE_CASES)
 def test_compiles_for_sm90(name, dtype, sm90_builds, tmp_path):
     """Asynchronous wgmma for INT8 as for FP8 (one MMA in flight: wait_group 1 in the K loop; gated:
     the gate and up MMAs of a step in flight, wait_group 2, and no wait_group 1 that would retire
@@ -664,7 +663,7 @@ def test_tuned_call_refuses_to_tune_inside_a_graph_capture(monkeypatch):
     with pytest.raises(RuntimeError, match="warm-up call"):
         gemm_gluon.tuned_call(CudaOperand(), w, out, a_scale, w_scale, None, "none")
     monkeypatch.setattr(gemm_gluon, "GluonCall", lambda config, *args: config)
-    key = (384, 256, gemm_gluon.tune_bucket(1024, False), torch.int8, False, None, "none", torch.bfloat16,
+    key = (384, 256, gemm_gluon.tune_bucket(1024), torch.int8, False, None, "none", torch.bfloat16,
            torch.device("cpu"), False)
     gemm_gluon._TUNED[key] = gemm_gluon.CONFIGS["pp_128x128"]
     assert gemm_gluon.tuned_call(CudaOperand(), w, out, a_scale, w_scale, None, "none") == gemm_gluon.CONFIGS[
