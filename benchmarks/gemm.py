@@ -83,13 +83,11 @@ def gemm_calls(shapes, ms, epilogues, gated):
 
 
 def _family(M, dtype_name, gated):
-    # The Triton kernel kernel="auto" (gemm._pick_kernel) takes where the Gluon kernel does not run:
-    # persistent from PERSISTENT_MIN_M (gated: INT8 only). On an sm_90 GPU with triton 3.6 or 3.9 the Gluon
-    # kernel takes M >= gemm.GLUON_MIN_M (gated: GLUON_GATED_MIN_M) and compiles in the timing
-    # process (gemm_gluon.tuned_call); the Triton jobs of those calls are then compiled unused.
-    if M >= gemm.PERSISTENT_MIN_M and (not gated or dtype_name == "int8"):
-        return "persistent"
-    return "tiled"
+    # The Triton kernel kernel="auto" (gemm._pick_kernel) takes where the Gluon kernel does not run
+    # (gemm.persistent_sized). On an sm_90 GPU with triton 3.6 or 3.9 the Gluon kernel takes
+    # M >= gemm.GLUON_MIN_M (gated: GLUON_GATED_MIN_M) and compiles in the timing process
+    # (gemm_gluon.tuned_call); the Triton jobs of those calls are then compiled unused.
+    return "persistent" if gemm.persistent_sized(M, dtype_name == "int8", gated) else "tiled"
 
 
 def _configs(family, M, dtype_name, gated):

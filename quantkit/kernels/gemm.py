@@ -337,9 +337,14 @@ def _autotune_tiled(a, w, out, a_scale, w_scale, bias_arg, flags, gated, fp8_fas
                                INTERPRETED=False, FP8_FAST_ACCUM=fp8_fast_accum)
 
 
+def persistent_sized(M: int, is_int8: bool, gated: bool) -> bool:
+    """Whether kernel="auto" wants the persistent kernel for M rows, its operands' alignment aside
+    (the gated GEMM: for INT8 only). Also the rule the benchmarks precompile and pin Triton by."""
+    return M >= PERSISTENT_MIN_M and (is_int8 or not gated)
+
+
 def _persistent_sized(a, gated) -> bool:
-    """Whether kernel="auto" wants the persistent kernel for this call, its operands' alignment aside."""
-    return a.shape[0] >= PERSISTENT_MIN_M and not (gated and a.dtype != torch.int8)
+    return persistent_sized(a.shape[0], a.dtype == torch.int8, gated)
 
 
 def gluon_takes(a, w, out, gated, flags, pointers: bool = True) -> bool:
