@@ -1,0 +1,230 @@
+"""Where does a Gluon GEMM tile's time go? Per-tile SM-clock timestamps from inside the kernel (session 14).
+
+    PYTHONUNBUFFERED=1 python benchmarks/gemm_trace.py --out $OUT/trace [--configs coop2_128x256_g16,pp_128x128]
+
+The cooperative FP8 kernel needs ~3.5k cycles per 128x256 tile beyond its MMAs (ncu, NOTES-gemm
+sessions 13-14), and shortening its epilogue did not move that. This builds a traced copy of
+quantkit/kernels/gemm_gluon.py at run time (the source with a few lines added, each substitution
+checked; nothing of it is kept) in which every consumer warpgroup reads ``%clock64`` at five points
+of every tile and stores them to a trace buffer:
+
+    t0 tile start (before the ping-pong turn wait)   t1 the tile's first K slice has landed
+    t2 the last MMA is issued                         t3 every MMA has retired (wait 0)
+    t4 the tile's output is stored (TMA stores issued)
+
+Per config and point it reports, over all tiles of all programs, the median and mean cycles of
+first-data wait (t1 - t0), mainloop (t2 - t1), drain (t3 - t2), epilogue (t4 - t3) and the gap to
+the consumer's next tile (t0' - t4), against the MMA cycles a tile needs at the dense FP8 rate
+(4096 MACs per SM per cycle), and the first-data wait split into tiles that start a program (cold)
+and the rest. Also the traced kernel's time against the untraced one (CUDA events, median of 20).
+FP8, plain epilogue, H100 only. Writes gemm_trace.json / .txt.
+"""
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if "quantkit" not in sys.modules:
+    _pkg = types.ModuleType("quantkit")
+    _pkg.__path__ = [str(ROOT / "quantkit")]
+    sys.modules["quantkit"] = _pkg
+
+import torch  # noqa: E402
+
+from quantkit.bench.common import environment_metadata  # noqa: E402
+from quantkit.kernels import gemm_gluon, reference  # noqa: E402
+
+POINTS = [(4096, 28672, 4096), (16384, 6144, 4096), (16384, 4096, 4096)]
+EVENTS = ("first_data", "mainloop", "drain", "epilogue")
+MAX_TILES = 64  # per consumer and program, as the traced kernel indexes its buffer
+
+# (old, new, count): the lines added to gemm_gluon.py for the traced copy.
+SUBSTITUTIONS = [
+    ("a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, CONSUMER: gl.constexpr,",
+     "a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, trace_ptr, CONSUMER: gl.constexpr,", 1),
+    ("    @gluon.jit\n    def _halves(x):",
+     "    @gluon.jit\n    def _clock(dummy):\n"
+     "        return gl.inline_asm_elementwise(\"mov.u64 $0, %clock64;\", \"=l,r\", [dummy], dtype=gl.int64,\n"
+     "                                         is_pure=False, pack=1)\n\n"
+     "    @gluon.jit\n    def _halves(x):", 1),
+    ("            step = local * k_steps\n",
+     "            step = local * k_steps\n            t0 = _clock(tile)\n            t1 = t0\n", 1),
+    ("                mbarrier.wait(ready_bars.index(slot), phase)\n                a_tile = a_bufs.index(slot)",
+     "                mbarrier.wait(ready_bars.index(slot), phase)\n                if ki == 0:\n"
+     "                    t1 = _clock(ki)\n                a_tile = a_bufs.index(slot)", 1),
+    ("            rows = off_m + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout))\n",
+     "            t2 = _clock(tile)\n            rows = off_m + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout))\n", 1),
+    ("            mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES))\n            local += TURNS\n",
+     "            mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES))\n            t3 = _clock(tile)\n"
+     "            local += TURNS\n", 1),
+    ("                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)\n        tma.store_wait(0)",
+     "                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)\n"
+     "            t4 = _clock(tile)\n"
+     "            n_tile = (local - TURNS) // TURNS\n"
+     f"            base = trace_ptr + ((gl.program_id(0) * CONSUMERS + CONSUMER) * {MAX_TILES} + n_tile) * 5\n"
+     f"            if n_tile < {MAX_TILES}:\n"
+     "                gl.store(base + 0, t0)\n                gl.store(base + 1, t1)\n"
+     "                gl.store(base + 2, t2)\n                gl.store(base + 3, t3)\n"
+     "                gl.store(base + 4, t4)\n        tma.store_wait(0)", 1),
+    ("bias_ptr, M, N, K,\n                          HAS_BIAS: gl.constexpr,",
+     "bias_ptr, M, N, K, trace_ptr,\n                          HAS_BIAS: gl.constexpr,", 1),
+    ("a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS,",
+     "a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, trace_ptr, 0, CONSUMERS,", 2),
+    ("a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS,",
+     "a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, trace_ptr, 1, CONSUMERS,", 1),
+    ('@gluon.jit(do_not_specialize=["M", "N", "K"])', '@gluon.jit(do_not_specialize=["M", "N", "K", "trace_ptr"])', 1),
+    ("_scaled_mm_kernel.arg_names[9:]", "_scaled_mm_kernel.arg_names[10:]", 1),  # GluonCall's constexpr tail
+]
+
+
+def traced_module():
+    source = (ROOT / "quantkit/kernels/gemm_gluon.py").read_text()
+    for old, new, count in SUBSTITUTIONS:
+        if source.count(old) != count:
+            raise SystemExit(f"gemm_gluon.py changed: {old[:60]!r} found {source.count(old)} times, expected {count}")
+        source = source.replace(old, new)
+    path = Path(tempfile.mkdtemp()) / "gemm_gluon_traced.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("gemm_gluon_traced", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gemm_gluon_traced"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def launcher(mod, name, M, N, K, traced):
+    """A zero-argument launch of config ``name`` of ``mod`` (the traced copy, or gemm_gluon itself
+    when not ``traced``) on fresh FP8 operands."""
+    config = mod.CONFIGS[name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K ** -0.5
+    a, a_scale = reference.quantize_per_token(x, torch.float8_e4m3fn)
+    w8, w_scale = reference.quantize_per_channel(w, torch.float8_e4m3fn)
+    out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    a_scale, w_scale = a_scale.float().contiguous(), w_scale.float().contiguous()
+    call = mod.GluonCall(config, M, N, a.device, False, "none")
+    grid = call.grid[0]
+    trace = torch.zeros(grid * config.consumers * MAX_TILES * 5, dtype=torch.int64, device="cuda")
+    a_desc = mod._descriptor(a, [config.block_m, config.block_k])
+    w_desc = mod._descriptor(w8, [config.block_n, config.block_k])
+    out_desc = mod._descriptor(out, [config.stored_rows, call.chunk_n])
+
+    def run():
+        args = (a_desc, w_desc, out_desc, a_scale, w_scale, w_scale, M, N, K)
+        if traced:
+            mod._scaled_mm_kernel[call.grid](*args, trace, **call.constexprs)
+        else:
+            mod._scaled_mm_kernel[call.grid](*args, **call.constexprs)
+
+    reference_out = reference.scaled_mm(a, w8, a_scale, w_scale, None, "none", torch.float32)
+    return run, trace, grid, out, reference_out
+
+
+def event_ms(run, reps=20):
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def analyse(trace, grid, consumers, split, tiles_total, ideal):
+    t = trace.view(grid, consumers, MAX_TILES, 5).cpu()
+    parts = {name: [] for name in EVENTS + ("gap",)}
+    cold, warm = [], []
+    counted = 0
+    for p in range(grid):
+        for c in range(consumers):
+            rows = [t[p, c, i].tolist() for i in range(MAX_TILES) if t[p, c, i, 0] != 0]
+            counted += len(rows)
+            for i, (t0, t1, t2, t3, t4) in enumerate(rows):
+                for name, value in zip(EVENTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    parts[name].append(value)
+                (cold if i == 0 else warm).append(t1 - t0)
+                if i + 1 < len(rows):
+                    parts["gap"].append(rows[i + 1][0] - t4)
+    summary = {name: {"median": statistics.median(v), "mean": statistics.fmean(v)} for name, v in parts.items() if v}
+    # Per program: the cycles from its first tile's start to its last tile's stores, and (ping-pong)
+    # the hand-over: from one consumer's last MMA issue (t2) to the other's first data of the
+    # program's next tile (t1), both read from the same SM's clock.
+    spans, handover = [], []
+    for p in range(grid):
+        tiles = sorted((row for c in range(consumers) for row in
+                        (t[p, c, i].tolist() for i in range(MAX_TILES)) if row[0] != 0), key=lambda r: r[1])
+        if tiles:
+            spans.append(max(r[4] for r in tiles) - min(r[0] for r in tiles))
+        if consumers == 2 and not split:
+            handover += [nxt[1] - cur[2] for cur, nxt in zip(tiles, tiles[1:])]
+    summary["program_cycles_mean"] = statistics.fmean(spans)
+    if handover:
+        summary["handover"] = {"median": statistics.median(handover), "mean": statistics.fmean(handover)}
+    summary["first_data_cold_mean"] = statistics.fmean(cold) if cold else None
+    summary["first_data_warm_mean"] = statistics.fmean(warm) if warm else None
+    summary["ideal_mma_cycles_per_tile"] = ideal
+    summary["tiles_traced"] = counted
+    summary["tiles_expected"] = tiles_total
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--configs", default="coop2_128x256_g16,pp_128x128")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    mod = traced_module()
+    results, lines = [], []
+    meta = environment_metadata()
+    lines.append(f"{meta.get('gpu')} torch {meta.get('torch')} triton {meta.get('triton')}  (SM cycles per tile, "
+                 "mean over all tiles; median in brackets)")
+    for M, N, K in POINTS:
+        for name in args.configs.split(","):
+            config = mod.CONFIGS[name]
+            run_t, trace, grid, out, ref = launcher(mod, name, M, N, K, traced=True)
+            run_u, *_ = launcher(gemm_gluon, name, M, N, K, traced=False)
+            run_t()
+            run_u()
+            torch.cuda.synchronize()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            ms_u, ms_t = event_ms(run_u), event_ms(run_t)
+            trace.zero_()
+            run_t()
+            torch.cuda.synchronize()
+            tiles = -(-M // config.block_m) * -(-N // config.block_n)
+            # MMA cycles of one consumer's tile at the dense FP8 rate (4096 MACs / SM / cycle): the
+            # split tile's two halves share the tensor cores, so a half takes the whole tile's time.
+            ideal = config.block_m * config.block_n * K // 4096
+            summary = analyse(trace, grid, config.consumers, config.split_m,
+                              tiles * (config.consumers if config.split_m else 1), ideal)
+            row = {"M": M, "N": N, "K": K, "config": name, "rel_err": err, "ms_untraced": ms_u, "ms_traced": ms_t,
+                   "grid": grid, **summary}
+            results.append(row)
+            lines.append(f"\nM={M} N={N} K={K} {name}: {ms_u * 1e3:.1f} us untraced, {ms_t * 1e3:.1f} traced, "
+                         f"rel_err {err:.1e}, tiles traced {summary['tiles_traced']}/{summary['tiles_expected']}, "
+                         f"ideal MMA {ideal} cycles/tile")
+            lines.append("  " + "  ".join(f"{k} {summary[k]['mean']:.0f} [{summary[k]['median']:.0f}]"
+                                          for k in EVENTS + ("gap",) if k in summary))
+            lines.append(f"  first data: program's first tile {summary['first_data_cold_mean']:.0f}, "
+                         f"later tiles {summary['first_data_warm_mean']:.0f}; program span "
+                         f"{summary['program_cycles_mean']:.0f} cycles = {summary['program_cycles_mean'] / (ms_t * 1e3):.0f} "
+                         f"per us of the traced kernel"
+                         + (f"; hand-over {summary['handover']['mean']:.0f} [{summary['handover']['median']:.0f}]"
+                            if "handover" in summary else ""))
+            print("\n".join(lines[-3:]), flush=True)
+            (args.out / "gemm_trace.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
+            (args.out / "gemm_trace.txt").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
