@@ -9,7 +9,7 @@ after a hot one may start at a lower clock. Here each target op (cuBLAS FP8 ``_s
 fast accumulation, quantkit's FP8 GEMM as ``triton_ops.scaled_mm`` runs it) is timed with the
 standard benchmark's timer (``adaptive_graph_ms``: CUDA-graph replays of L2 flush + op, minus
 the flushes) right after a conditioner that ran for --condition-ms:
-- ``idle``: the GPU sleeps (``torch.cuda._sleep``), i.e. the op starts cool;
+- ``idle``: nothing runs (the host sleeps), i.e. the op starts cool;
 - ``bf16``: bf16 ``F.linear`` at the same shape, back to back;
 - ``int_mm+epi``: ``torch._int_mm`` + its elementwise dequant epilogue (the standard
   benchmark's INT8 baseline);
@@ -48,9 +48,8 @@ CONDITIONERS = ("idle", "bf16", "int_mm+epi", "scaled_mm", "quantkit_fp8")
 
 
 def point_ops(M, N, K):
-    x, w_bf16, *_ = _make_operands(M, N, K, torch.int8, "cuda")
+    x, w_bf16, _, ai, asi, wi, wsi = _make_operands(M, N, K, torch.int8, "cuda")
     _, _, _, a8, as8, w8, ws8 = _make_operands(M, N, K, torch.float8_e4m3fn, "cuda")
-    _, _, _, ai, asi, wi, wsi = _make_operands(M, N, K, torch.int8, "cuda")
     w8_t, wi_t = w8.t(), wi.t()
     sa, sb = as8.view(-1, 1), ws8.view(1, -1)
     sai, sbi = asi.view(-1, 1), wsi.view(1, -1)

@@ -38,6 +38,7 @@ if "quantkit" not in sys.modules:
 import torch  # noqa: E402
 
 from quantkit.bench.common import environment_metadata  # noqa: E402
+from quantkit.bench.gemm import _make_operands  # noqa: E402
 from quantkit.kernels import gemm_gluon, reference  # noqa: E402
 
 POINTS = [(4096, 28672, 4096), (16384, 6144, 4096), (16384, 4096, 4096)]
@@ -102,11 +103,7 @@ def launcher(mod, name, M, N, K, traced):
     """A zero-argument launch of config ``name`` of ``mod`` (the traced copy, or gemm_gluon itself
     when not ``traced``) on fresh FP8 operands."""
     config = mod.CONFIGS[name]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
-    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K ** -0.5
-    a, a_scale = reference.quantize_per_token(x, torch.float8_e4m3fn)
-    w8, w_scale = reference.quantize_per_channel(w, torch.float8_e4m3fn)
+    *_, a, a_scale, w8, w_scale = _make_operands(M, N, K, torch.float8_e4m3fn, "cuda")
     out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     a_scale, w_scale = a_scale.float().contiguous(), w_scale.float().contiguous()
     call = mod.GluonCall(config, M, N, a.device, False, "none")
@@ -140,13 +137,15 @@ def event_ms(run, reps=20):
 
 
 def analyse(trace, grid, consumers, split, tiles_total, ideal):
-    t = trace.view(grid, consumers, MAX_TILES, 5).cpu()
+    t = trace.view(grid, consumers, MAX_TILES, 5).tolist()
+    # rows[p][c]: the (t0, ..., t4) of each tile consumer c of program p stored (t0 = 0: none).
+    rows_of = [[[row for row in t[p][c] if row[0] != 0] for c in range(consumers)] for p in range(grid)]
     parts = {name: [] for name in EVENTS + ("gap",)}
     cold, warm = [], []
     counted = 0
     for p in range(grid):
         for c in range(consumers):
-            rows = [t[p, c, i].tolist() for i in range(MAX_TILES) if t[p, c, i, 0] != 0]
+            rows = rows_of[p][c]
             counted += len(rows)
             for i, (t0, t1, t2, t3, t4) in enumerate(rows):
                 for name, value in zip(EVENTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
@@ -160,8 +159,7 @@ def analyse(trace, grid, consumers, split, tiles_total, ideal):
     # program's next tile (t1), both read from the same SM's clock.
     spans, handover = [], []
     for p in range(grid):
-        tiles = sorted((row for c in range(consumers) for row in
-                        (t[p, c, i].tolist() for i in range(MAX_TILES)) if row[0] != 0), key=lambda r: r[1])
+        tiles = sorted((row for c in range(consumers) for row in rows_of[p][c]), key=lambda r: r[1])
         if tiles:
             spans.append(max(r[4] for r in tiles) - min(r[0] for r in tiles))
         if consumers == 2 and not split:
