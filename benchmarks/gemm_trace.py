@@ -64,8 +64,8 @@ SUBSTITUTIONS = [
     ("            mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES))\n            local += TURNS\n",
      "            mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES))\n            t3 = _clock(tile)\n"
      "            local += TURNS\n", 1),
-    ("                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)\n        tma.store_wait(0)",
-     "                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)\n"
+    ("                acc = x.to(acc_dtype, bitcast=True)\n        tma.store_wait(0)",
+     "                acc = x.to(acc_dtype, bitcast=True)\n"
      "            t4 = _clock(tile)\n"
      "            n_tile = (local - TURNS) // TURNS\n"
      f"            base = trace_ptr + ((gl.program_id(0) * CONSUMERS + CONSUMER) * {MAX_TILES} + n_tile) * 5\n"
@@ -76,9 +76,9 @@ SUBSTITUTIONS = [
     ("bias_ptr, M, N, K,\n                          HAS_BIAS: gl.constexpr,",
      "bias_ptr, M, N, K, trace_ptr,\n                          HAS_BIAS: gl.constexpr,", 1),
     ("a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS,",
-     "a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, trace_ptr, 0, CONSUMERS,", 2),
+     "a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, trace_ptr, 0, CONSUMERS,", 4),
     ("a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS,",
-     "a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, trace_ptr, 1, CONSUMERS,", 1),
+     "a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, trace_ptr, 1, CONSUMERS,", 2),
     ('@gluon.jit(do_not_specialize=["M", "N", "K"])', '@gluon.jit(do_not_specialize=["M", "N", "K", "trace_ptr"])', 1),
     ("_scaled_mm_kernel.arg_names[9:]", "_scaled_mm_kernel.arg_names[10:]", 1),  # GluonCall's constexpr tail
 ]

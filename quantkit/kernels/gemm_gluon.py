@@ -128,6 +128,14 @@ class GluonConfig:
     # ("cooperative" with independent warpgroups: each waits and releases ring slots on its own)
     # instead of taking alternate tiles (ping-pong).
     split_m: bool = False
+    # A one-warp store partition issues the output's TMA stores: the consumers stage the whole tile
+    # (every epilogue chunk its own buffer), fence once, arrive, and go on to the next tile's MMAs,
+    # instead of waiting on barriers, fences and stores chunk by chunk (2k SM cycles per tile of the
+    # cooperative kernel, session 14's traces). Every consumer on every tile (split_m or one consumer).
+    store_warp: bool = False
+    # The next tile's start kept short: its first MMA ignores the accumulator (use_acc off) instead
+    # of 128 registers being zeroed, and its coordinates are computed under this tile's last MMA.
+    lean_start: bool = False
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
@@ -142,6 +150,8 @@ class GluonConfig:
         if self.block_n % (8 * self.epilogue_split) or self.epilogue_split not in (1, 2, 4):
             raise ValueError(f"epilogue_split={self.epilogue_split} must be 1, 2 or 4 and divide "
                              f"block_n={self.block_n} into multiples of 8")
+        if self.store_warp and self.consumers == 2 and not self.split_m:
+            raise ValueError("store_warp needs every consumer on every tile: split_m=True or consumers=1")
         if self.epilogue_buffers not in (1, 2) or self.epilogue_split % self.epilogue_buffers:
             raise ValueError(f"epilogue_buffers={self.epilogue_buffers}: 1, or 2 with an even epilogue_split")
         if self.block_k % 32:
@@ -155,7 +165,8 @@ class GluonConfig:
         kind = ("gated_" if self.gated else "") + (
             "coop2x" if self.split_m else "pp" if self.consumers == 2 else f"coop{self.consumer_warps}w")
         return (f"{kind}_{self.block_m}x{self.block_n}x{self.block_k}_s{self.stages}"
-                f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late"))
+                f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late")
+                + ("_sw" if self.store_warp else "") + ("_lean" if self.lean_start else ""))
 
     @property
     def stored_rows(self) -> int:
@@ -164,9 +175,9 @@ class GluonConfig:
 
     def shared_bytes(self, out_bytes: int = 2) -> int:
         ring = self.stages * (self.block_m + (2 if self.gated else 1) * self.block_n) * self.block_k  # 8-bit operands
-        staging = (self.consumers * self.epilogue_buffers * self.stored_rows * (self.block_n // self.epilogue_split)
-                   * out_bytes)
-        return ring + staging + (2 * self.stages + self.consumers) * 8 + 1024  # barriers, alignment slack
+        buffers = self.epilogue_split if self.store_warp else self.epilogue_buffers
+        staging = self.consumers * buffers * self.stored_rows * (self.block_n // self.epilogue_split) * out_bytes
+        return ring + staging + (2 * self.stages + self.consumers + 2) * 8 + 1024  # barriers, alignment slack
 
 
 SHARED_LIMIT = 232448  # 227 KB: an H100's shared memory per block (opt-in maximum)
@@ -198,6 +209,14 @@ CONFIGS = {
     # rows): the fastest FP8 config at 9 of the 12 large-M points on the H100 (session 10).
     "coop2_128x256_g16": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
                                      split_m=True, group_m=16),
+    # coop2 with a store partition and a lean tile start (session 15): the warpgroups stage the whole
+    # tile (64 KB, so three ring stages) and go straight on to the next tile, whose first MMA needs
+    # no zeroed accumulator and whose coordinates are ready. Per tile: ~360 epilogue instructions
+    # per warp with one fence instead of ~410 with four fences, four barrier waits and four stores.
+    "coop2_128x256_sw": GluonConfig(128, 256, 128, stages=3, consumers=2, consumer_warps=4, epilogue_split=4,
+                                    split_m=True, store_warp=True, lean_start=True),
+    "coop2_128x256_g16_sw": GluonConfig(128, 256, 128, stages=3, consumers=2, consumer_warps=4, epilogue_split=4,
+                                        split_m=True, group_m=16, store_warp=True, lean_start=True),
 }
 
 # The gated form (``gated=True``): per K step the ring slot holds the A tile, the gate W tile (rows
@@ -327,6 +346,15 @@ if _GLUON_ERROR is None:
         n = min(full.instr_shape[1], BLOCK_N // EPILOGUE_SPLIT)
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 32])
 
+    @gluon.constexpr_function
+    def _plain_only(FLAG, HAS_BIAS, ACTIVATION, GATED):
+        # store_warp and lean_start take effect with the plain epilogue (no bias, no activation, not
+        # gated), whose output chunks are views of the scaled tile. A bias or activation makes new
+        # values per chunk: with the chunks no longer fenced apart (store_warp) or the scaled tile
+        # kept live for the next tile's first MMA (lean_start), those spilled (0.4-2.6 KB with bias
+        # + silu, triton 3.6 and 3.9), so they run the per-chunk epilogue, each chunk its own buffer.
+        return FLAG and not HAS_BIAS and ACTIVATION == 0 and not GATED
+
     @gluon.jit
     def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
         # GROUP_M row-tiles walk the N tiles together: their shared weight tiles stay in L2.
@@ -389,11 +417,13 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _store_chunk(x, u, chunk: gl.constexpr, off_m, off_n, out_desc, c_bufs, FIRST: gl.constexpr,
                      BUFFERS: gl.constexpr, w_scale_ptr, bias_ptr, N, HAS_BIAS: gl.constexpr,
-                     ACTIVATION: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, layout: gl.constexpr):
+                     ACTIVATION: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, layout: gl.constexpr,
+                     STAGE_ONLY: gl.constexpr):
         # c_bufs[FIRST:FIRST + BUFFERS]: this consumer's output staging buffers. Gated: ``u`` is
         # the up chunk (acc_up * a_scale; unused otherwise), out = act(gate) * up as in
         # gemm._store_tile: act((acc * a_scale) * w_scale[n]) * ((acc_up * a_scale) * w_scale[N + n]).
         # SCALED: x (and u) arrive multiplied by their column scales already (early_scales).
+        # STAGE_ONLY (store_warp): every chunk has its own buffer, and the store partition stores them.
         CHUNK_N: gl.constexpr = out_desc.block_type.shape[1]
         x = gl.convert_layout(x, layout, assert_trivial=True)
         cols = off_n + chunk * CHUNK_N + gl.arange(0, CHUNK_N, layout=gl.SliceLayout(0, layout))
@@ -411,13 +441,41 @@ if _GLUON_ERROR is None:
                 w_scale_up = gl.load(w_scale_ptr + N + cols, mask=col_ok, other=0.0)
                 u = u * gl.expand_dims(w_scale_up, 0)
             x = x * u
-        # Chunks take the staging buffers in turn (the split is a multiple of BUFFERS, so every
-        # tile starts on buffer 0): the store issued BUFFERS chunks ago must have read this one.
-        c_smem = c_bufs.index(FIRST + chunk % BUFFERS)
-        tma.store_wait(BUFFERS - 1)
-        c_smem.store(x.to(out_desc.dtype))
-        fence_async_shared()
-        _tma_store(out_desc, [off_m, off_n + chunk * CHUNK_N], c_smem)
+        if STAGE_ONLY:
+            c_bufs.index(FIRST + chunk).store(x.to(out_desc.dtype))
+        else:
+            # Chunks take the staging buffers in turn (the split is a multiple of BUFFERS, so every
+            # tile starts on buffer 0): the store issued BUFFERS chunks ago must have read this one.
+            c_smem = c_bufs.index(FIRST + chunk % BUFFERS)
+            tma.store_wait(BUFFERS - 1)
+            c_smem.store(x.to(out_desc.dtype))
+            fence_async_shared()
+            _tma_store(out_desc, [off_m, off_n + chunk * CHUNK_N], c_smem)
+
+    @gluon.jit
+    def _store_partition(out_desc, c_bufs, stage_bars, M, N, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr):
+        # store_warp: the TMA stores of every tile the consumers staged. stage_bars[0] completes a
+        # phase when every consumer has staged its part of this program's next tile (in tile order),
+        # stage_bars[1] when the stores have read the staging back out, so it can be written again.
+        ROWS: gl.constexpr = out_desc.block_type.shape[0]
+        CHUNK_N: gl.constexpr = out_desc.block_type.shape[1]
+        CHUNKS: gl.constexpr = c_bufs.type.shape[0] // CONSUMERS
+        BLOCK_M: gl.constexpr = ROWS * CONSUMERS
+        BLOCK_N: gl.constexpr = CHUNK_N * CHUNKS
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        staged = 0  # tiles stored so far
+        for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+            pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+            mbarrier.wait(stage_bars.index(0), staged & 1)
+            for c in gl.static_range(CONSUMERS):
+                for j in gl.static_range(CHUNKS):
+                    _tma_store(out_desc, [pid_m * BLOCK_M + c * ROWS, pid_n * BLOCK_N + j * CHUNK_N],
+                               c_bufs.index(c * CHUNKS + j))
+            tma.store_wait(0)  # the stores have read the staging (not: reached global memory)
+            mbarrier.arrive(stage_bars.index(1))
+            staged += 1
+        # Returning ends the program only after its stores complete (the kernel's exit waits for them).
 
     @gluon.jit
     def _halves(x):
@@ -427,12 +485,12 @@ if _GLUON_ERROR is None:
         return x.reshape([BM, 2, BN // 2]).permute((0, 2, 1)).split()
 
     @gluon.jit
-    def _consumer_partition(a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
+    def _consumer_partition(a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs, out_desc,
                             a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, CONSUMER: gl.constexpr,
                             CONSUMERS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, GROUP_M: gl.constexpr,
                             STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                             ACTIVATION: gl.constexpr, GATED: gl.constexpr, EARLY_SCALES: gl.constexpr,
-                            SPLIT_M: gl.constexpr):
+                            SPLIT_M: gl.constexpr, STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr):
         # SPLIT_M: every consumer takes every tile, rows [ROW0, ROW0 + TILE_M) of it; otherwise
         # (ping-pong) consumer c takes this program's tiles c, c + 2, ... whole.
         BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
@@ -454,14 +512,23 @@ if _GLUON_ERROR is None:
         TURNS: gl.constexpr = 1 if SPLIT_M else CONSUMERS  # consumers taking turns on this program's tiles
         TURN: gl.constexpr = 0 if SPLIT_M else CONSUMER
         local = TURN  # this program's tile count so far (both consumers'): the ring position
-        for tile in range(gl.program_id(0) + TURN * nprog, num_pid_m * num_pid_n, TURNS * nprog):
-            pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        first = gl.program_id(0) + TURN * nprog
+        last = num_pid_m * num_pid_n - 1
+        if LEAN_START:
+            # The first tile's coordinates (each later tile's are computed under the last MMA of the
+            # tile before it), and an accumulator never read: every tile's first MMA ignores it.
+            pid_m, pid_n = _grouped_tile(first, num_pid_m, num_pid_n, GROUP_M)
+            acc = gl.zeros((TILE_M, BLOCK_N), acc_dtype, layout=mma_layout)
+        for tile in range(first, last + 1, TURNS * nprog):
+            if not LEAN_START:
+                pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * BLOCK_M + ROW0
             off_n = pid_n * BLOCK_N
             step = local * k_steps
-            acc = gl.zeros((TILE_M, BLOCK_N), acc_dtype, layout=mma_layout)
-            if GATED:
-                acc_up = gl.zeros((TILE_M, BLOCK_N), acc_dtype, layout=mma_layout)
+            if not LEAN_START:
+                acc = gl.zeros((TILE_M, BLOCK_N), acc_dtype, layout=mma_layout)
+                if GATED:
+                    acc_up = gl.zeros((TILE_M, BLOCK_N), acc_dtype, layout=mma_layout)
             if TURNS == 2:
                 # Our turn: the other consumer has issued all of the previous tile's ring waits
                 # and MMAs, so the ring positions below are at most one lap ahead of the loader.
@@ -472,11 +539,16 @@ if _GLUON_ERROR is None:
                 a_tile = a_bufs.index(slot)
                 if SPLIT_M:
                     a_tile = a_tile.slice(ROW0, TILE_M)
-                acc = warpgroup_mma(a_tile, w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+                if LEAN_START:
+                    use_acc = ki > 0
+                else:
+                    use_acc = True
+                acc = warpgroup_mma(a_tile, w_bufs.index(slot).permute((1, 0)), acc, use_acc=use_acc, is_async=True)
                 if GATED:
                     # Two MMA groups per step (gate, up): waiting down to 2 outstanding keeps this
                     # step's pair in flight and retires the previous step's pair, whose slot is free.
-                    acc_up = warpgroup_mma(a_tile, u_bufs.index(slot).permute((1, 0)), acc_up, is_async=True)
+                    acc_up = warpgroup_mma(a_tile, u_bufs.index(slot).permute((1, 0)), acc_up, use_acc=use_acc,
+                                           is_async=True)
                     acc, acc_up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_up))
                 else:
                     # Keep this MMA in flight; the one before it has now retired, so its slot is free.
@@ -487,6 +559,9 @@ if _GLUON_ERROR is None:
                 # The next tile's turn (the other consumer's), while our last MMA finishes and our
                 # epilogue runs. After this program's last tile nobody waits for it: harmless.
                 mbarrier.arrive(order_bars.index(1 - CONSUMER))
+            if LEAN_START:
+                # The next tile's coordinates while the last MMA runs (past the last tile: unused).
+                pid_m, pid_n = _grouped_tile(gl.minimum(tile + TURNS * nprog, last), num_pid_m, num_pid_n, GROUP_M)
             # The epilogue's scale loads go out while the last MMA is still running, so their
             # latency hides under it (EARLY_SCALES: the column scales too, for the whole tile, not
             # one round trip per output chunk).
@@ -514,31 +589,50 @@ if _GLUON_ERROR is None:
                     u = u * gl.expand_dims(w_scale_up, 0)
             else:
                 u = x  # a stand-in, unused
+            if STORE_WARP:
+                # The staging is free again once the store partition's stores of the previous tile
+                # have read it (every consumer takes every tile: local counts this program's tiles).
+                mbarrier.wait(stage_bars.index(1), _previous_phase(local - 1))
             if EPILOGUE_SPLIT == 1:
                 _store_chunk(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
+                             STORE_WARP)
             elif EPILOGUE_SPLIT == 2:
                 left, right = _halves(x)
                 u_left, u_right = _halves(u)
                 _store_chunk(left, u_left, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr,
-                             N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
+                             N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
+                             STORE_WARP)
                 _store_chunk(right, u_right, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr,
-                             bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
+                             bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
+                             STORE_WARP)
             else:
                 left, right = _halves(x)
                 u_left, u_right = _halves(u)
                 q0, q1 = _halves(left)
                 v0, v1 = _halves(u_left)
                 _store_chunk(q0, v0, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
+                             STORE_WARP)
                 _store_chunk(q1, v1, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
+                             STORE_WARP)
                 q2, q3 = _halves(right)
                 v2, v3 = _halves(u_right)
                 _store_chunk(q2, v2, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
+                             STORE_WARP)
                 _store_chunk(q3, v3, 3, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout)
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
+                             STORE_WARP)
+            if STORE_WARP:
+                # The staged tile visible to the TMA unit, then handed to the store partition.
+                fence_async_shared()
+                mbarrier.arrive(stage_bars.index(0))
+            if LEAN_START:
+                # The next tile's first MMA takes these registers as its (ignored) accumulator: no
+                # zeroing, and no second set of 128 live registers.
+                acc = x.to(acc_dtype, bitcast=True)
         tma.store_wait(0)
 
     # M, N and K only size loops and masks (TMA does the addressing): not specialized, so odd
@@ -549,7 +643,7 @@ if _GLUON_ERROR is None:
                           STAGES: gl.constexpr, CONSUMERS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr,
                           EPILOGUE_BUFFERS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, SPLIT_M: gl.constexpr,
-                          num_warps: gl.constexpr):
+                          STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr, num_warps: gl.constexpr):
         # GATED: out (M, N) = act(gate) * up over the stacked (2N, K) weight of w_desc; N counts outputs.
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -557,38 +651,78 @@ if _GLUON_ERROR is None:
             u_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
         else:
             u_bufs = w_bufs  # a stand-in, unused
-        c_bufs = gl.allocate_shared_memory(out_desc.dtype, [CONSUMERS * EPILOGUE_BUFFERS] + out_desc.block_type.shape,
-                                           out_desc.layout)
+        if STORE_WARP:  # the whole tile staged: every chunk of every consumer its own buffer
+            c_bufs = gl.allocate_shared_memory(out_desc.dtype, [CONSUMERS * EPILOGUE_SPLIT] + out_desc.block_type.shape,
+                                               out_desc.layout)
+        else:
+            c_bufs = gl.allocate_shared_memory(out_desc.dtype,
+                                               [CONSUMERS * EPILOGUE_BUFFERS] + out_desc.block_type.shape,
+                                               out_desc.layout)
         ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         # Ping-pong: order_bars[c] gives consumer c its turn on the mainloop (unused with one consumer).
         order_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        # store_warp: [0] the tile staged (by every consumer), [1] the staging read out by its stores.
+        stage_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready_bars.index(i), count=1)
             # SPLIT_M: both consumers read every slot, and both release it.
             mbarrier.init(empty_bars.index(i), count=CONSUMERS if SPLIT_M else 1)
         for i in gl.static_range(CONSUMERS):
             mbarrier.init(order_bars.index(i), count=1)
+        mbarrier.init(stage_bars.index(0), count=CONSUMERS)
+        mbarrier.init(stage_bars.index(1), count=1)
         # The barriers' initialization must be visible to the TMA unit before the first copy.
         fence_async_shared()
+        PLAIN_STORE_WARP: gl.constexpr = _plain_only(STORE_WARP, HAS_BIAS, ACTIVATION, GATED)
+        PLAIN_LEAN: gl.constexpr = _plain_only(LEAN_START, HAS_BIAS, ACTIVATION, GATED)
 
-        # The default partition (the kernel's num_warps) is consumer 0; workers follow.
-        if CONSUMERS == 1:
+        # The default partition (the kernel's num_warps) is consumer 0; workers follow: consumer 1
+        # (ping-pong, split_m), the loader, and with store_warp the store partition (a tuple of a
+        # function and its arguments cannot be a variable here, hence one list per arrangement).
+        if CONSUMERS == 1 and PLAIN_STORE_WARP:
             gl.warp_specialize([
-                (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
-                                       a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M)),
+                (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
+                                       GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN)),
+                (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
+                                   GROUP_M, STAGES, GATED)),
+                (_store_partition, (out_desc, c_bufs, stage_bars, M, N, GROUP_M, CONSUMERS)),
+            ], [1, 1], [LOADER_REGS, LOADER_REGS])
+        elif CONSUMERS == 1:
+            gl.warp_specialize([
+                (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
+                                       GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED)),
             ], [1], [LOADER_REGS])
+        elif PLAIN_STORE_WARP:
+            gl.warp_specialize([
+                (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
+                                       GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN)),
+                (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps,
+                                       GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN)),
+                (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
+                                   GROUP_M, STAGES, GATED)),
+                (_store_partition, (out_desc, c_bufs, stage_bars, M, N, GROUP_M, CONSUMERS)),
+            ], [num_warps, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
-                                       a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M)),
-                (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc,
-                                       a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps, GROUP_M,
-                                       STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, SPLIT_M)),
+                (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
+                                       GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN)),
+                (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps,
+                                       GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED)),
             ], [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -688,7 +822,8 @@ class GluonCall:
             STAGES=config.stages, CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
             EPILOGUE_BUFFERS=config.epilogue_buffers, LOADER_REGS=config.loader_regs,
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
-            SPLIT_M=config.split_m, num_warps=config.consumer_warps)
+            SPLIT_M=config.split_m, STORE_WARP=config.store_warp, LEAN_START=config.lean_start,
+            num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the
         # constexprs in signature order (after the 9 runtime arguments) for the cached launcher.
         self.key = (config, tuple(self.constexprs.items()))

@@ -124,7 +124,7 @@ def _compile(config, dtype: str, activation: int = 2):
                      EPILOGUE_BUFFERS=config.epilogue_buffers,
                      LOADER_REGS=config.loader_regs, CONSUMER_REGS=config.consumer_regs,
                      GATED=config.gated, EARLY_SCALES=config.early_scales, SPLIT_M=config.split_m,
-                     num_warps=config.consumer_warps)
+                     STORE_WARP=config.store_warp, LEAN_START=config.lean_start, num_warps=config.consumer_warps)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(gemm_gluon._scaled_mm_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.consumer_warps))
@@ -251,9 +251,14 @@ class _Barrier:
         return (self.done & 1) != parity
 
 
-def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=False):
+def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=False, staged=False,
+                  guard_staging=True):
     """``split``: two consumers on halves of every tile (split_m), each releasing every slot
-    (empty barriers of 2 arrivals)."""
+    (empty barriers of 2 arrivals). ``staged`` (store_warp; every consumer on every tile): each
+    consumer writes its part of the tile into the staging after waiting on stage[1] (the previous
+    tile's stores have read it), then arrives on stage[0]; a store agent waits on stage[0], issues
+    the tile's TMA stores (which read the staging until they land, in any order) and arrives on stage[1].
+    ``guard_staging=False`` drops the consumers' wait on stage[1] (the model must then fail)."""
     ring_slot_phase, previous_phase, turn_phase = (gemm_gluon.ring_slot_phase, gemm_gluon.previous_phase,
                                                    gemm_gluon.turn_phase)
     ready = [_Barrier() for _ in range(stages)]
@@ -265,6 +270,10 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
     in_flight = [[] for _ in range(consumers)]  # each consumer's issued, unretired MMAs: steps
     handed_over = set()  # tiles whose consumer passed the turn on
     consumed = []
+    stage = [_Barrier(consumers), _Barrier()]
+    staging = [None] * consumers  # the tile whose part each consumer's staging holds
+    storing = []  # TMA stores reading the staging: tiles
+    stored = []
 
     def wait(bar, parity, phase):
         # ``phase``: the phase this wait means (the model's own count; -1: a fresh barrier's
@@ -308,6 +317,21 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
                 handed_over.add(local)
             yield lambda: not in_flight[c]  # warpgroup_mma_wait(0)
             release(c, (step + stages - 1) % stages, step - 1)
+            if staged:
+                if guard_staging:
+                    yield wait(stage[1], gemm_gluon.previous_phase(local), local - 1)
+                assert not storing and (local == 0 or stored[-1] == local - 1), "staging overwritten before stored"
+                staging[c] = local
+                stage[0].arrive()
+
+    def store():
+        for local in range(tiles):
+            yield wait(stage[0], local & 1, local)
+            assert staging == [local] * consumers, f"tile {local} stored from staging holding {staging}"
+            storing.append(local)
+            yield lambda: not storing  # tma.store_wait(0): the stores have read the staging
+            stored.append(local)
+            stage[1].arrive()
 
     def release(c, slot, step):
         assert slot == step % stages and slot_data[slot] == step and step not in in_flight[c]
@@ -315,13 +339,14 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
         consumed.append(step)
         empty[slot].arrive()
 
-    agents = [loader()] + [consumer(c) for c in range(consumers)]
+    agents = [loader()] + [consumer(c) for c in range(consumers)] + ([store()] if staged else [])
     waiting = [None] * len(agents)  # the condition each agent is blocked on (None: runnable)
     live = set(range(len(agents)))
     while True:
         moves = [("agent", i) for i in live if waiting[i] is None or waiting[i]()]
         moves += [("land", i) for i in range(len(landing))]
         moves += [("retire", c) for c in range(consumers) if in_flight[c]]
+        moves += [("stored", 0)] if storing else []
         if not moves:
             assert not live, f"deadlock: agents {sorted(live)} blocked"
             break
@@ -331,6 +356,9 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
             assert not any(slot_data[slot] in queue for queue in in_flight), "slot overwritten under an MMA"
             slot_data[slot] = step
             ready[slot].arrive()
+        elif kind == "stored":  # the tile's TMA stores have read the staging
+            assert staging == [storing[0]] * consumers, "staging changed under its stores"
+            storing.pop()
         elif kind == "retire":  # one consumer's wgmmas retire in issue order
             step = in_flight[i].pop(0)
             assert slot_data[step % stages] == step, "an MMA's operands changed before it retired"
@@ -341,6 +369,7 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
                 live.discard(i)
                 waiting[i] = None
     assert sorted(consumed) == sorted(list(range(tiles * k_steps)) * (2 if split else 1))
+    assert stored == (list(range(tiles)) if staged else [])
 
 
 @pytest.mark.parametrize("consumers", [1, 2], ids=["cooperative", "ping-pong"])
@@ -369,6 +398,30 @@ def test_barrier_protocol_model_split_tiles():
     for tiles, k_steps, stages in cases:
         for _ in range(3):
             _run_protocol(tiles, k_steps, stages, 2, rng, split=True)
+
+
+@pytest.mark.parametrize("consumers, split", [(1, False), (2, True)], ids=["cooperative", "split"])
+def test_barrier_protocol_model_store_partition(consumers, split):
+    """store_warp: the consumers' whole-tile staging handed to a store partition and back (one
+    staging buffer set): no deadlock, no ambiguous wait, no tile staged over one not yet read out
+    by its stores, no store of a partly staged tile."""
+    import random
+
+    rng = random.Random(7)
+    cases = [(3, 32, 3), (1, 1, 2), (5, 1, 2), (2, 3, 3)]
+    cases += [(rng.randint(1, 7), rng.randint(1, 12), rng.randint(2, 5)) for _ in range(100)]
+    for tiles, k_steps, stages in cases:
+        for _ in range(3):
+            _run_protocol(tiles, k_steps, stages, consumers, rng, split=split, staged=True)
+
+
+def test_barrier_protocol_model_catches_unguarded_staging():
+    """Without the wait on stage[1], some interleaving stages a tile over one its stores are still reading."""
+    import random
+
+    with pytest.raises(AssertionError, match="staging"):
+        for seed in range(50):
+            _run_protocol(4, 2, 2, 2, random.Random(seed), split=True, staged=True, guard_staging=False)
 
 
 def test_barrier_protocol_model_catches_unordered_ping_pong():
