@@ -209,14 +209,20 @@ CONFIGS = {
     # rows): the fastest FP8 config at 9 of the 12 large-M points on the H100 (session 10).
     "coop2_128x256_g16": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
                                      split_m=True, group_m=16),
-    # coop2 with a store partition and a lean tile start (session 15): the warpgroups stage the whole
-    # tile (64 KB, so three ring stages) and go straight on to the next tile, whose first MMA needs
-    # no zeroed accumulator and whose coordinates are ready. Per tile: ~360 epilogue instructions
-    # per warp with one fence instead of ~410 with four fences, four barrier waits and four stores.
-    "coop2_128x256_sw": GluonConfig(128, 256, 128, stages=3, consumers=2, consumer_warps=4, epilogue_split=4,
-                                    split_m=True, store_warp=True, lean_start=True),
+    # coop2_128x256_g16 with a store partition and a lean tile start (session 15): the warpgroups
+    # stage the whole tile (64 KB, so three ring stages) and go straight on to the next tile, whose
+    # first MMA needs no zeroed accumulator and whose coordinates are ready. H100 per-tile traces
+    # (FP8, plain): the cycles outside the MMAs fall from ~3.3k to ~2.0k, but the three-stage ring
+    # starves the mainloop by ~2.6k (34.1k against 31.5k). Fastest FP8 config at the power-capped
+    # points (4096x28672: 697 us against 743; 16384x6144: 604 against 639), slower at M = 1024.
     "coop2_128x256_g16_sw": GluonConfig(128, 256, 128, stages=3, consumers=2, consumer_warps=4, epilogue_split=4,
                                         split_m=True, group_m=16, store_warp=True, lean_start=True),
+    # The lean start alone, with four stages and the staging of coop2_128x256_g16: ~1.1k fewer
+    # cycles outside the MMAs per tile. At 232 registers it spilled 48 bytes on triton 3.6 (the
+    # scaled tile held for the hand-over); the loader at setmaxnreg's floor (24) frees 8 more.
+    "coop2_128x256_g16_lean": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
+                                          split_m=True, group_m=16, lean_start=True, loader_regs=24,
+                                          consumer_regs=240),
 }
 
 # The gated form (``gated=True``): per K step the ring slot holds the A tile, the gate W tile (rows
@@ -862,13 +868,18 @@ class GluonCall:
 # Measured on an H100 (benchmarks/NOTES-gemm.md, sessions 8-9): one of the first three was the
 # fastest INT8 kernel at each of the 12 large-M points in session 8; in session 9 coop2_128x256 beat
 # the tuned pick among them at all 8 points with M >= 4096 (1.01-1.07x); pp_128x128 stays for
-# M = 1024, where the partial last wave matters.
-TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop_128x256_k64", "coop2_128x256")
+# M = 1024, where the partial last wave matters. coop2_128x256_g16_lean (session 15) beat
+# coop2_128x256_g16 at 9 of the 12 points with INT8 (plain; 562 against 593 us at 16384x6144).
+TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop_128x256_k64", "coop2_128x256",
+                   "coop2_128x256_g16_lean")
 # FP8's (fast accumulation; plain, not gated): measured on an H100 in session 10 at the same 12
 # points, each of these four was the fastest FP8 config at one point or more (pp_128x128 at
 # 6144x4096, M = 1024; coop2_128x256_g16 at 9), and the fastest of them beat the Triton FP8 kernel
-# at all 12 (1.004-1.082x, plain epilogue).
-FP8_TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop2_128x256", "coop2_128x256_g16")
+# at all 12 (1.004-1.082x, plain epilogue). Session 15 added the store-partition and lean-start
+# forms of coop2_128x256_g16 (they differ from it with the plain epilogue only; each was the fastest
+# FP8 config at some points: sw at the power-capped ones, lean at M = 1024 / 4096).
+FP8_TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop2_128x256", "coop2_128x256_g16",
+                       "coop2_128x256_g16_sw", "coop2_128x256_g16_lean")
 # The gated GEMM's candidates, INT8 and FP8 (all of GATED_CONFIGS): at gate_up 2 x 14336 x 4096
 # on an H100 each was the fastest gated config of a dtype at one M or more of 256 ... 16384
 # (sessions 10 and 11; gated_coop2_128x128 for FP8 and INT8 at M = 4096).
