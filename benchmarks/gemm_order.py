@@ -17,6 +17,13 @@ the flushes) right after a conditioner that ran for --condition-ms:
   own steady state).
 Plain epilogue (no bias, no activation). Every (target, conditioner) pair runs --reps times, the
 pairs in a shuffled order per repetition; medians reported. Writes gemm_order.json / .txt.
+
+``--targets`` / ``--conditioners`` pick among the ops above and ``triton_fp8``, quantkit's Triton
+persistent FP8 kernel (``gemm.scaled_mm(kernel="persistent")``, autotuned), which kernel="auto"
+does not take where the Gluon kernel runs (session 15):
+
+    python benchmarks/gemm_order.py --out $OUT/order --targets scaled_mm,quantkit_fp8,triton_fp8 \
+        --conditioners idle,scaled_mm
 """
 
 import argparse
@@ -40,7 +47,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from quantkit.bench.common import environment_metadata  # noqa: E402
 from quantkit.bench.gemm import _make_operands, adaptive_graph_ms  # noqa: E402
-from quantkit.kernels import triton_ops  # noqa: E402
+from quantkit.kernels import gemm, triton_ops  # noqa: E402
 
 POINTS = [(16384, 6144, 4096), (4096, 28672, 4096), (16384, 4096, 4096), (1024, 4096, 4096)]
 TARGETS = ("scaled_mm", "quantkit_fp8")
@@ -59,6 +66,7 @@ def point_ops(M, N, K):
         "scaled_mm": lambda: torch._scaled_mm(a8, w8_t, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
                                               use_fast_accum=True),
         "quantkit_fp8": lambda: triton_ops.scaled_mm(a8, w8, as8, ws8, None, "none", torch.bfloat16),
+        "triton_fp8": lambda: gemm.scaled_mm(a8, w8, as8, ws8, None, "none", torch.bfloat16, kernel="persistent"),
     }
 
 
@@ -81,7 +89,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--condition-ms", type=float, default=300.0)
+    parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument("--conditioners", default=",".join(CONDITIONERS))
     args = parser.parse_args()
+    targets, conditioners = args.targets.split(","), args.conditioners.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {**environment_metadata(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "condition_ms": args.condition_ms, "reps": args.reps}
@@ -93,7 +104,7 @@ def main() -> None:
         for fn in ops.values():  # compile / autotune, outside the timings
             fn()
         torch.cuda.synchronize()
-        samples = {(t, c): [] for t in TARGETS for c in CONDITIONERS}
+        samples = {(t, c): [] for t in targets for c in conditioners}
         for _ in range(args.reps):
             pairs = list(samples)
             rng.shuffle(pairs)
@@ -104,14 +115,17 @@ def main() -> None:
         results.append({"M": M, "N": N, "K": K, "us": us,
                         "samples": {f"{t}|{c}": v for (t, c), v in samples.items()}})
         lines.append(f"\nM={M} N={N} K={K}")
-        lines.append("target".ljust(14) + "".join(c.rjust(14) for c in CONDITIONERS))
-        for t in TARGETS:
-            lines.append(t.ljust(14) + "".join(f"{us[f'{t}|{c}']:14.1f}" for c in CONDITIONERS))
-        lines.append("ratio scaled_mm / quantkit_fp8 per conditioner: " + "  ".join(
-            f"{c} {us[f'scaled_mm|{c}'] / us[f'quantkit_fp8|{c}']:.3f}" for c in CONDITIONERS))
-        lines.append("self-conditioned (each op after itself): "
-                     f"{us['scaled_mm|scaled_mm'] / us['quantkit_fp8|quantkit_fp8']:.3f}")
-        print("\n".join(lines[-6:]), flush=True)
+        lines.append("target".ljust(14) + "".join(c.rjust(14) for c in conditioners))
+        for t in targets:
+            lines.append(t.ljust(14) + "".join(f"{us[f'{t}|{c}']:14.1f}" for c in conditioners))
+        for t in targets:
+            if t != "scaled_mm" and "scaled_mm" in targets:
+                lines.append(f"ratio scaled_mm / {t} per conditioner: " + "  ".join(
+                    f"{c} {us[f'scaled_mm|{c}'] / us[f'{t}|{c}']:.3f}" for c in conditioners))
+                if t in conditioners and "scaled_mm" in conditioners:
+                    lines.append(f"self-conditioned (each op after itself): "
+                                 f"{us['scaled_mm|scaled_mm'] / us[f'{t}|{t}']:.3f}")
+        print("\n".join(lines[-(2 + 3 * len(targets)):]), flush=True)
         (args.out / "gemm_order.json").write_text(json.dumps({"meta": meta, "points": results}, indent=1))
         (args.out / "gemm_order.txt").write_text("\n".join(lines) + "\n")
 
