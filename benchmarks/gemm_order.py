@@ -114,6 +114,7 @@ def main() -> None:
         us = {f"{t}|{c}": statistics.median(v) for (t, c), v in samples.items()}
         results.append({"M": M, "N": N, "K": K, "us": us,
                         "samples": {f"{t}|{c}": v for (t, c), v in samples.items()}})
+        first = len(lines)
         lines.append(f"\nM={M} N={N} K={K}")
         lines.append("target".ljust(14) + "".join(c.rjust(14) for c in conditioners))
         for t in targets:
@@ -125,7 +126,7 @@ def main() -> None:
                 if t in conditioners and "scaled_mm" in conditioners:
                     lines.append(f"self-conditioned (each op after itself): "
                                  f"{us['scaled_mm|scaled_mm'] / us[f'{t}|{t}']:.3f}")
-        print("\n".join(lines[-(2 + 3 * len(targets)):]), flush=True)
+        print("\n".join(lines[first:]), flush=True)
         (args.out / "gemm_order.json").write_text(json.dumps({"meta": meta, "points": results}, indent=1))
         (args.out / "gemm_order.txt").write_text("\n".join(lines) + "\n")
 
