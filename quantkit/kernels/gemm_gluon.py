@@ -213,8 +213,9 @@ CONFIGS = {
     # stage the whole tile (64 KB, so three ring stages) and go straight on to the next tile, whose
     # first MMA needs no zeroed accumulator and whose coordinates are ready. H100 per-tile traces
     # (FP8, plain): the cycles outside the MMAs fall from ~3.3k to ~2.0k, but the three-stage ring
-    # starves the mainloop by ~2.6k (34.1k against 31.5k). Fastest FP8 config at the power-capped
-    # points (4096x28672: 697 us against 743; 16384x6144: 604 against 639), slower at M = 1024.
+    # starves the mainloop by ~2.6k (34.1k against 31.5k). Faster than coop2_128x256_g16 at the
+    # power-capped points (run 2: 4096x28672 697 us against 743, 16384x6144 604 against 639), 1-5 %
+    # slower at M = 1024.
     "coop2_128x256_g16_sw": GluonConfig(128, 256, 128, stages=3, consumers=2, consumer_warps=4, epilogue_split=4,
                                         split_m=True, group_m=16, store_warp=True, lean_start=True),
     # The lean start alone, with four stages and the staging of coop2_128x256_g16: ~1.1k fewer
@@ -869,15 +870,15 @@ class GluonCall:
 # fastest INT8 kernel at each of the 12 large-M points in session 8; in session 9 coop2_128x256 beat
 # the tuned pick among them at all 8 points with M >= 4096 (1.01-1.07x); pp_128x128 stays for
 # M = 1024, where the partial last wave matters. coop2_128x256_g16_lean (session 15) beat
-# coop2_128x256_g16 at 9 of the 12 points with INT8 (plain; 562 against 593 us at 16384x6144).
+# coop2_128x256_g16 at 7 of the 12 points with INT8 (plain; 562 against 593 us at 16384x6144).
 TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop_128x256_k64", "coop2_128x256",
                    "coop2_128x256_g16_lean")
 # FP8's (fast accumulation; plain, not gated): measured on an H100 in session 10 at the same 12
 # points, each of these four was the fastest FP8 config at one point or more (pp_128x128 at
 # 6144x4096, M = 1024; coop2_128x256_g16 at 9), and the fastest of them beat the Triton FP8 kernel
 # at all 12 (1.004-1.082x, plain epilogue). Session 15 added the store-partition and lean-start
-# forms of coop2_128x256_g16 (they differ from it with the plain epilogue only; each was the fastest
-# FP8 config at some points: sw at the power-capped ones, lean at M = 1024 / 4096).
+# forms of coop2_128x256_g16 (they differ from it with the plain epilogue only); the tuner picked one
+# of them at 9 of the 12 points with M >= 1024 in that session's standard run (H100).
 FP8_TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop2_128x256", "coop2_128x256_g16",
                        "coop2_128x256_g16_sw", "coop2_128x256_g16_lean")
 # The gated GEMM's candidates, INT8 and FP8 (all of GATED_CONFIGS): at gate_up 2 x 14336 x 4096
