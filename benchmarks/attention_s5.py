@@ -30,13 +30,9 @@ import statistics
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-_pkg = types.ModuleType("quantkit")  # the kernels need none of quantkit/__init__.py's imports
-_pkg.__path__ = [str(ROOT / "quantkit")]
-sys.modules.setdefault("quantkit", _pkg)
+from kernels_only import ROOT  # noqa: E402  (quantkit without its __init__)
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402

@@ -33,17 +33,11 @@ dependencies).
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
-import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if "quantkit" not in sys.modules:
-    _pkg = types.ModuleType("quantkit")
-    _pkg.__path__ = [str(ROOT / "quantkit")]
-    sys.modules["quantkit"] = _pkg
+import kernels_only  # noqa: E402, F401  (quantkit without its __init__)
 
 import torch  # noqa: E402
 

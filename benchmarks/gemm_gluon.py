@@ -47,17 +47,11 @@ import datetime
 import json
 import os
 import subprocess
-import sys
 import time
 import traceback
-import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if "quantkit" not in sys.modules:
-    _pkg = types.ModuleType("quantkit")
-    _pkg.__path__ = [str(ROOT / "quantkit")]
-    sys.modules["quantkit"] = _pkg
+from kernels_only import ROOT  # noqa: E402  (quantkit without its __init__)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

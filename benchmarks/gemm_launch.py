@@ -22,13 +22,9 @@ import json
 import sys
 import time
 import traceback
-import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-_pkg = types.ModuleType("quantkit")
-_pkg.__path__ = [str(ROOT / "quantkit")]
-sys.modules.setdefault("quantkit", _pkg)
+from kernels_only import ROOT  # noqa: E402  (quantkit without its __init__)
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402

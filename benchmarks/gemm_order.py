@@ -31,22 +31,16 @@ import datetime
 import json
 import random
 import statistics
-import sys
 import time
-import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if "quantkit" not in sys.modules:
-    _pkg = types.ModuleType("quantkit")
-    _pkg.__path__ = [str(ROOT / "quantkit")]
-    sys.modules["quantkit"] = _pkg
+import kernels_only  # noqa: E402, F401  (quantkit without its __init__)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from quantkit.bench.common import environment_metadata  # noqa: E402
-from quantkit.bench.gemm import _make_operands, adaptive_graph_ms  # noqa: E402
+from quantkit.bench.gemm import _bf16_operands, _quantized, adaptive_graph_ms  # noqa: E402
 from quantkit.kernels import gemm, triton_ops  # noqa: E402
 
 POINTS = [(16384, 6144, 4096), (4096, 28672, 4096), (16384, 4096, 4096), (1024, 4096, 4096)]
@@ -55,8 +49,9 @@ CONDITIONERS = ("idle", "bf16", "int_mm+epi", "scaled_mm", "quantkit_fp8")
 
 
 def point_ops(M, N, K):
-    x, w_bf16, _, ai, asi, wi, wsi = _make_operands(M, N, K, torch.int8, "cuda")
-    _, _, _, a8, as8, w8, ws8 = _make_operands(M, N, K, torch.float8_e4m3fn, "cuda")
+    x, w_bf16, _ = _bf16_operands(M, N, K, "cuda")
+    ai, asi, wi, wsi = _quantized(x, w_bf16, torch.int8)
+    a8, as8, w8, ws8 = _quantized(x, w_bf16, torch.float8_e4m3fn)
     w8_t, wi_t = w8.t(), wi.t()
     sa, sb = as8.view(-1, 1), ws8.view(1, -1)
     sai, sbi = asi.view(-1, 1), wsi.view(1, -1)

@@ -23,16 +23,10 @@ Imports the kernels without running quantkit/__init__.py (the GPU image lacks it
 import argparse
 import json
 import statistics
-import sys
 import time
-import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if "quantkit" not in sys.modules:
-    _pkg = types.ModuleType("quantkit")
-    _pkg.__path__ = [str(ROOT / "quantkit")]
-    sys.modules["quantkit"] = _pkg
+import kernels_only  # noqa: E402, F401  (quantkit without its __init__)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

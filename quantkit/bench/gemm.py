@@ -87,14 +87,25 @@ def _activation(x, activation):
     return reference.apply_activation(x, activation)
 
 
-def _make_operands(M, N, K, dtype, device, seed=0):
+def _bf16_operands(M, N, K, device, seed=0):
+    """The point's bf16 activation (M, K), weight (N, K) and bias (N,), seeded."""
     gen = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(M, K, device=device, dtype=torch.bfloat16, generator=gen)
     w_bf16 = (torch.randn(N, K, device=device, dtype=torch.bfloat16, generator=gen) * K**-0.5).to(torch.bfloat16)
     bias = torch.randn(N, device=device, dtype=torch.bfloat16, generator=gen) * 0.1
+    return x, w_bf16, bias
+
+
+def _quantized(x, w_bf16, dtype):
+    """(a, a_scale, w, w_scale): x per token and the weight per channel in ``dtype``."""
     a, a_scale = reference.quantize_per_token(x, dtype)
     w, w_scale = reference.quantize_per_channel(w_bf16, dtype)
-    return x, w_bf16, bias, a, a_scale, w, w_scale
+    return a, a_scale, w, w_scale
+
+
+def _make_operands(M, N, K, dtype, device, seed=0):
+    x, w_bf16, bias = _bf16_operands(M, N, K, device, seed)
+    return (x, w_bf16, bias) + _quantized(x, w_bf16, dtype)
 
 
 def _tflops(M, N, K, ms):
@@ -107,13 +118,13 @@ ROUNDS = 3  # timing rounds per point (launch.rotated_medians)
 def bench_scaled_mm_point(M, N, K, epilogue, device="cuda", timer=bench_ms, rounds: int = ROUNDS) -> list[dict]:
     """Time quantkit FP8/INT8 and the three baselines at one (M, N, K, epilogue), in rotated rounds."""
     has_bias, activation = EPILOGUES[epilogue]
-    x, w_bf16, bias, *_ = _make_operands(M, N, K, torch.int8, device)
+    x, w_bf16, bias = _bf16_operands(M, N, K, device)
     bias_arg = bias if has_bias else None
     ops = {"bf16_F.linear": lambda: _activation(F.linear(x, w_bf16, bias_arg), activation)}
     ours_of, baseline_of, checks = {}, {}, {}
 
     for dtype_name, dtype in (("fp8", torch.float8_e4m3fn), ("int8", torch.int8)):
-        _, _, _, a, a_scale, w, w_scale = _make_operands(M, N, K, dtype, device)
+        a, a_scale, w, w_scale = _quantized(x, w_bf16, dtype)
         w_t = w.t()
         a_scale_col, w_scale_row = a_scale.view(-1, 1), w_scale.view(1, -1)
 
