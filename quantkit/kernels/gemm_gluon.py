@@ -18,6 +18,12 @@ synchronous wgmma (``wgmma.wait_group 0`` after every K step). Gluon exposes the
 - the epilogue (row scale, column scale, bias, activation in fp32, cast) runs in the consumer
   and stores through shared memory with TMA, in column chunks (EPILOGUE_SPLIT) to keep the
   staging buffer small. The loader keeps fetching the next tile's K-slices meanwhile.
+- plain epilogue only (no bias, no activation, not gated; the others spilled): ``store_warp`` moves
+  the TMA stores to a one-warp store partition. The consumers stage the whole tile (every chunk its
+  own buffer), fence once and hand it over through stage_bars[0]; the store partition gives the
+  staging back through stage_bars[1] once its stores have read it. ``lean_start``: a tile's first
+  MMA ignores its accumulator (use_acc off; it is handed the previous tile's registers, no
+  zeroing), and the next tile's coordinates are computed under the last MMA.
 - CONSUMERS=1 ("cooperative"): one partition of CONSUMER_WARPS (8: two warpgroups, each owns 64
   rows of a 128-row tile). CONSUMERS=2 ("ping-pong"): two 4-warp partitions take alternate tiles
   of the program and take turns on the mainloop through an order barrier (CUTLASS's ping-pong):
