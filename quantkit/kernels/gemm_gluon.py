@@ -691,8 +691,9 @@ if _GLUON_ERROR is None:
         PLAIN_LEAN: gl.constexpr = _plain_only(LEAN_START, HAS_BIAS, ACTIVATION, GATED)
 
         # The default partition (the kernel's num_warps) is consumer 0; workers follow: consumer 1
-        # (ping-pong, split_m), the loader, and with store_warp the store partition (a tuple of a
-        # function and its arguments cannot be a variable here, hence one list per arrangement).
+        # (ping-pong, split_m), the loader, and with store_warp the store partition. Neither a
+        # (function, arguments) tuple nor an arguments tuple can be a variable here (Gluon 3.6 / 3.9
+        # refuse both), hence one full list per arrangement.
         if CONSUMERS == 1 and PLAIN_STORE_WARP:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
