@@ -70,7 +70,9 @@ CHECK_MS = [1, 13, 257, 1024]
 # ping-pong consumers' ring positions run far ahead of a small ring only here.
 # (2048, 6144, 4000): 5-6 ping-pong tiles per program (both order barriers through several
 # phases), a K tail, step counts that are no multiple of the ring depth; K=272: K shorter than the ring.
-LONG_CHECKS = [(1024, 4096, 4096), (1000, 6144, 4096), (2048, 6144, 4000), (2048, 6144, 272)]
+# (8192, 4096, 144): ~8 cooperative tiles per program of 2 K steps (one a tail), so one warpgroup can
+# run a whole tile ahead of the other (staging_turns' free barriers, session 15).
+LONG_CHECKS = [(1024, 4096, 4096), (1000, 6144, 4096), (2048, 6144, 4000), (2048, 6144, 272), (8192, 4096, 144)]
 SELECTED: list[str] = []  # --configs; empty = every config
 OPTIONS = {"bias": True}  # --no-bias: the plain epilogue (no bias anywhere; the strictest baseline)
 ROUNDS = 3

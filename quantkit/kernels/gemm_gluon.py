@@ -139,6 +139,10 @@ class GluonConfig:
     # instead of waiting on barriers, fences and stores chunk by chunk (2k SM cycles per tile of the
     # cooperative kernel, session 14's traces). Every consumer on every tile (split_m or one consumer).
     store_warp: bool = False
+    # store_warp staging one warpgroup's part of the tile at a time (split_m: 32 KB for 128x256, so
+    # four ring stages fit): the warpgroups take turns on it, the second after the store partition
+    # has read out the first's, which staggers them (one's epilogue under the other's MMAs).
+    staging_turns: bool = False
     # The next tile's start kept short: its first MMA ignores the accumulator (use_acc off) instead
     # of 128 registers being zeroed, and its coordinates are computed under this tile's last MMA.
     lean_start: bool = False
@@ -156,6 +160,8 @@ class GluonConfig:
         if self.block_n % (8 * self.epilogue_split) or self.epilogue_split not in (1, 2, 4):
             raise ValueError(f"epilogue_split={self.epilogue_split} must be 1, 2 or 4 and divide "
                              f"block_n={self.block_n} into multiples of 8")
+        if self.staging_turns and not (self.store_warp and self.split_m):
+            raise ValueError("staging_turns needs store_warp=True and split_m=True (two warpgroups per tile)")
         if self.store_warp and self.consumers == 2 and not self.split_m:
             raise ValueError("store_warp needs every consumer on every tile: split_m=True or consumers=1")
         if self.epilogue_buffers not in (1, 2) or self.epilogue_split % self.epilogue_buffers:
@@ -172,7 +178,14 @@ class GluonConfig:
             "coop2x" if self.split_m else "pp" if self.consumers == 2 else f"coop{self.consumer_warps}w")
         return (f"{kind}_{self.block_m}x{self.block_n}x{self.block_k}_s{self.stages}"
                 f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late")
-                + ("_sw" if self.store_warp else "") + ("_lean" if self.lean_start else ""))
+                + ("_sw" if self.store_warp else "") + ("t" if self.staging_turns else "")
+                + ("_lean" if self.lean_start else ""))
+
+    @property
+    def store_mode(self) -> int:
+        """The kernel's STORE_WARP: 0 (the consumers store), 1 (store partition, the whole tile
+        staged) or 2 (store partition, one warpgroup's part at a time)."""
+        return 2 if self.staging_turns else int(self.store_warp)
 
     @property
     def stored_rows(self) -> int:
@@ -182,8 +195,9 @@ class GluonConfig:
     def shared_bytes(self, out_bytes: int = 2) -> int:
         ring = self.stages * (self.block_m + (2 if self.gated else 1) * self.block_n) * self.block_k  # 8-bit operands
         buffers = self.epilogue_split if self.store_warp else self.epilogue_buffers
-        staging = self.consumers * buffers * self.stored_rows * (self.block_n // self.epilogue_split) * out_bytes
-        return ring + staging + (2 * self.stages + self.consumers + 2) * 8 + 1024  # barriers, alignment slack
+        staging = ((1 if self.staging_turns else self.consumers) * buffers * self.stored_rows
+                   * (self.block_n // self.epilogue_split) * out_bytes)
+        return ring + staging + (2 * self.stages + self.consumers + 3) * 8 + 1024  # barriers, alignment slack
 
 
 SHARED_LIMIT = 232448  # 227 KB: an H100's shared memory per block (opt-in maximum)
@@ -224,6 +238,11 @@ CONFIGS = {
     # slower at M = 1024.
     "coop2_128x256_g16_sw": GluonConfig(128, 256, 128, stages=3, consumers=2, consumer_warps=4, epilogue_split=4,
                                         split_m=True, group_m=16, store_warp=True, lean_start=True),
+    # The store partition with the warpgroups taking turns on one part-sized staging (32 KB), so
+    # that four ring stages fit.
+    "coop2_128x256_g16_swt": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
+                                         split_m=True, group_m=16, store_warp=True, staging_turns=True,
+                                         lean_start=True),
     # The lean start alone, with four stages and the staging of coop2_128x256_g16: ~1.1k fewer
     # cycles outside the MMAs per tile. At 232 registers it spilled 48 bytes on triton 3.6 (the
     # scaled tile held for the hand-over); the loader at setmaxnreg's floor (24) frees 8 more.
@@ -366,7 +385,7 @@ if _GLUON_ERROR is None:
         # values per chunk: with the chunks no longer fenced apart (store_warp) or the scaled tile
         # kept live for the next tile's first MMA (lean_start), those spilled (0.4-2.6 KB with bias
         # + silu, triton 3.6 and 3.9), so they run the per-chunk epilogue, each chunk its own buffer.
-        return FLAG and not HAS_BIAS and ACTIVATION == 0 and not GATED
+        return FLAG if not HAS_BIAS and ACTIVATION == 0 and not GATED else 0  # FLAG's value kept (STORE_WARP 2)
 
     @gluon.jit
     def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
@@ -466,13 +485,20 @@ if _GLUON_ERROR is None:
             _tma_store(out_desc, [off_m, off_n + chunk * CHUNK_N], c_smem)
 
     @gluon.jit
-    def _store_partition(out_desc, c_bufs, stage_bars, M, N, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr):
-        # store_warp: the TMA stores of every tile the consumers staged. stage_bars[0] completes a
-        # phase when every consumer has staged its part of this program's next tile (in tile order),
-        # stage_bars[1] when the stores have read the staging back out, so it can be written again.
+    def _store_partition(out_desc, c_bufs, stage_bars, M, N, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
+                         STORE_MODE: gl.constexpr):
+        # store_warp: the TMA stores of every tile the consumers staged. STORE_MODE 1: stage_bars[0]
+        # completes a phase when every consumer has staged its part of this program's next tile (in
+        # tile order), stage_bars[1] when the stores have read the staging back out, so it can be
+        # written again. STORE_MODE 2 (staging_turns): one phase of stage_bars[0] per consumer part
+        # (consumer 0's part of a tile, then consumer 1's, in the one part-sized staging); once a
+        # part is read out, stage_bars[1 + c] of the consumer c that stages the next part completes.
+        # One free barrier per consumer: on a shared one, consumer 0 (a whole tile ahead when K
+        # has fewer steps than the ring has stages) could wait two phases ahead, which its parity
+        # cannot tell from the phase just completed (the protocol model caught it).
         ROWS: gl.constexpr = out_desc.block_type.shape[0]
         CHUNK_N: gl.constexpr = out_desc.block_type.shape[1]
-        CHUNKS: gl.constexpr = c_bufs.type.shape[0] // CONSUMERS
+        CHUNKS: gl.constexpr = c_bufs.type.shape[0] // (1 if STORE_MODE == 2 else CONSUMERS)
         BLOCK_M: gl.constexpr = ROWS * CONSUMERS
         BLOCK_N: gl.constexpr = CHUNK_N * CHUNKS
         num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -480,13 +506,22 @@ if _GLUON_ERROR is None:
         staged = 0  # tiles stored so far
         for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-            mbarrier.wait(stage_bars.index(0), staged & 1)
-            for c in gl.static_range(CONSUMERS):
-                for j in gl.static_range(CHUNKS):
-                    _tma_store(out_desc, [pid_m * BLOCK_M + c * ROWS, pid_n * BLOCK_N + j * CHUNK_N],
-                               c_bufs.index(c * CHUNKS + j))
-            tma.store_wait(0)  # the stores have read the staging (not: reached global memory)
-            mbarrier.arrive(stage_bars.index(1))
+            if STORE_MODE == 2:
+                for c in gl.static_range(CONSUMERS):
+                    mbarrier.wait(stage_bars.index(0), (staged * CONSUMERS + c) & 1)
+                    for j in gl.static_range(CHUNKS):
+                        _tma_store(out_desc, [pid_m * BLOCK_M + c * ROWS, pid_n * BLOCK_N + j * CHUNK_N],
+                                   c_bufs.index(j))
+                    tma.store_wait(0)
+                    mbarrier.arrive(stage_bars.index(1 + (c + 1) % CONSUMERS))
+            else:
+                mbarrier.wait(stage_bars.index(0), staged & 1)
+                for c in gl.static_range(CONSUMERS):
+                    for j in gl.static_range(CHUNKS):
+                        _tma_store(out_desc, [pid_m * BLOCK_M + c * ROWS, pid_n * BLOCK_N + j * CHUNK_N],
+                                   c_bufs.index(c * CHUNKS + j))
+                tma.store_wait(0)  # the stores have read the staging (not: reached global memory)
+                mbarrier.arrive(stage_bars.index(1))
             staged += 1
         # Returning ends the program only after its stores complete (the kernel's exit waits for them).
 
@@ -516,7 +551,7 @@ if _GLUON_ERROR is None:
         mma_layout: gl.constexpr = _mma_layout(TILE_M, BLOCK_N, CONSUMER_WARPS, IS_INT8)
         chunk_layout: gl.constexpr = _chunk_layout(TILE_M, BLOCK_N, CONSUMER_WARPS, IS_INT8, EPILOGUE_SPLIT)
         BUFFERS: gl.constexpr = c_bufs.type.shape[0] // CONSUMERS
-        FIRST: gl.constexpr = CONSUMER * BUFFERS
+        FIRST: gl.constexpr = 0 if STORE_WARP == 2 else CONSUMER * BUFFERS  # staging_turns: one shared part
 
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N)
@@ -602,7 +637,13 @@ if _GLUON_ERROR is None:
                     u = u * gl.expand_dims(w_scale_up, 0)
             else:
                 u = x  # a stand-in, unused
-            if STORE_WARP:
+            if STORE_WARP == 2:
+                # staging_turns: free once the part staged before this one (the other consumer's,
+                # of this tile or the previous one) has been read out. This consumer's free barrier
+                # completes once per tile: for consumer 0 from the second tile on (the first
+                # waits for a fresh barrier's pre-completed phase), for consumer 1 from the first.
+                mbarrier.wait(stage_bars.index(1 + CONSUMER), _previous_phase(local - 1 + CONSUMER))
+            elif STORE_WARP:
                 # The staging is free again once the store partition's stores of the previous tile
                 # have read it (every consumer takes every tile: local counts this program's tiles).
                 mbarrier.wait(stage_bars.index(1), _previous_phase(local - 1))
@@ -664,7 +705,10 @@ if _GLUON_ERROR is None:
             u_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
         else:
             u_bufs = w_bufs  # a stand-in, unused
-        if STORE_WARP:  # the whole tile staged: every chunk of every consumer its own buffer
+        if STORE_WARP == 2:  # staging_turns: one consumer's part, every chunk its own buffer
+            c_bufs = gl.allocate_shared_memory(out_desc.dtype, [EPILOGUE_SPLIT] + out_desc.block_type.shape,
+                                               out_desc.layout)
+        elif STORE_WARP:  # the whole tile staged: every chunk of every consumer its own buffer
             c_bufs = gl.allocate_shared_memory(out_desc.dtype, [CONSUMERS * EPILOGUE_SPLIT] + out_desc.block_type.shape,
                                                out_desc.layout)
         else:
@@ -675,16 +719,18 @@ if _GLUON_ERROR is None:
         empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         # Ping-pong: order_bars[c] gives consumer c its turn on the mainloop (unused with one consumer).
         order_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-        # store_warp: [0] the tile staged (by every consumer), [1] the staging read out by its stores.
-        stage_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        # store_warp: [0] the tile staged (by every consumer), [1] the staging read out by its stores
+        # (staging_turns: [0] a part staged, [1 + c] the staging free for consumer c's next part).
+        stage_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready_bars.index(i), count=1)
             # SPLIT_M: both consumers read every slot, and both release it.
             mbarrier.init(empty_bars.index(i), count=CONSUMERS if SPLIT_M else 1)
         for i in gl.static_range(CONSUMERS):
             mbarrier.init(order_bars.index(i), count=1)
-        mbarrier.init(stage_bars.index(0), count=CONSUMERS)
+        mbarrier.init(stage_bars.index(0), count=1 if STORE_WARP == 2 else CONSUMERS)
         mbarrier.init(stage_bars.index(1), count=1)
+        mbarrier.init(stage_bars.index(2), count=1)
         # The barriers' initialization must be visible to the TMA unit before the first copy.
         fence_async_shared()
         PLAIN_STORE_WARP: gl.constexpr = _plain_only(STORE_WARP, HAS_BIAS, ACTIVATION, GATED)
@@ -702,7 +748,7 @@ if _GLUON_ERROR is None:
                                        SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED)),
-                (_store_partition, (out_desc, c_bufs, stage_bars, M, N, GROUP_M, CONSUMERS)),
+                (_store_partition, (out_desc, c_bufs, stage_bars, M, N, GROUP_M, CONSUMERS, PLAIN_STORE_WARP)),
             ], [1, 1], [LOADER_REGS, LOADER_REGS])
         elif CONSUMERS == 1:
             gl.warp_specialize([
@@ -725,7 +771,7 @@ if _GLUON_ERROR is None:
                                        SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED)),
-                (_store_partition, (out_desc, c_bufs, stage_bars, M, N, GROUP_M, CONSUMERS)),
+                (_store_partition, (out_desc, c_bufs, stage_bars, M, N, GROUP_M, CONSUMERS, PLAIN_STORE_WARP)),
             ], [num_warps, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
@@ -836,7 +882,7 @@ class GluonCall:
             STAGES=config.stages, CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
             EPILOGUE_BUFFERS=config.epilogue_buffers, LOADER_REGS=config.loader_regs,
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
-            SPLIT_M=config.split_m, STORE_WARP=config.store_warp, LEAN_START=config.lean_start,
+            SPLIT_M=config.split_m, STORE_WARP=config.store_mode, LEAN_START=config.lean_start,
             num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the
         # constexprs in signature order (after the 9 runtime arguments) for the cached launcher.

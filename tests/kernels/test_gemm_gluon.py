@@ -124,7 +124,7 @@ def _compile(config, dtype: str, activation: int = 2):
                      EPILOGUE_BUFFERS=config.epilogue_buffers,
                      LOADER_REGS=config.loader_regs, CONSUMER_REGS=config.consumer_regs,
                      GATED=config.gated, EARLY_SCALES=config.early_scales, SPLIT_M=config.split_m,
-                     STORE_WARP=config.store_warp, LEAN_START=config.lean_start, num_warps=config.consumer_warps)
+                     STORE_WARP=config.store_mode, LEAN_START=config.lean_start, num_warps=config.consumer_warps)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(gemm_gluon._scaled_mm_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.consumer_warps))
@@ -252,13 +252,16 @@ class _Barrier:
 
 
 def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=False, staged=False,
-                  guard_staging=True):
+                  guard_staging=True, turns=False):
     """``split``: two consumers on halves of every tile (split_m), each releasing every slot
     (empty barriers of 2 arrivals). ``staged`` (store_warp; every consumer on every tile): each
     consumer writes its part of the tile into the staging after waiting on stage[1] (the previous
     tile's stores have read it), then arrives on stage[0]; a store agent waits on stage[0], issues
     the tile's TMA stores (which read the staging until they land, in any order) and arrives on stage[1].
-    ``guard_staging=False`` drops the consumers' wait on stage[1] (the model must then fail)."""
+    ``guard_staging=False`` drops the consumers' wait on stage[1] (the model must then fail).
+    ``turns`` (staging_turns): one part-sized staging; the parts go in tile, then consumer order, one
+    phase of stage[0] (1 arrival) per part; once a part is read out, the store agent arrives on the
+    free barrier stage[1 + c] of the consumer c that stages the next part."""
     ring_slot_phase, previous_phase, turn_phase = (gemm_gluon.ring_slot_phase, gemm_gluon.previous_phase,
                                                    gemm_gluon.turn_phase)
     ready = [_Barrier() for _ in range(stages)]
@@ -270,7 +273,7 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
     in_flight = [[] for _ in range(consumers)]  # each consumer's issued, unretired MMAs: steps
     handed_over = set()  # tiles whose consumer passed the turn on
     consumed = []
-    stage = [_Barrier(consumers), _Barrier()]
+    stage = [_Barrier(1 if turns else consumers), _Barrier(), _Barrier()]
     staging = [None] * consumers  # the tile whose part each consumer's staging holds
     storing = []  # TMA stores reading the staging: tiles
     stored = []
@@ -317,7 +320,14 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
                 handed_over.add(local)
             yield lambda: not in_flight[c]  # warpgroup_mma_wait(0)
             release(c, (step + stages - 1) % stages, step - 1)
-            if staged:
+            if staged and turns:
+                part = local * consumers + c
+                if guard_staging:  # this consumer's free barrier, one phase per tile (see store())
+                    yield wait(stage[1 + c], gemm_gluon.previous_phase(local + c), local + c - 1)
+                assert not storing and (part == 0 or stored[-1] == part - 1), "staging overwritten before stored"
+                staging[0] = part
+                stage[0].arrive()
+            elif staged:
                 if guard_staging:
                     yield wait(stage[1], gemm_gluon.previous_phase(local), local - 1)
                 assert not storing and (local == 0 or stored[-1] == local - 1), "staging overwritten before stored"
@@ -326,6 +336,16 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
 
     def store():
         for local in range(tiles):
+            if turns:
+                for c in range(consumers):
+                    part = local * consumers + c
+                    yield wait(stage[0], (local * consumers + c) & 1, part)
+                    assert staging[0] == part, f"part {part} stored from staging holding {staging[0]}"
+                    storing.append(part)
+                    yield lambda: not storing
+                    stored.append(part)
+                    stage[1 + (c + 1) % consumers].arrive()
+                continue
             yield wait(stage[0], local & 1, local)
             assert staging == [local] * consumers, f"tile {local} stored from staging holding {staging}"
             storing.append(local)
@@ -357,7 +377,8 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
             slot_data[slot] = step
             ready[slot].arrive()
         elif kind == "stored":  # the tile's TMA stores have read the staging
-            assert staging == [storing[0]] * consumers, "staging changed under its stores"
+            assert staging[0] == storing[0] if turns else staging == [storing[0]] * consumers, \
+                "staging changed under its stores"
             storing.pop()
         elif kind == "retire":  # one consumer's wgmmas retire in issue order
             step = in_flight[i].pop(0)
@@ -369,7 +390,7 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
                 live.discard(i)
                 waiting[i] = None
     assert sorted(consumed) == sorted(list(range(tiles * k_steps)) * (2 if split else 1))
-    assert stored == (list(range(tiles)) if staged else [])
+    assert stored == (list(range(tiles * (consumers if turns else 1))) if staged else [])
 
 
 @pytest.mark.parametrize("consumers", [1, 2], ids=["cooperative", "ping-pong"])
@@ -413,6 +434,23 @@ def test_barrier_protocol_model_store_partition(consumers, split):
     for tiles, k_steps, stages in cases:
         for _ in range(3):
             _run_protocol(tiles, k_steps, stages, consumers, rng, split=split, staged=True)
+
+
+def test_barrier_protocol_model_store_partition_in_turns():
+    """staging_turns: the two warpgroups of a split tile take turns on one part-sized staging
+    (consumer 0's part of a tile, then consumer 1's): no deadlock with the ring, no ambiguous wait,
+    no part staged over one its stores still read."""
+    import random
+
+    rng = random.Random(11)
+    cases = [(3, 32, 4), (1, 1, 2), (5, 1, 2), (2, 3, 3)]
+    cases += [(rng.randint(1, 7), rng.randint(1, 12), rng.randint(2, 5)) for _ in range(100)]
+    for tiles, k_steps, stages in cases:
+        for _ in range(3):
+            _run_protocol(tiles, k_steps, stages, 2, rng, split=True, staged=True, turns=True)
+    with pytest.raises(AssertionError, match="staging"):
+        for seed in range(50):
+            _run_protocol(4, 2, 2, 2, random.Random(seed), split=True, staged=True, turns=True, guard_staging=False)
 
 
 def test_barrier_protocol_model_catches_unguarded_staging():
