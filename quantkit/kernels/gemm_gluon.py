@@ -239,7 +239,10 @@ CONFIGS = {
     "coop2_128x256_g16_sw": GluonConfig(128, 256, 128, stages=3, consumers=2, consumer_warps=4, epilogue_split=4,
                                         split_m=True, group_m=16, store_warp=True, lean_start=True),
     # The store partition with the warpgroups taking turns on one part-sized staging (32 KB), so
-    # that four ring stages fit.
+    # that four ring stages fit. H100 traces (FP8, plain, session 15 run 6): mainloop 32.3-32.6k
+    # cycles (sw: 34.1k), step to the next tile 0.13k, but the epilogue, the second warpgroup's wait
+    # for its turn included, 2.4k: per tile no shorter than the lean start alone. INT8: 1.09-1.14x
+    # coop2_128x256_g16 at 6 of the 8 points with M >= 4096 in the same run (0.98-0.99x at the others).
     "coop2_128x256_g16_swt": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
                                          split_m=True, group_m=16, store_warp=True, staging_turns=True,
                                          lean_start=True),
@@ -923,9 +926,11 @@ class GluonCall:
 # fastest INT8 kernel at each of the 12 large-M points in session 8; in session 9 coop2_128x256 beat
 # the tuned pick among them at all 8 points with M >= 4096 (1.01-1.07x); pp_128x128 stays for
 # M = 1024, where the partial last wave matters. coop2_128x256_g16_lean (session 15) beat
-# coop2_128x256_g16 at 7 of the 12 points with INT8 (plain; 562 against 593 us at 16384x6144).
+# coop2_128x256_g16 at 7 of the 12 points with INT8 (plain; 562 against 593 us at 16384x6144), and
+# coop2_128x256_g16_swt beat it by 1.09-1.14x at 6 of the 8 points with M >= 4096 in session 15's
+# run 6 (H100, plain: 544 against 603 us at 16384x6144, 620 against 707 at 4096x28672).
 TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop_128x256_k64", "coop2_128x256",
-                   "coop2_128x256_g16_lean")
+                   "coop2_128x256_g16_lean", "coop2_128x256_g16_swt")
 # FP8's (fast accumulation; plain, not gated): measured on an H100 in session 10 at the same 12
 # points, each of these four was the fastest FP8 config at one point or more (pp_128x128 at
 # 6144x4096, M = 1024; coop2_128x256_g16 at 9), and the fastest of them beat the Triton FP8 kernel
@@ -933,7 +938,7 @@ TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop_128x256_
 # forms of coop2_128x256_g16 (they differ from it with the plain epilogue only); the tuner picked one
 # of them at 9 of the 12 points with M >= 1024 in that session's standard run (H100).
 FP8_TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop2_128x256", "coop2_128x256_g16",
-                       "coop2_128x256_g16_sw", "coop2_128x256_g16_lean")
+                       "coop2_128x256_g16_sw", "coop2_128x256_g16_swt", "coop2_128x256_g16_lean")
 # The gated GEMM's candidates, INT8 and FP8 (all of GATED_CONFIGS): at gate_up 2 x 14336 x 4096
 # on an H100 each was the fastest gated config of a dtype at one M or more of 256 ... 16384
 # (sessions 10 and 11; gated_coop2_128x128 for FP8 and INT8 at M = 4096).
