@@ -100,8 +100,10 @@ def test_pick_config_returns_a_listed_config(M, N, K):
     assert gemm_gluon.pick_config(N, K, M, torch.float8_e4m3fn) in gemm_gluon.CONFIGS.values()
 
 
-def _compile(config, dtype: str, activation: int = 2):
-    """Compile for sm_90 without a GPU (Gluon's own source object, as its JIT builds it)."""
+def _compile(config, dtype: str, activation: int = 2, plain: bool = False):
+    """Compile for sm_90 without a GPU (Gluon's own source object, as its JIT builds it). ``plain``:
+    no bias, no activation (the epilogue store_warp and lean_start act on); else a bias (not
+    gated) and ``activation``."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -119,7 +121,8 @@ def _compile(config, dtype: str, activation: int = 2):
         "out_desc": desc("bf16", [config.stored_rows, chunk_n], gl.bfloat16),
         "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
     }
-    constants = dict(HAS_BIAS=not config.gated, ACTIVATION=activation, GROUP_M=config.group_m, STAGES=config.stages,
+    constants = dict(HAS_BIAS=not (config.gated or plain), ACTIVATION=0 if plain else activation,
+                     GROUP_M=config.group_m, STAGES=config.stages,
                      CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
                      EPILOGUE_BUFFERS=config.epilogue_buffers,
                      LOADER_REGS=config.loader_regs, CONSUMER_REGS=config.consumer_regs,
@@ -141,8 +144,11 @@ def _ptxas_for_sm90():
         return shutil.which("ptxas", path=str(triton.__path__[0] + "/backends/nvidia/bin"))
 
 
-COMPILE_CASES = [(name, dtype) for name in list(gemm_gluon.CONFIGS) + list(gemm_gluon.GATED_CONFIGS)
+COMPILE_CASES = [(name, dtype, "fused") for name in list(gemm_gluon.CONFIGS) + list(gemm_gluon.GATED_CONFIGS)
                  for dtype in ("fp8e4nv", "i8")]
+# The plain epilogue too where a config's flags change it (store partition, lean start).
+COMPILE_CASES += [(name, dtype, "plain") for name, cfg in gemm_gluon.CONFIGS.items()
+                  if cfg.store_warp or cfg.lean_start for dtype in ("fp8e4nv", "i8")]
 # Every config and dtype compiled in one fresh process. Not in this one: under TRITON_INTERPRET=1,
 # once other tests had run interpreted Triton kernels, Gluon's compiler ended up in Triton's
 # interpreter (tl.cdiv raising inside triton/runtime/interpreter.py) or not depending on the order
@@ -153,10 +159,10 @@ from quantkit.kernels import gemm_gluon
 from tests.kernels.test_gemm_gluon import _compile
 out, cases = sys.argv[1], json.loads(sys.argv[2])
 summary = {}
-for name, dtype in cases:
-    key = name + "-" + dtype
+for name, dtype, epilogue in cases:
+    key = name + "-" + dtype + "-" + epilogue
     try:
-        kernel = _compile(gemm_gluon.config_named(name), dtype)
+        kernel = _compile(gemm_gluon.config_named(name), dtype, plain=epilogue == "plain")
     except Exception as error:
         summary[key] = {"error": (type(error).__name__ + ": " + str(error))[-4000:]}
         continue
@@ -181,23 +187,28 @@ def sm90_builds(tmp_path_factory):
 
 @pytest.mark.skipif(not triton.__version__.startswith(gemm_gluon.SUPPORTED_TRITON),
                     reason="the kernels are written against the Gluon of triton 3.6 and 3.9")
-@pytest.mark.parametrize("name, dtype", COMPILE_CASES)
-def test_compiles_for_sm90(name, dtype, sm90_builds, tmp_path):
+@pytest.mark.parametrize("name, dtype, epilogue", COMPILE_CASES)
+def test_compiles_for_sm90(name, dtype, epilogue, sm90_builds, tmp_path):
     """Asynchronous wgmma for INT8 as for FP8 (one MMA in flight: wait_group 1 in the K loop; gated:
     the gate and up MMAs of a step in flight, wait_group 2, and no wait_group 1 that would retire
     the gate MMA of the step just issued), a producer partition (setmaxnreg), shared memory within
     an H100's, no register spills."""
     config = gemm_gluon.config_named(name)
     out, summary = sm90_builds
-    built = summary[f"{name}-{dtype}"]
+    built = summary[f"{name}-{dtype}-{epilogue}"]
     assert "error" not in built, built.get("error")
-    ptx = (out / f"{name}-{dtype}.ptx").read_text()
+    ptx = (out / f"{name}-{dtype}-{epilogue}.ptx").read_text()
     assert "wgmma.mma_async" in ptx
     in_flight = 2 if config.gated else 1
     waits = set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx))
     assert waits == {"0", str(in_flight)}, waits
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert built["shared"] <= gemm_gluon.SHARED_LIMIT
+    if epilogue == "plain" and config.store_warp:
+        # The store partition stores the staged tile; the consumers' per-chunk path (a store_wait
+        # for all but the last BUFFERS - 1 stores before each chunk) is not compiled in.
+        assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)
+        assert not re.search(r"cp\.async\.bulk\.wait_group\.read\s+[1-9]", ptx)
     ptxas = _ptxas_for_sm90()
     if ptxas:
         (tmp_path / "k.ptx").write_text(ptx)
