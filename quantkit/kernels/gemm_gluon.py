@@ -21,7 +21,9 @@ synchronous wgmma (``wgmma.wait_group 0`` after every K step). Gluon exposes the
 - plain epilogue only (no bias, no activation, not gated; the others spilled): ``store_warp`` moves
   the TMA stores to a one-warp store partition. The consumers stage the whole tile (every chunk its
   own buffer), fence once and hand it over through stage_bars[0]; the store partition gives the
-  staging back through stage_bars[1] once its stores have read it. ``lean_start``: a tile's first
+  staging back through stage_bars[1] once its stores have read it (``staging_turns``: the two
+  warpgroups of a split tile take turns on one warpgroup-sized staging, one free barrier each,
+  stage_bars[1 + c]). ``lean_start``: a tile's first
   MMA ignores its accumulator (use_acc off; it is handed the previous tile's registers, no
   zeroing), and the next tile's coordinates are computed under the last MMA.
 - CONSUMERS=1 ("cooperative"): one partition of CONSUMER_WARPS (8: two warpgroups, each owns 64
