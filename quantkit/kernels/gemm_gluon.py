@@ -248,9 +248,11 @@ CONFIGS = {
     "coop2_128x256_g16_swt": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
                                          split_m=True, group_m=16, store_warp=True, staging_turns=True,
                                          lean_start=True),
-    # The lean start alone, with four stages and the staging of coop2_128x256_g16: ~1.1k fewer
-    # cycles outside the MMAs per tile. At 232 registers it spilled 48 bytes on triton 3.6 (the
-    # scaled tile held for the hand-over); the loader at setmaxnreg's floor (24) frees 8 more.
+    # The lean start alone, with four stages and the staging of coop2_128x256_g16: about 0.4k fewer
+    # cycles per tile (first-data wait and next-tile step 0.7k shorter and the drain 0.3k, the
+    # mainloop 0.6k longer with the next coordinates in it). At 232 registers it spilled 48 bytes on
+    # triton 3.6 (the scaled tile held for the hand-over); the loader at setmaxnreg's floor (24)
+    # frees 8 more.
     "coop2_128x256_g16_lean": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
                                           split_m=True, group_m=16, lean_start=True, loader_regs=24,
                                           consumer_regs=240),
