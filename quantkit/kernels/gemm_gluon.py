@@ -190,15 +190,20 @@ class GluonConfig:
         return 2 if self.staging_turns else int(self.store_warp)
 
     @property
+    def staging_buffers(self) -> int:
+        """Output chunk buffers in shared memory, as the kernel allocates them (its STAGING)."""
+        if self.staging_turns:
+            return self.epilogue_split
+        return self.consumers * (self.epilogue_split if self.store_warp else self.epilogue_buffers)
+
+    @property
     def stored_rows(self) -> int:
         """Rows of one consumer's output chunk (its TMA store box)."""
         return self.block_m // 2 if self.split_m else self.block_m
 
     def shared_bytes(self, out_bytes: int = 2) -> int:
         ring = self.stages * (self.block_m + (2 if self.gated else 1) * self.block_n) * self.block_k  # 8-bit operands
-        buffers = self.epilogue_split if self.store_warp else self.epilogue_buffers
-        staging = ((1 if self.staging_turns else self.consumers) * buffers * self.stored_rows
-                   * (self.block_n // self.epilogue_split) * out_bytes)
+        staging = self.staging_buffers * self.stored_rows * (self.block_n // self.epilogue_split) * out_bytes
         return ring + staging + (2 * self.stages + self.consumers + 3) * 8 + 1024  # barriers, alignment slack
 
 
@@ -712,16 +717,12 @@ if _GLUON_ERROR is None:
             u_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
         else:
             u_bufs = w_bufs  # a stand-in, unused
-        if STORE_WARP == 2:  # staging_turns: one consumer's part, every chunk its own buffer
-            c_bufs = gl.allocate_shared_memory(out_desc.dtype, [EPILOGUE_SPLIT] + out_desc.block_type.shape,
-                                               out_desc.layout)
-        elif STORE_WARP:  # the whole tile staged: every chunk of every consumer its own buffer
-            c_bufs = gl.allocate_shared_memory(out_desc.dtype, [CONSUMERS * EPILOGUE_SPLIT] + out_desc.block_type.shape,
-                                               out_desc.layout)
-        else:
-            c_bufs = gl.allocate_shared_memory(out_desc.dtype,
-                                               [CONSUMERS * EPILOGUE_BUFFERS] + out_desc.block_type.shape,
-                                               out_desc.layout)
+        # Output staging (GluonConfig.staging_buffers): with a store partition every chunk its own
+        # buffer, for one consumer's part (staging_turns) or for every consumer's; else
+        # EPILOGUE_BUFFERS per consumer.
+        STAGING: gl.constexpr = (EPILOGUE_SPLIT if STORE_WARP == 2 else
+                                 CONSUMERS * (EPILOGUE_SPLIT if STORE_WARP else EPILOGUE_BUFFERS))
+        c_bufs = gl.allocate_shared_memory(out_desc.dtype, [STAGING] + out_desc.block_type.shape, out_desc.layout)
         ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         # Ping-pong: order_bars[c] gives consumer c its turn on the mainloop (unused with one consumer).

@@ -350,7 +350,7 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
             if turns:
                 for c in range(consumers):
                     part = local * consumers + c
-                    yield wait(stage[0], (local * consumers + c) & 1, part)
+                    yield wait(stage[0], part & 1, part)
                     assert staging[0] == part, f"part {part} stored from staging holding {staging[0]}"
                     storing.append(part)
                     yield lambda: not storing
