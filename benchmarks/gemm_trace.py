@@ -79,9 +79,12 @@ SUBSTITUTIONS = [
 ]
 
 
-def traced_module():
+def traced_module(clock: str = "clock64"):
+    """The traced copy of gemm_gluon; ``clock``: the register read at each trace point, ``clock64``
+    (the SM's cycle counter) or ``globaltimer`` (nanoseconds, one timer for every SM)."""
     source = (ROOT / "quantkit/kernels/gemm_gluon.py").read_text()
-    for old, new, count in SUBSTITUTIONS:
+    substitutions = [(old, new.replace("%clock64", "%" + clock), count) for old, new, count in SUBSTITUTIONS]
+    for old, new, count in substitutions:
         if source.count(old) != count:
             raise SystemExit(f"gemm_gluon.py changed: {old[:60]!r} found {source.count(old)} times, expected {count}")
         source = source.replace(old, new)
@@ -131,6 +134,26 @@ def event_ms(run, reps=20):
     return statistics.median(times)
 
 
+def balance(rows_of):
+    """How evenly the programs finish (meaningful with --clock globaltimer, one timer for all SMs):
+    per program its tiles, first start and last store; grouped by tile count, the end times
+    relative to the earliest start; and the SMs' busy share of the kernel's span."""
+    programs = []
+    for consumers in rows_of:
+        rows = [row for rows in consumers for row in rows]
+        if rows:
+            programs.append((len(rows), min(r[0] for r in rows), max(r[4] for r in rows)))
+    start = min(p[1] for p in programs)
+    span = max(p[2] for p in programs) - start
+    by_tiles = {}
+    for tiles, first, last in programs:
+        by_tiles.setdefault(tiles, []).append(last - start)
+    groups = {str(t): {"programs": len(v), "end_min": min(v), "end_median": statistics.median(v), "end_max": max(v)}
+              for t, v in sorted(by_tiles.items())}
+    busy = sum(last - first for _, first, last in programs) / (len(programs) * span)
+    return {"span": span, "busy": busy, "start_spread": max(p[1] for p in programs) - start, "by_tiles": groups}
+
+
 def analyse(trace, grid, consumers, split, tiles_total, ideal):
     t = trace.view(grid, consumers, MAX_TILES, 5).tolist()
     # rows[p][c]: the (t0, ..., t4) of each tile consumer c of program p stored (t0 = 0: none).
@@ -160,6 +183,7 @@ def analyse(trace, grid, consumers, split, tiles_total, ideal):
         if consumers == 2 and not split:
             handover += [nxt[1] - cur[2] for cur, nxt in zip(tiles, tiles[1:])]
     summary["program_cycles_mean"] = statistics.fmean(spans)
+    summary["balance"] = balance(rows_of)
     if handover:
         summary["handover"] = {"median": statistics.median(handover), "mean": statistics.fmean(handover)}
     summary["first_data_cold_mean"] = statistics.fmean(cold) if cold else None
@@ -174,14 +198,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--configs", default="coop2_128x256_g16,pp_128x128")
+    parser.add_argument("--clock", choices=("clock64", "globaltimer"), default="clock64",
+                        help="globaltimer: nanoseconds on one timer for all SMs (for the balance across programs)")
+    parser.add_argument("--points", default=None, help="MxNxK,... (default: the three large-M points)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    mod = traced_module()
+    mod = traced_module(args.clock)
+    points = POINTS if not args.points else [tuple(map(int, p.split("x"))) for p in args.points.split(",")]
     results, lines = [], []
     meta = environment_metadata()
     lines.append(f"{meta.get('gpu')} torch {meta.get('torch')} triton {meta.get('triton')}  (SM cycles per tile, "
                  "mean over all tiles; median in brackets)")
-    for M, N, K in POINTS:
+    unit = "cycles" if args.clock == "clock64" else "ns"
+    for M, N, K in points:
         for name in args.configs.split(","):
             config = mod.CONFIGS[name]
             run_t, trace, grid, out, ref = launcher(mod, name, M, N, K, traced=True)
@@ -208,13 +237,19 @@ def main() -> None:
                          f"ideal MMA {ideal} cycles/tile")
             lines.append("  " + "  ".join(f"{k} {summary[k]['mean']:.0f} [{summary[k]['median']:.0f}]"
                                           for k in EVENTS + ("gap",) if k in summary))
+            warm = summary["first_data_warm_mean"]  # None where every program has one tile
             lines.append(f"  first data: program's first tile {summary['first_data_cold_mean']:.0f}, "
-                         f"later tiles {summary['first_data_warm_mean']:.0f}; program span "
+                         f"later tiles {'-' if warm is None else f'{warm:.0f}'}; program span "
                          f"{summary['program_cycles_mean']:.0f} cycles = {summary['program_cycles_mean'] / (ms_t * 1e3):.0f} "
                          f"per us of the traced kernel"
                          + (f"; hand-over {summary['handover']['mean']:.0f} [{summary['handover']['median']:.0f}]"
                             if "handover" in summary else ""))
-            print("\n".join(lines[-3:]), flush=True)
+            b = summary["balance"]
+            lines.append(f"  balance ({unit}): span {b['span']}, SMs busy {b['busy']:.3f} of it, starts spread over "
+                         f"{b['start_spread']}; end by tile count: " + "; ".join(
+                             f"{t} tiles x{g['programs']}: {g['end_min']}..{g['end_median']:.0f}..{g['end_max']}"
+                             for t, g in b["by_tiles"].items()))
+            print("\n".join(lines[-4:]), flush=True)
             (args.out / "gemm_trace.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
             (args.out / "gemm_trace.txt").write_text("\n".join(lines) + "\n")
 
