@@ -425,12 +425,6 @@ if _GLUON_ERROR is None:
         return x
 
     @gluon.jit
-    def _grid_dependency_wait():
-        # griddepcontrol.wait (sm_90): returns once the grids this launch depends on have completed
-        # and their memory operations are visible; immediately where the launch was an ordinary one.
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
     def _load_partition(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
         # Gated: N counts the outputs; w_desc is the stacked (2N, K) weight, the up rows N below the
@@ -715,11 +709,8 @@ if _GLUON_ERROR is None:
                           STAGES: gl.constexpr, CONSUMERS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr,
                           EPILOGUE_BUFFERS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, SPLIT_M: gl.constexpr,
-                          STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr, GRID_WAIT: gl.constexpr,
-                          num_warps: gl.constexpr):
+                          STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr, num_warps: gl.constexpr):
         # GATED: out (M, N) = act(gate) * up over the stacked (2N, K) weight of w_desc; N counts outputs.
-        # GRID_WAIT (launched with programmatic dependent launch): everything up to the wait below
-        # (the CTA's launch, shared memory, barriers) runs under the end of the previous kernel.
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
         if GATED:
@@ -750,10 +741,6 @@ if _GLUON_ERROR is None:
         mbarrier.init(stage_bars.index(2), count=1)
         # The barriers' initialization must be visible to the TMA unit before the first copy.
         fence_async_shared()
-        if GRID_WAIT:
-            # No global memory is touched before the previous kernel has finished and its writes
-            # are visible; the worker partitions start after this point.
-            _grid_dependency_wait()
         PLAIN_STORE_WARP: gl.constexpr = _plain_only(STORE_WARP, HAS_BIAS, ACTIVATION, GATED)
         PLAIN_LEAN: gl.constexpr = _plain_only(LEAN_START, HAS_BIAS, ACTIVATION, GATED)
 
@@ -875,10 +862,6 @@ def _check(a, w, a_scale, w_scale, bias, activation, out_dtype, gated=False):
 # validation and layout objects per call: ~100+ us of host time per launch, measured as eager
 # 1x2048 prefill going host-bound on the H100 in session 8). QUANTKIT_GLUON_CACHED_LAUNCH=0 turns it off.
 CACHED_LAUNCH = os.environ.get("QUANTKIT_GLUON_CACHED_LAUNCH", "1") != "0"
-# Programmatic dependent launch: the kernel may start while the previous kernel in the stream
-# finishes, and waits (griddepcontrol.wait) before its first global access, so its launch and
-# set-up overlap the other kernel's end. QUANTKIT_PDL=0 launches it the ordinary way.
-PDL = os.environ.get("QUANTKIT_PDL", "1") != "0"
 _COMPILED: dict = {}
 
 
@@ -893,12 +876,11 @@ class GluonCall:
     a_scale (M,) and w_scale (N,) float32, ``bias_arg`` the bias or any tensor when there is none.
     A gated config (``config.gated``): w the stacked (2N, K) [gate; up] weight, w_scale (2N,), no bias."""
 
-    __slots__ = ("config", "grid", "constexprs", "chunk_n", "key", "tail", "pdl")
+    __slots__ = ("config", "grid", "constexprs", "chunk_n", "key", "tail")
 
     def __init__(self, config: GluonConfig, M: int, N: int, device: torch.device, has_bias: bool,
-                 activation: str, pdl: bool | None = None) -> None:
+                 activation: str) -> None:
         self.config = config
-        self.pdl = PDL if pdl is None else pdl
         tiles = cdiv(M, config.block_m) * cdiv(N, config.block_n)
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.grid = (min(num_sms(index), tiles),)
@@ -909,7 +891,7 @@ class GluonCall:
             EPILOGUE_BUFFERS=config.epilogue_buffers, LOADER_REGS=config.loader_regs,
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
             SPLIT_M=config.split_m, STORE_WARP=config.store_mode, LEAN_START=config.lean_start,
-            GRID_WAIT=self.pdl, num_warps=config.consumer_warps)
+            num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the
         # constexprs in signature order (after the 9 runtime arguments) for the cached launcher.
         self.key = (config, tuple(self.constexprs.items()))
@@ -931,7 +913,7 @@ class GluonCall:
             w_desc = _weight_descriptor(w, [cfg.block_n, cfg.block_k])
             out_desc = _descriptor(out, [cfg.stored_rows, self.chunk_n], shape=[M, N], strides=[out.stride(0), 1])
             compiled = _scaled_mm_kernel[self.grid](a_desc, w_desc, out_desc, a_scale, w_scale, bias_arg, M, N, K,
-                                                    launch_pdl=self.pdl, **self.constexprs)
+                                                    **self.constexprs)
             if CACHED_LAUNCH and hasattr(compiled, "packed_metadata"):
                 _COMPILED[(device, key)] = compiled
             return

@@ -100,7 +100,7 @@ def test_pick_config_returns_a_listed_config(M, N, K):
     assert gemm_gluon.pick_config(N, K, M, torch.float8_e4m3fn) in gemm_gluon.CONFIGS.values()
 
 
-def _compile(config, dtype: str, activation: int = 2, plain: bool = False, grid_wait: bool = True):
+def _compile(config, dtype: str, activation: int = 2, plain: bool = False):
     """Compile for sm_90 without a GPU (Gluon's own source object, as its JIT builds it). ``plain``:
     no bias, no activation (the epilogue store_warp and lean_start act on); else a bias (not
     gated) and ``activation``."""
@@ -127,8 +127,7 @@ def _compile(config, dtype: str, activation: int = 2, plain: bool = False, grid_
                      EPILOGUE_BUFFERS=config.epilogue_buffers,
                      LOADER_REGS=config.loader_regs, CONSUMER_REGS=config.consumer_regs,
                      GATED=config.gated, EARLY_SCALES=config.early_scales, SPLIT_M=config.split_m,
-                     STORE_WARP=config.store_mode, LEAN_START=config.lean_start, GRID_WAIT=grid_wait,
-                     num_warps=config.consumer_warps)
+                     STORE_WARP=config.store_mode, LEAN_START=config.lean_start, num_warps=config.consumer_warps)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(gemm_gluon._scaled_mm_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.consumer_warps))
@@ -205,8 +204,6 @@ def test_compiles_for_sm90(name, dtype, epilogue, sm90_builds, tmp_path):
     assert waits == {"0", str(in_flight)}, waits
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert built["shared"] <= gemm_gluon.SHARED_LIMIT
-    # Programmatic dependent launch: one grid-dependency wait, before the partitions start.
-    assert ptx.count("griddepcontrol.wait") == 1
     if epilogue == "plain" and config.store_warp:
         # The store partition stores the staged tile; the consumers' per-chunk path (a store_wait
         # for all but the last BUFFERS - 1 stores before each chunk) is not compiled in.
