@@ -42,8 +42,8 @@ MAX_TILES = 64  # per consumer and program, as the traced kernel indexes its buf
 
 # (old, new, count): the lines added to gemm_gluon.py for the traced copy.
 SUBSTITUTIONS = [
-    ("bias_ptr, M, N, K, ws_ptr, cnt_ptr, TAIL_SPLIT,\n                            CONSUMER: gl.constexpr,",
-     "bias_ptr, M, N, K, ws_ptr, cnt_ptr, TAIL_SPLIT, trace_ptr,\n                            CONSUMER: gl.constexpr,", 1),
+    ("a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, CONSUMER: gl.constexpr,",
+     "a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, trace_ptr, CONSUMER: gl.constexpr,", 1),
     ("    @gluon.jit\n    def _halves(x):",
      "    @gluon.jit\n    def _clock(dummy):\n"
      "        return gl.inline_asm_elementwise(\"mov.u64 $0, %clock64;\", \"=l,r\", [dummy], dtype=gl.int64,\n"
@@ -59,7 +59,7 @@ SUBSTITUTIONS = [
     ("            mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES))\n            local += TURNS\n",
      "            mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES))\n            t3 = _clock(tile)\n"
      "            local += TURNS\n", 1),
-    ("                acc = x.to(acc_dtype, bitcast=True)\n        if TAIL:",
+    ("                acc = x.to(acc_dtype, bitcast=True)\n        tma.store_wait(0)",
      "                acc = x.to(acc_dtype, bitcast=True)\n"
      "            t4 = _clock(tile)\n"
      "            n_tile = (local - TURNS) // TURNS\n"
@@ -67,14 +67,15 @@ SUBSTITUTIONS = [
      f"            if n_tile < {MAX_TILES}:\n"
      "                gl.store(base + 0, t0)\n                gl.store(base + 1, t1)\n"
      "                gl.store(base + 2, t2)\n                gl.store(base + 3, t3)\n"
-     "                gl.store(base + 4, t4)\n        if TAIL:", 1),
-    ("                          TAIL_SPLIT,\n                          HAS_BIAS: gl.constexpr,",
-     "                          TAIL_SPLIT, trace_ptr,\n                          HAS_BIAS: gl.constexpr,", 1),
-    ("M, N, K, ws_ptr, cnt_ptr, TAIL_SPLIT, 0,", "M, N, K, ws_ptr, cnt_ptr, TAIL_SPLIT, trace_ptr, 0,", 4),
-    ("M, N, K, ws_ptr, cnt_ptr, TAIL_SPLIT, 1,", "M, N, K, ws_ptr, cnt_ptr, TAIL_SPLIT, trace_ptr, 1,", 2),
-    ('@gluon.jit(do_not_specialize=["M", "N", "K", "TAIL_SPLIT"])',
-     '@gluon.jit(do_not_specialize=["M", "N", "K", "TAIL_SPLIT", "trace_ptr"])', 1),
-    ("_scaled_mm_kernel.arg_names[12:]", "_scaled_mm_kernel.arg_names[13:]", 1),  # GluonCall's constexpr tail
+     "                gl.store(base + 4, t4)\n        tma.store_wait(0)", 1),
+    ("bias_ptr, M, N, K,\n                          HAS_BIAS: gl.constexpr,",
+     "bias_ptr, M, N, K, trace_ptr,\n                          HAS_BIAS: gl.constexpr,", 1),
+    ("a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS,",
+     "a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, trace_ptr, 0, CONSUMERS,", 4),
+    ("a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS,",
+     "a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, trace_ptr, 1, CONSUMERS,", 2),
+    ('@gluon.jit(do_not_specialize=["M", "N", "K"])', '@gluon.jit(do_not_specialize=["M", "N", "K", "trace_ptr"])', 1),
+    ("_scaled_mm_kernel.arg_names[9:]", "_scaled_mm_kernel.arg_names[10:]", 1),  # GluonCall's constexpr tail
 ]
 
 
@@ -111,14 +112,7 @@ def launcher(mod, name, M, N, K, traced):
     out_desc = mod._descriptor(out, [config.stored_rows, call.chunk_n])
 
     def run():
-        # The tail's partials and counters as GluonCall passes them (tail_split configs; the tail
-        # units themselves are not traced).
-        split, partials, counters = 1, w_scale, w_scale.view(torch.int32)
-        if call.tail_split:
-            split = mod.tail_split_for(call.tiles, grid, -(-K // config.block_k))
-            if split > 1:
-                partials, counters = mod.tail_workspace(a.device.index or 0, config)
-        args = (a_desc, w_desc, out_desc, a_scale, w_scale, w_scale, M, N, K, partials, counters, split)
+        args = (a_desc, w_desc, out_desc, a_scale, w_scale, w_scale, M, N, K)
         if traced:
             mod._scaled_mm_kernel[call.grid](*args, trace, **call.constexprs)
         else:

@@ -148,12 +148,6 @@ class GluonConfig:
     # The next tile's start kept short: its first MMA ignores the accumulator (use_acc off) instead
     # of 128 registers being zeroed, and its coordinates are computed under this tile's last MMA.
     lean_start: bool = False
-    # Stream-K for the partial last round (split_m only, not gated): where the tiles do not fill
-    # the programs' last round, its tiles are split along K into tail_split_for() units each and
-    # spread over every program; all but a tile's last unit leave fp32 / int32 partials in a
-    # workspace, which the last one adds before the epilogue. Without it, the programs that get
-    # no tile in the last round idle for a whole tile.
-    tail_split: bool = False
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
@@ -172,8 +166,6 @@ class GluonConfig:
             raise ValueError("staging_turns needs store_warp=True and split_m=True (two warpgroups per tile)")
         if self.store_warp and self.consumers == 2 and not self.split_m:
             raise ValueError("store_warp needs every consumer on every tile: split_m=True or consumers=1")
-        if self.tail_split and not (self.split_m and not self.gated):
-            raise ValueError("tail_split needs split_m=True (two warpgroups per tile) and gated=False")
         if self.epilogue_buffers not in (1, 2) or self.epilogue_split % self.epilogue_buffers:
             raise ValueError(f"epilogue_buffers={self.epilogue_buffers}: 1, or 2 with an even epilogue_split")
         if self.block_k % 32:
@@ -189,7 +181,7 @@ class GluonConfig:
         return (f"{kind}_{self.block_m}x{self.block_n}x{self.block_k}_s{self.stages}"
                 f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late")
                 + ("_sw" if self.store_warp else "") + ("t" if self.staging_turns else "")
-                + ("_lean" if self.lean_start else "") + ("_sk" if self.tail_split else ""))
+                + ("_lean" if self.lean_start else ""))
 
     @property
     def store_mode(self) -> int:
@@ -269,16 +261,6 @@ CONFIGS = {
     "coop2_128x256_g16_lean": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
                                           split_m=True, group_m=16, lean_start=True, loader_regs=24,
                                           consumer_regs=240),
-    # coop2_128x256_g16_sw and _swt with stream-K for the partial last round (session 16; plain
-    # epilogue only): H100 traces put the programs without a tile in that round idle for ~3 % of the
-    # kernel (16384x4096: 64 of 132 programs done 20 us before the rest's 360 us). The forms whose
-    # consumers store chunk by chunk spilled 150-470 bytes with the tail loop; these two do not.
-    "coop2_128x256_g16_sw_sk": GluonConfig(128, 256, 128, stages=3, consumers=2, consumer_warps=4, epilogue_split=4,
-                                           split_m=True, group_m=16, store_warp=True, lean_start=True,
-                                           tail_split=True),
-    "coop2_128x256_g16_swt_sk": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
-                                            split_m=True, group_m=16, store_warp=True, staging_turns=True,
-                                            lean_start=True, tail_split=True),
 }
 
 # The gated form (``gated=True``): per K step the ring slot holds the A tile, the gate W tile (rows
@@ -410,12 +392,11 @@ if _GLUON_ERROR is None:
 
     @gluon.constexpr_function
     def _plain_only(FLAG, HAS_BIAS, ACTIVATION, GATED):
-        # store_warp, lean_start and tail_split take effect with the plain epilogue (no bias, no
-        # activation, not gated), whose output chunks are views of the scaled tile. A bias or activation makes new
+        # store_warp and lean_start take effect with the plain epilogue (no bias, no activation, not
+        # gated), whose output chunks are views of the scaled tile. A bias or activation makes new
         # values per chunk: with the chunks no longer fenced apart (store_warp) or the scaled tile
         # kept live for the next tile's first MMA (lean_start), those spilled (0.4-2.6 KB with bias
-        # + silu, triton 3.6 and 3.9), so they run the per-chunk epilogue, each chunk its own buffer;
-        # the tail loop's second copy of the epilogue spilled in the per-chunk form (60-470 bytes).
+        # + silu, triton 3.6 and 3.9), so they run the per-chunk epilogue, each chunk its own buffer.
         return FLAG if not HAS_BIAS and ACTIVATION == 0 and not GATED else 0  # FLAG's value kept (STORE_WARP 2)
 
     @gluon.jit
@@ -444,85 +425,8 @@ if _GLUON_ERROR is None:
         return x
 
     @gluon.jit
-    def _whole_tiles(tiles, programs, TAIL_SPLIT, TAIL: gl.constexpr):
-        # The tiles taken whole, round by round; with TAIL and a split the partial last round is
-        # left out (split into K-slices by the tail loops).
-        if TAIL:
-            if TAIL_SPLIT > 1:
-                tiles = tiles - tiles % programs
-        return tiles
-
-    @gluon.jit
-    def _tail_unit(unit, whole, TAIL_SPLIT, num_pid_m, num_pid_n, k_steps, GROUP_M: gl.constexpr):
-        # Tail unit ``unit``: K-steps [k0, k1) of tile whole + unit // TAIL_SPLIT.
-        part = unit % TAIL_SPLIT
-        pid_m, pid_n = _grouped_tile(whole + unit // TAIL_SPLIT, num_pid_m, num_pid_n, GROUP_M)
-        return pid_m, pid_n, part * k_steps // TAIL_SPLIT, (part + 1) * k_steps // TAIL_SPLIT
-
-    @gluon.jit
-    def _program_id():
-        # gl.program_id(0), read again where it is needed: the CSE'd value kept live from the
-        # start across a partition's loops was spilled (the one-warp partitions, 12 bytes).
-        return gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    # A barrier of the calling partition's warps (3.9 renamed 3.6's thread_barrier).
-    _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-
-    @gluon.constexpr_function
-    def _lane_layout(THREADS):
-        # One element per thread of a partition.
-        return gl.BlockedLayout([1], [32], [THREADS // 32], [0])
-
-    @gluon.jit
-    def _partial_offsets(slot, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
-        # Element offsets of partial tile ``slot`` (row-major TILE_M x BLOCK_N blocks) in the
-        # accumulator's register layout.
-        rows = gl.arange(0, TILE_M, layout=gl.SliceLayout(1, layout))
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-        return slot * (TILE_M * BLOCK_N) + gl.expand_dims(rows, 1) * BLOCK_N + gl.expand_dims(cols, 0)
-
-    @gluon.jit
-    def _tail_publish(acc, ws_ptr, cnt_ptr, slot, counter, layout: gl.constexpr, THREADS: gl.constexpr):
-        # A tail unit that does not finish its tile: its accumulator (fp32, or int32 bits) to
-        # partial slot ``slot``; once every thread of the warpgroup has stored (the barrier), one
-        # thread counts the part on the tile's counter with release semantics, which covers the
-        # other threads' stores too (they precede it through the barrier; PTX release is cumulative).
-        TILE_M: gl.constexpr = acc.shape[0]
-        BLOCK_N: gl.constexpr = acc.shape[1]
-        offsets = _partial_offsets(slot, TILE_M, BLOCK_N, layout)
-        gl.store(ws_ptr + offsets, acc.to(gl.float32, bitcast=True))
-        _partition_barrier()
-        lanes = gl.arange(0, THREADS, layout=_lane_layout(THREADS))
-        gl.atomic_add(cnt_ptr + counter + lanes * 0, lanes * 0 + 1, mask=lanes == 0, sem="release", scope="gpu")
-
-    @gluon.jit
-    def _tail_collect(acc, ws_ptr, cnt_ptr, slot0, parts, SLOT_STRIDE: gl.constexpr, counter, layout: gl.constexpr,
-                      THREADS: gl.constexpr):
-        # The unit that finishes a tile: wait until the ``parts`` others have published (one count
-        # per warpgroup part), add their partials (slots slot0, slot0 + SLOT_STRIDE, ...;
-        # int32 sums exact), and reset the counter for the next launch. The units a tile waits for
-        # have lower unit numbers: issued to programs no later than this one, so with every program
-        # resident (one per SM, the grid at most the SM count) the wait ends.
-        TILE_M: gl.constexpr = acc.shape[0]
-        BLOCK_N: gl.constexpr = acc.shape[1]
-        # One thread polls with acquire semantics; the reduction after each poll is a barrier, so
-        # the other threads' loads below come after the poll that saw every part.
-        lanes = gl.arange(0, THREADS, layout=_lane_layout(THREADS))
-        flags = cnt_ptr + counter + lanes * 0
-        first = lanes == 0
-        seen = gl.atomic_add(flags, lanes * 0, mask=first, sem="acquire", scope="gpu")
-        while gl.max(gl.where(first, seen, 0), axis=0) < parts:
-            seen = gl.atomic_add(flags, lanes * 0, mask=first, sem="acquire", scope="gpu")
-        for p in range(parts):
-            offsets = _partial_offsets(slot0 + p * SLOT_STRIDE, TILE_M, BLOCK_N, layout)
-            partial = gl.load(ws_ptr + offsets, cache_modifier=".cg")
-            acc = acc + partial.to(acc.dtype, bitcast=True)
-        gl.atomic_xchg(flags, lanes * 0, mask=first, sem="relaxed", scope="gpu")  # zero for the next launch
-        return acc
-
-    @gluon.jit
-    def _load_partition(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K, TAIL_SPLIT,
-                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, TAIL: gl.constexpr):
+    def _load_partition(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
+                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
         # Gated: N counts the outputs; w_desc is the stacked (2N, K) weight, the up rows N below the
         # gate rows, both W tiles of a step land in the slot's w_bufs / u_bufs under one ready barrier.
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -531,44 +435,28 @@ if _GLUON_ERROR is None:
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
-        tiles = num_pid_m * num_pid_n
-        whole = _whole_tiles(tiles, gl.num_programs(0), TAIL_SPLIT, TAIL)
         step = 0  # K-slices issued by this program so far: the ring position
-        for tile in range(gl.program_id(0), whole, gl.num_programs(0)):
+        for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
             for ki in range(k_steps):
-                _load_slice(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, step, pid_m * BLOCK_M,
-                            pid_n * BLOCK_N, ki * BLOCK_K, N, STAGES, GATED)
+                slot, phase = _ring_slot_phase(step, STAGES)
+                # The slot's previous fill released (phase before this fill's); a fresh mbarrier
+                # counts as having completed it, so the first lap over the ring does not wait.
+                mbarrier.wait(empty_bars.index(slot), _previous_phase(phase))
+                ready = ready_bars.index(slot)
+                if GATED:
+                    mbarrier.expect(ready, a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
+                else:
+                    mbarrier.expect(ready, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                _tma_load(a_desc, [off_m, ki * BLOCK_K], ready, a_bufs.index(slot))
+                _tma_load(w_desc, [off_n, ki * BLOCK_K], ready, w_bufs.index(slot))
+                if GATED:
+                    # Up rows past 2N (N not a multiple of BLOCK_N) are zero-filled; gate rows past N
+                    # read up rows, whose outputs the clipped store drops.
+                    _tma_load(w_desc, [N + off_n, ki * BLOCK_K], ready, u_bufs.index(slot))
                 step += 1
-        if TAIL:
-            # The partial last round, each tile as TAIL_SPLIT K-slices ("units"), unit u of the
-            # round's tile u // TAIL_SPLIT going to program u % programs (_consumer_partition).
-            for unit in range(_program_id(), (tiles - whole) * TAIL_SPLIT, gl.num_programs(0)):
-                pid_m, pid_n, k0, k1 = _tail_unit(unit, whole, TAIL_SPLIT, num_pid_m, num_pid_n, k_steps, GROUP_M)
-                for ki in range(k0, k1):
-                    _load_slice(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, step, pid_m * BLOCK_M,
-                                pid_n * BLOCK_N, ki * BLOCK_K, N, STAGES, GATED)
-                    step += 1
-
-    @gluon.jit
-    def _load_slice(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, step, off_m, off_n, k, N,
-                    STAGES: gl.constexpr, GATED: gl.constexpr):
-        # The loader's ``step``-th K-slice: the A and W tiles at column k into the ring slot.
-        slot, phase = _ring_slot_phase(step, STAGES)
-        # The slot's previous fill released (phase before this fill's); a fresh mbarrier
-        # counts as having completed it, so the first lap over the ring does not wait.
-        mbarrier.wait(empty_bars.index(slot), _previous_phase(phase))
-        ready = ready_bars.index(slot)
-        if GATED:
-            mbarrier.expect(ready, a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
-        else:
-            mbarrier.expect(ready, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
-        _tma_load(a_desc, [off_m, k], ready, a_bufs.index(slot))
-        _tma_load(w_desc, [off_n, k], ready, w_bufs.index(slot))
-        if GATED:
-            # Up rows past 2N (N not a multiple of BLOCK_N) are zero-filled; gate rows past N
-            # read up rows, whose outputs the clipped store drops.
-            _tma_load(w_desc, [N + off_n, k], ready, u_bufs.index(slot))
 
     @gluon.jit
     def _store_chunk(x, u, chunk: gl.constexpr, off_m, off_n, out_desc, c_bufs, FIRST: gl.constexpr,
@@ -631,8 +519,8 @@ if _GLUON_ERROR is None:
             mbarrier.arrive(stage_bars.index(1))
 
     @gluon.jit
-    def _store_partition(out_desc, c_bufs, stage_bars, M, N, TAIL_SPLIT, GROUP_M: gl.constexpr,
-                         CONSUMERS: gl.constexpr, STORE_MODE: gl.constexpr, TAIL: gl.constexpr):
+    def _store_partition(out_desc, c_bufs, stage_bars, M, N, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
+                         STORE_MODE: gl.constexpr):
         # store_warp: the TMA stores of every tile the consumers staged. STORE_MODE 1: stage_bars[0]
         # completes a phase when every consumer has staged its part of this program's next tile (in
         # tile order), stage_bars[1] when the stores have read the staging back out, so it can be
@@ -649,21 +537,12 @@ if _GLUON_ERROR is None:
         BLOCK_N: gl.constexpr = CHUNK_N * CHUNKS
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N)
-        tiles = num_pid_m * num_pid_n
-        whole = _whole_tiles(tiles, gl.num_programs(0), TAIL_SPLIT, TAIL)
         staged = 0  # tiles stored so far
-        for tile in range(gl.program_id(0), whole, gl.num_programs(0)):
+        for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             _store_staged(out_desc, c_bufs, stage_bars, pid_m * BLOCK_M, pid_n * BLOCK_N, staged, CHUNKS, CONSUMERS,
                           STORE_MODE)
             staged += 1
-        if TAIL:
-            for unit in range(_program_id(), (tiles - whole) * TAIL_SPLIT, gl.num_programs(0)):
-                if unit % TAIL_SPLIT == TAIL_SPLIT - 1:  # the unit that finishes its tile stores it
-                    pid_m, pid_n = _grouped_tile(whole + unit // TAIL_SPLIT, num_pid_m, num_pid_n, GROUP_M)
-                    _store_staged(out_desc, c_bufs, stage_bars, pid_m * BLOCK_M, pid_n * BLOCK_N, staged, CHUNKS,
-                                  CONSUMERS, STORE_MODE)
-                    staged += 1
         # Returning ends the program only after its stores complete (the kernel's exit waits for them).
 
     @gluon.jit
@@ -742,19 +621,13 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _consumer_partition(a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs, out_desc,
-                            a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, ws_ptr, cnt_ptr, TAIL_SPLIT,
-                            CONSUMER: gl.constexpr,
+                            a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, CONSUMER: gl.constexpr,
                             CONSUMERS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, GROUP_M: gl.constexpr,
                             STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                             ACTIVATION: gl.constexpr, GATED: gl.constexpr, EARLY_SCALES: gl.constexpr,
-                            SPLIT_M: gl.constexpr, STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr,
-                            TAIL: gl.constexpr):
+                            SPLIT_M: gl.constexpr, STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr):
         # SPLIT_M: every consumer takes every tile, rows [ROW0, ROW0 + TILE_M) of it; otherwise
         # (ping-pong) consumer c takes this program's tiles c, c + 2, ... whole.
-        # TAIL (split_m only): the tiles of the partial last round are split along K into
-        # TAIL_SPLIT units each, spread over all programs (stream-K for that round); the units
-        # that do not finish a tile publish fp32 / int32 partials to ws_ptr, the one that does
-        # adds them (_tail_collect) and runs the tile's epilogue.
         BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
         BLOCK_N: gl.constexpr = w_bufs.type.shape[1]
@@ -775,9 +648,7 @@ if _GLUON_ERROR is None:
         TURN: gl.constexpr = 0 if SPLIT_M else CONSUMER
         local = TURN  # this program's tile count so far (both consumers'): the ring position
         first = gl.program_id(0) + TURN * nprog
-        tiles = num_pid_m * num_pid_n
-        whole = _whole_tiles(tiles, nprog, TAIL_SPLIT, TAIL)
-        last = whole - 1
+        last = num_pid_m * num_pid_n - 1
         if LEAN_START:
             # The first tile's coordinates (each later tile's are computed under the last MMA of the
             # tile before it), and an accumulator never read: every tile's first MMA ignores it.
@@ -856,65 +727,18 @@ if _GLUON_ERROR is None:
                 # The next tile's first MMA takes these registers as its (ignored) accumulator: no
                 # zeroing, and no second set of 128 live registers.
                 acc = x.to(acc_dtype, bitcast=True)
-        if TAIL:
-            THREADS: gl.constexpr = 32 * CONSUMER_WARPS
-            step = k_steps * local  # the ring position after the whole tiles
-            if not LEAN_START:
-                acc = gl.zeros((TILE_M, BLOCK_N), acc_dtype, layout=mma_layout)
-            for unit in range(_program_id(), (tiles - whole) * TAIL_SPLIT, nprog):
-                pid_m, pid_n, k0, k1 = _tail_unit(unit, whole, TAIL_SPLIT, num_pid_m, num_pid_n, k_steps, GROUP_M)
-                off_m = pid_m * BLOCK_M + ROW0
-                off_n = pid_n * BLOCK_N
-                for ki in range(k0, k1):
-                    slot, phase = _ring_slot_phase(step, STAGES)
-                    mbarrier.wait(ready_bars.index(slot), phase)
-                    # A unit's first MMA ignores the accumulator (whatever the registers hold).
-                    acc = warpgroup_mma(a_bufs.index(slot).slice(ROW0, TILE_M), w_bufs.index(slot).permute((1, 0)),
-                                        acc, use_acc=ki > k0, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                    mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES), pred=ki > k0)
-                    step += 1
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES))
-                # Partial slots: (tile of the round, unit of the tile, consumer); counters: (tile, consumer).
-                j = unit // TAIL_SPLIT
-                part = unit % TAIL_SPLIT
-                if part < TAIL_SPLIT - 1:
-                    _tail_publish(acc, ws_ptr, cnt_ptr, ((j * (TAIL_SPLIT - 1) + part) * CONSUMERS + CONSUMER),
-                                  j * CONSUMERS + CONSUMER, mma_layout, THREADS)
-                else:
-                    if TAIL_SPLIT > 1:
-                        acc = _tail_collect(acc, ws_ptr, cnt_ptr, j * (TAIL_SPLIT - 1) * CONSUMERS + CONSUMER,
-                                            TAIL_SPLIT - 1, CONSUMERS, j * CONSUMERS + CONSUMER, mma_layout,
-                                            THREADS)
-                    # The scales after the partials (not under the last MMA as for whole tiles): fewer
-                    # live registers where the partials are added, once per program.
-                    rows = gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout)) + off_m
-                    a_scale = gl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
-                    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout)) + off_n
-                    w_scale = gl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
-                    local += TURNS
-                    x = _epilogue(acc, acc, a_scale, w_scale, w_scale, off_m, off_n, local, out_desc, c_bufs,
-                                  stage_bars, w_scale_ptr, bias_ptr, N, CONSUMER, FIRST, BUFFERS, EPILOGUE_SPLIT,
-                                  HAS_BIAS, ACTIVATION, GATED, True, STORE_WARP, chunk_layout)
-                    if LEAN_START:
-                        acc = x.to(acc_dtype, bitcast=True)
         tma.store_wait(0)
 
     # M, N and K only size loops and masks (TMA does the addressing): not specialized, so odd
     # shapes share one binary per config.
-    @gluon.jit(do_not_specialize=["M", "N", "K", "TAIL_SPLIT"])
-    def _scaled_mm_kernel(a_desc, w_desc, out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, ws_ptr, cnt_ptr,
-                          TAIL_SPLIT,
+    @gluon.jit(do_not_specialize=["M", "N", "K"])
+    def _scaled_mm_kernel(a_desc, w_desc, out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
                           HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr,
                           STAGES: gl.constexpr, CONSUMERS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr,
                           EPILOGUE_BUFFERS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, SPLIT_M: gl.constexpr,
-                          STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr, TAIL: gl.constexpr,
-                          num_warps: gl.constexpr):
+                          STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr, num_warps: gl.constexpr):
         # GATED: out (M, N) = act(gate) * up over the stacked (2N, K) weight of w_desc; N counts outputs.
-        # TAIL: the partial last round's tiles in TAIL_SPLIT K-slices each (GluonConfig.tail_split);
-        # ws_ptr (fp32) / cnt_ptr (int32, zero): the partials and per-tile counters (tail_workspace).
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
         if GATED:
@@ -947,7 +771,6 @@ if _GLUON_ERROR is None:
         fence_async_shared()
         PLAIN_STORE_WARP: gl.constexpr = _plain_only(STORE_WARP, HAS_BIAS, ACTIVATION, GATED)
         PLAIN_LEAN: gl.constexpr = _plain_only(LEAN_START, HAS_BIAS, ACTIVATION, GATED)
-        PLAIN_TAIL: gl.constexpr = _plain_only(TAIL, HAS_BIAS, ACTIVATION, GATED)
 
         # The default partition (the kernel's num_warps) is consumer 0; workers follow: consumer 1
         # (ping-pong, split_m), the loader, and with store_warp the store partition. Neither a
@@ -956,56 +779,48 @@ if _GLUON_ERROR is None:
         if CONSUMERS == 1 and PLAIN_STORE_WARP:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
-                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, ws_ptr, cnt_ptr, TAIL_SPLIT, 0,
-                                       CONSUMERS, num_warps,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, PLAIN_TAIL)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
-                                   TAIL_SPLIT, GROUP_M, STAGES, GATED, PLAIN_TAIL)),
-                (_store_partition, (out_desc, c_bufs, stage_bars, M, N, TAIL_SPLIT, GROUP_M, CONSUMERS, PLAIN_STORE_WARP,
-                                    PLAIN_TAIL)),
+                                   GROUP_M, STAGES, GATED)),
+                (_store_partition, (out_desc, c_bufs, stage_bars, M, N, GROUP_M, CONSUMERS, PLAIN_STORE_WARP)),
             ], [1, 1], [LOADER_REGS, LOADER_REGS])
         elif CONSUMERS == 1:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
-                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, ws_ptr, cnt_ptr, TAIL_SPLIT, 0,
-                                       CONSUMERS, num_warps,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, PLAIN_TAIL)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
-                                   TAIL_SPLIT, GROUP_M, STAGES, GATED, PLAIN_TAIL)),
+                                   GROUP_M, STAGES, GATED)),
             ], [1], [LOADER_REGS])
         elif PLAIN_STORE_WARP:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
-                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, ws_ptr, cnt_ptr, TAIL_SPLIT, 0,
-                                       CONSUMERS, num_warps,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, PLAIN_TAIL)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
-                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, ws_ptr, cnt_ptr, TAIL_SPLIT, 1,
-                                       CONSUMERS, num_warps,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, PLAIN_TAIL)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
-                                   TAIL_SPLIT, GROUP_M, STAGES, GATED, PLAIN_TAIL)),
-                (_store_partition, (out_desc, c_bufs, stage_bars, M, N, TAIL_SPLIT, GROUP_M, CONSUMERS, PLAIN_STORE_WARP,
-                                    PLAIN_TAIL)),
+                                   GROUP_M, STAGES, GATED)),
+                (_store_partition, (out_desc, c_bufs, stage_bars, M, N, GROUP_M, CONSUMERS, PLAIN_STORE_WARP)),
             ], [num_warps, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
-                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, ws_ptr, cnt_ptr, TAIL_SPLIT, 0,
-                                       CONSUMERS, num_warps,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, PLAIN_TAIL)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
-                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, ws_ptr, cnt_ptr, TAIL_SPLIT, 1,
-                                       CONSUMERS, num_warps,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, PLAIN_TAIL)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
-                                   TAIL_SPLIT, GROUP_M, STAGES, GATED, PLAIN_TAIL)),
+                                   GROUP_M, STAGES, GATED)),
             ], [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -1082,52 +897,6 @@ def _stream(device: int):
     return triton.runtime.driver.active.get_current_stream(device)
 
 
-# tail_split: K-slices per tile of the partial last round are at most this many (each slice
-# beyond one is a partial tile written and read back: 128 KB for 128x256).
-MAX_TAIL_SPLIT = 3
-# Per (device, stream): the partial tiles and per-tile counters of tail_split configs. Sized once
-# for the largest need (programs - 1 tiles x (MAX_TAIL_SPLIT - 1) partials), never freed or moved,
-# since CUDA graphs captured with a launch keep its address; per stream, since two launches
-# running at once must not share counters.
-_TAIL_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def tail_split_for(tiles: int, programs: int, k_steps: int) -> int:
-    """K-slices per tile for the partial last round of ``tiles`` on ``programs`` persistent
-    programs: the fewest (<= MAX_TAIL_SPLIT, >= 2 K steps each) that shorten that round by a
-    quarter of a tile or more, else 1. E.g. 68 tiles over 132 programs (16384x4096 in 128x256):
-    3 (two thirds of a tile, where 2 slices still leave 4 programs two halves); 36 tiles: 2."""
-    rest = tiles % programs
-    best, best_rounds = 1, 1.0
-    if rest == 0:
-        return best
-    for split in range(2, MAX_TAIL_SPLIT + 1):
-        if k_steps < 2 * split:
-            break
-        rounds = cdiv(rest * split, programs) / split
-        if rounds <= best_rounds - 0.25:
-            best, best_rounds = split, rounds
-    return best
-
-
-def tail_workspace(device: int, config: GluonConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(partials fp32, counters int32 zeroed) for ``config``'s tail split on the device's current
-    stream, or None inside a CUDA graph capture before any launch outside one made them (the
-    caller then runs the tail unsplit: a capture cannot allocate and zero memory for later calls)."""
-    stream = torch.cuda.current_stream(device)
-    key = (device, stream.cuda_stream, config.block_m * config.block_n, config.consumers)
-    workspace = _TAIL_WORKSPACES.get(key)
-    if workspace is None:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        tiles = num_sms(device) - 1  # a partial round has fewer tiles than programs
-        partials = torch.empty(tiles * (MAX_TAIL_SPLIT - 1) * config.block_m * config.block_n, dtype=torch.float32,
-                               device=f"cuda:{device}")
-        counters = torch.zeros(tiles * config.consumers, dtype=torch.int32, device=f"cuda:{device}")
-        workspace = _TAIL_WORKSPACES[key] = (partials, counters)
-    return workspace
-
-
 class GluonCall:
     """A launch minus its addresses: config, grid and constexprs fixed for one call signature
     (``gemm.scaled_mm`` keeps one per signature, as it does a ``gemm_tma.PersistentCall``).
@@ -1135,14 +904,12 @@ class GluonCall:
     a_scale (M,) and w_scale (N,) float32, ``bias_arg`` the bias or any tensor when there is none.
     A gated config (``config.gated``): w the stacked (2N, K) [gate; up] weight, w_scale (2N,), no bias."""
 
-    __slots__ = ("config", "grid", "constexprs", "chunk_n", "key", "tail", "tiles", "tail_split")
+    __slots__ = ("config", "grid", "constexprs", "chunk_n", "key", "tail")
 
     def __init__(self, config: GluonConfig, M: int, N: int, device: torch.device, has_bias: bool,
                  activation: str) -> None:
         self.config = config
-        tiles = self.tiles = cdiv(M, config.block_m) * cdiv(N, config.block_n)
-        # The kernel splits the tail with the plain epilogue only (as store_warp and lean_start act).
-        self.tail_split = config.tail_split and not has_bias and activation == "none" and not config.gated
+        tiles = cdiv(M, config.block_m) * cdiv(N, config.block_n)
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.grid = (min(num_sms(index), tiles),)
         self.chunk_n = config.block_n // config.epilogue_split
@@ -1152,29 +919,21 @@ class GluonCall:
             EPILOGUE_BUFFERS=config.epilogue_buffers, LOADER_REGS=config.loader_regs,
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
             SPLIT_M=config.split_m, STORE_WARP=config.store_mode, LEAN_START=config.lean_start,
-            TAIL=config.tail_split, num_warps=config.consumer_warps)
+            num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the
-        # constexprs in signature order (after the 12 runtime arguments) for the cached launcher.
+        # constexprs in signature order (after the 9 runtime arguments) for the cached launcher.
         self.key = (config, tuple(self.constexprs.items()))
-        self.tail = tuple(self.constexprs[name] for name in _scaled_mm_kernel.arg_names[12:])
+        self.tail = tuple(self.constexprs[name] for name in _scaled_mm_kernel.arg_names[9:])
 
     def __call__(self, a, w, out, a_scale, w_scale, bias_arg) -> None:
         cfg = self.config
         M, K = a.shape
         N = out.shape[1]
-        device = a.device.index if a.device.index is not None else torch.cuda.current_device()
-        split, partials, counters = 1, w_scale, w_scale.view(torch.int32)  # stand-ins where nothing is split
-        if self.tail_split:
-            split = tail_split_for(self.tiles, self.grid[0], cdiv(K, cfg.block_k))
-            workspace = tail_workspace(device, cfg) if split > 1 else None
-            if workspace is None:
-                split = 1  # inside a capture with no workspace yet: the tail runs unsplit
-            else:
-                partials, counters = workspace
         # What the compiled binary depends on besides the config: the dtypes (descriptor element
-        # types, the bias pointer), each integer's specialization and the pointers' alignment.
+        # types, the bias pointer), each integer's specialization and the scale/bias alignment.
         key = (self.key, a.dtype, out.dtype, bias_arg.dtype, int_spec(M), int_spec(N), int_spec(K),
-               aligned(a_scale, w_scale, bias_arg, partials, counters))
+               aligned(a_scale, w_scale, bias_arg))
+        device = a.device.index if a.device.index is not None else torch.cuda.current_device()
         compiled = _COMPILED.get((device, key)) if CACHED_LAUNCH else None
         if compiled is None or launch_hooks_active():
             # Gluon's own launcher (validated descriptors); the compiled kernel is kept for later calls.
@@ -1182,7 +941,7 @@ class GluonCall:
             w_desc = _weight_descriptor(w, [cfg.block_n, cfg.block_k])
             out_desc = _descriptor(out, [cfg.stored_rows, self.chunk_n], shape=[M, N], strides=[out.stride(0), 1])
             compiled = _scaled_mm_kernel[self.grid](a_desc, w_desc, out_desc, a_scale, w_scale, bias_arg, M, N, K,
-                                                    partials, counters, split, **self.constexprs)
+                                                    **self.constexprs)
             if CACHED_LAUNCH and hasattr(compiled, "packed_metadata"):
                 _COMPILED[(device, key)] = compiled
             return
@@ -1190,8 +949,7 @@ class GluonCall:
         # launcher, with light descriptor objects carrying the fields it reads (base, shape,
         # strides, padding); the TMA maps are encoded from them as on Gluon's path.
         args = (_Descriptor(a, [M, K], [a.stride(0), 1], None), _Descriptor(w, [w.shape[0], K], [w.stride(0), 1], None),
-                _Descriptor(out, [M, N], [out.stride(0), 1], None), a_scale, w_scale, bias_arg, M, N, K,
-                partials, counters, split)
+                _Descriptor(out, [M, N], [out.stride(0), 1], None), a_scale, w_scale, bias_arg, M, N, K)
         compiled.run(self.grid[0], 1, 1, _stream(device), compiled.function, compiled.packed_metadata, None, None,
                      None, *args, *self.tail)
 

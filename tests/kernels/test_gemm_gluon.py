@@ -120,7 +120,6 @@ def _compile(config, dtype: str, activation: int = 2, plain: bool = False):
         "w_desc": desc(dtype, [config.block_n, config.block_k], operand),
         "out_desc": desc("bf16", [config.stored_rows, chunk_n], gl.bfloat16),
         "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-        "ws_ptr": "*fp32", "cnt_ptr": "*i32", "TAIL_SPLIT": "i32",
     }
     constants = dict(HAS_BIAS=not (config.gated or plain), ACTIVATION=0 if plain else activation,
                      GROUP_M=config.group_m, STAGES=config.stages,
@@ -128,8 +127,7 @@ def _compile(config, dtype: str, activation: int = 2, plain: bool = False):
                      EPILOGUE_BUFFERS=config.epilogue_buffers,
                      LOADER_REGS=config.loader_regs, CONSUMER_REGS=config.consumer_regs,
                      GATED=config.gated, EARLY_SCALES=config.early_scales, SPLIT_M=config.split_m,
-                     STORE_WARP=config.store_mode, LEAN_START=config.lean_start, TAIL=config.tail_split,
-                     num_warps=config.consumer_warps)
+                     STORE_WARP=config.store_mode, LEAN_START=config.lean_start, num_warps=config.consumer_warps)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(gemm_gluon._scaled_mm_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.consumer_warps))
@@ -265,7 +263,7 @@ class _Barrier:
 
 
 def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=False, staged=False,
-                  guard_staging=True, turns=False, items=None):
+                  guard_staging=True, turns=False):
     """``split``: two consumers on halves of every tile (split_m), each releasing every slot
     (empty barriers of 2 arrivals). ``staged`` (store_warp; every consumer on every tile): each
     consumer writes its part of the tile into the staging after waiting on stage[1] (the previous
@@ -274,15 +272,7 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
     ``guard_staging=False`` drops the consumers' wait on stage[1] (the model must then fail).
     ``turns`` (staging_turns): one part-sized staging; the parts go in tile, then consumer order, one
     phase of stage[0] (1 arrival) per part; once a part is read out, the store agent arrives on the
-    free barrier stage[1 + c] of the consumer c that stages the next part.
-    ``items`` (split only; tail_split): the program's work as (K steps, stores) pairs instead of
-    ``tiles`` x ``k_steps``: whole tiles, then tail units, of which only a tile's last is staged and
-    stored; the ring position runs on across them, the staging phases count stored items only."""
-    if items is None:
-        items = [(k_steps, True)] * tiles
-    else:
-        assert split
-    tiles = sum(stores for _, stores in items)  # the tiles staged and stored
+    free barrier stage[1 + c] of the consumer c that stages the next part."""
     ring_slot_phase, previous_phase, turn_phase = (gemm_gluon.ring_slot_phase, gemm_gluon.previous_phase,
                                                    gemm_gluon.turn_phase)
     ready = [_Barrier() for _ in range(stages)]
@@ -313,8 +303,8 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
 
     def loader():
         step = 0
-        for k_len, _ in items:
-            for _ in range(k_len):
+        for _ in range(tiles):
+            for _ in range(k_steps):
                 slot, phase = ring_slot_phase(step, stages)
                 yield wait(empty[slot], previous_phase(phase), step // stages - 1)
                 assert step < stages or released[slot] == step - stages, "slot refilled before its release"
@@ -322,19 +312,12 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
                 step += 1
 
     def consumer(c):
-        step = 0
-        work = [(i, k_len, stores) for i, (k_len, stores) in enumerate(items)]
-        local = -1  # stored tiles before this one
-        for i, k_len, stores in (work if split else work[c::consumers]):
-            local = local + 1 if split else i
-            if split and not stores:
-                local -= 1  # a tail unit that does not finish its tile stages nothing
-            if not split:
-                step = i * k_steps
+        for local in (range(tiles) if split else range(c, tiles, consumers)):
+            step = local * k_steps
             if consumers == 2 and ordered and not split:
                 yield wait(order[c], turn_phase(local), (local - 1) // 2)
                 assert local == 0 or local - 1 in handed_over, "turn taken before the previous tile's mainloop"
-            for ki in range(k_len):
+            for ki in range(k_steps):
                 slot, phase = ring_slot_phase(step, stages)
                 yield wait(ready[slot], phase, step // stages)
                 assert slot_data[slot] == step, f"step {step} read slot {slot} holding step {slot_data[slot]}"
@@ -348,8 +331,6 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
                 handed_over.add(local)
             yield lambda: not in_flight[c]  # warpgroup_mma_wait(0)
             release(c, (step + stages - 1) % stages, step - 1)
-            if not stores:
-                continue
             if staged and turns:
                 part = local * consumers + c
                 if guard_staging:  # this consumer's free barrier, one phase per tile (see store())
@@ -419,7 +400,7 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
             except StopIteration:
                 live.discard(i)
                 waiting[i] = None
-    assert sorted(consumed) == sorted(list(range(sum(k for k, _ in items))) * (2 if split else 1))
+    assert sorted(consumed) == sorted(list(range(tiles * k_steps)) * (2 if split else 1))
     assert stored == (list(range(tiles * (consumers if turns else 1))) if staged else [])
 
 
@@ -481,75 +462,6 @@ def test_barrier_protocol_model_store_partition_in_turns():
     with pytest.raises(AssertionError, match="staging"):
         for seed in range(50):
             _run_protocol(4, 2, 2, 2, random.Random(seed), split=True, staged=True, turns=True, guard_staging=False)
-
-
-def _tail_items(tiles, programs, k_steps, split, program):
-    """Program ``program``'s work items as the tail_split kernel walks them: its whole tiles, then
-    its tail units (unit u of the partial last round to program u % programs)."""
-    whole = tiles - tiles % programs
-    items = [(k_steps, True)] * len(range(program, whole, programs))
-    for unit in range(program, (tiles - whole) * split, programs):
-        part = unit % split
-        items.append(((part + 1) * k_steps // split - part * k_steps // split, part == split - 1))
-    return items
-
-
-@pytest.mark.parametrize("turns", [False, True], ids=["whole-tile staging", "staging in turns"])
-def test_barrier_protocol_model_tail_units(turns):
-    """tail_split (coop2 with a store partition): whole tiles, then K-slices of the last round's
-    tiles, only a tile's last slice staged and stored. The ring runs on across units of any length;
-    the staging hand-over counts stored tiles only: no deadlock, no ambiguous wait."""
-    import random
-
-    rng = random.Random(5)
-    cases = [(208, 132, 32, 3), (192, 132, 32, 2), (13, 5, 6, 3), (7, 5, 4, 2), (9, 4, 7, 3)]
-    cases += [(rng.randint(5, 40), rng.randint(2, 9), rng.randint(6, 20), rng.choice((2, 3))) for _ in range(40)]
-    for tiles, programs, k_steps, split in cases:
-        if tiles < programs:
-            continue
-        for program in {0, programs - 1, rng.randrange(programs)}:
-            items = _tail_items(tiles, programs, k_steps, split, program)
-            for stages in (3, 4):
-                _run_protocol(0, 0, stages, 2, rng, split=True, staged=True, turns=turns, items=items)
-
-
-def test_tail_units_cover_every_k_step_once_and_wait_only_on_earlier_units():
-    """The tail schedule: every K step of every last-round tile in exactly one unit; a tile's
-    finishing unit has the highest unit number of its tile, so it waits only on units issued no
-    later than itself; with every program running its units in order and a finishing unit blocked
-    until its tile's other units are done, random interleavings always finish."""
-    import random
-
-    rng = random.Random(3)
-    for tiles, programs, k_steps in [(208, 132, 32), (192, 132, 32), (2048, 132, 32), (13, 5, 6), (9, 4, 7)]:
-        split = max(2, gemm_gluon.tail_split_for(tiles, programs, k_steps))
-        whole = tiles - tiles % programs
-        steps = {}
-        for unit in range((tiles - whole) * split):
-            part = unit % split
-            for k in range(part * k_steps // split, (part + 1) * k_steps // split):
-                steps[(unit // split, k)] = steps.get((unit // split, k), 0) + 1
-        assert steps == {(t, k): 1 for t in range(tiles - whole) for k in range(k_steps)}
-        queues = [[u for u in range((tiles - whole) * split) if u % programs == p] for p in range(programs)]
-        done = set()
-        while any(queues):
-            runnable = [q for q in queues if q and (q[0] % split < split - 1 or all(
-                q[0] - d in done for d in range(1, split)))]
-            assert runnable, "deadlock: every program's next unit waits"
-            done.add(rng.choice(runnable).pop(0))
-
-
-def test_tail_split_rule():
-    """K-slices per last-round tile: where 2 slices still leave programs two halves (68 tiles on
-    132), 3; 2 where that halves the round (36 tiles); none where no split shortens it a quarter
-    tile, with no tail, or with too few K steps."""
-    rule = gemm_gluon.tail_split_for
-    assert rule(2048, 132, 32) == 3  # 16384x4096 in 128x256 tiles: 68 left over
-    assert rule(3072, 132, 32) == 2  # 16384x6144: 36
-    assert rule(192, 132, 32) == 2  # 1024x6144: 60
-    assert rule(512, 132, 32) == 1  # 4096x4096: 116 left, no split shortens the round
-    assert rule(264, 132, 32) == 1  # whole rounds
-    assert rule(3072, 132, 5) == 2 and rule(2048, 132, 5) == 1  # 3 slices need 6 K steps
 
 
 def test_barrier_protocol_model_catches_unguarded_staging():
