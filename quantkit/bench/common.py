@@ -3,30 +3,57 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import subprocess
+from pathlib import Path
 
 import torch
 
+_PACKAGE = Path(__file__).resolve().parents[1]  # quantkit/
+
+
+def source_digest(package: Path = _PACKAGE) -> str:
+    """The first 12 hex digits of a SHA-256 over the package's .py files (relative paths and
+    contents, in path order): which code ran, whatever state the checkout's .git is in."""
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=_PACKAGE, capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:
+        return ""
+
+
+def git_commit() -> str:
+    """HEAD's short hash, with "+modified" where the package's files differ from it (a checkout
+    copied with a stale .git, as on the GPU machine, reads as its old HEAD plus modifications);
+    "" outside a git checkout."""
+    commit = _git("rev-parse", "--short", "HEAD")
+    if commit and _git("status", "--porcelain", "--untracked-files=no", "--", "."):
+        commit += "+modified"
+    return commit
+
 
 def environment_metadata() -> dict:
-    """GPU name, versions, commit and date stamped on every result file."""
+    """GPU name, versions, commit, source digest and date stamped on every result file."""
     import triton
 
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        commit = ""
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         # The device machine's copy of the tree may have no .git, or a stale one (a run on
-        # 2026-11-22 stamped an old commit): the caller's QUANTKIT_COMMIT wins when set.
-        "commit": os.environ.get("QUANTKIT_COMMIT") or commit or "unknown",
+        # 2026-11-22 stamped an old commit; in session 16 bdc63ad for a newer tree): the caller's
+        # QUANTKIT_COMMIT wins when set, and "source" names the code that ran either way.
+        "commit": os.environ.get("QUANTKIT_COMMIT") or git_commit() or "unknown",
+        "source": source_digest(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
