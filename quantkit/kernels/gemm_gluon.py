@@ -261,14 +261,6 @@ CONFIGS = {
     "coop2_128x256_g16_lean": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
                                           split_m=True, group_m=16, lean_start=True, loader_regs=24,
                                           consumer_regs=240),
-    # EXPERIMENT (session 16): 128x128 cooperative tiles for programs with one or two tiles
-    # (4096x4096 at M = 1024: 256 half tiles instead of 128, so the second's epilogue is half as long).
-    "coop2_128x128_sw": GluonConfig(128, 128, 128, stages=6, consumers=2, consumer_warps=4, epilogue_split=2,
-                                    split_m=True, group_m=16, store_warp=True, lean_start=True),
-    "coop2_128x128_swt": GluonConfig(128, 128, 128, stages=6, consumers=2, consumer_warps=4, epilogue_split=2,
-                                     split_m=True, group_m=16, store_warp=True, staging_turns=True, lean_start=True),
-    "coop2_128x128_lean": GluonConfig(128, 128, 128, stages=6, consumers=2, consumer_warps=4, epilogue_split=2,
-                                      split_m=True, group_m=16, lean_start=True),
 }
 
 # The gated form (``gated=True``): per K step the ring slot holds the A tile, the gate W tile (rows
