@@ -497,28 +497,6 @@ if _GLUON_ERROR is None:
             _tma_store(out_desc, [off_m, off_n + chunk * CHUNK_N], c_smem)
 
     @gluon.jit
-    def _store_staged(out_desc, c_bufs, stage_bars, off_m, off_n, staged, CHUNKS: gl.constexpr,
-                      CONSUMERS: gl.constexpr, STORE_MODE: gl.constexpr):
-        # The store partition's work for one tile at (off_m, off_n), its ``staged``-th: wait for
-        # each consumer part, issue its TMA stores, hand the staging back once they have read it.
-        ROWS: gl.constexpr = out_desc.block_type.shape[0]
-        CHUNK_N: gl.constexpr = out_desc.block_type.shape[1]
-        if STORE_MODE == 2:
-            for c in gl.static_range(CONSUMERS):
-                mbarrier.wait(stage_bars.index(0), (staged * CONSUMERS + c) & 1)
-                for j in gl.static_range(CHUNKS):
-                    _tma_store(out_desc, [off_m + c * ROWS, off_n + j * CHUNK_N], c_bufs.index(j))
-                tma.store_wait(0)
-                mbarrier.arrive(stage_bars.index(1 + (c + 1) % CONSUMERS))
-        else:
-            mbarrier.wait(stage_bars.index(0), staged & 1)
-            for c in gl.static_range(CONSUMERS):
-                for j in gl.static_range(CHUNKS):
-                    _tma_store(out_desc, [off_m + c * ROWS, off_n + j * CHUNK_N], c_bufs.index(c * CHUNKS + j))
-            tma.store_wait(0)  # the stores have read the staging (not: reached global memory)
-            mbarrier.arrive(stage_bars.index(1))
-
-    @gluon.jit
     def _store_partition(out_desc, c_bufs, stage_bars, M, N, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
                          STORE_MODE: gl.constexpr):
         # store_warp: the TMA stores of every tile the consumers staged. STORE_MODE 1: stage_bars[0]
@@ -540,8 +518,22 @@ if _GLUON_ERROR is None:
         staged = 0  # tiles stored so far
         for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-            _store_staged(out_desc, c_bufs, stage_bars, pid_m * BLOCK_M, pid_n * BLOCK_N, staged, CHUNKS, CONSUMERS,
-                          STORE_MODE)
+            if STORE_MODE == 2:
+                for c in gl.static_range(CONSUMERS):
+                    mbarrier.wait(stage_bars.index(0), (staged * CONSUMERS + c) & 1)
+                    for j in gl.static_range(CHUNKS):
+                        _tma_store(out_desc, [pid_m * BLOCK_M + c * ROWS, pid_n * BLOCK_N + j * CHUNK_N],
+                                   c_bufs.index(j))
+                    tma.store_wait(0)
+                    mbarrier.arrive(stage_bars.index(1 + (c + 1) % CONSUMERS))
+            else:
+                mbarrier.wait(stage_bars.index(0), staged & 1)
+                for c in gl.static_range(CONSUMERS):
+                    for j in gl.static_range(CHUNKS):
+                        _tma_store(out_desc, [pid_m * BLOCK_M + c * ROWS, pid_n * BLOCK_N + j * CHUNK_N],
+                                   c_bufs.index(c * CHUNKS + j))
+                tma.store_wait(0)  # the stores have read the staging (not: reached global memory)
+                mbarrier.arrive(stage_bars.index(1))
             staged += 1
         # Returning ends the program only after its stores complete (the kernel's exit waits for them).
 
@@ -551,73 +543,6 @@ if _GLUON_ERROR is None:
         BM: gl.constexpr = x.shape[0]
         BN: gl.constexpr = x.shape[1]
         return x.reshape([BM, 2, BN // 2]).permute((0, 2, 1)).split()
-
-    @gluon.jit
-    def _epilogue(acc, acc_up, a_scale, w_scale, w_scale_up, off_m, off_n, local, out_desc, c_bufs, stage_bars,
-                  w_scale_ptr, bias_ptr, N, CONSUMER: gl.constexpr, FIRST: gl.constexpr, BUFFERS: gl.constexpr,
-                  EPILOGUE_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GATED: gl.constexpr,
-                  EARLY_SCALES: gl.constexpr, STORE_WARP: gl.constexpr, chunk_layout: gl.constexpr):
-        # A consumer's part of one output tile, from its retired accumulator(s) and scales (w_scale,
-        # w_scale_up: the tile's column scales with EARLY_SCALES, else unused; acc_up, w_scale_up
-        # unused unless GATED). ``local``: this consumer's tiles so far, this one counted (the
-        # staging hand-over's phases). Returns the scaled tile (lean_start's next accumulator).
-        # Epilogue in fp32, in the reference's order: (acc * a_scale) * w_scale + bias.
-        x = acc.to(gl.float32) * gl.expand_dims(a_scale, 1)
-        if EARLY_SCALES:
-            x = x * gl.expand_dims(w_scale, 0)
-        if GATED:
-            u = acc_up.to(gl.float32) * gl.expand_dims(a_scale, 1)
-            if EARLY_SCALES:
-                u = u * gl.expand_dims(w_scale_up, 0)
-        else:
-            u = x  # a stand-in, unused
-        if STORE_WARP == 2:
-            # staging_turns: free once the part staged before this one (the other consumer's,
-            # of this tile or the previous one) has been read out. This consumer's free barrier
-            # completes once per tile: for consumer 0 from the second tile on (the first
-            # waits for a fresh barrier's pre-completed phase), for consumer 1 from the first.
-            mbarrier.wait(stage_bars.index(1 + CONSUMER), _previous_phase(local - 1 + CONSUMER))
-        elif STORE_WARP:
-            # The staging is free again once the store partition's stores of the previous tile
-            # have read it (every consumer takes every tile: local counts this program's tiles).
-            mbarrier.wait(stage_bars.index(1), _previous_phase(local - 1))
-        if EPILOGUE_SPLIT == 1:
-            _store_chunk(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                         HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
-                         STORE_WARP)
-        elif EPILOGUE_SPLIT == 2:
-            left, right = _halves(x)
-            u_left, u_right = _halves(u)
-            _store_chunk(left, u_left, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr,
-                         N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
-                         STORE_WARP)
-            _store_chunk(right, u_right, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr,
-                         bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
-                         STORE_WARP)
-        else:
-            left, right = _halves(x)
-            u_left, u_right = _halves(u)
-            q0, q1 = _halves(left)
-            v0, v1 = _halves(u_left)
-            _store_chunk(q0, v0, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                         HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
-                         STORE_WARP)
-            _store_chunk(q1, v1, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                         HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
-                         STORE_WARP)
-            q2, q3 = _halves(right)
-            v2, v3 = _halves(u_right)
-            _store_chunk(q2, v2, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                         HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
-                         STORE_WARP)
-            _store_chunk(q3, v3, 3, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                         HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
-                         STORE_WARP)
-        if STORE_WARP:
-            # The staged tile visible to the TMA unit, then handed to the store partition.
-            fence_async_shared()
-            mbarrier.arrive(stage_bars.index(0))
-        return x
 
     @gluon.jit
     def _consumer_partition(a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs, out_desc,
@@ -714,15 +639,62 @@ if _GLUON_ERROR is None:
             mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES))
             local += TURNS
 
-            if not GATED:
-                acc_up = acc  # stand-ins for what the epilogue does not read
-            if not (GATED and EARLY_SCALES):
-                w_scale_up = a_scale
-            if not EARLY_SCALES:
-                w_scale = a_scale
-            x = _epilogue(acc, acc_up, a_scale, w_scale, w_scale_up, off_m, off_n, local, out_desc, c_bufs, stage_bars,
-                          w_scale_ptr, bias_ptr, N, CONSUMER, FIRST, BUFFERS, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION,
-                          GATED, EARLY_SCALES, STORE_WARP, chunk_layout)
+            # Epilogue in fp32, in the reference's order: (acc * a_scale) * w_scale + bias.
+            x = acc.to(gl.float32) * gl.expand_dims(a_scale, 1)
+            if EARLY_SCALES:
+                x = x * gl.expand_dims(w_scale, 0)
+            if GATED:
+                u = acc_up.to(gl.float32) * gl.expand_dims(a_scale, 1)
+                if EARLY_SCALES:
+                    u = u * gl.expand_dims(w_scale_up, 0)
+            else:
+                u = x  # a stand-in, unused
+            if STORE_WARP == 2:
+                # staging_turns: free once the part staged before this one (the other consumer's,
+                # of this tile or the previous one) has been read out. This consumer's free barrier
+                # completes once per tile: for consumer 0 from the second tile on (the first
+                # waits for a fresh barrier's pre-completed phase), for consumer 1 from the first.
+                mbarrier.wait(stage_bars.index(1 + CONSUMER), _previous_phase(local - 1 + CONSUMER))
+            elif STORE_WARP:
+                # The staging is free again once the store partition's stores of the previous tile
+                # have read it (every consumer takes every tile: local counts this program's tiles).
+                mbarrier.wait(stage_bars.index(1), _previous_phase(local - 1))
+            if EPILOGUE_SPLIT == 1:
+                _store_chunk(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
+                             STORE_WARP)
+            elif EPILOGUE_SPLIT == 2:
+                left, right = _halves(x)
+                u_left, u_right = _halves(u)
+                _store_chunk(left, u_left, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr,
+                             N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
+                             STORE_WARP)
+                _store_chunk(right, u_right, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr,
+                             bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
+                             STORE_WARP)
+            else:
+                left, right = _halves(x)
+                u_left, u_right = _halves(u)
+                q0, q1 = _halves(left)
+                v0, v1 = _halves(u_left)
+                _store_chunk(q0, v0, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
+                             STORE_WARP)
+                _store_chunk(q1, v1, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
+                             STORE_WARP)
+                q2, q3 = _halves(right)
+                v2, v3 = _halves(u_right)
+                _store_chunk(q2, v2, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
+                             STORE_WARP)
+                _store_chunk(q3, v3, 3, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
+                             STORE_WARP)
+            if STORE_WARP:
+                # The staged tile visible to the TMA unit, then handed to the store partition.
+                fence_async_shared()
+                mbarrier.arrive(stage_bars.index(0))
             if LEAN_START:
                 # The next tile's first MMA takes these registers as its (ignored) accumulator: no
                 # zeroing, and no second set of 128 live registers.
