@@ -545,6 +545,20 @@ if _GLUON_ERROR is None:
         return x.reshape([BM, 2, BN // 2]).permute((0, 2, 1)).split()
 
     @gluon.jit
+    def _store_halves(x, u, chunk: gl.constexpr, off_m, off_n, out_desc, c_bufs, FIRST: gl.constexpr,
+                      BUFFERS: gl.constexpr, w_scale_ptr, bias_ptr, N, HAS_BIAS: gl.constexpr,
+                      ACTIVATION: gl.constexpr, GATED: gl.constexpr, SCALED: gl.constexpr, layout: gl.constexpr,
+                      STAGE_ONLY: gl.constexpr):
+        # Output chunks ``chunk`` and ``chunk + 1``: the two column halves of x (and u), each keeping
+        # its registers; the arguments are _store_chunk's.
+        left, right = _halves(x)
+        u_left, u_right = _halves(u)
+        _store_chunk(left, u_left, chunk, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                     HAS_BIAS, ACTIVATION, GATED, SCALED, layout, STAGE_ONLY)
+        _store_chunk(right, u_right, chunk + 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr,
+                     bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, SCALED, layout, STAGE_ONLY)
+
+    @gluon.jit
     def _consumer_partition(a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs, out_desc,
                             a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, CONSUMER: gl.constexpr,
                             CONSUMERS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, GROUP_M: gl.constexpr,
@@ -664,33 +678,15 @@ if _GLUON_ERROR is None:
                              HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
                              STORE_WARP)
             elif EPILOGUE_SPLIT == 2:
-                left, right = _halves(x)
-                u_left, u_right = _halves(u)
-                _store_chunk(left, u_left, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr,
-                             N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
-                             STORE_WARP)
-                _store_chunk(right, u_right, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr,
-                             bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
-                             STORE_WARP)
+                _store_halves(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                              HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
             else:
                 left, right = _halves(x)
                 u_left, u_right = _halves(u)
-                q0, q1 = _halves(left)
-                v0, v1 = _halves(u_left)
-                _store_chunk(q0, v0, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
-                             STORE_WARP)
-                _store_chunk(q1, v1, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
-                             STORE_WARP)
-                q2, q3 = _halves(right)
-                v2, v3 = _halves(u_right)
-                _store_chunk(q2, v2, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
-                             STORE_WARP)
-                _store_chunk(q3, v3, 3, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
-                             STORE_WARP)
+                _store_halves(left, u_left, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr,
+                              N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
+                _store_halves(right, u_right, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr,
+                              bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
             if STORE_WARP:
                 # The staged tile visible to the TMA unit, then handed to the store partition.
                 fence_async_shared()
