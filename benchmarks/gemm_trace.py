@@ -134,15 +134,10 @@ def event_ms(run, reps=20):
     return statistics.median(times)
 
 
-def balance(rows_of):
-    """How evenly the programs finish (meaningful with --clock globaltimer, one timer for all SMs):
-    per program its tiles, first start and last store; grouped by tile count, the end times
-    relative to the earliest start; and the SMs' busy share of the kernel's span."""
-    programs = []
-    for consumers in rows_of:
-        rows = [row for rows in consumers for row in rows]
-        if rows:
-            programs.append((len(rows), min(r[0] for r in rows), max(r[4] for r in rows)))
+def balance(programs):
+    """How evenly the programs finish (meaningful with --clock globaltimer, one timer for all SMs),
+    from each program's (tiles traced, first start, last store): grouped by tile count, the end
+    times relative to the earliest start; and the SMs' busy share of the kernel's span."""
     start = min(p[1] for p in programs)
     span = max(p[2] for p in programs) - start
     by_tiles = {}
@@ -175,15 +170,15 @@ def analyse(trace, grid, consumers, split, tiles_total, ideal):
     # Per program: the cycles from its first tile's start to its last tile's stores, and (ping-pong)
     # the hand-over: from one consumer's last MMA issue (t2) to the other's first data of the
     # program's next tile (t1), both read from the same SM's clock.
-    spans, handover = [], []
+    programs, handover = [], []  # programs: (tiles, first start, last store)
     for p in range(grid):
         tiles = sorted((row for c in range(consumers) for row in rows_of[p][c]), key=lambda r: r[1])
         if tiles:
-            spans.append(max(r[4] for r in tiles) - min(r[0] for r in tiles))
+            programs.append((len(tiles), min(r[0] for r in tiles), max(r[4] for r in tiles)))
         if consumers == 2 and not split:
             handover += [nxt[1] - cur[2] for cur, nxt in zip(tiles, tiles[1:])]
-    summary["program_cycles_mean"] = statistics.fmean(spans)
-    summary["balance"] = balance(rows_of)
+    summary["program_cycles_mean"] = statistics.fmean(last - first for _, first, last in programs)
+    summary["balance"] = balance(programs)
     if handover:
         summary["handover"] = {"median": statistics.median(handover), "mean": statistics.fmean(handover)}
     summary["first_data_cold_mean"] = statistics.fmean(cold) if cold else None
