@@ -22,7 +22,6 @@ import copy
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 
 import quantkit
+from quantkit.bench.common import git_commit, source_digest
 from quantkit.config import QuantConfig
 from quantkit.kernels.reference import quantize_per_tensor, quantize_per_token
 from quantkit.nn import QuantLinear
@@ -133,14 +133,6 @@ def to_fake_quant(model: nn.Module) -> None:
             setattr(model.get_submodule(parent) if parent else model, child, FakeQuantLinear(module))
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def summary(path: Path) -> str:
     """Markdown table of the latest row per recipe (and eval path) of the JSON-lines results."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -202,7 +194,8 @@ def main() -> None:
     common = {
         "model": quantkit.BUNDLED_MODEL, "dataset": quantkit.BUNDLED_DATASET, "eval_tokens": int(tokens.numel()),
         "window": args.window, "calib_blocks": args.calib_blocks, "calib_seq_len": args.calib_seq_len,
-        "commit": os.environ.get("QUANTKIT_COMMIT") or _commit(), "torch": torch.__version__,
+        "commit": os.environ.get("QUANTKIT_COMMIT") or git_commit() or "unknown", "source": source_digest(),
+        "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "date": time.strftime("%Y-%m-%d"),

@@ -43,20 +43,18 @@ Imports the kernels without quantkit/__init__.py (whose data-set dependencies th
 
 import argparse
 import dataclasses
-import datetime
 import json
-import os
-import subprocess
 import time
 import traceback
 from pathlib import Path
 
-from kernels_only import ROOT  # noqa: E402  (quantkit without its __init__)
+import kernels_only  # noqa: E402, F401  (quantkit without its __init__)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+from quantkit.bench.common import environment_metadata  # noqa: E402
 from quantkit.bench.gemm import adaptive_graph_ms, rotated_medians  # noqa: E402
 from quantkit.kernels import gemm, gemm_gluon, reference  # noqa: E402
 
@@ -89,17 +87,8 @@ def log(msg: str) -> None:
 
 
 def metadata() -> dict:
-    commit = os.environ.get("QUANTKIT_COMMIT", "")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=ROOT, check=False).stdout.strip()
-        except OSError:
-            commit = ""
-    return {"gpu": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
-            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-            "commit": commit or "unknown",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    """The benchmarks' common stamp (versions, commit, source digest, date) plus the SM count and the configs."""
+    return {**environment_metadata(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
             "gluon_available": gemm_gluon.available(),
             "configs": {name: vars(cfg) for name, cfg in gemm_gluon.CONFIGS.items()}}
 
