@@ -123,6 +123,9 @@ def launcher(mod, name, M, N, K, traced):
 
 
 def event_ms(run, reps=20):
+    """Median ms of one eager call between CUDA events: the host's launch is inside, so below ~100 us
+    this reads the launch path, not the kernel (session 17: 65.6 against 26.6 us by CUPTI at
+    1024x4096x4096)."""
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -202,9 +205,10 @@ def main() -> None:
     points = POINTS if not args.points else [tuple(map(int, p.split("x"))) for p in args.points.split(",")]
     results, lines = [], []
     meta = environment_metadata()
-    lines.append(f"{meta.get('gpu')} torch {meta.get('torch')} triton {meta.get('triton')}  (SM cycles per tile, "
-                 "mean over all tiles; median in brackets)")
     unit = "cycles" if args.clock == "clock64" else "ns"
+    lines.append(f"{meta.get('gpu')} torch {meta.get('torch')} triton {meta.get('triton')}  "
+                 f"({'SM cycles' if unit == 'cycles' else 'ns, globaltimer'} per tile, mean over all tiles; "
+                 "median in brackets; 'us' of a kernel: one eager call between CUDA events, launch included)")
     for M, N, K in points:
         for name in args.configs.split(","):
             config = mod.CONFIGS[name]
@@ -235,8 +239,8 @@ def main() -> None:
             warm = summary["first_data_warm_mean"]  # None where every program has one tile
             lines.append(f"  first data: program's first tile {summary['first_data_cold_mean']:.0f}, "
                          f"later tiles {'-' if warm is None else f'{warm:.0f}'}; program span "
-                         f"{summary['program_cycles_mean']:.0f} cycles = {summary['program_cycles_mean'] / (ms_t * 1e3):.0f} "
-                         f"per us of the traced kernel"
+                         f"{summary['program_cycles_mean']:.0f} {unit} = {summary['program_cycles_mean'] / (ms_t * 1e3):.0f} "
+                         f"per us of the traced call"
                          + (f"; hand-over {summary['handover']['mean']:.0f} [{summary['handover']['median']:.0f}]"
                             if "handover" in summary else ""))
             b = summary["balance"]

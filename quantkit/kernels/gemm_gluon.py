@@ -148,10 +148,6 @@ class GluonConfig:
     # The next tile's start kept short: its first MMA ignores the accumulator (use_acc off) instead
     # of 128 registers being zeroed, and its coordinates are computed under this tile's last MMA.
     lean_start: bool = False
-    # Every program prefetches the three TMA descriptors (prefetch.param.tensormap) at its first
-    # instruction, before the barriers' set-up, so the first load and the first store do not
-    # wait for a descriptor fetch.
-    prefetch_descriptors: bool = False
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
@@ -185,7 +181,7 @@ class GluonConfig:
         return (f"{kind}_{self.block_m}x{self.block_n}x{self.block_k}_s{self.stages}"
                 f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late")
                 + ("_sw" if self.store_warp else "") + ("t" if self.staging_turns else "")
-                + ("_lean" if self.lean_start else "") + ("_pf" if self.prefetch_descriptors else ""))
+                + ("_lean" if self.lean_start else ""))
 
     @property
     def store_mode(self) -> int:
@@ -501,16 +497,6 @@ if _GLUON_ERROR is None:
             _tma_store(out_desc, [off_m, off_n + chunk * CHUNK_N], c_smem)
 
     @gluon.jit
-    def _prefetch_descriptors():
-        # The kernel's three descriptors are its parameters 0, 5 and 10: each descriptor argument
-        # lowers to five (the 128-byte map, two shape and two stride words), in argument order
-        # (test_gemm_gluon checks the PTX). Gluon has no prefetch op, so inline PTX names them.
-        gl.inline_asm_elementwise("prefetch.param.tensormap [_scaled_mm_kernel_param_0];\n\t"
-                                  "prefetch.param.tensormap [_scaled_mm_kernel_param_5];\n\t"
-                                  "prefetch.param.tensormap [_scaled_mm_kernel_param_10];\n\tmov.u32 $0, 0;",
-                                  "=r,r", [gl.program_id(0)], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
     def _store_partition(out_desc, c_bufs, stage_bars, M, N, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
                          STORE_MODE: gl.constexpr):
         # store_warp: the TMA stores of every tile the consumers staged. STORE_MODE 1: stage_bars[0]
@@ -719,11 +705,8 @@ if _GLUON_ERROR is None:
                           STAGES: gl.constexpr, CONSUMERS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr,
                           EPILOGUE_BUFFERS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, SPLIT_M: gl.constexpr,
-                          STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr, PREFETCH: gl.constexpr,
-                          num_warps: gl.constexpr):
+                          STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr, num_warps: gl.constexpr):
         # GATED: out (M, N) = act(gate) * up over the stacked (2N, K) weight of w_desc; N counts outputs.
-        if PREFETCH:
-            _prefetch_descriptors()
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
         if GATED:
@@ -904,7 +887,7 @@ class GluonCall:
             EPILOGUE_BUFFERS=config.epilogue_buffers, LOADER_REGS=config.loader_regs,
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
             SPLIT_M=config.split_m, STORE_WARP=config.store_mode, LEAN_START=config.lean_start,
-            PREFETCH=config.prefetch_descriptors, num_warps=config.consumer_warps)
+            num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the
         # constexprs in signature order (after the 9 runtime arguments) for the cached launcher.
         self.key = (config, tuple(self.constexprs.items()))

@@ -127,8 +127,7 @@ def _compile(config, dtype: str, activation: int = 2, plain: bool = False):
                      EPILOGUE_BUFFERS=config.epilogue_buffers,
                      LOADER_REGS=config.loader_regs, CONSUMER_REGS=config.consumer_regs,
                      GATED=config.gated, EARLY_SCALES=config.early_scales, SPLIT_M=config.split_m,
-                     STORE_WARP=config.store_mode, LEAN_START=config.lean_start,
-                     PREFETCH=config.prefetch_descriptors, num_warps=config.consumer_warps)
+                     STORE_WARP=config.store_mode, LEAN_START=config.lean_start, num_warps=config.consumer_warps)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(gemm_gluon._scaled_mm_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.consumer_warps))
