@@ -88,6 +88,10 @@ def _quantize(model: nn.Module, config: QuantConfig, calibration_data: torch.Ten
         )
     ranking, kept = None, ()
     if config.keep_sensitive:
+        candidates = len(target_linears(model, config))
+        if config.keep_sensitive >= candidates:
+            raise ValueError(f"keep_sensitive={config.keep_sensitive} would keep all {candidates} quantizable "
+                             f"Linear layers in 16 bits; use a value below {candidates}")
         # One forward per layer: short blocks keep a 100-layer model in minutes on a CPU.
         ranking = rank_layers(model, calibration_data, config, progress=progress, max_seq_len=128)
         kept = tuple(most_sensitive(ranking, config.keep_sensitive))
@@ -116,7 +120,7 @@ def _quantize(model: nn.Module, config: QuantConfig, calibration_data: torch.Ten
     model.quantkit_report = report
     model.quantkit_kept = kept
     model.quantkit_calibration_report = build_report(
-        config.to_quantization_config(kept)["quantkit"],
+        config.to_quantization_config()["quantkit"],
         smoothquant=smoothquant_report,
         weight_scales={name: model.get_submodule(name).weight_scale.view(-1) for name in report.converted},
         input_scales={name: model.get_submodule(name).input_scale for name in report.converted} if config.is_static else None,

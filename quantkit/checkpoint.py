@@ -24,7 +24,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from quantkit.config import QuantConfig
-from quantkit.convert import build_empty_quantized
+from quantkit.convert import build_empty_quantized, untie_quantized_head
 from quantkit.kernels.ops import resolve_backend
 from quantkit.models.loading import default_dtype
 from quantkit.nn import QuantLinear
@@ -82,7 +82,9 @@ def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite
     out_dir = Path(out_dir)
     _prepare_target(out_dir, overwrite)
     config_dict = model.config.to_dict()
-    config_dict["quantization_config"] = config.to_quantization_config(getattr(model, "quantkit_kept", ()))
+    # Every Linear still in 16 bits by name: quantkit's ignore globs mean nothing to other loaders.
+    kept = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+    config_dict["quantization_config"] = config.to_quantization_config(ignore=kept)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
     try:
         shards = _shards({name: t.detach().contiguous().cpu() for name, t in _unique_state(model).items()})
@@ -209,6 +211,7 @@ def load(
         if quantized and tensor.dtype != target.dtype:
             raise CheckpointError(f"{name} is {tensor.dtype} in the checkpoint but the scheme needs {target.dtype}")
         target.copy_(tensor)
-    model.tie_weights()
+    if not untie_quantized_head(model):
+        model.tie_weights()
     model.quantkit_config = config
     return model.to(device).eval()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,16 +123,20 @@ class QuantConfig:
         return torch.int8 if self.weight_type == "int8" else torch.float8_e4m3fn
 
     def is_ignored(self, module_name: str) -> bool:
-        """True if ``module_name`` matches an ignore pattern (exactly, as a glob, or by its last part)."""
+        """True if ``module_name`` matches an ignore pattern: exactly, as a glob, by its last part, or
+        (compressed-tensors' form, e.g. ``re:.*lm_head``) as a regular expression matched from its start."""
         leaf = module_name.rsplit(".", 1)[-1]
-        return any(fnmatch.fnmatchcase(module_name, p) or fnmatch.fnmatchcase(leaf, p) for p in self.ignore)
+        return any(re.match(p[3:], module_name) is not None if p.startswith("re:")
+                   else fnmatch.fnmatchcase(module_name, p) or fnmatch.fnmatchcase(leaf, p) for p in self.ignore)
 
     # --- the checkpoint's compressed-tensors quantization_config -------------------------------
 
-    def to_quantization_config(self, extra_ignore: tuple[str, ...] = ()) -> dict[str, Any]:
+    def to_quantization_config(self, ignore: list[str] | None = None) -> dict[str, Any]:
         """The ``quantization_config`` entry of config.json (compressed-tensors layout).
 
-        ``extra_ignore`` lists concrete module names kept in 16 bits (e.g. sensitive layers).
+        ``ignore``: the names of the Linear modules left in 16 bits, as ``save`` lists them from the
+        model. compressed-tensors matches exact names (or ``re:`` expressions), not quantkit's globs
+        and last-part names, so a checkpoint must list them; default: the config's own patterns.
         """
         kind = "int" if self.weight_type == "int8" else "float"
         if self.is_static:
@@ -142,7 +147,7 @@ class QuantConfig:
             "quant_method": "compressed-tensors",
             "format": "int-quantized" if kind == "int" else "float-quantized",
             "quantization_status": "compressed",
-            "ignore": list(self.ignore) + [n for n in extra_ignore if n not in self.ignore],
+            "ignore": list(self.ignore) if ignore is None else list(ignore),
             "config_groups": {
                 "group_0": {
                     "targets": ["Linear"],
@@ -159,6 +164,7 @@ class QuantConfig:
                 "smoothquant_alpha": self.smoothquant_alpha,
                 "gptq": self.gptq,
                 "keep_sensitive": self.keep_sensitive,
+                "ignore_patterns": list(self.ignore),
             },
         }
 
@@ -177,6 +183,9 @@ class QuantConfig:
         if len(groups) != 1:
             raise UnknownSchemeError(f"{len(groups)} config_groups found; quantkit supports exactly one")
         group = next(iter(groups.values()))
+        if group.get("targets", ["Linear"]) != ["Linear"]:
+            raise UnknownSchemeError(f"config_groups targets={group.get('targets')!r} is not supported; "
+                                     "quantkit quantizes every Linear (targets=['Linear'])")
         weights, acts = group.get("weights") or {}, group.get("input_activations") or {}
         kind = weights.get("type")
         expected_format = {"int": "int-quantized", "float": "float-quantized"}.get(kind)
@@ -186,12 +195,15 @@ class QuantConfig:
             or weights.get("num_bits") != 8
             or weights.get("strategy") != "channel"
             or not weights.get("symmetric", False)
+            or weights.get("dynamic", False)
             or acts.get("num_bits") != 8
+            or not acts.get("symmetric", True)
             or acts.get("type") != kind
         ):
             raise UnknownSchemeError(
                 f"quantization scheme (format={qc.get('format')!r}, weights={weights}, input_activations={acts}) "
-                "is not one this version of quantkit knows; it runs 8-bit symmetric per-channel weights"
+                "is not one this version of quantkit knows; it runs 8-bit symmetric per-channel static weights "
+                "and 8-bit symmetric activations"
             )
         if acts.get("strategy") == "token" and acts.get("dynamic") is True:
             activations = "dynamic"

@@ -35,6 +35,24 @@ def target_linears(model: nn.Module, config: QuantConfig, extra_ignore: tuple[st
     }
 
 
+def untie_quantized_head(model: nn.Module) -> bool:
+    """If the output head is a QuantLinear, mark the config untied and return True.
+
+    A tied config makes ``tie_weights`` (transformers calls it when loading, and so does
+    ``quantkit.load``) put the float input embedding back in place of the head's quantized weight;
+    a checkpoint has to store the head on its own.
+    """
+    get_head = getattr(model, "get_output_embeddings", None)
+    if not isinstance(get_head() if get_head else None, QuantLinear):
+        return False
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for cfg in (config, text_config):
+        if getattr(cfg, "tie_word_embeddings", False):
+            cfg.tie_word_embeddings = False
+    return True
+
+
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -82,6 +100,7 @@ def convert_model(
         report.converted.append(name)
     if not report.converted:
         raise ValueError("no nn.Linear layer matched; check the ignore patterns of the QuantConfig")
+    untie_quantized_head(model)
     logger.info("%s", report)
     return report
 

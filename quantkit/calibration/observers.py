@@ -114,7 +114,7 @@ def quantization_mse(values: torch.Tensor, amax: torch.Tensor, dtype: torch.dtyp
     v = values.double()
     errors = []
     for s in scale:
-        dequant = cast_to_quantized(v / s, dtype).double() * s
+        dequant = cast_to_quantized(v / s, dtype, activation=True).double() * s
         errors.append((v - dequant).pow(2).mean())
     return torch.stack(errors)
 

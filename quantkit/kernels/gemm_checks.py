@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.kernels.reference import ACTIVATIONS, INT8_MAX, QUANT_DTYPES
+from quantkit.kernels.reference import ACTIVATIONS, INT8_MIN, QUANT_DTYPES
 
 ACTIVATION_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}  # none=0 relu=1 silu=2 gelu=3 gelu_tanh=4
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -15,7 +15,7 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # of cuBLAS/_scaled_mm have the same rule); with 1-byte elements that is K % 16 == 0.
 K_ALIGNMENT = 16
 # Largest K whose INT8 dot products cannot overflow an int32 accumulator.
-MAX_INT8_K = (2**31 - 1) // int(INT8_MAX * INT8_MAX)
+MAX_INT8_K = (2**31 - 1) // int(INT8_MIN * INT8_MIN)
 
 
 def _check_scale(scale: torch.Tensor, name: str, length: int, length_name: str, ref: torch.Tensor) -> bool:

@@ -96,7 +96,7 @@ def _scaled_gemv_kernel(
             if GATED:
                 w_up = tl.load(up_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_first")
         if IS_INT8:
-            # |a * w| <= 127**2 and K <= MAX_INT8_K: every partial sum fits in int32, exactly.
+            # |a * w| <= 128**2 and K <= MAX_INT8_K: every partial sum fits in int32, exactly.
             a_wide = a.to(tl.int32)
             acc += tl.sum(a_wide * w.to(tl.int32), axis=2)
             if GATED:

@@ -118,7 +118,8 @@ def cast_for_store(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def quantize_with_scale(x, scale, IS_FP8: tl.constexpr, INTERPRETED: tl.constexpr):
-    """fp32 x / scale -> saturated, rounded int8 or float8_e4m3fn (the reference's cast_to_quantized)."""
+    """fp32 x / scale -> saturated, rounded int8 or float8_e4m3fn: an activation, so INT8 saturates to
+    [-128, 127] (the reference's ``cast_to_quantized(..., activation=True)``)."""
     scaled = tl.math.div_rn(x, scale)
     if IS_FP8:
         scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
@@ -126,7 +127,7 @@ def quantize_with_scale(x, scale, IS_FP8: tl.constexpr, INTERPRETED: tl.constexp
             scaled = round_to_e4m3_grid(scaled)
         return scaled.to(tl.float8e4nv)
     else:
-        scaled = tl.minimum(tl.maximum(scaled, -127.0), 127.0)
+        scaled = tl.minimum(tl.maximum(scaled, -128.0), 127.0)  # the reference's INT8_MIN, INT8_MAX
         return round_half_even(scaled).to(tl.int8)
 
 

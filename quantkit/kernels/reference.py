@@ -4,7 +4,9 @@ Every Triton kernel in this package has a function here that computes the same t
 for clarity rather than speed. They are the CPU path of the library and the oracle of the tests.
 
 Conventions shared with the kernels:
-- INT8 is symmetric in [-127, 127] (never -128, so negation is exact); FP8 is e4m3fn, max 448.
+- INT8 is symmetric: scales are amax / 127, weights lie in [-127, 127]. Activations saturate to
+  [-128, 127], as compressed-tensors and vLLM quantize them at run time: only a value past a
+  static scale's range reaches -128. FP8 is e4m3fn, max 448.
 - Scales are float32 and multiply the quantized value back: ``x ~= q * scale``.
 - INT8 products accumulate exactly in int32; FP8 products accumulate in float32.
 - The epilogue runs in float32: ``act(acc * a_scale[:, None] * w_scale[None, :] + bias)``,
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 INT8_MAX = 127.0
+INT8_MIN = -128.0  # activations' saturation floor (scales are still amax / INT8_MAX)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # A scale is never smaller than this: an all-zero row quantizes to zeros instead of NaN.
 MIN_SCALE = 1e-12
@@ -36,6 +39,12 @@ def qmax_of(dtype: torch.dtype) -> float:
     raise ValueError(f"quantized dtype {dtype} is not supported; use torch.int8 or torch.float8_e4m3fn")
 
 
+def activation_qmin(dtype: torch.dtype) -> float:
+    """Where activations saturate below: -128 for INT8 (the weights' symmetric grid stops at -127),
+    -448 for FP8."""
+    return INT8_MIN if dtype == torch.int8 else -qmax_of(dtype)
+
+
 def _qmax_tensor(dtype: torch.dtype, device) -> torch.Tensor:
     # Divide by a tensor, not a Python float: on CUDA, torch turns division by a Python scalar
     # into multiplication by its reciprocal, which differs from true division in the last bit
@@ -43,10 +52,11 @@ def _qmax_tensor(dtype: torch.dtype, device) -> torch.Tensor:
     return torch.tensor(qmax_of(dtype), dtype=torch.float32, device=device)
 
 
-def cast_to_quantized(x_scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Round an already-scaled float tensor onto the quantized grid (saturating)."""
+def cast_to_quantized(x_scaled: torch.Tensor, dtype: torch.dtype, activation: bool = False) -> torch.Tensor:
+    """Round an already-scaled float tensor onto the quantized grid, saturating to [-qmax, qmax]
+    (weights) or, with ``activation``, to [activation_qmin, qmax]."""
     qmax = qmax_of(dtype)
-    x_scaled = x_scaled.float().clamp(-qmax, qmax)
+    x_scaled = x_scaled.float().clamp(activation_qmin(dtype) if activation else -qmax, qmax)
     if dtype == torch.int8:
         return torch.round(x_scaled).to(torch.int8)
     return x_scaled.to(torch.float8_e4m3fn)
@@ -74,12 +84,12 @@ def quantize_per_channel(
 def quantize_per_token(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic symmetric per-row quantization of an (M, K) activation -> (q (M, K), scale (M,) fp32)."""
     scale = scale_from_amax(x.float().abs().amax(dim=-1), dtype)
-    return cast_to_quantized(x.float() / scale[:, None], dtype), scale
+    return cast_to_quantized(x.float() / scale[:, None], dtype, activation=True), scale
 
 
 def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Static quantization with one precomputed scale (a 1-element fp32 tensor)."""
-    return cast_to_quantized(x.float() / scale.float().reshape(()), dtype)
+    return cast_to_quantized(x.float() / scale.float().reshape(()), dtype, activation=True)
 
 
 def apply_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
@@ -97,7 +107,7 @@ def apply_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 # float32 represents every integer below 2**24 exactly, so an int8 dot product over at most
-# 2**24 / 127**2 = 1040 terms is exact in float32 whatever the summation order.
+# 2**24 / 128**2 = 1024 terms is exact in float32 whatever the summation order.
 EXACT_FP32_CHUNK = 1024
 
 
@@ -108,7 +118,7 @@ def int8_matmul_exact(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     float32 matmuls are several times faster than integer or float64 ones on CPUs.
     """
     K = a.shape[-1]
-    if K * INT8_MAX * INT8_MAX >= 2**31:
+    if K * INT8_MIN * INT8_MIN >= 2**31:
         raise ValueError(f"K={K} overflows an int32 accumulator; split the reduction")
     acc = None
     for start in range(0, K, EXACT_FP32_CHUNK):

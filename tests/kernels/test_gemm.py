@@ -62,14 +62,16 @@ def test_int8_accumulator_is_exact(M, N, K):
 
 
 def test_int8_accumulator_exact_at_saturation():
-    # Every product is 127 * 127 or -127 * 127: the largest sums an int8 GEMM can produce.
+    # Products of +-127 and -128: the largest sums an int8 GEMM can produce (-128 * -128 * K).
     K = 1024
     a = torch.full((3, K), 127, dtype=torch.int8)
-    a[1] = -127
+    a[1] = -128
     w = torch.full((17, K), 127, dtype=torch.int8)
+    w[5] = -128
     acc = gemm.int8_matmul_accumulator(a, w)
     assert torch.equal(acc, reference.int8_matmul_exact(a, w))
     assert acc[0, 0].item() == 127 * 127 * K
+    assert acc[1, 5].item() == 128 * 128 * K
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)

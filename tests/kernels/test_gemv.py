@@ -49,15 +49,17 @@ def test_int8_accumulator_is_exact(M, N, K):
 
 
 def test_int8_accumulator_exact_at_saturation():
-    # Every product is +-127 * 127, the largest sums an int8 dot product of this length can reach.
+    # Products of +-127 and -128, the largest sums an int8 dot product of this length can reach.
     K = 1040
     a = torch.full((3, K), 127, dtype=torch.int8)
-    a[1] = -127
+    a[1] = -128
     w = torch.full((5, K), 127, dtype=torch.int8)
     w[2, ::2] = -127
+    w[4] = -128
     acc = gemv.int8_gemv_accumulator(a, w)
     assert torch.equal(acc.long(), a.long() @ w.long().t())
     assert acc[0, 0].item() == 127 * 127 * K
+    assert acc[1, 4].item() == 128 * 128 * K
 
 
 @pytest.mark.parametrize("config", [

@@ -295,9 +295,11 @@ def test_fp8_rounding_ties_and_saturation():
 
 
 def test_int8_rounds_half_to_even_like_torch():
-    x = torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.49999997, 126.5, 127.4, -127.6, 300.0, 3.5]])
+    # Saturating to [-128, 127] like compressed-tensors and vLLM (-127.6 rounds to -128).
+    x = torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.49999997, 126.5, 127.4, -127.6, 300.0, -300.0, 3.5, -128.5]])
     q = quant.quantize_per_tensor(x, torch.ones(1), torch.int8)
-    assert q.tolist() == [[0, 2, 2, 0, -2, -2, 0, 126, 127, -127, 127, 4]]
+    assert q.tolist() == [[0, 2, 2, 0, -2, -2, 0, 126, 127, -128, 127, -128, 4, -128]]
+    assert torch.equal(q, reference.quantize_per_tensor(x, torch.ones(1), torch.int8))
 
 
 @pytest.mark.parametrize("qdtype", QDTYPES)

@@ -1,0 +1,41 @@
+"""QuantConfig: ignore patterns and reading a checkpoint's quantization_config."""
+
+import copy
+
+import pytest
+
+from quantkit.config import QuantConfig, UnknownSchemeError
+
+
+def test_ignore_takes_globs_last_parts_and_regular_expressions():
+    config = QuantConfig.preset("int8", ignore=("lm_head", "*down_proj", "re:.*layers\\.1\\.self_attn\\.q_proj$"))
+    assert config.is_ignored("lm_head")
+    assert config.is_ignored("model.layers.3.mlp.down_proj")
+    assert config.is_ignored("model.layers.1.self_attn.q_proj")
+    assert not config.is_ignored("model.layers.11.self_attn.q_proj")
+    assert not config.is_ignored("model.layers.1.self_attn.k_proj")
+
+
+def _written(scheme="int8-static"):
+    return QuantConfig.preset(scheme).to_quantization_config(ignore=["lm_head"])
+
+
+def test_written_config_reads_back():
+    read = QuantConfig.from_quantization_config(_written())
+    assert (read.weight_type, read.activations, read.ignore) == ("int8", "static", ("lm_head",))
+
+
+@pytest.mark.parametrize("path, value, message", [
+    (("input_activations", "symmetric"), False, "8-bit symmetric activations"),
+    (("weights", "dynamic"), True, "static weights"),
+    (("targets",), ["re:.*mlp.*"], "targets="),
+])
+def test_schemes_quantkit_cannot_run_are_refused(path, value, message):
+    qc = copy.deepcopy(_written())
+    group = qc["config_groups"]["group_0"]
+    *parents, key = path
+    for parent in parents:
+        group = group[parent]
+    group[key] = value
+    with pytest.raises(UnknownSchemeError, match=message):
+        QuantConfig.from_quantization_config(qc)
