@@ -9,6 +9,7 @@ from quantkit.api import (
 )
 from quantkit.checkpoint import (
     CheckpointError,
+    check_output_dir,
     is_quantized_checkpoint,
     load,
     load_tokenizer,
@@ -42,6 +43,7 @@ __all__ = [
     "PerplexityResult",
     "QuantConfig",
     "UnknownSchemeError",
+    "check_output_dir",
     "compare_perplexity",
     "evaluate_perplexity",
     "generate_tokens",

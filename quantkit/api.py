@@ -45,6 +45,8 @@ def prepare_calibration_data(tokenizer, dataset: str, num_samples: int = 64, seq
 
 def prepare_evaluation_tokens(tokenizer, dataset: str, max_tokens: int | None = None) -> torch.Tensor:
     """The held-out evaluation split of ``dataset`` as one token stream (optionally truncated)."""
+    if max_tokens is not None and max_tokens < 2:
+        raise ValueError(f"max_tokens={max_tokens} must be at least 2 (a token and the one it predicts)")
     return tokenize_stream(tokenizer, load_texts(dataset, "evaluation"), max_tokens)
 
 

@@ -63,10 +63,46 @@ def _shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     return shards
 
 
-def _prepare_target(out_dir: Path, overwrite: bool) -> None:
+def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False, source: str | None = None) -> None:
+    """Raise CheckpointError unless ``save`` may write ``out_dir``: not a file, not the working
+    directory or one of its parents, not holding ``source`` (the model's own directory), and new
+    unless ``overwrite``. ``save`` checks this itself; call it to fail before a long quantization."""
+    out_dir = Path(out_dir)
+    resolved = out_dir.resolve()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"output {str(out_dir)!r} is a file; choose a directory path")
+    if Path.cwd().resolve().is_relative_to(resolved):
+        raise CheckpointError(f"output directory {str(out_dir)!r} is the current directory or one of its parents; "
+                              "choose a new directory")
+    if source and Path(source).exists() and Path(source).resolve().is_relative_to(resolved):
+        raise CheckpointError(f"output directory {str(out_dir)!r} holds the source model {source!r}; "
+                              "choose another directory")
     if out_dir.exists() and not overwrite:
         raise CheckpointError(f"output directory {str(out_dir)!r} already exists; pass --overwrite to replace it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _swap_in(staging: Path, out_dir: Path) -> None:
+    """Move the finished staging directory to ``out_dir``; an existing one is replaced only once
+    the new one is in place (it is put back if the move fails)."""
+    backup = None
+    if out_dir.exists():
+        backup = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        os.replace(out_dir, backup / out_dir.name)
+    try:
+        os.replace(staging, out_dir)
+    except BaseException:
+        if backup is not None:
+            os.replace(backup / out_dir.name, out_dir)
+            shutil.rmtree(backup, ignore_errors=True)
+        raise
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
 
 
 def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite: bool = False) -> Path:
@@ -80,12 +116,14 @@ def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite
         raise CheckpointError("the model was rewritten by quantkit.optimize (fused q/k/v and gate/up weights); "
                               "save it before optimize(), or save the model quantkit.load returned")
     out_dir = Path(out_dir)
-    _prepare_target(out_dir, overwrite)
+    check_output_dir(out_dir, overwrite, getattr(model.config, "_name_or_path", None))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
     config_dict = model.config.to_dict()
     # Every Linear still in 16 bits by name: quantkit's ignore globs mean nothing to other loaders.
     kept = [name for name, module in model.named_modules() if type(module) is nn.Linear]
     config_dict["quantization_config"] = config.to_quantization_config(ignore=kept)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would hide the checkpoint from other users
     try:
         shards = _shards({name: t.detach().contiguous().cpu() for name, t in _unique_state(model).items()})
         if len(shards) == 1:
@@ -104,9 +142,7 @@ def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite
             generation_config.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(staging, out_dir)
+        _swap_in(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
@@ -167,7 +203,11 @@ def load_tokenizer(ckpt_dir: str | os.PathLike):
     """The tokenizer saved beside a checkpoint."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(ckpt_dir))
+    try:
+        return AutoTokenizer.from_pretrained(str(ckpt_dir))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{str(ckpt_dir)!r} has no usable tokenizer ({str(exc).splitlines()[0]}); "
+                              "save the checkpoint with its tokenizer (quantkit.save(..., tokenizer=...))") from exc
 
 
 @torch.no_grad()

@@ -50,6 +50,10 @@ def user_errors(func):
             return func(*args, **kwargs)
         except (ValueError, FileNotFoundError, quantkit.CheckpointError) as exc:
             fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        except OSError as exc:  # permissions, a file where a directory should be, a full disk ...
+            if exc.filename and exc.strerror:
+                fail(f"{exc.strerror}: {str(exc.filename)!r}; check the path and its permissions")
+            fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         except KeyboardInterrupt:
             fail("interrupted")
 
@@ -61,9 +65,29 @@ def _device(device: Optional[str]) -> str:
 
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        fail(f"--device {device!r} is not one quantkit runs on; use cpu, cuda or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
         fail(f"--device {device} was asked for but no CUDA GPU is available; use --device cpu")
     return device
+
+
+def _check_writable(path: Path, option: str, directory: bool) -> None:
+    """Fail before any work if ``path`` (an output directory or file) could not be written."""
+    if path.exists() and path.is_dir() != directory:
+        fail(f"{option} {str(path)!r} is {'a file' if directory else 'a directory'}; "
+             f"give a {'directory' if directory else 'file'} path")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        fail(f"{option} {str(path)!r} is under {str(parent)!r}, which is a file; choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        fail(f"{option} {str(path)!r}: {str(parent)!r} is not writable; choose another path")
 
 
 def _write_json(path: Path, payload: dict) -> None:
@@ -120,8 +144,10 @@ def quantize(
              "percentile": None if percentile == 99.99 else percentile}
     config = quantkit.QuantConfig.preset(
         scheme, recipe=recipe, backend=backend, **{k: v for k, v in flags.items() if v is not None})
-    if output.exists() and not overwrite:
-        fail(f"output directory {str(output)!r} already exists; pass --overwrite to replace it")
+    quantkit.check_output_dir(output, overwrite, source=model)
+    _check_writable(output, "--output", directory=True)
+    if report:
+        _check_writable(report, "--report", directory=False)
     device = _device(device)
     start = time.perf_counter()
     if offload:
@@ -152,8 +178,8 @@ def evaluate(
     baseline: str = typer.Option(..., help="The 16-bit model to compare against (same forms as `quantize`)."),
     dataset: str = typer.Option(DEFAULT_DATASET, help="Evaluation text (its held-out split is used)."),
     window: int = typer.Option(1024, min=2, help="Tokens per window (BOS included)."),
-    stride: Optional[int] = typer.Option(None, help="New tokens per window (default: window)."),
-    max_tokens: Optional[int] = typer.Option(None, help="Evaluate at most this many tokens."),
+    stride: Optional[int] = typer.Option(None, min=1, help="New tokens per window (default: window)."),
+    max_tokens: Optional[int] = typer.Option(None, min=2, help="Evaluate at most this many tokens."),
     device: Optional[str] = typer.Option(None, help="cpu or cuda."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the report as JSON here."),
 ) -> None:
@@ -161,6 +187,8 @@ def evaluate(
     import quantkit
 
     scheme = quantkit.read_quant_config(checkpoint).name
+    if json_path:
+        _check_writable(json_path, "--json", directory=False)
     device = _device(device)
     base_model, tokenizer = quantkit.load_model(baseline, device=device)
     tokens = quantkit.prepare_evaluation_tokens(tokenizer, dataset, max_tokens)
@@ -192,8 +220,8 @@ def _row(scheme: str, result, layers: int | None = None, seconds: float | None =
 @user_errors
 def demo(
     schemes: str = typer.Option("fp8,int8", help="Comma-separated schemes to compare."),
-    max_tokens: Optional[int] = typer.Option(None, help="Evaluation tokens (default: 4096 on CPU, all held-out text on GPU)."),
-    window: Optional[int] = typer.Option(None, help="Tokens per window (default: 1024 on CPU, 2048 on GPU)."),
+    max_tokens: Optional[int] = typer.Option(None, min=2, help="Evaluation tokens (default: 4096 on CPU, all held-out text on GPU)."),
+    window: Optional[int] = typer.Option(None, min=2, help="Tokens per window (default: 1024 on CPU, 2048 on GPU)."),
     num_samples: int = typer.Option(16, min=1, help="Calibration blocks (static schemes)."),
     seq_len: int = typer.Option(512, min=2, help="Tokens per calibration block."),
     device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
@@ -205,6 +233,10 @@ def demo(
     import quantkit
 
     configs = [quantkit.QuantConfig.preset(s.strip()) for s in schemes.split(",") if s.strip()]
+    if not configs:
+        fail(f"--schemes {schemes!r} names no scheme; give one or more of int8, int8-static, fp8, fp8-static")
+    if json_path:
+        _check_writable(json_path, "--json", directory=False)
     device = _device(device)
     on_gpu = device.startswith("cuda")
     max_tokens = max_tokens if max_tokens is not None else (None if on_gpu else 4096)
@@ -256,14 +288,21 @@ def generate(
     """Greedy generation with a static KV cache (CUDA-graph decode on a GPU)."""
     import quantkit
 
+    config = quantkit.QuantConfig.preset(scheme) if scheme else None
+    if config is not None and config.needs_calibration:
+        fail(f"--scheme {scheme} needs calibration data; generate quantizes on the fly with int8 or fp8 "
+             "(or run `quantkit quantize` first and pass its checkpoint)")
     device = _device(device)
     path = Path(model)
     if (path / "config.json").is_file() and quantkit.is_quantized_checkpoint(path):
+        if config is not None:
+            fail(f"{model!r} is already a quantized checkpoint ({quantkit.read_quant_config(path).name}); "
+                 "drop --scheme")
         lm, tokenizer = quantkit.load(path, device=device), quantkit.load_tokenizer(path)
     else:
         lm, tokenizer = quantkit.load_model(model, device=device)
-        if scheme:
-            lm = quantkit.quantize(lm, quantkit.QuantConfig.preset(scheme))
+        if config is not None:
+            lm = quantkit.quantize(lm, config)
     if fast and any(True for _ in quantkit.quantized_modules(lm)):
         quantkit.optimize(lm)
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)

@@ -256,3 +256,114 @@ def test_bad_percentile(llama_dir, tmp_path, text_dir):
                     "--weight-observer", "percentile", "--percentile", 120)
     assert_user_error(result, "percentile=120", "(0, 100]")
     assert not (tmp_path / "out").exists()
+
+
+def test_output_that_is_the_working_directory_is_refused(llama_dir, tmp_path, monkeypatch, text_dir):
+    """`-o . --overwrite` once deleted the working directory (the source model with it)."""
+    import shutil
+
+    shutil.copytree(llama_dir, tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    result = invoke("quantize", "model", "-o", ".", "--overwrite", "--dataset", text_dir)
+    assert_user_error(result, "current directory")
+    assert (tmp_path / "model" / "config.json").is_file()
+
+
+def test_output_holding_the_source_model_is_refused(llama_dir, tmp_path, text_dir):
+    import shutil
+
+    shutil.copytree(llama_dir, tmp_path / "model")
+    result = invoke("quantize", tmp_path / "model", "-o", tmp_path, "--overwrite", "--dataset", text_dir)
+    assert_user_error(result, "holds the source model")
+    assert (tmp_path / "model" / "config.json").is_file()
+
+
+def test_output_or_report_under_a_file_is_refused_before_any_work(llama_dir, tmp_path, text_dir):
+    (tmp_path / "afile").write_text("mine")
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "afile", "--overwrite", "--dataset", text_dir)
+    assert_user_error(result, "afile", "is a file")
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--report", tmp_path / "afile" / "r.json",
+                    "--dataset", text_dir)
+    assert_user_error(result, "--report", "which is a file")
+    assert not (tmp_path / "out").exists()
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_os_errors_are_one_line(llama_dir, tmp_path, monkeypatch, text_dir):
+    import quantkit
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "out"))
+
+    monkeypatch.setattr(quantkit, "save", denied)
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--scheme", "fp8", "--dataset", text_dir)
+    assert_user_error(result, "Permission denied", "out", "permissions")
+
+
+def test_unknown_device(llama_dir, tmp_path):
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--device", "tpu")
+    assert_user_error(result, "--device 'tpu'", "cpu, cuda")
+
+
+@pytest.mark.parametrize("args", [("--stride", 0), ("--max-tokens", -5), ("--window", 1)])
+def test_eval_refuses_out_of_range_numbers(checkpoint, llama_dir, args):
+    result = invoke("eval", checkpoint, "--baseline", llama_dir, *args)
+    assert result.exit_code == 2, result.output  # typer's own range check: a usage error
+    assert "Invalid value" in result.output
+
+
+def test_demo_without_schemes():
+    assert_user_error(invoke("demo", "--schemes", " , "), "--schemes", "names no scheme")
+
+
+def test_generate_scheme_checks(checkpoint_hd64):
+    assert_user_error(invoke("generate", checkpoint_hd64, "--prompt", "a", "--scheme", "int4"), "unknown scheme 'int4'")
+    assert_user_error(invoke("generate", checkpoint_hd64, "--prompt", "a", "--scheme", "int8-static"),
+                      "needs calibration data", "quantkit quantize")
+    assert_user_error(invoke("generate", checkpoint_hd64, "--prompt", "a", "--scheme", "int8", "--device", "cpu"),
+                      "already a quantized checkpoint (fp8)", "drop --scheme")
+
+
+def test_generate_from_a_checkpoint_without_tokenizer(checkpoint_hd64, tmp_path):
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(checkpoint_hd64, bare)
+    for file in bare.iterdir():
+        if "token" in file.name:
+            file.unlink()
+    result = invoke("generate", bare, "--prompt", "a", "--device", "cpu")
+    assert_user_error(result, "has no usable tokenizer", "tokenizer=")
+
+
+def test_overwrite_keeps_the_old_checkpoint_if_the_swap_fails(checkpoint, tmp_path, monkeypatch):
+    """The old checkpoint is moved aside, not deleted, until the new one is in place."""
+    import os
+
+    import quantkit
+    import quantkit.checkpoint as ckpt_module
+
+    target = copy_checkpoint(checkpoint, tmp_path)
+    before = sorted(p.name for p in target.iterdir())
+    model = quantkit.load(target, device="cpu")
+    real_replace = os.replace
+
+    def failing_replace(src, dst):
+        if ".staging-" in str(src):
+            raise KeyboardInterrupt
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt_module.os, "replace", failing_replace)
+    model.config._name_or_path = ""  # loaded from `target` itself, which save refuses to replace
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.save(model, target, overwrite=True)
+    assert sorted(p.name for p in target.iterdir()) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "backup or staging left behind"
+
+
+def test_checkpoint_directory_follows_the_umask(checkpoint):
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    assert checkpoint.stat().st_mode & 0o777 == 0o777 & ~mask
