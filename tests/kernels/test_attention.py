@@ -397,10 +397,12 @@ def test_decode_config_accepts_the_old_tuple_and_rejects_bad_values():
     assert attention_decode.DecodeConfig.of((64, 4, 3, 2)) == attention_decode.DecodeConfig()
     assert attention.DecodeConfig is attention_decode.DecodeConfig  # re-exported
     assert attention.decode_attention is attention_decode.decode_attention
-    for bad in (dict(block_n=48), dict(num_warps=3), dict(loads="cp.async"), dict(programs_per_sm=0),
-                dict(schedule="persistent"), dict(schedule="flat", min_blocks=0),
-                dict(schedule="flat", prefetch_first=True)):
-        with pytest.raises(ValueError):
+    for bad, message in ((dict(block_n=48), "block_n=48"), (dict(num_warps=3), "num_warps=3"),
+                         (dict(loads="cp.async"), "loads='cp.async'"), (dict(programs_per_sm=0), "programs_per_sm=0"),
+                         (dict(schedule="persistent"), "schedule='persistent'"),
+                         (dict(schedule="flat", min_blocks=0), "min_blocks=0"),
+                         (dict(schedule="flat", prefetch_first=True), "prefetch_first")):
+        with pytest.raises(ValueError, match=message):
             attention_decode.DecodeConfig(**bad)
     with pytest.raises(ValueError, match="block_config"):
         attention_decode.DecodeConfig.of((64, 4, 3))
