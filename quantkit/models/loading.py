@@ -127,7 +127,8 @@ def load_model(
             raise ModelLoadError(f"{source!r} has no config.json; pass a Hugging Face model directory")
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
-    elif path.exists() or source.startswith((".", "/", "~")) or source.count("/") > 1 or source.endswith(".gguf"):
+    elif (path.exists() or source.startswith((".", "/", "~")) or source.endswith("/") or source.count("/") > 1
+          or source.endswith(".gguf")):  # a path, not a hub id ("org/name")
         raise ModelLoadError(
             f"model path {source!r} does not exist; pass a local HF directory, a .gguf file, "
             f"a hub id, or {BUNDLED_MODEL!r}"

@@ -74,6 +74,11 @@ def test_missing_model_path(tmp_path, text_dir):
     assert not (tmp_path / "out").exists()
 
 
+def test_missing_relative_directory_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert_user_error(invoke("quantize", "no_such_dir/", "-o", "out"), "model path 'no_such_dir/' does not exist")
+
+
 def test_unknown_scheme(llama_dir, tmp_path):
     result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--scheme", "int4")
     assert_user_error(result, "unknown scheme 'int4'", "fp8")
