@@ -250,6 +250,8 @@ def load(
         quantized = target.dtype in (torch.int8, torch.float8_e4m3fn)
         if quantized and tensor.dtype != target.dtype:
             raise CheckpointError(f"{name} is {tensor.dtype} in the checkpoint but the scheme needs {target.dtype}")
+        if name.endswith(("weight_scale", "input_scale")) and not bool((torch.isfinite(tensor) & (tensor > 0)).all()):
+            raise CheckpointError(f"{name} holds a non-finite or non-positive scale; the checkpoint is corrupt")
         target.copy_(tensor)
     if not untie_quantized_head(model):
         model.tie_weights()

@@ -88,6 +88,9 @@ def convert_model(
         if type(module) is nn.Linear and name not in targets:
             report.skipped.append(name)
     for name, linear in targets.items():
+        if config.is_static and not bool(torch.isfinite(input_amax[name]).all()):
+            raise ValueError(f"{name}: calibration measured the input range {input_amax[name].item()}; the model "
+                             "produced inf/NaN activations on the calibration data (check its dtype and weights)")
         quantized = QuantLinear.from_linear(
             linear,
             config.torch_dtype,

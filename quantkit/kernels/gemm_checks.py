@@ -36,8 +36,11 @@ def _check_scale(scale: torch.Tensor, name: str, length: int, length_name: str, 
     return True
 
 
-def check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype, gated=False):
-    """Raise ValueError naming the problem for anything the kernel cannot take; return (M, N_out, K)."""
+def check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype, gated=False, layout=True):
+    """Raise ValueError naming the problem for anything the kernel cannot take; return (M, N_out, K).
+
+    ``layout=False`` (the torch backend) leaves out what only the kernels need: K a multiple of 16
+    and their strides."""
     if a.dim() != 2 or w.dim() != 2:
         raise ValueError(
             f"a and w must be 2-D, got a {tuple(a.shape)} and w {tuple(w.shape)}; flatten leading dims of a"
@@ -50,14 +53,16 @@ def check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype, ga
     N_w, K_w = w.shape
     if K_w != K:
         raise ValueError(f"K mismatch: a is (M={M}, K={K}) but w is (N={N_w}, K={K_w}); w must be (N, K)")
-    if K % K_ALIGNMENT != 0:
+    if K == 0 and M > 0 and N_w > 0:
+        raise ValueError(f"K=0: nothing to multiply; the GEMM needs K >= {K_ALIGNMENT if layout else 1}")
+    if layout and K % K_ALIGNMENT != 0:
         raise ValueError(
             f"K={K} is not a multiple of {K_ALIGNMENT}; pad K with zero columns in both a and w "
             f"(zeros do not change the product)"
         )
     if a.dtype == torch.int8 and K > MAX_INT8_K:
         raise ValueError(f"K={K} > {MAX_INT8_K} could overflow the int32 accumulator; split the reduction")
-    for name, t in (("a", a), ("w", w)):
+    for name, t in (("a", a), ("w", w)) if layout else ():
         # A single row's row stride is never used, but its K stride always is.
         if (t.shape[1] > 1 and t.stride(1) != 1) or (t.shape[0] > 1 and t.stride(0) % K_ALIGNMENT != 0):
             raise ValueError(

@@ -13,6 +13,9 @@ import importlib
 import torch
 
 from quantkit.kernels import reference
+from quantkit.kernels.gemm_checks import check_scaled_mm_args
+from quantkit.kernels.quant_checks import (check_activation_input, check_per_tensor_scale, check_quant_dtype,
+                                           check_rms_norm_args)
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -54,36 +57,55 @@ def _triton_ops():
     return kernel_module("triton_ops")
 
 
+def _is_triton(backend: str) -> bool:
+    """The ops take a resolved backend; the torch path validates its arguments as the kernels do
+    (minus their layout rules), so a bad call fails the same way on both."""
+    if backend == "triton":
+        return True
+    if backend != "torch":
+        raise ValueError(f"backend={backend!r}: pass 'triton' or 'torch' (resolve 'auto' once with resolve_backend)")
+    return False
+
+
 def scaled_mm(a, w, a_scale, w_scale, bias=None, activation="none", out_dtype=torch.bfloat16, backend="torch"):
     """GEMM + dequantization + bias + activation; see ``reference.scaled_mm`` for the math."""
-    if backend == "triton":
+    if _is_triton(backend):
         return _triton_ops().scaled_mm(a, w, a_scale, w_scale, bias, activation, out_dtype)
+    check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype, layout=False)
     return reference.scaled_mm(a, w, a_scale, w_scale, bias, activation, out_dtype)
 
 
 def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype=torch.bfloat16, backend="torch"):
     """``act(gate) * up`` from one GEMM over the stacked [gate; up] weight."""
-    if backend == "triton":
+    if _is_triton(backend):
         return _triton_ops().gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation, out_dtype)
+    check_scaled_mm_args(a, w_gate_up, a_scale, w_scale, None, activation, out_dtype, gated=True, layout=False)
     return reference.gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation, out_dtype)
 
 
 def quantize_per_token(x, dtype, backend="torch"):
     """(M, K) float -> (q (M, K), scale (M,) fp32), symmetric, one scale per row."""
-    if backend == "triton":
+    if _is_triton(backend):
         return _triton_ops().quantize_per_token(x, dtype)
+    check_activation_input(x, layout=False)
+    check_quant_dtype(dtype)
     return reference.quantize_per_token(x, dtype)
 
 
 def quantize_per_tensor(x, scale, dtype, backend="torch"):
     """(M, K) float -> (M, K) quantized with one static fp32 scale."""
-    if backend == "triton":
+    if _is_triton(backend):
         return _triton_ops().quantize_per_tensor(x, scale, dtype)
+    check_activation_input(x, layout=False)
+    check_quant_dtype(dtype)
+    check_per_tensor_scale(scale, x)
     return reference.quantize_per_tensor(x, scale, dtype)
 
 
 def rms_norm_quant_per_token(x, weight, eps, dtype, residual=None, offset=0.0, backend="torch"):
     """RMSNorm (+ residual add, + Gemma's 1 + w) fused with per-token quantization."""
-    if backend == "triton":
+    if _is_triton(backend):
         return _triton_ops().rms_norm_quant_per_token(x, weight, eps, dtype, residual, offset)
+    check_rms_norm_args(x, weight, residual, layout=False)
+    check_quant_dtype(dtype)
     return reference.rms_norm_quant_per_token(x, weight, eps, dtype, residual, offset)

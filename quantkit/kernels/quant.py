@@ -24,11 +24,11 @@ import triton.language as tl
 from quantkit.kernels.call_cache import SignatureCache
 from quantkit.kernels.launch import (INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, int_spec,
                                      next_power_of_2)
-from quantkit.kernels.reference import FP8_MAX, INT8_MAX, MIN_SCALE, QUANT_DTYPES, qmax_of
+from quantkit.kernels.quant_checks import (MAX_SINGLE_PASS_K,  # noqa: F401 (re-exported)
+                                           check_activation_input, check_per_tensor_scale, check_quant_dtype,
+                                           check_rms_norm_args)
+from quantkit.kernels.reference import FP8_MAX, INT8_MAX, MIN_SCALE, qmax_of
 
-# A whole row stays in registers up to this many elements (one read of the input); longer rows
-# take two passes (the second mostly hits L2).
-MAX_SINGLE_PASS_K = 16384
 # Chunk width of the static quantizer (and of the per-token kernel's short-row configs).
 CHUNK_K = 4096
 # Chunk width of the per-token kernel's two passes over long rows (measured, NOTES-quant.md).
@@ -39,9 +39,6 @@ SINGLE_PASS_PER_TOKEN_K = 8192
 # tl.load / tl.store eviction policies of the ``evict`` launch option: what is read again (the
 # first read of a chunked row, the norm weight) asks L1/L2 to keep it; the rest goes first.
 KEEP_POLICY, STREAM_POLICY = "evict_last", "evict_first"
-
-FLOAT_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 def is_interpreted() -> bool:
     """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1, read at import:
@@ -377,46 +374,8 @@ _RMS_NORM_QUANT_CHUNKED = CachedLaunch(_rms_norm_quant_chunked_kernel)
 
 
 # ----------------------------------------------------------------------------------------------
-# Validation (shared by the launchers and the ops' fake implementations: shapes and dtypes only)
+# Validation: quant_checks.py (shared with the torch backend and the ops' fake implementations)
 # ----------------------------------------------------------------------------------------------
-
-
-def check_quant_dtype(dtype: torch.dtype) -> None:
-    if dtype not in QUANT_DTYPES:
-        raise ValueError(f"dtype={dtype} is not a quantized dtype; use torch.int8 or torch.float8_e4m3fn")
-
-
-def check_activation_input(x: torch.Tensor, name: str = "x") -> None:
-    if x.dim() != 2:
-        raise ValueError(f"{name} must be 2-D (M, K), got shape {tuple(x.shape)}; flatten leading dims first")
-    if x.dtype not in FLOAT_INPUT_DTYPES:
-        raise ValueError(f"{name}.dtype={x.dtype} is not supported; use float32, float16 or bfloat16")
-    if x.shape[1] > 0 and x.stride(1) != 1:
-        raise ValueError(f"{name} has stride {x.stride()} along K; the kernel needs unit stride: pass {name}.contiguous()")
-
-
-def check_rms_norm_args(x, weight, residual) -> None:
-    check_activation_input(x)
-    K = x.shape[1]
-    if weight.dim() != 1 or weight.shape[0] != K:
-        raise ValueError(f"weight has shape {tuple(weight.shape)}; RMSNorm over K={K} needs shape ({K},)")
-    if not weight.dtype.is_floating_point:
-        raise ValueError(f"weight.dtype={weight.dtype} must be a float dtype")
-    if weight.stride(0) != 1 and K > 1:
-        raise ValueError("weight must be contiguous; pass weight.contiguous()")
-    if K > MAX_SINGLE_PASS_K:
-        raise ValueError(f"K={K} > {MAX_SINGLE_PASS_K}: the fused RMSNorm keeps a row in registers; "
-                         "use the unfused norm + quantize_per_token for such rows")
-    if residual is not None:
-        if residual.shape != x.shape:
-            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-        if residual.dtype != x.dtype:
-            raise ValueError(f"residual.dtype={residual.dtype} != x.dtype={x.dtype}; cast one of them")
-        if K > 0 and residual.stride(1) != 1:
-            raise ValueError("residual needs unit stride along K: pass residual.contiguous()")
-    for name, tensor in (("weight", weight), ("residual", residual)):
-        if tensor is not None and tensor.device != x.device:
-            raise ValueError(f"{name} is on {tensor.device} but x is on {x.device}")
 
 
 def _check_runnable(x: torch.Tensor) -> None:
@@ -586,15 +545,6 @@ def quantize_per_token(x: torch.Tensor, dtype: torch.dtype, out=None, out_scale=
         _PER_TOKEN_CALLS.add(signature, ((M, K), (M,), x.device, key, grid, tail, constexprs, num_warps))
     _PER_TOKEN((key, aligned(x, q, scale)), grid, (x, q, scale, *tail), constexprs, num_warps, 3)
     return q, scale
-
-
-def check_per_tensor_scale(scale: torch.Tensor, x: torch.Tensor) -> None:
-    if scale.numel() != 1:
-        raise ValueError(f"scale has {scale.numel()} elements; static per-tensor quantization takes one")
-    if scale.dtype != torch.float32:
-        raise ValueError(f"scale.dtype={scale.dtype}; pass a float32 scale (scale.float())")
-    if scale.device != x.device:
-        raise ValueError(f"scale is on {scale.device} but x is on {x.device}")
 
 
 def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out=None) -> torch.Tensor:

@@ -7,7 +7,9 @@ Conventions shared with the kernels:
 - INT8 is symmetric: scales are amax / 127, weights lie in [-127, 127]. Activations saturate to
   [-128, 127], as compressed-tensors and vLLM quantize them at run time: only a value past a
   static scale's range reaches -128. FP8 is e4m3fn, max 448.
-- Scales are float32 and multiply the quantized value back: ``x ~= q * scale``.
+- Scales are float32 and multiply the quantized value back: ``x ~= q * scale``. Static scales are
+  checked finite and positive where they are made (calibration, checkpoint loading); what a NaN or
+  inf activation quantizes to is not specified (here NaN gives INT8 0, the kernels may differ).
 - INT8 products accumulate exactly in int32; FP8 products accumulate in float32.
 - The epilogue runs in float32: ``act(acc * a_scale[:, None] * w_scale[None, :] + bias)``,
   then casts once to the output dtype.

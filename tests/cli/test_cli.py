@@ -372,3 +372,16 @@ def test_checkpoint_directory_follows_the_umask(checkpoint):
     mask = os.umask(0)
     os.umask(mask)
     assert checkpoint.stat().st_mode & 0o777 == 0o777 & ~mask
+
+
+@pytest.mark.parametrize("name, value", [("model.layers.1.mlp.down_proj.weight_scale", float("nan")),
+                                         ("model.layers.0.self_attn.q_proj.input_scale", 0.0)])
+def test_checkpoint_with_a_bad_scale_value(checkpoint, llama_dir, tmp_path, name, value):
+    broken = copy_checkpoint(checkpoint, tmp_path)
+    shard = broken / "model.safetensors"
+    tensors = load_file(str(shard))
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] = value
+    save_file(tensors, str(shard))
+    result = invoke("eval", broken, "--baseline", llama_dir)
+    assert_user_error(result, name, "non-finite or non-positive scale")

@@ -108,3 +108,48 @@ def test_direct_eager_launch_equals_the_registered_ops(monkeypatch):
                                b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
     assert len(calls) == 2  # only the DIRECT_EAGER_LAUNCH=False passes went through the op
     assert not triton_ops.direct_launch(torch.nn.Parameter(torch.randn(2)))  # subclasses take the op
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_both_backends_refuse_the_same_bad_calls(backend):
+    """The torch backend validates as the kernels do (it used to return wrong results: scales applied
+    along the wrong axis of a 3-D input, int8 outputs that wrapped around, a 3-row gated weight)."""
+    x, a, a_scale, w, w_scale, bias = _operands(torch.int8)
+    _, _, _, w3, w3_scale, _ = _operands(torch.int8, rows=3)
+    cases = [
+        (lambda: ops.quantize_per_token(x[None], torch.int8, backend=backend), "must be 2-D"),
+        (lambda: ops.quantize_per_token(x, torch.float8_e5m2, backend=backend), "not a quantized dtype"),
+        (lambda: ops.quantize_per_tensor(x, 0.5, torch.int8, backend=backend), "1-element float32 tensor"),
+        (lambda: ops.scaled_mm(a, w, a_scale, w_scale, None, "none", torch.int8, backend=backend), "out_dtype"),
+        (lambda: ops.scaled_mm(a, w.float(), a_scale, w_scale, backend=backend), "w.dtype"),
+        (lambda: ops.scaled_mm(a, w[:, :32], a_scale, w_scale, backend=backend), "K mismatch"),
+        (lambda: ops.scaled_mm(a, w, a_scale.half(), w_scale, backend=backend), "a_scale.dtype"),
+        (lambda: ops.scaled_mm(a, w, a_scale, w_scale, bias[:1], backend=backend), "bias"),
+        (lambda: ops.scaled_mm(a[:, :0], w[:, :0], a_scale, w_scale, backend=backend), "K=0"),
+        (lambda: ops.gated_scaled_mm(a, w3, a_scale, w3_scale, backend=backend), "has 3 rows"),
+        (lambda: ops.rms_norm_quant_per_token(x, torch.randn(7), 1e-6, torch.int8, backend=backend), "weight has shape"),
+    ]
+    for call, message in cases:
+        with pytest.raises((ValueError, TypeError), match=message):
+            call()
+
+
+def test_unknown_backend_is_refused():
+    x, a, a_scale, w, w_scale, _ = _operands(torch.int8)
+    for backend in ("auto", "Triton"):
+        with pytest.raises(ValueError, match=f"backend='{backend}'"):
+            ops.scaled_mm(a, w, a_scale, w_scale, backend=backend)
+        with pytest.raises(ValueError, match=f"backend='{backend}'"):
+            ops.quantize_per_token(x, torch.int8, backend=backend)
+
+
+def test_fake_and_real_scaled_mm_agree_on_k0():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    a = torch.empty_strided((4, 0), (16, 1), dtype=torch.int8)
+    w = torch.empty_strided((8, 0), (16, 1), dtype=torch.int8)
+    args = (a, w, torch.ones(4), torch.ones(8), None, "none", torch.bfloat16)
+    with pytest.raises(ValueError, match="K=0"):
+        triton_ops._scaled_mm_op(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(ValueError, match="K=0"):
+        triton_ops._scaled_mm_op(*args)
