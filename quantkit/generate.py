@@ -19,7 +19,6 @@ valid lengths read from a device tensor. The output equals ``model.generate(do_s
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -74,17 +73,24 @@ def _attention_backend(model: nn.Module, device: torch.device) -> str:
     return resolve_backend("auto", device)
 
 
-def _as_batch(input_ids) -> torch.Tensor:
+def _as_batch(input_ids, vocab_size: int | None) -> torch.Tensor:
+    if isinstance(input_ids, str):
+        raise TypeError("input_ids is a string; tokenize it first: tokenizer(text, return_tensors='pt').input_ids")
     if isinstance(input_ids, torch.Tensor):
         ids = input_ids
-    elif isinstance(input_ids, Sequence) and input_ids and isinstance(input_ids[0], Sequence):
-        ids = torch.tensor(input_ids)
     else:
-        ids = torch.tensor([list(input_ids)])
+        try:
+            ids = torch.as_tensor(input_ids)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"prompt ids must be a (batch, seq) integer tensor or nested lists of equal "
+                             f"length ({exc})") from exc
     if ids.dim() == 1:
         ids = ids[None]
     if ids.dim() != 2 or ids.shape[1] == 0 or ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"prompt ids must be a non-empty (batch, seq) integer tensor; got {ids.dtype} {tuple(ids.shape)}")
+    if vocab_size is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"prompt ids must lie in [0, {vocab_size}) (the model's vocabulary); got "
+                         f"{int(ids.min())}..{int(ids.max())}")
     return ids.long()
 
 
@@ -98,6 +104,8 @@ def _eos_ids(model: nn.Module, eos_token_id) -> list[int]:
 
 def check_lengths(model: nn.Module, prompt_len: int, max_new_tokens: int, cache_capacity: int | None) -> int:
     """Validate lengths (and head_dim) before any device work; return the cache capacity to allocate."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise TypeError(f"max_new_tokens={max_new_tokens!r} must be an int")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: ask for at least one new token")
     total = prompt_len + max_new_tokens
@@ -135,19 +143,24 @@ def generate(
 
     input_ids: (B, S) or (S,) token ids (or lists) of an unpadded batch (equal lengths).
     eos_token_id: int, list or None; defaults to the model's generation_config. A sequence that
-        has finished continues with ``pad_token_id`` (default: the first eos id), and generation
-        stops once all have finished, as ``model.generate`` does.
+        has finished continues with ``pad_token_id`` (default: the generation_config's pad id, else
+        the first eos id, as ``model.generate`` does), and generation stops once all have finished.
+        A prompt holding the pad id (a padded batch) is refused: its pads would be attended.
     cache_capacity: slots of the static KV cache (default: S + max_new_tokens).
     cuda_graph: capture the decode step (default: on when the model is on CUDA).
     stats: if a dict is given, it receives prefill_s, decode_s, decode_steps, capture_s
         (host clocks around device-synchronized regions).
     """
-    ids = _as_batch(input_ids)
+    ids = _as_batch(input_ids, getattr(model.config, "vocab_size", None))
     batch, prompt_len = ids.shape
     capacity = check_lengths(model, prompt_len, max_new_tokens, cache_capacity)
     eos = _eos_ids(model, eos_token_id)
+    config_pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    if isinstance(config_pad, int) and config_pad not in eos and bool((ids == config_pad).any()):
+        raise ValueError(f"the prompt holds the pad token id {config_pad}: a padded batch (its pads would be "
+                         "attended as text); pass prompts of equal length unpadded, or one prompt per call")
     if pad_token_id is None:
-        pad_token_id = eos[0] if eos else 0
+        pad_token_id = config_pad if isinstance(config_pad, int) else eos[0] if eos else 0
     device = next(model.parameters()).device
     use_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
     if use_graph and device.type != "cuda":
@@ -186,8 +199,11 @@ def _generate(model, ids, max_new_tokens, eos, pad_token_id, capacity, use_graph
     start = time.perf_counter()
     cache.write_positions = torch.arange(prompt_len, device=device)
     positions = torch.arange(prompt_len, device=device)[None]
+    # A one-token prompt is a query of length 1, which the attention takes for a decode step: it
+    # needs the valid lengths as a decode step does.
+    prefill_seqlens = torch.full((batch,), prompt_len, dtype=torch.int32, device=device)
     logits = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
-                   logits_to_keep=1, quantkit_kv_len=prompt_len).logits
+                   logits_to_keep=1, quantkit_kv_len=prompt_len, quantkit_cache_seqlens=prefill_seqlens).logits
     out[:, 0] = pick(logits)
     cache.seen_tokens = prompt_len
     _sync(device)

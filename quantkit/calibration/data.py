@@ -71,7 +71,10 @@ def _load_documents(source: str):
         return _bundled_wikipedia()
     path = Path(source).expanduser()
     if path.exists():
-        files = sorted(str(p) for p in path.rglob("*.txt")) if path.is_dir() else [str(path)]
+        # Hidden folders (.git, .ipynb_checkpoints, ...) hold copies, not documents.
+        files = (sorted(str(p) for p in path.rglob("*.txt")
+                        if not any(part.startswith(".") for part in p.relative_to(path).parts))
+                 if path.is_dir() else [str(path)])
         if not files:
             raise DatasetError(f"directory {source!r} has no .txt files")
         # One document per file, so the calibration/evaluation split never cuts a file in two.
@@ -99,16 +102,18 @@ def load_texts(source: str, split: str) -> list[str]:
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not one of {SPLITS}")
-    docs = _load_documents(source)
-    held_out = split == "evaluation"
-    texts = [
-        text
-        for index, text in enumerate(docs["text"])
-        if ((index % EVAL_EVERY) == EVAL_EVERY - 1) == held_out and text and text.strip()
-    ]
+    docs = [text for text in _load_documents(source)["text"]]
+    evaluation = [text for index, text in enumerate(docs) if index % EVAL_EVERY == EVAL_EVERY - 1]
+    if split == "evaluation":
+        texts = [text for text in evaluation if text and text.strip()]
+    else:
+        # A document that also appears in the evaluation split (a duplicate) is not calibrated on.
+        held_out = {text.strip() for text in evaluation if text}
+        texts = [text for index, text in enumerate(docs)
+                 if index % EVAL_EVERY != EVAL_EVERY - 1 and text and text.strip() and text.strip() not in held_out]
     if not texts:
         raise DatasetError(f"dataset {source!r} yields no text for the {split} split; it needs at least "
-                           f"{EVAL_EVERY} non-empty documents")
+                           f"{EVAL_EVERY} distinct non-empty documents (a single text file is one document)")
     return texts
 
 

@@ -65,23 +65,31 @@ def evaluate_perplexity(
     """Perplexity of ``model`` on a 1-D token stream.
 
     Windows hold ``window`` tokens (BOS included when ``bos_token_id`` is given) and advance by
-    ``stride`` new tokens (default: ``window``, i.e. independent windows); with a smaller stride
-    each window re-reads ``window - stride`` tokens of context that earlier windows scored.
+    ``stride`` new tokens (default: ``window``, i.e. independent windows; with BOS a window scores
+    at most ``window - 1``); with a smaller stride each window re-reads the tokens before its new
+    ones, which earlier windows scored, as context. ``tokens`` is one 1-D stream.
     cuda_graph: replay each window's forward as a CUDA graph (``quantkit.graphed``; CUDA models
     only). Windows share one shape, so one capture (two with a shorter last window) serves them
     all; the logits are the eager forward's bit for bit, without its per-launch host time.
     """
-    stride = stride or window
+    stride = window if stride is None else stride
     if window < 2 or not 0 < stride <= window:
         raise ValueError(f"window={window} must be >= 2 and stride={stride} in [1, window]")
-    tokens = tokens.reshape(-1)
+    context_length = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if context_length is not None and window > context_length:
+        raise ValueError(f"window={window} exceeds the model's context of {context_length} tokens; "
+                         f"use a window of at most {context_length}")
+    if tokens.dim() != 1:
+        raise ValueError(f"tokens must be one 1-D stream, got shape {tuple(tokens.shape)}; "
+                         "pass tokens.reshape(-1) if its rows are one text")
     prefix = None
     if bos_token_id is not None:
         if tokens.numel() and tokens[0].item() == bos_token_id:
             tokens = tokens[1:]
         prefix = torch.tensor([bos_token_id], dtype=tokens.dtype)
-        # With BOS in front, a window's first token can be scored: it is conditioned on BOS.
-        spans = window_spans(tokens.numel(), window - 1, min(window - stride, window - 2), 0)
+        # With BOS in front, a window's first token can be scored: it is conditioned on BOS. BOS
+        # takes one of the window's slots, so a window scores min(stride, window - 1) new tokens.
+        spans = window_spans(tokens.numel(), window - 1, max(0, min(window - 1 - stride, window - 2)), 0)
     else:
         spans = window_spans(tokens.numel(), window, max(window - stride, 1), 1)
     device = next(model.parameters()).device

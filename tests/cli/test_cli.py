@@ -116,7 +116,7 @@ def test_dataset_shorter_than_one_block(llama_dir, tmp_path):
     short = tmp_path / "short"
     short.mkdir()
     for i in range(4):
-        (short / f"{i}.txt").write_text("The river city.")
+        (short / f"{i}.txt").write_text(f"The river city {i}.")
     result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--dataset", short, "--scheme", "int8-static",
                     "--seq-len", 128)
     assert_user_error(result, "fewer than one block", "--seq-len")

@@ -108,3 +108,39 @@ def test_bundled_gemma3_fast_path_equals_plain_hf_greedy():
     assert len(fast.quantkit_fast_path.fused_mlps) == fast.config.num_hidden_layers
     assert fast.quantkit_fast_path.swapped_norms
     assert torch.equal(generate(fast, ids, 4), want)
+
+
+def test_one_token_prompt_equals_hf():
+    """A prompt of one token (BOS alone) is a length-1 query in the prefill; it used to stop with
+    'decode over a static cache needs quantkit_cache_seqlens'."""
+    model = make_tiny("llama")
+    ids = torch.tensor([[1], [5]])
+    want = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(generate(model, ids, 4, eos_token_id=None), want)
+
+
+def test_finished_rows_take_the_generation_configs_pad_like_hf():
+    model = make_tiny("llama")
+    model.generation_config.pad_token_id = 0
+    ids = _prompt(model.config.vocab_size, seed=0)
+    free = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    eos = int(free[0, 9 + 1])
+    assert eos != 0 and eos not in free[1, 9:].tolist()  # row 0 alone stops early
+    want = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=eos)
+    got = generate(model, ids, 10, eos_token_id=eos)  # no pad_token_id: the generation_config's
+    assert torch.equal(got, want)
+    assert (got[0, 9 + 2:] == 0).all()
+
+
+def test_bad_prompts_are_refused():
+    model = make_tiny("llama")
+    model.generation_config.pad_token_id = 0
+    vocab = model.config.vocab_size
+    with pytest.raises(ValueError, match="pad token id 0"):
+        generate(model, torch.tensor([[0, 0, 7, 8], [5, 6, 7, 8]]), 3, eos_token_id=None)
+    with pytest.raises(ValueError, match=f"lie in \\[0, {vocab}\\)"):
+        generate(model, torch.tensor([[5, vocab]]), 3, eos_token_id=None)
+    with pytest.raises(TypeError, match="tokenize it first"):
+        generate(model, "the river", 3)
+    with pytest.raises(TypeError, match="max_new_tokens=2.5"):
+        generate(model, [[5, 6]], 2.5)

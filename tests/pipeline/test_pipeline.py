@@ -133,6 +133,24 @@ def test_calibration_and_evaluation_splits_are_disjoint(text_dir):
     assert not set(calib) & set(held_out)
 
 
+def test_duplicate_and_hidden_documents_do_not_leak_into_calibration(text_dir, tmp_path):
+    """The split goes by position: a second copy of an evaluation document (or a notebook's hidden
+    checkpoint copy) used to land in the calibration split."""
+    import shutil
+
+    from quantkit.calibration.data import load_texts
+
+    folder = tmp_path / "docs"
+    shutil.copytree(text_dir, folder)
+    held_out = load_texts(str(folder), "evaluation")
+    (folder / "zz-copy.txt").write_text(held_out[0])
+    (folder / ".ipynb_checkpoints").mkdir()
+    (folder / ".ipynb_checkpoints" / "doc-checkpoint.txt").write_text(held_out[-1])
+    calibration = load_texts(str(folder), "calibration")
+    assert not {t.strip() for t in calibration} & {t.strip() for t in load_texts(str(folder), "evaluation")}
+    assert load_texts(str(folder), "evaluation") == held_out  # the copies change nothing held out
+
+
 def test_static_scheme_requires_calibration_data(llama_dir):
     model, _ = quantkit.load_model(llama_dir)
     with pytest.raises(ValueError, match="needs calibration data"):
