@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from quantkit.calibration.calibrate import collect_input_ranges
+from quantkit.calibration.calibrate import check_blocks, collect_input_ranges
 from quantkit.calibration.gptq import gptq_quantize_weights
 from quantkit.calibration.offload import check_offload, stream_blocks
 from quantkit.calibration.report import build_report
@@ -69,6 +69,8 @@ def quantize(
     if config.needs_calibration and calibration_data is None:
         raise ValueError(f"scheme {config.name!r} needs calibration data; pass token blocks "
                          "(quantkit.prepare_calibration_data)")
+    if calibration_data is not None:
+        check_blocks(calibration_data, model)
     check_offload(model)
     backend = resolve_backend(config.backend, _model_device(model))
     if offload_device is None:

@@ -29,14 +29,24 @@ def input_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def check_blocks(blocks: torch.Tensor) -> None:
+def check_blocks(blocks: torch.Tensor, model: nn.Module | None = None) -> None:
+    """Shape and dtype of calibration blocks; with ``model``, also its vocabulary and context."""
     if not isinstance(blocks, torch.Tensor) or blocks.dim() != 2 or blocks.dtype not in (torch.int64, torch.int32):
         raise ValueError(
             "blocks must be an integer tensor (n_samples, seq_len) of token ids; got "
             f"{type(blocks).__name__} {getattr(blocks, 'dtype', '')} {tuple(getattr(blocks, 'shape', ()))}"
         )
-    if blocks.shape[0] == 0:
-        raise ValueError("blocks is empty; pass at least one calibration block")
+    if blocks.shape[0] == 0 or blocks.shape[1] == 0:
+        raise ValueError(f"blocks has shape {tuple(blocks.shape)}; pass at least one block of at least one token")
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and (int(blocks.min()) < 0 or int(blocks.max()) >= vocab):
+        raise ValueError(f"blocks hold token ids {int(blocks.min())}..{int(blocks.max())}, outside the model's "
+                         f"vocabulary [0, {vocab}); tokenize with the model's own tokenizer")
+    context = getattr(config, "max_position_embeddings", None)
+    if context is not None and blocks.shape[1] > context:
+        raise ValueError(f"blocks have seq_len={blocks.shape[1]} > the model's context of {context}; "
+                         f"pass blocks of at most {context} tokens")
 
 
 def hidden_state(output) -> torch.Tensor:
@@ -54,7 +64,7 @@ def forward_backbone(model: nn.Module, blocks: torch.Tensor, batch_size: int, de
     Only the backbone runs (no LM head) unless one of ``layers``, the modules being observed,
     lives outside it (an ``lm_head`` a recipe quantizes), in which case the whole model runs.
     """
-    check_blocks(blocks)
+    check_blocks(blocks, model)
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
     body, device = backbone(model), input_device(model)

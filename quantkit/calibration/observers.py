@@ -62,6 +62,7 @@ class _SampledObserver(Observer):
     def __init__(self, seed: int = 0) -> None:
         self._samples: list[torch.Tensor] = []
         self._count = 0
+        self._rate = 1.0  # the share of each new batch kept: halved at every thinning, so all batches weigh alike
         self._max: torch.Tensor | None = None
         self._generator = torch.Generator().manual_seed(seed)
 
@@ -74,12 +75,15 @@ class _SampledObserver(Observer):
         if flat.numel() > MAX_SAMPLES_PER_BATCH:
             idx = torch.randint(0, flat.numel(), (MAX_SAMPLES_PER_BATCH,), generator=self._generator)
             flat = flat[idx]
+        if self._rate < 1.0:
+            flat = flat[torch.rand(flat.numel(), generator=self._generator) < self._rate]
         self._samples.append(flat)
         self._count += flat.numel()
         if self._count > MAX_SAMPLES:
             merged = torch.cat(self._samples)
-            keep = torch.randperm(merged.numel(), generator=self._generator)[: MAX_SAMPLES // 2]
+            keep = torch.randperm(merged.numel(), generator=self._generator)[: merged.numel() // 2]
             self._samples, self._count = [merged[keep]], keep.numel()
+            self._rate /= 2
 
     def _values(self) -> torch.Tensor:
         if self._max is None:

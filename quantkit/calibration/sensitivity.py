@@ -177,7 +177,8 @@ def _layer_errors(model, blocks, layers, config, batch_size, progress) -> dict[s
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in layers.items()]
     try:
-        forward_backbone(model, blocks, batch_size, desc="layer errors", progress=progress)
+        # layers: the whole model runs when one of them (an lm_head) lives outside the backbone.
+        forward_backbone(model, blocks, batch_size, desc="layer errors", progress=progress, layers=layers.values())
     finally:
         for h in handles:
             h.remove()

@@ -338,20 +338,33 @@ def _restore(saved) -> None:
 
 
 @torch.no_grad()
-def _fold(group: SmoothGroup, modules: dict[str, nn.Module], scales: torch.Tensor) -> None:
+def _fold(group: SmoothGroup, modules: dict[str, nn.Module], scales: torch.Tensor,
+          stored_dtypes: dict | None = None) -> None:
     """Divide the producer's output channels by ``scales`` and multiply the consumers' columns by them.
 
-    The arithmetic runs in float64 and is rounded once to each parameter's dtype.
+    The arithmetic runs in float64 and is rounded once to each parameter's dtype. A norm's gains
+    are rounded first, to the dtype the weight will be stored in (``stored_dtypes``: parameter ->
+    dtype, for a model upcast while it is smoothed), and the consumers take the scale that rounding
+    left (old gain / new gain): in a 16-bit Gemma norm, ``(1 + w) / s - 1`` lies near -1, where
+    bf16 keeps few bits of the gain.
     """
     producer = modules[group.producer]
     s = scales.double()
     if group.kind == "norm":
         w = producer.weight
-        w.copy_(((w.double() + group.offset) / s.to(w.device) - group.offset).to(w.dtype))
+        s = s.to(w.device)
+        old_gain = w.double() + group.offset
+        stored = (old_gain / s - group.offset).to((stored_dtypes or {}).get(w, w.dtype)).to(w.dtype)
+        gain = stored.double() + group.offset
+        # A gain that rounded to zero (or across it) would lose its channel: keep that one unscaled.
+        lost = (gain == 0) | (torch.sign(gain) != torch.sign(old_gain))
+        stored = torch.where(lost, w, stored)
+        applied = torch.where(lost | (old_gain == 0), torch.ones_like(s), old_gain / torch.where(lost, old_gain, gain))
+        w.copy_(stored)
         bias = getattr(producer, "bias", None)
         if bias is not None:
-            bias.copy_((bias.double() / s.to(bias.device)).to(bias.dtype))
-        column_scales = [s] * len(group.consumers)
+            bias.copy_((bias.double() / applied.to(bias.device)).to(bias.dtype))
+        column_scales = [applied] * len(group.consumers)
     else:
         w = producer.weight
         w.copy_((w.double() / s.to(w.device)[:, None]).to(w.dtype))

@@ -284,7 +284,7 @@ def smooth_model(
                 **({"norm_offset": group.offset} if group.kind == "norm" else {}),
             })
         for group, scales in plans:
-            _fold(group, modules, scales)
+            _fold(group, modules, scales, stored_dtypes=upcast)
         change = _relative_change(before, prober.run()) if groups else 0.0
     finally:
         for param, dtype in upcast.items():

@@ -72,3 +72,10 @@ def test_bad_arguments(model):
         rank_layers(model, _blocks(), QuantConfig(), layer_names=["lm_head"], progress=False)
     with pytest.raises(ValueError, match="n=-1"):
         most_sensitive([("a", 1.0)], -1)
+
+
+def test_layer_error_scores_a_quantized_head(model):
+    """The head lives outside the backbone: its hook never fired, so layer_error scored it 0."""
+    ranking = dict(rank_layers(model, _blocks(), QuantConfig.preset("int8", ignore=()), n_blocks=3, batch_size=2,
+                               method="layer_error", progress=False, max_seq_len=17))
+    assert ranking["lm_head"] > 0

@@ -226,3 +226,21 @@ def test_bad_arguments():
         smooth_model(model, torch.randn(2, 5), progress=False)
     with pytest.raises(ValueError, match="alpha_grid"):
         smooth_model(model, _blocks(), alpha_grid=(), progress=False)
+
+
+def test_norm_fold_rounds_the_gain_first_and_compensates_the_consumers():
+    """A 16-bit Gemma norm stores (1 + w) / s - 1, near -1 for a large s, where bf16 keeps few
+    bits of the gain: the consumers take the scale the rounded gain really applies."""
+    from quantkit.calibration.smoothing_graph import SmoothGroup, _fold
+
+    g = torch.Generator().manual_seed(0)
+    norm, consumer = nn.Module(), nn.Linear(16, 8, bias=False).double()
+    norm.weight = nn.Parameter(torch.randn(16, generator=g, dtype=torch.float64))
+    gain_before, weight_before = norm.weight.detach() + 1.0, consumer.weight.detach().clone()
+    scales = torch.linspace(1.0, 60.0, 16, dtype=torch.float64)
+    _fold(SmoothGroup("norm", "norm", ["consumer"], offset=1.0), {"norm": norm, "consumer": consumer}, scales,
+          stored_dtypes={norm.weight: torch.bfloat16})
+    stored = norm.weight.detach()
+    assert torch.equal(stored, stored.to(torch.bfloat16).double())  # what the bf16 model will hold
+    torch.testing.assert_close((stored + 1.0)[None, :] * consumer.weight, gain_before[None, :] * weight_before,
+                               rtol=1e-12, atol=0)

@@ -299,3 +299,14 @@ def test_keep_sensitive_beyond_the_layer_count_is_refused_first(llama_dir, text_
     n = sum(1 for name, m in model.named_modules() if type(m) is torch.nn.Linear and name != "lm_head")
     with pytest.raises(ValueError, match=f"keep_sensitive=100 would keep all {n} quantizable Linear layers"):
         quantkit.quantize(model, quantkit.QuantConfig.preset("int8", keep_sensitive=100), _blocks(tokenizer, text_dir))
+
+
+@pytest.mark.parametrize("blocks, message", [
+    (torch.full((2, 0), 5), "at least one token"),
+    (torch.full((2, 8), 10**6), "outside the model's vocabulary"),
+    (torch.full((1, 300), 5), "seq_len=300 > the model's context of 256"),
+])
+def test_bad_calibration_blocks_are_refused_first(llama_dir, blocks, message):
+    model, _ = quantkit.load_model(llama_dir)
+    with pytest.raises(ValueError, match=message):
+        quantkit.quantize(model, quantkit.QuantConfig.preset("int8-static"), blocks)
