@@ -59,7 +59,7 @@ from quantkit.models.fast_layer import fuse_residual_adds
 from quantkit.models.fast_norm import FastRMSNorm, NormOutput, plain_tensor
 from quantkit.models.fast_rope import enable_fused_rope
 from quantkit.nn import QuantLinear
-from quantkit.nn.linear import quantize_input
+from quantkit.nn.linear import QuantizedBuffers, quantize_input
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def _register_input_scale(module: nn.Module, source: QuantLinear) -> None:
         module.input_scale = None
 
 
-class GatedQuantMLP(nn.Module):
+class GatedQuantMLP(QuantizedBuffers):
     """``down_proj(act(gate_proj(x)) * up_proj(x))`` with one activation quantization and a stacked weight.
 
     Buffers: ``weight`` (2 * I, K) [gate; up], ``weight_scale`` (2 * I, 1) fp32, ``input_scale``
@@ -191,7 +191,7 @@ class GatedQuantMLP(nn.Module):
                 f"weight={self.quant_dtype}, activation={self.activation}, exact={self.exact}, backend={self.backend}")
 
 
-class FusedQKV(nn.Module):
+class FusedQKV(QuantizedBuffers):
     """The stacked [q; k; v] weights of one attention block, one quantization and one GEMM for all three.
 
     transformers' attention modules call ``q_proj``, ``k_proj`` and ``v_proj`` on the same hidden

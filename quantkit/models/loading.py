@@ -94,6 +94,9 @@ def bundled_model_dir() -> Path:
     model, tokenizer = _load_gguf(gguf_path, torch.float32)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(staging, 0o777 & ~mask)  # mkdtemp's 0700 would keep a shared cache from other users
     try:
         model.to(torch.bfloat16).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
@@ -118,10 +121,12 @@ def load_model(
     path = Path(source).expanduser()
     if source == BUNDLED_MODEL:
         path = bundled_model_dir()
-    if path.suffix == ".gguf":
+    if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {source!r} does not exist")
         model, tokenizer = _load_gguf(path, dtype)
+    elif path.is_file():
+        raise ModelLoadError(f"{source!r} is a file; pass the model's directory (or a .gguf file)")
     elif path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{source!r} has no config.json; pass a Hugging Face model directory")

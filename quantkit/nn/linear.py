@@ -33,7 +33,45 @@ def quantize_input(module: nn.Module, x2d: torch.Tensor) -> tuple[torch.Tensor, 
     return ops.quantize_per_token(x2d, module.quant_dtype, backend=module.backend)
 
 
-class QuantLinear(nn.Module):
+class QuantizedBuffers(nn.Module):
+    """Base of the modules that hold a quantized ``weight`` (``quant_dtype``), fp32 ``weight_scale``
+    and, for static activations, an fp32 ``input_scale``: their dtypes are the format, so a model's
+    ``.half()`` / ``.to(dtype)`` moves them but never casts them, and ``load_state_dict`` refuses
+    other dtypes instead of converting them."""
+
+    # Buffers whose dtype is the format.
+    _FORMAT_BUFFERS = ("weight", "weight_scale", "input_scale")
+
+    def _apply(self, fn, recurse=True):
+        # nn.Module.to(dtype) casts every floating buffer, float8 weights and fp32 scales included,
+        # which would break the kernels' contract; only the bias follows the model's dtype.
+        order = list(self._buffers)
+        kept = {name: self._buffers.pop(name) for name in self._FORMAT_BUFFERS if self._buffers.get(name) is not None}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, buffer in kept.items():
+                device = fn(torch.empty(0, dtype=torch.float32, device=buffer.device)).device
+                self._buffers[name] = buffer.to(device)
+            for name in order:  # back in the state_dict's order
+                self._buffers[name] = self._buffers.pop(name)
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        wrong = [f"{prefix}{name} is {state_dict[prefix + name].dtype}, but this {type(self).__name__} holds {dtype} "
+                 "(a state_dict of another scheme?)"
+                 for name, dtype in (("weight", self.quant_dtype), ("weight_scale", torch.float32),
+                                     ("input_scale", torch.float32))
+                 if prefix + name in state_dict and state_dict[prefix + name].dtype != dtype]
+        if wrong:
+            error_msgs.extend(wrong)
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+
+class QuantLinear(QuantizedBuffers):
     """y = act(dequant(quant(x) @ W_q^T) + b) in one kernel call."""
 
     def __init__(
@@ -98,12 +136,15 @@ class QuantLinear(nn.Module):
         )
         if quantized_weight is not None:
             q, scale = quantized_weight
+            if tuple(q.shape) != tuple(weight.shape) or q.dtype != quant_dtype or scale.numel() != weight.shape[0]:
+                raise ValueError(f"quantized_weight must be (q {tuple(weight.shape)} {quant_dtype}, scale of "
+                                 f"{weight.shape[0]}); got q {tuple(q.shape)} {q.dtype}, scale of {scale.numel()}")
         else:
             q, scale = quantize_per_channel(weight, quant_dtype, weight_amax)
         module.weight.copy_(q)
         module.weight_scale.copy_(scale.reshape(-1, 1))
         if input_amax is not None:
-            module.input_scale.copy_(scale_from_amax(input_amax, quant_dtype).reshape(1))
+            module.input_scale.copy_(scale_from_amax(torch.as_tensor(input_amax), quant_dtype).reshape(1))
         if linear.bias is not None:
             module.bias.copy_(linear.bias.detach())
         return module
@@ -112,6 +153,9 @@ class QuantLinear(nn.Module):
         return self.weight.float() * self.weight_scale.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features (shape {tuple(x.shape)}); this layer takes "
+                             f"in_features={self.in_features}")
         leading = x.shape[:-1]
         q, a_scale = quantize_input(self, x.reshape(-1, self.in_features))
         # Buffers straight from ``_buffers``: nn.Module.__getattr__ costs ~2 us per buffer, on
@@ -134,4 +178,5 @@ class QuantLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"weight={self.quant_dtype}, input={mode}, backend={self.backend}"
+            + (f", activation={self.activation}" if self.activation != "none" else "")
         )
