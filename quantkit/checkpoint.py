@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from quantkit.config import QuantConfig
 from quantkit.convert import build_empty_quantized, untie_quantized_head
 from quantkit.kernels.ops import resolve_backend
-from quantkit.models.loading import default_dtype
+from quantkit.models.loading import default_dtype, staging_dir
 from quantkit.nn import QuantLinear
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -81,12 +81,6 @@ def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False, source
         raise CheckpointError(f"output directory {str(out_dir)!r} already exists; pass --overwrite to replace it")
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _swap_in(staging: Path, out_dir: Path) -> None:
     """Move the finished staging directory to ``out_dir``; an existing one is replaced only once
     the new one is in place (it is put back if the move fails)."""
@@ -122,8 +116,7 @@ def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite
     # Every Linear still in 16 bits by name: quantkit's ignore globs mean nothing to other loaders.
     kept = [name for name, module in model.named_modules() if type(module) is nn.Linear]
     config_dict["quantization_config"] = config.to_quantization_config(ignore=kept)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
-    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would hide the checkpoint from other users
+    staging = staging_dir(out_dir.parent, f".{out_dir.name}.staging-")
     try:
         shards = _shards({name: t.detach().contiguous().cpu() for name, t in _unique_state(model).items()})
         if len(shards) == 1:

@@ -102,7 +102,7 @@ def load_texts(source: str, split: str) -> list[str]:
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not one of {SPLITS}")
-    docs = [text for text in _load_documents(source)["text"]]
+    docs = list(_load_documents(source)["text"])
     evaluation = [text for index, text in enumerate(docs) if index % EVAL_EVERY == EVAL_EVERY - 1]
     if split == "evaluation":
         texts = [text for text in evaluation if text and text.strip()]

@@ -357,9 +357,10 @@ def _fold(group: SmoothGroup, modules: dict[str, nn.Module], scales: torch.Tenso
         stored = (old_gain / s - group.offset).to((stored_dtypes or {}).get(w, w.dtype)).to(w.dtype)
         gain = stored.double() + group.offset
         # A gain that rounded to zero (or across it) would lose its channel: keep that one unscaled.
+        # (A zero gain always lands here: it rounds to zero, or to a value whose sign is not zero.)
         lost = (gain == 0) | (torch.sign(gain) != torch.sign(old_gain))
         stored = torch.where(lost, w, stored)
-        applied = torch.where(lost | (old_gain == 0), torch.ones_like(s), old_gain / torch.where(lost, old_gain, gain))
+        applied = torch.where(lost, torch.ones_like(s), old_gain / gain)
         w.copy_(stored)
         bias = getattr(producer, "bias", None)
         if bias is not None:

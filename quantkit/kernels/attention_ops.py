@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from quantkit.kernels import reference_attention as reference
-from quantkit.kernels.ops import kernel_module
+from quantkit.kernels.ops import is_triton, kernel_module
 from quantkit.kernels.reference_attention import (
     check_decode_inputs,
     check_norm_inputs,
@@ -141,11 +141,6 @@ def _(x, residual, weight, bias, eps):
 # --------------------------------------------------------------------------- public dispatch
 
 
-def _check_backend(backend: str) -> None:
-    if backend not in ("triton", "torch"):
-        raise ValueError(f"backend={backend!r}: pass 'triton' or 'torch' (resolve 'auto' once with ops.resolve_backend)")
-
-
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -162,12 +157,12 @@ def flash_attention(
     See ``reference_attention.flash_attention``. Packed inputs on the Triton backend also need
     ``max_seqlen_q``, a host-side bound on the longest sequence.
     """
-    _check_backend(backend)
-    if backend == "triton" and _direct(q):
+    triton = is_triton(backend)
+    if triton and _direct(q):
         return _attention_kernels().flash_attention(q, k, v, float(scale), window, cu_seqlens_q, cu_seqlens_k,
                                                     max_seqlen_q)
     check_prefill_inputs(q, k, v, window, cu_seqlens_q, cu_seqlens_k)
-    if backend == "triton":
+    if triton:
         return _flash_attention_op(q, k, v, float(scale), window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
     return reference.flash_attention(q, k, v, scale, window, cu_seqlens_q, cu_seqlens_k)
 
@@ -183,12 +178,12 @@ def decode_attention(
     backend: str = "torch",
 ) -> torch.Tensor:
     """One query token per sequence over a static (B, Hkv, capacity, D) cache; see the twin."""
-    _check_backend(backend)
-    if backend == "triton" and _direct(q):
+    triton = is_triton(backend)
+    if triton and _direct(q):
         return _attention_kernels().decode_attention(q, k_cache, v_cache, cache_seqlens, float(scale), window,
                                                      max_seqlen)
     check_decode_inputs(q, k_cache, v_cache, cache_seqlens, window, max_seqlen)
-    if backend == "triton":
+    if triton:
         return _decode_attention_op(q, k_cache, v_cache, cache_seqlens, float(scale), window, max_seqlen)
     return reference.decode_attention(q, k_cache, v_cache, cache_seqlens, scale, window)
 
@@ -197,11 +192,11 @@ def apply_rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "torch"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE on q (B, Hq, S, D) and k (B, Hkv, S, D) with HF's cos/sin (B|1, S, D)."""
-    _check_backend(backend)
-    if backend == "triton" and _direct(q):
+    triton = is_triton(backend)
+    if triton and _direct(q):
         return _rope_kernels().apply_rope(q, k, cos, sin)
     check_rope_inputs(q, k, cos, sin)
-    if backend == "triton":
+    if triton:
         return _rope_op(q, k, cos, sin)
     return reference.apply_rope(q, k, cos, sin)
 
@@ -215,11 +210,11 @@ def rms_norm(
     backend: str = "torch",
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """RMSNorm (+ fused residual add, + Gemma's ``offset=1``); returns (y, new residual or None)."""
-    _check_backend(backend)
-    if backend == "triton" and _direct(x):
+    triton = is_triton(backend)
+    if triton and _direct(x):
         return _norm_kernels().rms_norm(x, weight, float(eps), residual, float(offset))
     check_norm_inputs(x, weight, residual)
-    if backend == "torch":
+    if not triton:
         return reference.rms_norm(x, weight, eps, residual, offset)
     if residual is None:
         return _rms_norm_op(x, weight, float(eps), float(offset)), None
@@ -235,11 +230,11 @@ def layer_norm(
     backend: str = "torch",
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """LayerNorm (+ fused residual add); returns (y, new residual or None)."""
-    _check_backend(backend)
-    if backend == "triton" and _direct(x):
+    triton = is_triton(backend)
+    if triton and _direct(x):
         return _norm_kernels().layer_norm(x, weight, bias, float(eps), residual)
     check_norm_inputs(x, weight, residual, bias)
-    if backend == "torch":
+    if not triton:
         return reference.layer_norm(x, weight, bias, eps, residual)
     if residual is None:
         return _layer_norm_op(x, weight, bias, float(eps)), None

@@ -57,9 +57,10 @@ def _triton_ops():
     return kernel_module("triton_ops")
 
 
-def _is_triton(backend: str) -> bool:
-    """The ops take a resolved backend; the torch path validates its arguments as the kernels do
-    (minus their layout rules), so a bad call fails the same way on both."""
+def is_triton(backend: str) -> bool:
+    """Whether a resolved backend is "triton"; anything but "triton" or "torch" is refused. (The
+    ops' torch path validates its arguments as the kernels do, minus their layout rules, so a bad
+    call fails the same way on both.)"""
     if backend == "triton":
         return True
     if backend != "torch":
@@ -69,7 +70,7 @@ def _is_triton(backend: str) -> bool:
 
 def scaled_mm(a, w, a_scale, w_scale, bias=None, activation="none", out_dtype=torch.bfloat16, backend="torch"):
     """GEMM + dequantization + bias + activation; see ``reference.scaled_mm`` for the math."""
-    if _is_triton(backend):
+    if is_triton(backend):
         return _triton_ops().scaled_mm(a, w, a_scale, w_scale, bias, activation, out_dtype)
     check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype, layout=False)
     return reference.scaled_mm(a, w, a_scale, w_scale, bias, activation, out_dtype)
@@ -77,7 +78,7 @@ def scaled_mm(a, w, a_scale, w_scale, bias=None, activation="none", out_dtype=to
 
 def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype=torch.bfloat16, backend="torch"):
     """``act(gate) * up`` from one GEMM over the stacked [gate; up] weight."""
-    if _is_triton(backend):
+    if is_triton(backend):
         return _triton_ops().gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation, out_dtype)
     check_scaled_mm_args(a, w_gate_up, a_scale, w_scale, None, activation, out_dtype, gated=True, layout=False)
     return reference.gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation, out_dtype)
@@ -85,7 +86,7 @@ def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype
 
 def quantize_per_token(x, dtype, backend="torch"):
     """(M, K) float -> (q (M, K), scale (M,) fp32), symmetric, one scale per row."""
-    if _is_triton(backend):
+    if is_triton(backend):
         return _triton_ops().quantize_per_token(x, dtype)
     check_activation_input(x, layout=False)
     check_quant_dtype(dtype)
@@ -94,7 +95,7 @@ def quantize_per_token(x, dtype, backend="torch"):
 
 def quantize_per_tensor(x, scale, dtype, backend="torch"):
     """(M, K) float -> (M, K) quantized with one static fp32 scale."""
-    if _is_triton(backend):
+    if is_triton(backend):
         return _triton_ops().quantize_per_tensor(x, scale, dtype)
     check_activation_input(x, layout=False)
     check_quant_dtype(dtype)
@@ -104,7 +105,7 @@ def quantize_per_tensor(x, scale, dtype, backend="torch"):
 
 def rms_norm_quant_per_token(x, weight, eps, dtype, residual=None, offset=0.0, backend="torch"):
     """RMSNorm (+ residual add, + Gemma's 1 + w) fused with per-token quantization."""
-    if _is_triton(backend):
+    if is_triton(backend):
         return _triton_ops().rms_norm_quant_per_token(x, weight, eps, dtype, residual, offset)
     check_rms_norm_args(x, weight, residual, layout=False)
     check_quant_dtype(dtype)

@@ -93,10 +93,7 @@ def bundled_model_dir() -> Path:
     logger.info("converting %s to a 16-bit cache at %s (once)", gguf_path, target)
     model, tokenizer = _load_gguf(gguf_path, torch.float32)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(staging, 0o777 & ~mask)  # mkdtemp's 0700 would keep a shared cache from other users
+    staging = staging_dir(target.parent, ".staging-")
     try:
         model.to(torch.bfloat16).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
@@ -104,6 +101,16 @@ def bundled_model_dir() -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def staging_dir(parent: Path, prefix: str) -> Path:
+    """A new directory in ``parent`` for output that is renamed into place once complete, with the
+    permissions the umask gives: mkdtemp's 0700 would hide the finished directory from other users."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o777 & ~mask)
+    return path
 
 
 def load_model(
