@@ -1,9 +1,11 @@
 """Run a quantkit command or script with the bundled dataset's token blocks read from a file.
 
-The GPU machine cannot tokenize the bundled Wikipedia excerpt: it has no gensim, and the `datasets`
-carried there failed to fingerprint a table (a pickling error in dill, session 18). This tool makes the
-same calls on the CPU, saves their results, and replays them on the GPU. The token blocks are the same
-tensors that ``quantkit.prepare_calibration_data`` / ``prepare_evaluation_tokens`` return.
+The GPU machine cannot tokenize the bundled Wikipedia excerpt. It has no gensim, and `datasets`
+carried there as wheels (``pip install --target``, outside the interpreter's prefix) fails to fingerprint a
+table: dill pickles modules outside ``sys.prefix`` by value and trips over pyarrow (session 18; an
+installed environment keeps them under its prefix and is not affected). This tool makes the same calls
+on the CPU, saves their results, and replays them on the GPU. The token blocks are the same tensors that
+``quantkit.prepare_calibration_data`` / ``prepare_evaluation_tokens`` return.
 
     # CPU (with gensim): the calls the GPU checks make
     python benchmarks/pretokenized.py save tokens.pt
