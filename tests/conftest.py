@@ -1,15 +1,24 @@
-"""Test setup: kernels run under Triton's interpreter when no GPU is present.
+"""Test setup: the suite is a CPU suite, with the kernels under Triton's interpreter.
 
-TRITON_INTERPRET must be set before any @triton.jit function is defined, so it is set here,
-before the tests import quantkit's kernels.
+It runs the same way on every machine, CI's (no GPU) and a GPU host alike: the GPU is hidden, so
+that defaults such as "cuda when available" (load_model, the CLI's --device) pick the CPU, and
+kernels get CPU tensors, which only the interpreter runs. The GPU checks are the scripts in
+benchmarks/ (gemm.py's checks, gpu_pipeline.py, gpu_bundled.py, e2e.py's checks).
+
+Both variables must be set before CUDA initializes and before any @triton.jit function is
+defined, so they are set here, before the tests import torch's CUDA state or quantkit's kernels.
 """
 
 import os
 
-import torch
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch  # noqa: E402
+
+if torch.cuda.is_available():  # CUDA was initialized before this file (a plugin, say): fail loudly
+    raise RuntimeError("the tests are CPU tests, but CUDA was initialized before tests/conftest.py "
+                       "could hide the GPU; run them without plugins that touch CUDA")
 
 
 import pytest  # noqa: E402
