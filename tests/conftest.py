@@ -22,8 +22,23 @@ if torch.cuda.is_available():  # CUDA was initialized before this file (a plugin
 
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
 
 from tests.tiny import save_tiny_model, write_text_dir  # noqa: E402
+
+# The kernel tests need triton 3.9's interpreter. On triton 3.6 (what torch 2.11 pins) 434 of them fail
+# inside the interpreter ("only 0-dimensional arrays can be converted to Python scalars"; the GPU
+# machine, session 18), so an older triton stops the run with the fix instead.
+MIN_TRITON = (3, 9)
+
+
+def pytest_configure(config):
+    found = tuple(int(part) for part in triton.__version__.split(".")[:2])
+    if found < MIN_TRITON:
+        raise pytest.UsageError(
+            f"the tests need triton >= {'.'.join(map(str, MIN_TRITON))} for its CPU interpreter, found "
+            f"{triton.__version__}; install the pinned test environment: "
+            "pip install -c constraints-cpu.txt -e '.[test]' (README, 'Two commands')")
 
 
 @pytest.fixture(scope="session", params=["llama", "gemma3"])
