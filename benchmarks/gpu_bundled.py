@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import sys
 import time
 
 import torch
 import transformers
-import triton
 
 import quantkit
+from quantkit.bench.common import environment_metadata
 from quantkit.calibration.offload import decoder_blocks
 from quantkit.nn import QuantLinear
 
@@ -122,11 +121,7 @@ def streaming_check(tokenizer, blocks: torch.Tensor) -> dict:
 
 
 def main(out_path: str) -> None:
-    report = {
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
-        "commit": os.environ.get("QUANTKIT_COMMIT", "unknown"),
-    }
+    report = {**environment_metadata(), "transformers": transformers.__version__}
     model, tokenizer = quantkit.load_model(quantkit.BUNDLED_MODEL, device="cuda")
     if "--skip-greedy" not in sys.argv:
         report["greedy"] = greedy_checks(model, tokenizer, new_tokens=32)

@@ -11,13 +11,13 @@ import copy
 import json
 import sys
 import tempfile
-import time
 
 import torch
 import triton
 import transformers
 
 import quantkit
+from quantkit.bench.common import environment_metadata
 from quantkit.kernels.reference import sqnr_db
 
 
@@ -27,11 +27,8 @@ def main(out_path: str) -> None:
     tokens = quantkit.prepare_evaluation_tokens(tokenizer, quantkit.BUNDLED_DATASET, max_tokens=4 * 1024)
     ids = torch.cat([torch.tensor([tokenizer.bos_token_id]), tokens[1:1024]]).to(device)[None]
     report = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
+        **environment_metadata(),
         "transformers": transformers.__version__,
-        "date": time.strftime("%Y-%m-%d"),
         "schemes": {},
     }
     with torch.no_grad():
