@@ -348,6 +348,10 @@ def _norm_epsilon(module: nn.Module) -> float | None:
     return None
 
 
+# The RMSNorm module a FastRMSNorm replaced, kept for a later optimize() (in the FastRMSNorm's __dict__).
+ORIGINAL_NORM = "quantkit_original_norm"
+
+
 def _rms_norm_offset(module: nn.Module, backend: str, exact: bool) -> float | None:
     """The offset (0 or Gemma's 1) under which the op reproduces ``module``, or None."""
     weight = getattr(module, "weight", None)
@@ -470,25 +474,40 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
             for index, proj_name in enumerate(QKV_NAMES):
                 setattr(module, proj_name, QKVProjection(fused, index))
             report.fused_qkv.append(name)
-    if norms:
-        widths = _per_token_input_widths(model)
-        for name, module in list(model.named_modules()):
-            if isinstance(module, FastRMSNorm):
-                # Already swapped (optimize called again): only the deferral choice changes.
-                fast = module
-            elif type(module).__name__.endswith("RMSNorm"):
-                offset = _rms_norm_offset(module, backend, exact)
-                if offset is None:
+    widths = _per_token_input_widths(model)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, FastRMSNorm):
+            # Swapped by an earlier optimize(): this call decides again, as on a fresh model. A norm
+            # swapped under exact=False (close, not bit-equal) goes back to its original under
+            # exact=True, and every one goes back under norms=False.
+            original = module.__dict__.get(ORIGINAL_NORM)
+            if original is not None:
+                # The swapped module's weight is the live one: moved, cast or loaded since the swap.
+                original.weight.data = module.weight.data
+            if original is not None and not (norms and _rms_norm_offset(original, backend, exact) is not None):
+                _set_submodule(model, name, original)
+                if norms:
                     report.kept_norms.append(name)
-                    continue
-                fast = FastRMSNorm(module.weight, _norm_epsilon(module), offset, backend)
-                _set_submodule(model, name, fast)
-            else:
                 continue
-            report.swapped_norms.append(name)
-            fast.defer_output = norm_quant and _can_defer(fast.weight.shape[0], backend, widths)
-            if fast.defer_output:
-                report.deferred_norms.append(name)
+            if not norms:  # swapped before originals were kept: stays, but never defers
+                module.defer_output = False
+                continue
+            fast = module
+        elif norms and type(module).__name__.endswith("RMSNorm"):
+            offset = _rms_norm_offset(module, backend, exact)
+            if offset is None:
+                report.kept_norms.append(name)
+                continue
+            fast = FastRMSNorm(module.weight, _norm_epsilon(module), offset, backend)
+            # In __dict__, not as a submodule: the original's weight must not appear twice in state_dict.
+            fast.__dict__[ORIGINAL_NORM] = module
+            _set_submodule(model, name, fast)
+        else:
+            continue
+        report.swapped_norms.append(name)
+        fast.defer_output = norm_quant and _can_defer(fast.weight.shape[0], backend, widths)
+        if fast.defer_output:
+            report.deferred_norms.append(name)
     report.fused_residual_layers = fuse_residual_adds(model, residual_add)
     if rope:
         report.fused_rope = enable_fused_rope(model)

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
+from transformers.cache_utils import Cache
 
 from quantkit.kernels.launch import side_stream
 from quantkit.models.fast_norm import NormOutput, plain_tensor
@@ -76,9 +77,11 @@ class GraphedForward:
         if kwargs.get("past_key_values") is not None:
             raise ValueError("graphed() replays a stateless forward: drop past_key_values "
                              "(use quantkit.generate for generation with a KV cache)")
-        if kwargs.setdefault("use_cache", False):
+        if kwargs.get("use_cache"):
             raise ValueError("graphed() replays a stateless forward: pass use_cache=False "
                              "(use quantkit.generate for generation with a KV cache)")
+        # Set, not defaulted: None (HF's default) means the config's use_cache, which builds a cache.
+        kwargs["use_cache"] = False
         key, tensors = self._signature(args, kwargs)
         entry = self._entries.get(key)
         if entry is None:
@@ -112,6 +115,9 @@ class GraphedForward:
                     raise ValueError("graphed() runs inference only: pass inputs that do not require grad")
                 key.append(("tensor", tuple(leaf.shape), leaf.dtype))
                 tensors.append(leaf)
+            elif isinstance(leaf, Cache):  # a KV cache passed by position
+                raise ValueError("graphed() replays a stateless forward: drop the KV cache argument "
+                                 "(use quantkit.generate for generation with a KV cache)")
             else:
                 try:
                     hash(leaf)

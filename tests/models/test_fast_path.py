@@ -108,6 +108,29 @@ def test_optimize_again_switches_exactness():
     assert all(not m.exact for m in model.modules() if isinstance(m, GatedQuantMLP))
 
 
+@pytest.mark.parametrize("second", [dict(exact=True), dict(exact=True, norms=False)], ids=["exact", "exact-no-norms"])
+def test_optimize_exact_after_inexact_gives_the_plain_logits(second):
+    # exact=False swaps norms that are only close (and defers them); a later exact=True must undo
+    # that as on a fresh model, not keep them (bf16 logits differed by up to 0.047 before).
+    plain = _quantized("llama", "int8", torch.bfloat16)
+    plain.set_attn_implementation(quantkit.models.fast_attention.register_quantkit_attention(backend="torch"))
+    ids = torch.randint(3, plain.config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(3))
+    model = optimize(copy.deepcopy(plain), exact=False)
+    assert model.quantkit_fast_path.swapped_norms and model.quantkit_fast_path.deferred_norms
+    optimize(model, **second)
+    assert not any(isinstance(m, FastRMSNorm) for m in model.modules())
+    assert model.quantkit_fast_path.deferred_norms == []
+    with torch.no_grad():
+        assert torch.equal(model(ids, use_cache=False).logits, plain(ids, use_cache=False).logits)
+    optimize(model, exact=False)  # and back: swapped and deferred again
+    assert model.quantkit_fast_path.deferred_norms
+    assert not any("original" in key for key in model.state_dict())  # the kept original is no submodule
+    model.float()  # a cast after the swap reaches the original put back by the next call
+    optimize(model, **second)
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert norms and all(m.weight.dtype == torch.float32 for m in norms)
+
+
 def test_static_input_gate_up_share_one_scale():
     plain = _quantized("llama", "int8", torch.float32)
     for module in plain.modules():

@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+from transformers import DynamicCache
 from torch.utils._pytree import tree_flatten
 
 import quantkit
@@ -124,6 +125,8 @@ def test_refusals(fast_model):
         forward(ids, use_cache=True)
     with pytest.raises(ValueError, match="past_key_values"):
         forward(ids, past_key_values=object())
+    with pytest.raises(ValueError, match="KV cache"):
+        forward(ids, None, None, DynamicCache())  # LlamaForCausalLM's 4th parameter, by position
     with pytest.raises(ValueError, match="not hashable"):
         forward(ids, labels={1, 2})
     with pytest.raises(ValueError, match="require grad"):
@@ -137,6 +140,15 @@ def test_refusals(fast_model):
     finally:
         fast_model.eval()
     assert forward.stats["captures"] == 0
+
+
+def test_use_cache_none_builds_no_cache(fast_model):
+    # None is HF's default and means the config's use_cache (True): the captured forward built a
+    # DynamicCache, and every call returned that same object of graph-pool tensors.
+    forward, _ = _wrapper(fast_model)
+    out = forward(torch.randint(0, 160, (1, 7)), use_cache=None)
+    assert out.past_key_values is None
+
 
 
 def test_needs_cuda_model():
