@@ -14,9 +14,10 @@ layers pass it per layer; others pass none or set ``module.sliding_window``).
   aligned (query i at position i + Sk - Sq), GQA without repeating K/V.
 - Sq == 1 (decode over a DynamicCache): split-KV decode attention over all Sk keys.
 - Masks: the mask function registered under the same name is transformers' FlashAttention one:
-  it returns ``None`` unless the batch is padded (or a StaticCache is longer than the valid
-  keys). A mask therefore means padding, which these kernels do not take: the function raises
-  a ValueError naming the fix instead of silently computing something else.
+  it returns ``None`` unless the batch is padded. A mask therefore means padding, which these
+  kernels do not take: the function raises a ValueError naming the fix instead of silently
+  computing something else. A StaticCache gets no mask when unpadded, so the mask function
+  refuses it first (more key slots than tokens seen).
 - Unsupported head_dim, softcap, dropout or non-causal layers raise ValueError as well.
 
 The backend is resolved once, at registration ("auto" -> Triton on CUDA, else the torch twins).
@@ -75,6 +76,25 @@ def _attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def _dynamic_cache_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                        **kwargs):
+    """transformers' FlashAttention mask, after refusing more key slots than tokens seen.
+
+    That is a StaticCache (HF's ``generate(cache_implementation="static")``): its buffer holds empty
+    slots, and without padding HF passes no mask, so the kernels would attend over the empty slots
+    and align the queries to the buffer's end. A DynamicCache (or its sliding-window layers) never
+    holds more keys than the tokens seen.
+    """
+    if kv_length > q_offset + q_length:
+        raise ValueError(
+            f"quantkit attention got {kv_length} key slots for {q_offset + q_length} tokens, i.e. a StaticCache "
+            "(e.g. generate(cache_implementation='static')); these kernels take a DynamicCache (generate's "
+            "default). Drop the static cache, use quantkit.generate (its own static cache), or "
+            "attn_implementation='sdpa'."
+        )
+    return flash_attention_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset, **kwargs)
+
+
 def register_quantkit_attention(backend: str = "auto", device: torch.device | str = "cuda") -> str:
     """Register the "quantkit" attention (+ its mask function) and return the name to select.
 
@@ -86,7 +106,7 @@ def register_quantkit_attention(backend: str = "auto", device: torch.device | st
         return _attention_forward(module, query, key, value, attention_mask, resolved, **kwargs)
 
     AttentionInterface.register(ATTENTION_NAME, quantkit_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, flash_attention_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, _dynamic_cache_mask)
     return ATTENTION_NAME
 
 

@@ -6,7 +6,7 @@ fp32 on CPU; the Triton backend runs under the interpreter (tests/conftest.py).
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, StaticCache
 
 from quantkit.models.fast_attention import register_quantkit_attention
 
@@ -55,3 +55,17 @@ def test_padded_batch_is_refused():
     mask[0, :2] = 0
     with pytest.raises(ValueError, match="padded batch"), torch.no_grad():
         model(input_ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("make_model", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+def test_static_cache_is_refused(make_model):
+    # Unpadded, HF passes no mask with a StaticCache: the kernels attended over its empty slots
+    # (logits off by up to 2.6 against sdpa, no error). The mask function now refuses it.
+    torch.manual_seed(0)
+    model = make_model().eval()
+    model.set_attn_implementation(register_quantkit_attention(backend="torch"))
+    input_ids = torch.randint(0, 128, (1, 6))
+    with pytest.raises(ValueError, match="StaticCache"), torch.no_grad():
+        model(input_ids, past_key_values=StaticCache(config=model.config, max_cache_len=32))
+    with pytest.raises(ValueError, match="StaticCache"), torch.no_grad():
+        model.generate(input_ids, max_new_tokens=2, do_sample=False, cache_implementation="static")
