@@ -475,6 +475,11 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
                 setattr(module, proj_name, QKVProjection(fused, index))
             report.fused_qkv.append(name)
     widths = _per_token_input_widths(model)
+    # Only norms inside a layer stack defer: a norm outside one (the final norm) makes the model's
+    # output, e.g. a base model's last_hidden_state, which must reach the caller as a plain tensor.
+    in_layers = tuple(f"{stack_name}.{index}." if stack_name else f"{index}."
+                      for stack_name, stack in model.named_modules() if isinstance(stack, nn.ModuleList)
+                      for index in range(len(stack)))
     for name, module in list(model.named_modules()):
         if isinstance(module, FastRMSNorm):
             # Swapped by an earlier optimize(): this call decides again, as on a fresh model. A norm
@@ -505,7 +510,8 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
         else:
             continue
         report.swapped_norms.append(name)
-        fast.defer_output = norm_quant and _can_defer(fast.weight.shape[0], backend, widths)
+        fast.defer_output = (norm_quant and name.startswith(in_layers)
+                             and _can_defer(fast.weight.shape[0], backend, widths))
         if fast.defer_output:
             report.deferred_norms.append(name)
     report.fused_residual_layers = fuse_residual_adds(model, residual_add)
