@@ -167,7 +167,8 @@ def generate(
         raise ValueError(f"cuda_graph=True needs a model on CUDA (it is on {device})")
 
     previous_attention = model.config._attn_implementation
-    model.set_attn_implementation(register_static_cache_attention(_attention_backend(model, device), device))
+    model.set_attn_implementation(register_static_cache_attention(_attention_backend(model, device), device,
+                                                                  model=model))
     try:
         return _generate(model, ids.to(device), max_new_tokens, eos, pad_token_id, capacity, use_graph, stats)
     finally:

@@ -21,6 +21,8 @@ layers pass it per layer; others pass none or set ``module.sliding_window``).
 - Unsupported head_dim, softcap, dropout or non-causal layers raise ValueError as well.
 
 The backend is resolved once, at registration ("auto" -> Triton on CUDA, else the torch twins).
+Registering with ``model=`` (as ``optimize`` and ``generate`` do) also pins it on that model's
+attention modules, so models on different backends in one process each keep their own.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ from quantkit.kernels import attention_ops
 from quantkit.kernels.ops import resolve_backend
 
 ATTENTION_NAME = "quantkit"
+# The backend of one model's attention modules, set by registering with ``model=``: the registered
+# function is global (one per name), so two models on different backends must not share its default.
+BACKEND_ATTR = "quantkit_attention_backend"
+
+
+def bind_attention_backend(model: torch.nn.Module, backend: str) -> None:
+    """Make ``model``'s attention modules run the registered functions on ``backend``."""
+    for module in model.modules():
+        if type(module).__name__.endswith("Attention"):
+            module.__dict__[BACKEND_ATTR] = backend
 
 
 def _attention_forward(
@@ -49,6 +61,7 @@ def _attention_forward(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    backend = module.__dict__.get(BACKEND_ATTR, backend)
     if attention_mask is not None:
         raise ValueError(
             "quantkit attention got an attention mask, i.e. a padded batch or a StaticCache longer than its "
@@ -95,12 +108,17 @@ def _dynamic_cache_mask(batch_size: int, q_length: int, kv_length: int, q_offset
     return flash_attention_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset, **kwargs)
 
 
-def register_quantkit_attention(backend: str = "auto", device: torch.device | str = "cuda") -> str:
+def register_quantkit_attention(backend: str = "auto", device: torch.device | str = "cuda",
+                                model: torch.nn.Module | None = None) -> str:
     """Register the "quantkit" attention (+ its mask function) and return the name to select.
 
-    ``backend`` is resolved once here for ``device``; registering again replaces the function.
+    ``backend`` is resolved once here for ``device``; registering again replaces the function's
+    default. With ``model``, that model's attention modules keep this backend whatever a later
+    registration (another model's) sets as the default.
     """
     resolved = resolve_backend(backend, device if backend == "auto" else "cpu")
+    if model is not None:
+        bind_attention_backend(model, resolved)
 
     def quantkit_attention(module, query, key, value, attention_mask, **kwargs):
         return _attention_forward(module, query, key, value, attention_mask, resolved, **kwargs)
@@ -129,6 +147,7 @@ def _static_attention_forward(
     softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    backend = module.__dict__.get(BACKEND_ATTR, backend)
     if quantkit_kv_len is None:
         raise ValueError(
             f"the {STATIC_ATTENTION_NAME!r} attention runs only inside quantkit.generate (it needs the valid "
@@ -159,7 +178,8 @@ def _static_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def register_static_cache_attention(backend: str = "auto", device: torch.device | str = "cuda") -> str:
+def register_static_cache_attention(backend: str = "auto", device: torch.device | str = "cuda",
+                                    model: torch.nn.Module | None = None) -> str:
     """Register the attention that ``quantkit.generate`` uses over its own static KV cache.
 
     No mask function is registered under this name on purpose: transformers then skips building
@@ -170,6 +190,8 @@ def register_static_cache_attention(backend: str = "auto", device: torch.device 
     Only unpadded batches are valid: generate() guarantees it.
     """
     resolved = resolve_backend(backend, device if backend == "auto" else "cpu")
+    if model is not None:
+        bind_attention_backend(model, resolved)
 
     def quantkit_static_attention(module, query, key, value, attention_mask, **kwargs):
         return _static_attention_forward(module, query, key, value, resolved, **kwargs)

@@ -519,7 +519,7 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
         report.fused_rope = enable_fused_rope(model)
     if attention:
         device = next(model.parameters()).device
-        name = register_quantkit_attention(backend=backend, device=device)
+        name = register_quantkit_attention(backend=backend, device=device, model=model)
         model.set_attn_implementation(name)
         report.attention = name
     if not report.fused_mlps:

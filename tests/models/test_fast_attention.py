@@ -69,3 +69,25 @@ def test_static_cache_is_refused(make_model):
         model(input_ids, past_key_values=StaticCache(config=model.config, max_cache_len=32))
     with pytest.raises(ValueError, match="StaticCache"), torch.no_grad():
         model.generate(input_ids, max_new_tokens=2, do_sample=False, cache_implementation="static")
+
+
+def test_each_optimized_model_keeps_its_attention_backend(monkeypatch):
+    # The registered function is global: optimizing a second model (Triton) switched the first
+    # one's (torch) attention to Triton, which on a GPU host would get the first model's CPU tensors.
+    import quantkit
+    from quantkit.config import QuantConfig
+    from quantkit.kernels import attention_ops
+    from quantkit.models.fast_path import optimize
+
+    def quantized(backend):
+        torch.manual_seed(0)
+        return quantkit.quantize(tiny_llama().eval(), QuantConfig.preset("int8", backend=backend), progress=False)
+
+    first = optimize(quantized("torch"), exact=False)
+    optimize(quantized("triton"), exact=False)
+    seen = []
+    real = attention_ops.flash_attention
+    monkeypatch.setattr(attention_ops, "flash_attention", lambda *a, **k: seen.append(k["backend"]) or real(*a, **k))
+    with torch.no_grad():
+        first(torch.randint(0, 128, (1, 5)))
+    assert seen == ["torch"] * first.config.num_hidden_layers
