@@ -14,9 +14,8 @@ it finishes, so an interrupted sweep keeps its results; ``--summary`` prints the
     python benchmarks/calibration_sweep.py --eval-tokens 4096 --calib-blocks 8
     python benchmarks/calibration_sweep.py --summary
 
-On a machine without gensim (the GPU machine), the token blocks travel instead of the text:
-``--save-data FILE`` writes the calibration blocks and evaluation tokens of the given settings and
-exits; ``--data FILE`` then reads them there (the settings are checked against the file's).
+On a machine without gensim (the GPU machine), ``benchmarks/pretokenized.py`` replays the token
+blocks made on the CPU: ``pretokenized.py run tokens.pt benchmarks/calibration_sweep.py --eval-all ...``
 """
 
 from __future__ import annotations
@@ -183,38 +182,18 @@ def main() -> None:
     parser.add_argument("--max-minutes", type=float, default=None, help="stop starting new recipes after this long")
     parser.add_argument("--exact-eval", action="store_true",
                         help="evaluate through QuantLinear's reference path (exact int32 math, ~4x slower)")
-    parser.add_argument("--save-data", type=Path, default=None,
-                        help="write the calibration blocks and evaluation tokens to this file and exit")
-    parser.add_argument("--data", type=Path, default=None,
-                        help="read the blocks and tokens from a --save-data file instead of the dataset")
     args = parser.parse_args()
     if args.summary:
         print(summary(args.out))
-        return
-    settings = {"calib_blocks": args.calib_blocks, "calib_seq_len": args.calib_seq_len,
-                "eval_tokens": None if args.eval_all else args.eval_tokens}
-    if args.save_data is not None:
-        _, tokenizer = quantkit.load_model(quantkit.BUNDLED_MODEL, device="cpu", dtype=torch.float32)
-        blocks = quantkit.prepare_calibration_data(tokenizer, quantkit.BUNDLED_DATASET, args.calib_blocks,
-                                                   args.calib_seq_len)
-        tokens = quantkit.prepare_evaluation_tokens(tokenizer, quantkit.BUNDLED_DATASET, settings["eval_tokens"])
-        torch.save({"settings": settings, "blocks": blocks, "tokens": tokens}, args.save_data)
-        print(f"{args.save_data}: blocks {tuple(blocks.shape)}, {tokens.numel()} evaluation tokens")
         return
     unknown = [r for r in args.recipes if r != "baseline" and r not in RECIPES]
     if unknown:
         raise SystemExit(f"unknown recipes {unknown}; choose from baseline, {', '.join(RECIPES)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     source, tokenizer = quantkit.load_model(quantkit.BUNDLED_MODEL, device=args.device, dtype=torch.float32)
-    if args.data is not None:
-        data = torch.load(args.data)
-        if data["settings"] != settings:
-            raise SystemExit(f"{args.data} holds {data['settings']}, not the {settings} asked for")
-        blocks, tokens = data["blocks"], data["tokens"]
-    else:
-        blocks = quantkit.prepare_calibration_data(tokenizer, quantkit.BUNDLED_DATASET, args.calib_blocks,
-                                                   args.calib_seq_len)
-        tokens = quantkit.prepare_evaluation_tokens(tokenizer, quantkit.BUNDLED_DATASET, settings["eval_tokens"])
+    blocks = quantkit.prepare_calibration_data(tokenizer, quantkit.BUNDLED_DATASET, args.calib_blocks, args.calib_seq_len)
+    tokens = quantkit.prepare_evaluation_tokens(tokenizer, quantkit.BUNDLED_DATASET,
+                                                None if args.eval_all else args.eval_tokens)
     common = {
         "model": quantkit.BUNDLED_MODEL, "dataset": quantkit.BUNDLED_DATASET, "eval_tokens": int(tokens.numel()),
         "window": args.window, "calib_blocks": args.calib_blocks, "calib_seq_len": args.calib_seq_len,

@@ -12,6 +12,7 @@ on the CPU, saves their results, and replays them on the GPU. The token blocks a
     # GPU: any script or the CLI, with those calls answered from the file
     python benchmarks/pretokenized.py run tokens.pt benchmarks/gpu_pipeline.py OUT.json
     python benchmarks/pretokenized.py run tokens.pt -m quantkit demo --device cuda
+    python benchmarks/pretokenized.py run tokens.pt benchmarks/calibration_sweep.py --device cuda --eval-all
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ import torch
 
 import quantkit
 
-# (function, dataset, arguments): every call that `quantkit demo`, gpu_pipeline.py and gpu_bundled.py make.
+# (kind, arguments): every call that `quantkit demo`, gpu_pipeline.py, gpu_bundled.py and the
+# calibration sweep (--eval-all, 64 x 512 or 16 x 2048 calibration) make.
 CALLS = [
     ("evaluation", None),
     ("evaluation", 4096),
     ("calibration", (16, 512)),
+    ("calibration", (64, 512)),
+    ("calibration", (16, 2048)),
 ]
 
 
