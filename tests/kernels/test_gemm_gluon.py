@@ -124,7 +124,8 @@ def _compile(config, dtype: str, activation: int = 2, plain: bool = False):
                      EPILOGUE_BUFFERS=config.epilogue_buffers,
                      LOADER_REGS=config.loader_regs, CONSUMER_REGS=config.consumer_regs,
                      GATED=config.gated, EARLY_SCALES=config.early_scales, SPLIT_M=config.split_m,
-                     STORE_WARP=config.store_mode, LEAN_START=config.lean_start, num_warps=config.consumer_warps)
+                     STORE_WARP=config.store_mode, LEAN_START=config.lean_start, TAIL_ORDER=config.tail_order,
+                     num_warps=config.consumer_warps)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(gemm_gluon._scaled_mm_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.consumer_warps))
@@ -260,7 +261,7 @@ class _Barrier:
 
 
 def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=False, staged=False,
-                  guard_staging=True, turns=False):
+                  guard_staging=True, turns=False, tail=0):
     """``split``: two consumers on halves of every tile (split_m), each releasing every slot
     (empty barriers of 2 arrivals). ``staged`` (store_warp; every consumer on every tile): each
     consumer writes its part of the tile into the staging after waiting on stage[1] (the previous
@@ -269,7 +270,9 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
     ``guard_staging=False`` drops the consumers' wait on stage[1] (the model must then fail).
     ``turns`` (staging_turns): one part-sized staging; the parts go in tile, then consumer order, one
     phase of stage[0] (1 arrival) per part; once a part is read out, the store agent arrives on the
-    free barrier stage[1 + c] of the consumer c that stages the next part."""
+    free barrier stage[1 + c] of the consumer c that stages the next part.
+    ``tail`` (tail_order, split only): with k_steps >= stages, consumer 1 waits on order[0] before
+    its step k_steps - tail of each tile, and consumer 0 arrives there once it has issued its last."""
     ring_slot_phase, previous_phase, turn_phase = (gemm_gluon.ring_slot_phase, gemm_gluon.previous_phase,
                                                    gemm_gluon.turn_phase)
     ready = [_Barrier() for _ in range(stages)]
@@ -314,7 +317,10 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
             if consumers == 2 and ordered and not split:
                 yield wait(order[c], turn_phase(local), (local - 1) // 2)
                 assert local == 0 or local - 1 in handed_over, "turn taken before the previous tile's mainloop"
+            tail_on = split and tail and k_steps >= stages
             for ki in range(k_steps):
+                if tail_on and c == 1 and ki == k_steps - tail:
+                    yield wait(order[0], local & 1, local)
                 slot, phase = ring_slot_phase(step, stages)
                 yield wait(ready[slot], phase, step // stages)
                 assert slot_data[slot] == step, f"step {step} read slot {slot} holding step {slot_data[slot]}"
@@ -326,6 +332,8 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
             if consumers == 2 and ordered and not split:
                 order[1 - c].arrive()
                 handed_over.add(local)
+            if tail_on and c == 0:
+                order[0].arrive()
             yield lambda: not in_flight[c]  # warpgroup_mma_wait(0)
             release(c, (step + stages - 1) % stages, step - 1)
             if staged and turns:
@@ -427,6 +435,21 @@ def test_barrier_protocol_model_split_tiles():
     for tiles, k_steps, stages in cases:
         for _ in range(3):
             _run_protocol(tiles, k_steps, stages, 2, rng, split=True)
+
+
+def test_barrier_protocol_model_tail_order():
+    """tail_order: consumer 1 holds its last steps of a tile until consumer 0 has issued all of its
+    own, with every store mode: no deadlock with the ring, no ambiguous wait on the order barrier
+    (consumer 0 never arrives for a tile before consumer 1 has waited for the one before)."""
+    import random
+
+    rng = random.Random(21)
+    cases = [(3, 32, 4, 2), (1, 32, 4, 3), (5, 4, 4, 3), (4, 5, 4, 1), (2, 3, 4, 3), (6, 2, 2, 1)]
+    cases += [(rng.randint(1, 7), rng.randint(1, 24), stages, rng.randint(1, stages - 1))
+              for stages in (rng.randint(2, 6) for _ in range(120))]
+    for tiles, k_steps, stages, tail in cases:
+        for staged, turns in ((False, False), (True, False), (True, True)):
+            _run_protocol(tiles, k_steps, stages, 2, rng, split=True, staged=staged, turns=turns, tail=tail)
 
 
 @pytest.mark.parametrize("consumers, split", [(1, False), (2, True)], ids=["cooperative", "split"])
