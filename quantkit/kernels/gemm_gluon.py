@@ -267,6 +267,17 @@ CONFIGS = {
     "coop2_128x256_g16_lean": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
                                           split_m=True, group_m=16, lean_start=True, loader_regs=24,
                                           consumer_regs=240),
+    # tail_order=3 (session 19): the two warpgroups no longer finish a tile together, consumer 0's
+    # MMAs three half-steps early, so its epilogue runs under consumer 1's last MMAs instead of
+    # beside consumer 1's. FP8, plain, H100, three runs (34 points with M >= 1024): faster than
+    # coop2_128x256_g16_lean at 28 (median 1.009x, 0.989-1.075x), 1.001-1.019x at M = 1024.
+    # The store-partition form: faster than coop2_128x256_g16_swt at 9 of 11 (median 1.011x).
+    "coop2_128x256_g16_lean_t3": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
+                                             epilogue_split=4, split_m=True, group_m=16, lean_start=True,
+                                             loader_regs=24, consumer_regs=240, tail_order=3),
+    "coop2_128x256_g16_swt_t3": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
+                                            split_m=True, group_m=16, store_warp=True, staging_turns=True,
+                                            lean_start=True, tail_order=3),
 }
 
 # The gated form (``gated=True``): per K step the ring slot holds the A tile, the gate W tile (rows
@@ -954,9 +965,10 @@ TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop_128x256_
 # 6144x4096, M = 1024; coop2_128x256_g16 at 9), and the fastest of them beat the Triton FP8 kernel
 # at all 12 (1.004-1.082x, plain epilogue). Session 15 added the store-partition and lean-start
 # forms of coop2_128x256_g16 (they differ from it with the plain epilogue only); the tuner picked one
-# of them at 9 of the 12 points with M >= 1024 in that session's standard run (H100).
+# of them at 9 of the 12 points with M >= 1024 in that session's standard run (H100). Session 19
+# put tail_order=3 on the lean-start and staging-in-turns forms (see CONFIGS).
 FP8_TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop2_128x256", "coop2_128x256_g16",
-                       "coop2_128x256_g16_sw", "coop2_128x256_g16_swt", "coop2_128x256_g16_lean")
+                       "coop2_128x256_g16_sw", "coop2_128x256_g16_swt_t3", "coop2_128x256_g16_lean_t3")
 # The gated GEMM's candidates, INT8 and FP8 (all of GATED_CONFIGS): at gate_up 2 x 14336 x 4096
 # on an H100 each was the fastest gated config of a dtype at one M or more of 256 ... 16384
 # (sessions 10 and 11; gated_coop2_128x128 for FP8 and INT8 at M = 4096).
