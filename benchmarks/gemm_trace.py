@@ -170,6 +170,18 @@ def analyse(trace, grid, consumers, split, tiles_total, ideal):
                 if i + 1 < len(rows):
                     parts["gap"].append(rows[i + 1][0] - t4)
     summary = {name: {"median": statistics.median(v), "mean": statistics.fmean(v)} for name, v in parts.items() if v}
+    summary["per_consumer"] = [
+        {name: statistics.fmean(value for p in range(grid) for row in rows_of[p][c]
+                                for value in [row[i + 1] - row[i]]) for i, name in enumerate(EVENTS)
+         if any(rows_of[p][c] for p in range(grid))} for c in range(consumers)]
+    if split and consumers == 2:
+        # The same tile's two halves (tail_order staggers them): when consumer 1's MMAs retire
+        # after consumer 0's (t3), and when consumer 0's stores are issued against consumer 1's
+        # retirement (t4 of 0 - t3 of 1; negative: consumer 0's epilogue ran under 1's MMAs).
+        pairs = [(r0, r1) for p in range(grid) for r0, r1 in zip(rows_of[p][0], rows_of[p][1])]
+        if pairs:
+            summary["stagger"] = {"retire_1_minus_0": statistics.fmean(r1[3] - r0[3] for r0, r1 in pairs),
+                                  "stored_0_minus_retire_1": statistics.fmean(r0[4] - r1[3] for r0, r1 in pairs)}
     # Per program: the cycles from its first tile's start to its last tile's stores, and (ping-pong)
     # the hand-over: from one consumer's last MMA issue (t2) to the other's first data of the
     # program's next tile (t1), both read from the same SM's clock.
@@ -243,12 +255,18 @@ def main() -> None:
                          f"per us of the traced call"
                          + (f"; hand-over {summary['handover']['mean']:.0f} [{summary['handover']['median']:.0f}]"
                             if "handover" in summary else ""))
+            lines.append("  per consumer: " + "; ".join(
+                f"{c}: " + " ".join(f"{k} {v:.0f}" for k, v in part.items())
+                for c, part in enumerate(summary["per_consumer"]))
+                + ("" if "stagger" not in summary else
+                   "; consumer 1 retires {retire_1_minus_0:.0f} after consumer 0, whose stores are issued "
+                   "{stored_0_minus_retire_1:.0f} after that".format(**summary["stagger"])))
             b = summary["balance"]
             lines.append(f"  balance ({unit}): span {b['span']}, SMs busy {b['busy']:.3f} of it, starts spread over "
                          f"{b['start_spread']}; end by tile count: " + "; ".join(
                              f"{t} tiles x{g['programs']}: {g['end_min']}..{g['end_median']:.0f}..{g['end_max']}"
                              for t, g in b["by_tiles"].items()))
-            print("\n".join(lines[-4:]), flush=True)
+            print("\n".join(lines[-5:]), flush=True)
             (args.out / "gemm_trace.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
             (args.out / "gemm_trace.txt").write_text("\n".join(lines) + "\n")
 
