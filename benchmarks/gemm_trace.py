@@ -21,6 +21,7 @@ FP8, plain epilogue, H100 only. Writes gemm_trace.json / .txt.
 """
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import statistics
@@ -67,7 +68,23 @@ SUBSTITUTIONS = [
      f"            if n_tile < {MAX_TILES}:\n"
      "                gl.store(base + 0, t0)\n                gl.store(base + 1, t1)\n"
      "                gl.store(base + 2, t2)\n                gl.store(base + 3, t3)\n"
-     "                gl.store(base + 4, t4)\n        tma.store_wait(0)", 1),
+     "                gl.store(base + 4, t4)\n        tma.store_wait(0)\n"
+     f"        gl.store(trace_ptr + gl.num_programs(0) * {2 * MAX_TILES * 5} + gl.program_id(0) * 4 + 1 + CONSUMER,"
+     " _clock(M))", 1),
+    # Program events: kernel entry, each consumer's exit (after its last stores have read the
+    # staging), the loader's first TMA issue; after the tile events of two consumers per program.
+    ("        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)\n",
+     f"        gl.store(trace_ptr + gl.num_programs(0) * {2 * MAX_TILES * 5} + gl.program_id(0) * 4, _clock(M))\n"
+     "        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)\n", 1),
+    ("    def _load_partition(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,",
+     "    def _load_partition(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K, trace_ptr,", 1),
+    ("ready_bars, empty_bars, M, N, K,\n                                   GROUP_M, STAGES, GATED)),",
+     "ready_bars, empty_bars, M, N, K,\n                                   trace_ptr, GROUP_M, STAGES, GATED)),", 4),
+    ("                _tma_load(a_desc, [off_m, ki * BLOCK_K], ready, a_bufs.index(slot))\n",
+     "                if step == 0:\n"
+     f"                    gl.store(trace_ptr + gl.num_programs(0) * {2 * MAX_TILES * 5} + gl.program_id(0) * 4 + 3,"
+     " _clock(M))\n"
+     "                _tma_load(a_desc, [off_m, ki * BLOCK_K], ready, a_bufs.index(slot))\n", 1),
     ("bias_ptr, M, N, K,\n                          HAS_BIAS: gl.constexpr,",
      "bias_ptr, M, N, K, trace_ptr,\n                          HAS_BIAS: gl.constexpr,", 1),
     ("a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS,",
@@ -97,16 +114,24 @@ def traced_module(clock: str = "clock64"):
     return module
 
 
+def config_of(mod, name):
+    """Config ``name`` of ``mod``'s CONFIGS, or ``name+field=value+...``: that config with int
+    fields changed (e.g. ``coop2_128x256_g16_lean_t3+ring_staging=1``)."""
+    base, *changes = name.split("+")
+    fields = {field: int(value) for field, _, value in (change.partition("=") for change in changes)}
+    return dataclasses.replace(mod.CONFIGS[base], **fields)
+
+
 def launcher(mod, name, M, N, K, traced):
     """A zero-argument launch of config ``name`` of ``mod`` (the traced copy, or gemm_gluon itself
     when not ``traced``) on fresh FP8 operands."""
-    config = mod.CONFIGS[name]
+    config = config_of(mod, name)
     *_, a, a_scale, w8, w_scale = _make_operands(M, N, K, torch.float8_e4m3fn, "cuda")
     out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     a_scale, w_scale = a_scale.float().contiguous(), w_scale.float().contiguous()
     call = mod.GluonCall(config, M, N, a.device, False, "none")
     grid = call.grid[0]
-    trace = torch.zeros(grid * config.consumers * MAX_TILES * 5, dtype=torch.int64, device="cuda")
+    trace = torch.zeros(grid * 2 * MAX_TILES * 5 + grid * 4, dtype=torch.int64, device="cuda")
     a_desc = mod._descriptor(a, [config.block_m, config.block_k])
     w_desc = mod._descriptor(w8, [config.block_n, config.block_k])
     out_desc = mod._descriptor(out, [config.stored_rows, call.chunk_n])
@@ -152,8 +177,51 @@ def balance(programs):
     return {"span": span, "busy": busy, "start_spread": max(p[1] for p in programs) - start, "by_tiles": groups}
 
 
+def program_events(trace, grid, consumers, rows_of):
+    """From each program's entry, loader's first TMA issue, consumers' exits (after their last
+    stores read the staging) and traced tiles: when the first tile starts and the first copy goes
+    out after entry, how long the last stores take to read out, and the kernel's span entry to exit."""
+    extra = trace[grid * 2 * MAX_TILES * 5:].view(grid, 4).tolist()
+    entry = [e[0] for e in extra]
+    exits = [max(e[1:1 + consumers]) for e in extra]
+    first_t0 = [min(row[0] for c in range(consumers) for row in rows_of[p][c]) for p in range(grid)]
+    last_t4 = [[max(row[4] for row in rows_of[p][c]) for c in range(consumers)] for p in range(grid)]
+    return {
+        "entry_spread": max(entry) - min(entry),
+        "entry_to_first_tile": statistics.fmean(t0 - e for t0, e in zip(first_t0, entry)),
+        "entry_to_first_copy": statistics.fmean(e[3] - e[0] for e in extra),
+        "stored_to_exit": [statistics.fmean(extra[p][1 + c] - last_t4[p][c] for p in range(grid))
+                           for c in range(consumers)],
+        "span_entry_to_exit": max(exits) - min(entry),
+    }
+
+
+def cupti_us(run, reps=30):
+    """Mean duration (us) by CUPTI (torch.profiler) of the one kernel ``run`` launches, a 256 MB L2
+    flush (a fill kernel, left out by name) before each call."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.zero_()
+            run()
+        torch.cuda.synchronize()
+    times = [e.device_time for e in prof.events() if e.device_time > 0
+             and not any(word in e.name.lower() for word in ("fill", "memset", "elementwise"))]
+    return statistics.fmean(times[-reps:]) if times else float("nan")
+
+
+def cublas_us(M, N, K):
+    """CUPTI duration of ``torch._scaled_mm`` (rowwise scales, fast accumulation, bf16 out) at the point."""
+    *_, a, a_scale, w8, w_scale = _make_operands(M, N, K, torch.float8_e4m3fn, "cuda")
+    a_col, w_row, w_t = a_scale.float().view(-1, 1), w_scale.float().view(1, -1), w8.t()
+    return cupti_us(lambda: torch._scaled_mm(a, w_t, scale_a=a_col, scale_b=w_row, out_dtype=torch.bfloat16,
+                                             use_fast_accum=True))
+
+
 def analyse(trace, grid, consumers, split, tiles_total, ideal):
-    t = trace.view(grid, consumers, MAX_TILES, 5).tolist()
+    t = trace[:grid * consumers * MAX_TILES * 5].view(grid, consumers, MAX_TILES, 5).tolist()
     # rows[p][c]: the (t0, ..., t4) of each tile consumer c of program p stored (t0 = 0: none).
     rows_of = [[[row for row in t[p][c] if row[0] != 0] for c in range(consumers)] for p in range(grid)]
     parts = {name: [] for name in EVENTS + ("gap",)}
@@ -198,6 +266,7 @@ def analyse(trace, grid, consumers, split, tiles_total, ideal):
         summary["handover"] = {"median": statistics.median(handover), "mean": statistics.fmean(handover)}
     summary["first_data_cold_mean"] = statistics.fmean(cold) if cold else None
     summary["first_data_warm_mean"] = statistics.fmean(warm) if warm else None
+    summary["program"] = program_events(trace, grid, consumers, rows_of)
     summary["ideal_mma_cycles_per_tile"] = ideal
     summary["tiles_traced"] = counted
     summary["tiles_expected"] = tiles_total
@@ -223,7 +292,7 @@ def main() -> None:
                  "median in brackets; 'us' of a kernel: one eager call between CUDA events, launch included)")
     for M, N, K in points:
         for name in args.configs.split(","):
-            config = mod.CONFIGS[name]
+            config = config_of(mod, name)
             run_t, trace, grid, out, ref = launcher(mod, name, M, N, K, traced=True)
             run_u, *_ = launcher(gemm_gluon, name, M, N, K, traced=False)
             run_t()
@@ -231,6 +300,7 @@ def main() -> None:
             torch.cuda.synchronize()
             err = ((out.float() - ref).norm() / ref.norm()).item()
             ms_u, ms_t = event_ms(run_u), event_ms(run_t)
+            kernel_us = cupti_us(run_u)
             trace.zero_()
             run_t()
             torch.cuda.synchronize()
@@ -241,7 +311,8 @@ def main() -> None:
             summary = analyse(trace, grid, config.consumers, config.split_m,
                               tiles * (config.consumers if config.split_m else 1), ideal)
             row = {"M": M, "N": N, "K": K, "config": name, "rel_err": err, "ms_untraced": ms_u, "ms_traced": ms_t,
-                   "grid": grid, **summary}
+                   "kernel_us_cupti": kernel_us, "scaled_mm_kernel_us_cupti": cublas_us(M, N, K), "grid": grid,
+                   **summary}
             results.append(row)
             lines.append(f"\nM={M} N={N} K={K} {name}: {ms_u * 1e3:.1f} us untraced, {ms_t * 1e3:.1f} traced, "
                          f"rel_err {err:.1e}, tiles traced {summary['tiles_traced']}/{summary['tiles_expected']}, "
@@ -261,12 +332,18 @@ def main() -> None:
                 + ("" if "stagger" not in summary else
                    "; consumer 1 retires {retire_1_minus_0:.0f} after consumer 0, whose stores are issued "
                    "{stored_0_minus_retire_1:.0f} after that".format(**summary["stagger"])))
+            pe = summary["program"]
+            lines.append(f"  program ({unit}): entries spread over {pe['entry_spread']}, entry to first tile "
+                         f"{pe['entry_to_first_tile']:.0f}, to first copy {pe['entry_to_first_copy']:.0f}; last stores "
+                         "issued to exit " + "/".join(f"{v:.0f}" for v in pe["stored_to_exit"])
+                         + f"; span entry to exit {pe['span_entry_to_exit']}. Kernel by CUPTI {kernel_us:.2f} us, "
+                         f"_scaled_mm's {row['scaled_mm_kernel_us_cupti']:.2f} us")
             b = summary["balance"]
             lines.append(f"  balance ({unit}): span {b['span']}, SMs busy {b['busy']:.3f} of it, starts spread over "
                          f"{b['start_spread']}; end by tile count: " + "; ".join(
                              f"{t} tiles x{g['programs']}: {g['end_min']}..{g['end_median']:.0f}..{g['end_max']}"
                              for t, g in b["by_tiles"].items()))
-            print("\n".join(lines[-5:]), flush=True)
+            print("\n".join(lines[-6:]), flush=True)
             (args.out / "gemm_trace.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
             (args.out / "gemm_trace.txt").write_text("\n".join(lines) + "\n")
 
