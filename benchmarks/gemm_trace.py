@@ -78,13 +78,18 @@ SUBSTITUTIONS = [
      "        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)\n", 1),
     ("    def _load_partition(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,",
      "    def _load_partition(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K, trace_ptr,", 1),
-    ("ready_bars, empty_bars, M, N, K,\n                                   GROUP_M, STAGES, GATED)),",
-     "ready_bars, empty_bars, M, N, K,\n                                   trace_ptr, GROUP_M, STAGES, GATED)),", 4),
-    ("                _tma_load(a_desc, [off_m, ki * BLOCK_K], ready, a_bufs.index(slot))\n",
-     "                if step == 0:\n"
-     f"                    gl.store(trace_ptr + gl.num_programs(0) * {2 * MAX_TILES * 5} + gl.program_id(0) * 4 + 3,"
+    ("ready_bars, empty_bars, M, N, K,\n                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS)),",
+     "ready_bars, empty_bars, M, N, K,\n                                   trace_ptr, GROUP_M, STAGES, GATED, PROLOGUE_LOADS)),", 4),
+    # The first copy: the loader's, or the prologue's (prologue_loads).
+    ("                    _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, slot, off_m, off_n, ki, N, GATED)\n",
+     "                    if step == 0:\n"
+     f"                        gl.store(trace_ptr + gl.num_programs(0) * {2 * MAX_TILES * 5} + gl.program_id(0) * 4 + 3,"
      " _clock(M))\n"
-     "                _tma_load(a_desc, [off_m, ki * BLOCK_K], ready, a_bufs.index(slot))\n", 1),
+     "                    _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, slot, off_m, off_n, ki, N, GATED)\n",
+     1),
+    ("            for s in gl.static_range(STAGES):\n                if s < k_steps:\n",
+     f"            gl.store(trace_ptr + gl.num_programs(0) * {2 * MAX_TILES * 5} + gl.program_id(0) * 4 + 3, _clock(M))\n"
+     "            for s in gl.static_range(STAGES):\n                if s < k_steps:\n", 1),
     ("bias_ptr, M, N, K,\n                          HAS_BIAS: gl.constexpr,",
      "bias_ptr, M, N, K, trace_ptr,\n                          HAS_BIAS: gl.constexpr,", 1),
     ("a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS,",

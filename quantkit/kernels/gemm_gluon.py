@@ -158,6 +158,10 @@ class GluonConfig:
     # other's read-out in two staging buffers: the one epilogue no MMA hides gets shorter. Plain
     # epilogue only (as store_warp and lean_start).
     ring_staging: bool = False
+    # The first tile's first ``stages`` K steps of copies issued by the kernel's prologue, right
+    # after the barrier set-up, instead of by the loader once the partitions have started (about
+    # 1 us after a program's entry in session 19's H100 traces); the loader goes on from there.
+    prologue_loads: bool = False
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
@@ -198,7 +202,7 @@ class GluonConfig:
                 f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late")
                 + ("_sw" if self.store_warp else "") + ("t" if self.staging_turns else "")
                 + ("_lean" if self.lean_start else "") + (f"_t{self.tail_order}" if self.tail_order else "")
-                + ("_rs" if self.ring_staging else ""))
+                + ("_rs" if self.ring_staging else "") + ("_pl" if self.prologue_loads else ""))
 
     @property
     def store_mode(self) -> int:
@@ -465,37 +469,48 @@ if _GLUON_ERROR is None:
         return x
 
     @gluon.jit
+    def _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, slot, off_m, off_n, ki, N,
+                   GATED: gl.constexpr):
+        # One K slice into ring slot ``slot``, under its ready barrier. Gated: N counts the outputs;
+        # w_desc is the stacked (2N, K) weight, the up rows N below the gate rows, both W tiles of a
+        # step land in the slot's w_bufs / u_bufs.
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        ready = ready_bars.index(slot)
+        if GATED:
+            mbarrier.expect(ready, a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
+        else:
+            mbarrier.expect(ready, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        _tma_load(a_desc, [off_m, ki * BLOCK_K], ready, a_bufs.index(slot))
+        _tma_load(w_desc, [off_n, ki * BLOCK_K], ready, w_bufs.index(slot))
+        if GATED:
+            # Up rows past 2N (N not a multiple of BLOCK_N) are zero-filled; gate rows past N
+            # read up rows, whose outputs the clipped store drops.
+            _tma_load(w_desc, [N + off_n, ki * BLOCK_K], ready, u_bufs.index(slot))
+
+    @gluon.jit
     def _load_partition(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
-                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
-        # Gated: N counts the outputs; w_desc is the stacked (2N, K) weight, the up rows N below the
-        # gate rows, both W tiles of a step land in the slot's w_bufs / u_bufs under one ready barrier.
+                        GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
+                        PROLOGUE_LOADS: gl.constexpr):
+        # PROLOGUE_LOADS: the kernel's prologue issued the first min(k_steps, STAGES) steps.
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
+        issued = gl.minimum(k_steps, STAGES) if PROLOGUE_LOADS else 0
         step = 0  # K-slices issued by this program so far: the ring position
         for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
             for ki in range(k_steps):
-                slot, phase = _ring_slot_phase(step, STAGES)
-                # The slot's previous fill released (phase before this fill's); a fresh mbarrier
-                # counts as having completed it, so the first lap over the ring does not wait.
-                mbarrier.wait(empty_bars.index(slot), _previous_phase(phase))
-                ready = ready_bars.index(slot)
-                if GATED:
-                    mbarrier.expect(ready, a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
-                else:
-                    mbarrier.expect(ready, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
-                _tma_load(a_desc, [off_m, ki * BLOCK_K], ready, a_bufs.index(slot))
-                _tma_load(w_desc, [off_n, ki * BLOCK_K], ready, w_bufs.index(slot))
-                if GATED:
-                    # Up rows past 2N (N not a multiple of BLOCK_N) are zero-filled; gate rows past N
-                    # read up rows, whose outputs the clipped store drops.
-                    _tma_load(w_desc, [N + off_n, ki * BLOCK_K], ready, u_bufs.index(slot))
+                if step >= issued:
+                    slot, phase = _ring_slot_phase(step, STAGES)
+                    # The slot's previous fill released (phase before this fill's); a fresh mbarrier
+                    # counts as having completed it, so the first lap over the ring does not wait.
+                    mbarrier.wait(empty_bars.index(slot), _previous_phase(phase))
+                    _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, slot, off_m, off_n, ki, N, GATED)
                 step += 1
 
     @gluon.jit
@@ -770,7 +785,7 @@ if _GLUON_ERROR is None:
                           EPILOGUE_BUFFERS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, SPLIT_M: gl.constexpr,
                           STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr, TAIL_ORDER: gl.constexpr,
-                          RING_STAGING: gl.constexpr, num_warps: gl.constexpr):
+                          RING_STAGING: gl.constexpr, PROLOGUE_LOADS: gl.constexpr, num_warps: gl.constexpr):
         # GATED: out (M, N) = act(gate) * up over the stacked (2N, K) weight of w_desc; N counts outputs.
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -802,6 +817,16 @@ if _GLUON_ERROR is None:
         mbarrier.init(stage_bars.index(2), count=1)
         # The barriers' initialization must be visible to the TMA unit before the first copy.
         fence_async_shared()
+        if PROLOGUE_LOADS:
+            # The first tile's first ring lap (fresh slots: nothing to wait for), before the partitions.
+            BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+            pid_m, pid_n = _grouped_tile(gl.program_id(0), gl.cdiv(M, a_desc.block_type.shape[0]),
+                                         gl.cdiv(N, w_desc.block_type.shape[0]), GROUP_M)
+            k_steps = gl.cdiv(K, BLOCK_K)
+            for s in gl.static_range(STAGES):
+                if s < k_steps:
+                    _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, s,
+                               pid_m * a_desc.block_type.shape[0], pid_n * w_desc.block_type.shape[0], s, N, GATED)
         PLAIN_STORE_WARP: gl.constexpr = _plain_only(STORE_WARP, HAS_BIAS, ACTIVATION, GATED)
         PLAIN_LEAN: gl.constexpr = _plain_only(LEAN_START, HAS_BIAS, ACTIVATION, GATED)
         PLAIN_RING: gl.constexpr = _plain_only(RING_STAGING, HAS_BIAS, ACTIVATION, GATED)
@@ -817,7 +842,7 @@ if _GLUON_ERROR is None:
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
                                        SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_RING)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
-                                   GROUP_M, STAGES, GATED)),
+                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS)),
                 (_store_partition, (out_desc, c_bufs, stage_bars, M, N, GROUP_M, CONSUMERS, PLAIN_STORE_WARP)),
             ], [1, 1], [LOADER_REGS, LOADER_REGS])
         elif CONSUMERS == 1:
@@ -827,7 +852,7 @@ if _GLUON_ERROR is None:
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
                                        SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_RING)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
-                                   GROUP_M, STAGES, GATED)),
+                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS)),
             ], [1], [LOADER_REGS])
         elif PLAIN_STORE_WARP:
             gl.warp_specialize([
@@ -840,7 +865,7 @@ if _GLUON_ERROR is None:
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
                                        SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_RING)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
-                                   GROUP_M, STAGES, GATED)),
+                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS)),
                 (_store_partition, (out_desc, c_bufs, stage_bars, M, N, GROUP_M, CONSUMERS, PLAIN_STORE_WARP)),
             ], [num_warps, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
         else:
@@ -854,7 +879,7 @@ if _GLUON_ERROR is None:
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
                                        SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_RING)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
-                                   GROUP_M, STAGES, GATED)),
+                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS)),
             ], [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -953,7 +978,8 @@ class GluonCall:
             EPILOGUE_BUFFERS=config.epilogue_buffers, LOADER_REGS=config.loader_regs,
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
             SPLIT_M=config.split_m, STORE_WARP=config.store_mode, LEAN_START=config.lean_start,
-            TAIL_ORDER=config.tail_order, RING_STAGING=config.ring_staging, num_warps=config.consumer_warps)
+            TAIL_ORDER=config.tail_order, RING_STAGING=config.ring_staging, PROLOGUE_LOADS=config.prologue_loads,
+            num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the
         # constexprs in signature order (after the 9 runtime arguments) for the cached launcher.
         self.key = (config, tuple(self.constexprs.items()))

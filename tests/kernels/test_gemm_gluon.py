@@ -125,7 +125,7 @@ def _compile(config, dtype: str, activation: int = 2, plain: bool = False):
                      LOADER_REGS=config.loader_regs, CONSUMER_REGS=config.consumer_regs,
                      GATED=config.gated, EARLY_SCALES=config.early_scales, SPLIT_M=config.split_m,
                      STORE_WARP=config.store_mode, LEAN_START=config.lean_start, TAIL_ORDER=config.tail_order,
-                     RING_STAGING=config.ring_staging,
+                     RING_STAGING=config.ring_staging, PROLOGUE_LOADS=config.prologue_loads,
                      num_warps=config.consumer_warps)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(gemm_gluon._scaled_mm_kernel, signature, constants)
