@@ -87,9 +87,9 @@ SUBSTITUTIONS = [
      " _clock(M))\n"
      "                    _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, slot, off_m, off_n, ki, N, GATED)\n",
      1),
-    ("            for s in gl.static_range(STAGES):\n                if s < k_steps:\n",
+    ("            for s in gl.static_range(PROLOGUE_LOADS):\n                if s < k_steps:\n",
      f"            gl.store(trace_ptr + gl.num_programs(0) * {2 * MAX_TILES * 5} + gl.program_id(0) * 4 + 3, _clock(M))\n"
-     "            for s in gl.static_range(STAGES):\n                if s < k_steps:\n", 1),
+     "            for s in gl.static_range(PROLOGUE_LOADS):\n                if s < k_steps:\n", 1),
     ("bias_ptr, M, N, K,\n                          HAS_BIAS: gl.constexpr,",
      "bias_ptr, M, N, K, trace_ptr,\n                          HAS_BIAS: gl.constexpr,", 1),
     ("a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS,",

@@ -158,10 +158,11 @@ class GluonConfig:
     # other's read-out in two staging buffers: the one epilogue no MMA hides gets shorter. Plain
     # epilogue only (as store_warp and lean_start).
     ring_staging: bool = False
-    # The first tile's first ``stages`` K steps of copies issued by the kernel's prologue, right
-    # after the barrier set-up, instead of by the loader once the partitions have started (about
-    # 1 us after a program's entry in session 19's H100 traces); the loader goes on from there.
-    prologue_loads: bool = False
+    # The first tile's first ``prologue_loads`` (<= stages) K steps of copies issued by the kernel's
+    # prologue, right after the ready barriers' set-up, instead of by the loader once the partitions
+    # have started (about 1 us after a program's entry in session 19's H100 traces); the loader
+    # goes on from there.
+    prologue_loads: int = 0
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
@@ -182,6 +183,8 @@ class GluonConfig:
                                       and self.epilogue_split == 4 and self.block_m == self.block_k):
             raise ValueError("ring_staging needs tail_order, no store_warp, not gated, epilogue_split=4 and "
                              f"block_k = block_m (a consumer's 16-bit part the size of a W tile), got {self.name}")
+        if not 0 <= self.prologue_loads <= self.stages:
+            raise ValueError(f"prologue_loads={self.prologue_loads}: 0 to stages={self.stages} K steps")
         if self.staging_turns and not (self.store_warp and self.split_m):
             raise ValueError("staging_turns needs store_warp=True and split_m=True (two warpgroups per tile)")
         if self.store_warp and self.consumers == 2 and not self.split_m:
@@ -202,7 +205,7 @@ class GluonConfig:
                 f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late")
                 + ("_sw" if self.store_warp else "") + ("t" if self.staging_turns else "")
                 + ("_lean" if self.lean_start else "") + (f"_t{self.tail_order}" if self.tail_order else "")
-                + ("_rs" if self.ring_staging else "") + ("_pl" if self.prologue_loads else ""))
+                + ("_rs" if self.ring_staging else "") + (f"_pl{self.prologue_loads}" if self.prologue_loads else ""))
 
     @property
     def store_mode(self) -> int:
@@ -491,14 +494,14 @@ if _GLUON_ERROR is None:
     def _load_partition(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
                         PROLOGUE_LOADS: gl.constexpr):
-        # PROLOGUE_LOADS: the kernel's prologue issued the first min(k_steps, STAGES) steps.
+        # PROLOGUE_LOADS: the kernel's prologue issued the first min(k_steps, PROLOGUE_LOADS) steps.
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
-        issued = gl.minimum(k_steps, STAGES) if PROLOGUE_LOADS else 0
+        issued = gl.minimum(k_steps, PROLOGUE_LOADS)
         step = 0  # K-slices issued by this program so far: the ring position
         for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -808,6 +811,20 @@ if _GLUON_ERROR is None:
         stage_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready_bars.index(i), count=1)
+        if PROLOGUE_LOADS > 0:
+            # The first tile's first K steps (fresh slots: nothing to wait for), before the partitions
+            # start and the other barriers are set up. The ready barriers' initialization must be
+            # visible to the TMA unit before the first copy.
+            fence_async_shared()
+            BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+            pid_m, pid_n = _grouped_tile(gl.program_id(0), gl.cdiv(M, a_desc.block_type.shape[0]),
+                                         gl.cdiv(N, w_desc.block_type.shape[0]), GROUP_M)
+            k_steps = gl.cdiv(K, BLOCK_K)
+            for s in gl.static_range(PROLOGUE_LOADS):
+                if s < k_steps:
+                    _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, s,
+                               pid_m * a_desc.block_type.shape[0], pid_n * w_desc.block_type.shape[0], s, N, GATED)
+        for i in gl.static_range(STAGES):
             # SPLIT_M: both consumers read every slot, and both release it.
             mbarrier.init(empty_bars.index(i), count=CONSUMERS if SPLIT_M else 1)
         for i in gl.static_range(CONSUMERS):
@@ -817,16 +834,6 @@ if _GLUON_ERROR is None:
         mbarrier.init(stage_bars.index(2), count=1)
         # The barriers' initialization must be visible to the TMA unit before the first copy.
         fence_async_shared()
-        if PROLOGUE_LOADS:
-            # The first tile's first ring lap (fresh slots: nothing to wait for), before the partitions.
-            BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-            pid_m, pid_n = _grouped_tile(gl.program_id(0), gl.cdiv(M, a_desc.block_type.shape[0]),
-                                         gl.cdiv(N, w_desc.block_type.shape[0]), GROUP_M)
-            k_steps = gl.cdiv(K, BLOCK_K)
-            for s in gl.static_range(STAGES):
-                if s < k_steps:
-                    _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, s,
-                               pid_m * a_desc.block_type.shape[0], pid_n * w_desc.block_type.shape[0], s, N, GATED)
         PLAIN_STORE_WARP: gl.constexpr = _plain_only(STORE_WARP, HAS_BIAS, ACTIVATION, GATED)
         PLAIN_LEAN: gl.constexpr = _plain_only(LEAN_START, HAS_BIAS, ACTIVATION, GATED)
         PLAIN_RING: gl.constexpr = _plain_only(RING_STAGING, HAS_BIAS, ACTIVATION, GATED)
