@@ -121,7 +121,7 @@ def traced_module(clock: str = "clock64"):
 
 def config_of(mod, name):
     """Config ``name`` of ``mod``'s CONFIGS, or ``name+field=value+...``: that config with int
-    fields changed (e.g. ``coop2_128x256_g16_lean_t3+ring_staging=1``)."""
+    fields changed (e.g. ``coop2_128x256_g16_lean_t3_pl1+ring_staging=1``)."""
     base, *changes = name.split("+")
     fields = {field: int(value) for field, _, value in (change.partition("=") for change in changes)}
     return dataclasses.replace(mod.CONFIGS[base], **fields)

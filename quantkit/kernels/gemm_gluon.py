@@ -285,17 +285,23 @@ CONFIGS = {
     "coop2_128x256_g16_lean": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
                                           split_m=True, group_m=16, lean_start=True, loader_regs=24,
                                           consumer_regs=240),
-    # tail_order=3 (session 19): the two warpgroups no longer finish a tile together, consumer 0's
-    # MMAs three half-steps early, so its epilogue runs under consumer 1's last MMAs instead of
-    # beside consumer 1's. FP8, plain, H100, three runs (34 points with M >= 1024): faster than
-    # coop2_128x256_g16_lean at 28 (median 1.009x, 0.989-1.075x), 1.001-1.019x at M = 1024.
-    # The store-partition form: faster than coop2_128x256_g16_swt at 9 of 11 (median 1.011x).
-    "coop2_128x256_g16_lean_t3": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
-                                             epilogue_split=4, split_m=True, group_m=16, lean_start=True,
-                                             loader_regs=24, consumer_regs=240, tail_order=3),
-    "coop2_128x256_g16_swt_t3": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
-                                            split_m=True, group_m=16, store_warp=True, staging_turns=True,
-                                            lean_start=True, tail_order=3),
+    # Session 19, two changes for the cycles outside the MMAs (H100, FP8, plain):
+    # - tail_order=3: the two warpgroups no longer finish a tile together, consumer 0's MMAs three
+    #   half-steps early, so its epilogue runs under consumer 1's last MMAs instead of beside
+    #   consumer 1's (traced at 1024x4096x4096: consumer 1 retires ~1.07 us after consumer 0, whose
+    #   stores are issued ~0.06 us after that). Three runs, 34 points with M >= 1024: faster than
+    #   coop2_128x256_g16_lean at 28 (median 1.009x, 0.989-1.075x), 1.001-1.019x at M = 1024; the
+    #   store-partition form faster than coop2_128x256_g16_swt at 9 of 11 (median 1.011x).
+    # - prologue_loads=1: the traces put a program's first copy ~1.05 us after its entry (the loader
+    #   starts only once the partitions have), its first MMA ~3.5 us after; issued from the
+    #   prologue it goes out ~0.4-0.5 us after entry. 1024x4096x4096: 0.985 -> 1.014x `_scaled_mm`
+    #   (lean) and 0.977 -> 1.002x (swt) in the same run; at M >= 4096 within the run's spread.
+    "coop2_128x256_g16_lean_t3_pl1": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
+                                                 epilogue_split=4, split_m=True, group_m=16, lean_start=True,
+                                                 loader_regs=24, consumer_regs=240, tail_order=3, prologue_loads=1),
+    "coop2_128x256_g16_swt_t3_pl1": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
+                                                epilogue_split=4, split_m=True, group_m=16, store_warp=True,
+                                                staging_turns=True, lean_start=True, tail_order=3, prologue_loads=1),
 }
 
 # The gated form (``gated=True``): per K step the ring slot holds the A tile, the gate W tile (rows
@@ -1037,9 +1043,9 @@ TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop_128x256_
 # at all 12 (1.004-1.082x, plain epilogue). Session 15 added the store-partition and lean-start
 # forms of coop2_128x256_g16 (they differ from it with the plain epilogue only); the tuner picked one
 # of them at 9 of the 12 points with M >= 1024 in that session's standard run (H100). Session 19
-# put tail_order=3 on the lean-start and staging-in-turns forms (see CONFIGS).
+# put tail_order=3 and prologue_loads=1 on the lean-start and staging-in-turns forms (see CONFIGS).
 FP8_TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop2_128x256", "coop2_128x256_g16",
-                       "coop2_128x256_g16_sw", "coop2_128x256_g16_swt_t3", "coop2_128x256_g16_lean_t3")
+                       "coop2_128x256_g16_sw", "coop2_128x256_g16_swt_t3_pl1", "coop2_128x256_g16_lean_t3_pl1")
 # The gated GEMM's candidates, INT8 and FP8 (all of GATED_CONFIGS): at gate_up 2 x 14336 x 4096
 # on an H100 each was the fastest gated config of a dtype at one M or more of 256 ... 16384
 # (sessions 10 and 11; gated_coop2_128x128 for FP8 and INT8 at M = 4096).
