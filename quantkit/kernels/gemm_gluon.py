@@ -31,6 +31,12 @@ synchronous wgmma (``wgmma.wait_group 0`` after every K step). Gluon exposes the
   of the program and take turns on the mainloop through an order barrier (CUTLASS's ping-pong):
   a consumer waits for its turn before its tile's first ring wait and hands the turn over once
   its tile's last MMA is issued, so its epilogue runs under the other consumer's MMAs.
+- ``tail_order`` (split tiles: two partitions on 64 rows each of every tile): consumer 1 issues its
+  last ``tail_order`` K steps of a tile only after consumer 0 has issued all of its own (order_bars[0],
+  one phase per tile, only on tiles of at least STAGES steps so that consumer 0 cannot arrive twice
+  ahead), so consumer 0's epilogue runs under consumer 1's last MMAs. ``prologue_loads``: the first
+  tile's first K steps are copied by the kernel's prologue, right after the ready barriers are set up,
+  not by the loader once the partitions have started; the loader skips them.
 
 - GATED (``GluonConfig.gated``, ``gluon_gated_scaled_mm``, the Gluon form of ``gemm.gated_scaled_mm``):
   w is the stacked (2N, K) [gate; up] weight and the output (M, N) ``act(gate) * up``. Per K step
@@ -152,12 +158,6 @@ class GluonConfig:
     # has issued all of its own, so consumer 0's MMAs finish that many half-steps early and its
     # epilogue runs under consumer 1's last MMAs (on tiles of at least ``stages`` K steps).
     tail_order: int = 0
-    # With tail_order, consumers storing their own output: on a program's last tile consumer 1 (the
-    # last to finish) stages its whole part in the W tile of the ring slot its last MMA read (no
-    # refill follows), so its four TMA stores go out back to back instead of waiting for each
-    # other's read-out in two staging buffers: the one epilogue no MMA hides gets shorter. Plain
-    # epilogue only (as store_warp and lean_start).
-    ring_staging: bool = False
     # The first tile's first ``prologue_loads`` (<= stages) K steps of copies issued by the kernel's
     # prologue, right after the ready barriers' set-up, instead of by the loader once the partitions
     # have started (about 1 us after a program's entry in session 19's H100 traces); the loader
@@ -179,10 +179,6 @@ class GluonConfig:
                              f"block_n={self.block_n} into multiples of 8")
         if self.tail_order and not (self.split_m and 0 < self.tail_order < self.stages):
             raise ValueError(f"tail_order={self.tail_order} needs split_m=True and 0 < tail_order < stages={self.stages}")
-        if self.ring_staging and not (self.tail_order and not self.store_warp and not self.gated
-                                      and self.epilogue_split == 4 and self.block_m == self.block_k):
-            raise ValueError("ring_staging needs tail_order, no store_warp, not gated, epilogue_split=4 and "
-                             f"block_k = block_m (a consumer's 16-bit part the size of a W tile), got {self.name}")
         if not 0 <= self.prologue_loads <= self.stages:
             raise ValueError(f"prologue_loads={self.prologue_loads}: 0 to stages={self.stages} K steps")
         if self.staging_turns and not (self.store_warp and self.split_m):
@@ -205,7 +201,7 @@ class GluonConfig:
                 f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late")
                 + ("_sw" if self.store_warp else "") + ("t" if self.staging_turns else "")
                 + ("_lean" if self.lean_start else "") + (f"_t{self.tail_order}" if self.tail_order else "")
-                + ("_rs" if self.ring_staging else "") + (f"_pl{self.prologue_loads}" if self.prologue_loads else ""))
+                + (f"_pl{self.prologue_loads}" if self.prologue_loads else ""))
 
     @property
     def store_mode(self) -> int:
@@ -407,18 +403,6 @@ if _GLUON_ERROR is None:
     _ring_slot_phase = gluon.jit(ring_slot_phase)
     _previous_phase = gluon.jit(previous_phase)
     _turn_phase = gluon.jit(turn_phase)
-
-    # ``buf`` (a ring slot's W tile) seen as SPLIT output chunks of out_desc's box, type and layout.
-    if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # triton 3.9
-        @gluon.jit
-        def _as_chunks(buf, out_desc, SPLIT: gl.constexpr):
-            return buf.reinterpret(out_desc.dtype, [SPLIT, out_desc.block_type.shape[0], out_desc.block_type.shape[1]],
-                                   out_desc.layout)
-    else:  # triton 3.6
-        @gluon.jit
-        def _as_chunks(buf, out_desc, SPLIT: gl.constexpr):
-            return buf._reinterpret(out_desc.dtype, [SPLIT, out_desc.block_type.shape[0], out_desc.block_type.shape[1]],
-                                    out_desc.layout)
 
     @gluon.constexpr_function
     def _split(BLOCK_M, CONSUMERS, SPLIT_M):
@@ -629,7 +613,7 @@ if _GLUON_ERROR is None:
                             STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                             ACTIVATION: gl.constexpr, GATED: gl.constexpr, EARLY_SCALES: gl.constexpr,
                             SPLIT_M: gl.constexpr, STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr,
-                            TAIL_ORDER: gl.constexpr, RING_STAGING: gl.constexpr):
+                            TAIL_ORDER: gl.constexpr):
         # SPLIT_M: every consumer takes every tile, rows [ROW0, ROW0 + TILE_M) of it; otherwise
         # (ping-pong) consumer c takes this program's tiles c, c + 2, ... whole.
         BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
@@ -747,21 +731,7 @@ if _GLUON_ERROR is None:
                 # The staging is free again once the store partition's stores of the previous tile
                 # have read it (every consumer takes every tile: local counts this program's tiles).
                 mbarrier.wait(stage_bars.index(1), _previous_phase(local - 1))
-            if RING_STAGING and CONSUMER == 1 and tile + TURNS * nprog > last:
-                # This program's last tile: the W tile of our last step's ring slot holds our whole
-                # part once consumer 0 has released that slot too (nothing refills it).
-                ring_slot, ring_phase = _ring_slot_phase(step - 1, STAGES)
-                mbarrier.wait(empty_bars.index(ring_slot), ring_phase)
-                ring_c = _as_chunks(w_bufs.index(ring_slot), out_desc, EPILOGUE_SPLIT)
-                left, right = _halves(x)
-                _store_halves(left, left, 0, off_m, off_n, out_desc, ring_c, 0, EPILOGUE_SPLIT, w_scale_ptr, bias_ptr,
-                              N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, 1)
-                _store_halves(right, right, 2, off_m, off_n, out_desc, ring_c, 0, EPILOGUE_SPLIT, w_scale_ptr,
-                              bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, 1)
-                fence_async_shared()
-                for j in gl.static_range(EPILOGUE_SPLIT):
-                    _tma_store(out_desc, [off_m, off_n + j * out_desc.block_type.shape[1]], ring_c.index(j))
-            elif EPILOGUE_SPLIT == 1:
+            if EPILOGUE_SPLIT == 1:
                 _store_chunk(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
                              HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
                              STORE_WARP)
@@ -794,7 +764,7 @@ if _GLUON_ERROR is None:
                           EPILOGUE_BUFFERS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, SPLIT_M: gl.constexpr,
                           STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr, TAIL_ORDER: gl.constexpr,
-                          RING_STAGING: gl.constexpr, PROLOGUE_LOADS: gl.constexpr, num_warps: gl.constexpr):
+                          PROLOGUE_LOADS: gl.constexpr, num_warps: gl.constexpr):
         # GATED: out (M, N) = act(gate) * up over the stacked (2N, K) weight of w_desc; N counts outputs.
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -842,7 +812,6 @@ if _GLUON_ERROR is None:
         fence_async_shared()
         PLAIN_STORE_WARP: gl.constexpr = _plain_only(STORE_WARP, HAS_BIAS, ACTIVATION, GATED)
         PLAIN_LEAN: gl.constexpr = _plain_only(LEAN_START, HAS_BIAS, ACTIVATION, GATED)
-        PLAIN_RING: gl.constexpr = _plain_only(RING_STAGING, HAS_BIAS, ACTIVATION, GATED)
 
         # The default partition (the kernel's num_warps) is consumer 0; workers follow: consumer 1
         # (ping-pong, split_m), the loader, and with store_warp the store partition. Neither a
@@ -853,7 +822,7 @@ if _GLUON_ERROR is None:
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_RING)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED, PROLOGUE_LOADS)),
                 (_store_partition, (out_desc, c_bufs, stage_bars, M, N, GROUP_M, CONSUMERS, PLAIN_STORE_WARP)),
@@ -863,7 +832,7 @@ if _GLUON_ERROR is None:
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_RING)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED, PROLOGUE_LOADS)),
             ], [1], [LOADER_REGS])
@@ -872,11 +841,11 @@ if _GLUON_ERROR is None:
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_RING)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_RING)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED, PROLOGUE_LOADS)),
                 (_store_partition, (out_desc, c_bufs, stage_bars, M, N, GROUP_M, CONSUMERS, PLAIN_STORE_WARP)),
@@ -886,11 +855,11 @@ if _GLUON_ERROR is None:
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_RING)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_RING)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED, PROLOGUE_LOADS)),
             ], [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -991,7 +960,7 @@ class GluonCall:
             EPILOGUE_BUFFERS=config.epilogue_buffers, LOADER_REGS=config.loader_regs,
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
             SPLIT_M=config.split_m, STORE_WARP=config.store_mode, LEAN_START=config.lean_start,
-            TAIL_ORDER=config.tail_order, RING_STAGING=config.ring_staging, PROLOGUE_LOADS=config.prologue_loads,
+            TAIL_ORDER=config.tail_order, PROLOGUE_LOADS=config.prologue_loads,
             num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the
         # constexprs in signature order (after the 9 runtime arguments) for the cached launcher.

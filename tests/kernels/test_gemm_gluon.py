@@ -125,7 +125,7 @@ def _compile(config, dtype: str, activation: int = 2, plain: bool = False):
                      LOADER_REGS=config.loader_regs, CONSUMER_REGS=config.consumer_regs,
                      GATED=config.gated, EARLY_SCALES=config.early_scales, SPLIT_M=config.split_m,
                      STORE_WARP=config.store_mode, LEAN_START=config.lean_start, TAIL_ORDER=config.tail_order,
-                     RING_STAGING=config.ring_staging, PROLOGUE_LOADS=config.prologue_loads,
+                     PROLOGUE_LOADS=config.prologue_loads,
                      num_warps=config.consumer_warps)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(gemm_gluon._scaled_mm_kernel, signature, constants)
@@ -262,7 +262,7 @@ class _Barrier:
 
 
 def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=False, staged=False,
-                  guard_staging=True, turns=False, tail=0, ring=False):
+                  guard_staging=True, turns=False, tail=0):
     """``split``: two consumers on halves of every tile (split_m), each releasing every slot
     (empty barriers of 2 arrivals). ``staged`` (store_warp; every consumer on every tile): each
     consumer writes its part of the tile into the staging after waiting on stage[1] (the previous
@@ -273,10 +273,7 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
     phase of stage[0] (1 arrival) per part; once a part is read out, the store agent arrives on the
     free barrier stage[1 + c] of the consumer c that stages the next part.
     ``tail`` (tail_order, split only): with k_steps >= stages, consumer 1 waits on order[0] before
-    its step k_steps - tail of each tile, and consumer 0 arrives there once it has issued its last.
-    ``ring`` (ring_staging, with tail): on the last tile consumer 1 waits for both releases of its
-    last step's slot (empty barrier, that fill's phase) and stages its output there; the model
-    fails if anything lands in that slot afterwards or an MMA still reads it."""
+    its step k_steps - tail of each tile, and consumer 0 arrives there once it has issued its last."""
     ring_slot_phase, previous_phase, turn_phase = (gemm_gluon.ring_slot_phase, gemm_gluon.previous_phase,
                                                    gemm_gluon.turn_phase)
     ready = [_Barrier() for _ in range(stages)]
@@ -292,7 +289,6 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
     staging = [None] * consumers  # the tile whose part each consumer's staging holds
     storing = []  # TMA stores reading the staging: tiles
     stored = []
-    ring_staged = []  # the slot consumer 1 staged its last tile in (ring)
 
     def wait(bar, parity, phase):
         # ``phase``: the phase this wait means (the model's own count; -1: a fresh barrier's
@@ -329,7 +325,6 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
                 slot, phase = ring_slot_phase(step, stages)
                 yield wait(ready[slot], phase, step // stages)
                 assert slot_data[slot] == step, f"step {step} read slot {slot} holding step {slot_data[slot]}"
-                assert slot not in ring_staged, "an MMA read the ring slot holding the staged output"
                 in_flight[c].append(step)
                 yield lambda: len(in_flight[c]) <= 1  # warpgroup_mma_wait(1)
                 if ki > 0:
@@ -342,12 +337,6 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
                 order[0].arrive()
             yield lambda: not in_flight[c]  # warpgroup_mma_wait(0)
             release(c, (step + stages - 1) % stages, step - 1)
-            if ring and c == 1 and local == tiles - 1:
-                slot, phase = ring_slot_phase(step - 1, stages)
-                yield wait(empty[slot], phase, (step - 1) // stages)
-                assert not any(s == slot for s, _ in landing), "ring slot staged over a copy in flight"
-                assert not any(q % stages == slot for queue in in_flight for q in queue), "ring slot staged under an MMA"
-                ring_staged.append(slot)
             if staged and turns:
                 part = local * consumers + c
                 if guard_staging:  # this consumer's free barrier, one phase per tile (see store())
@@ -401,7 +390,6 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
         kind, i = rng.choice(moves)
         if kind == "land":  # TMA copies complete in any order
             slot, step = landing.pop(i)
-            assert slot not in ring_staged, "a copy landed in the ring slot holding the staged output"
             assert not any(slot_data[slot] in queue for queue in in_flight), "slot overwritten under an MMA"
             slot_data[slot] = step
             ready[slot].arrive()
@@ -453,8 +441,7 @@ def test_barrier_protocol_model_split_tiles():
 def test_barrier_protocol_model_tail_order():
     """tail_order: consumer 1 holds its last steps of a tile until consumer 0 has issued all of its
     own, with every store mode: no deadlock with the ring, no ambiguous wait on the order barrier
-    (consumer 0 never arrives for a tile before consumer 1 has waited for the one before).
-    ring_staging (consumers storing): consumer 1's last tile staged in a ring slot nothing refills."""
+    (consumer 0 never arrives for a tile before consumer 1 has waited for the one before)."""
     import random
 
     rng = random.Random(21)
@@ -464,7 +451,6 @@ def test_barrier_protocol_model_tail_order():
     for tiles, k_steps, stages, tail in cases:
         for staged, turns in ((False, False), (True, False), (True, True)):
             _run_protocol(tiles, k_steps, stages, 2, rng, split=True, staged=staged, turns=turns, tail=tail)
-        _run_protocol(tiles, k_steps, stages, 2, rng, split=True, tail=tail, ring=True)
 
 
 @pytest.mark.parametrize("consumers, split", [(1, False), (2, True)], ids=["cooperative", "split"])
