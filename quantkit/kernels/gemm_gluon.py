@@ -289,8 +289,8 @@ CONFIGS = {
     #   coop2_128x256_g16_lean at 28 (median 1.009x, 0.989-1.075x), 1.001-1.019x at M = 1024; the
     #   store-partition form faster than coop2_128x256_g16_swt at 9 of 11 (median 1.011x).
     # - prologue_loads=1: the traces put a program's first copy ~1.05 us after its entry (the loader
-    #   starts only once the partitions have), its first MMA ~3.5 us after; issued from the
-    #   prologue it goes out ~0.4-0.5 us after entry. 1024x4096x4096: 0.985 -> 1.014x `_scaled_mm`
+    #   starts only once the partitions have); issued from the prologue it goes out ~0.4-0.5 us
+    #   after entry. 1024x4096x4096: 0.985 -> 1.014x `_scaled_mm`
     #   (lean) and 0.977 -> 1.002x (swt) in the same run; at M >= 4096 within the run's spread.
     "coop2_128x256_g16_lean_t3_pl1": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
                                                  epilogue_split=4, split_m=True, group_m=16, lean_start=True,
