@@ -17,6 +17,11 @@ first-data wait (t1 - t0), mainloop (t2 - t1), drain (t3 - t2), epilogue (t4 - t
 the consumer's next tile (t0' - t4), against the MMA cycles a tile needs at the dense FP8 rate
 (4096 MACs per SM per cycle), and the first-data wait split into tiles that start a program (cold)
 and the rest. Also the traced kernel's time against the untraced one (CUDA events, median of 20).
+Session 19 added per-consumer means, the split tile's two halves against each other (tail_order),
+per-program stamps (entry, the loader's or the prologue's first copy, each consumer's exit after
+its last stores read the staging: these stores delay the first data, whose times are then not
+the untraced kernel's) and CUPTI kernel times of the untraced kernel and of ``_scaled_mm``.
+``--configs`` takes ``name+field=value`` for a variant of a config.
 FP8, plain epilogue, H100 only. Writes gemm_trace.json / .txt.
 """
 
