@@ -163,6 +163,10 @@ class GluonConfig:
     # have started (about 1 us after a program's entry in session 19's H100 traces); the loader
     # goes on from there.
     prologue_loads: int = 0
+    # As many programs as the rounds of tiles need, so every program takes the same number of tiles
+    # (2048 tiles on 132 SMs: 16 rounds, 128 programs of 16 instead of 68 of 16 and 64 of 15): no
+    # partial last round, with the power the idle SMs leave to the others.
+    balanced_grid: bool = False
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
@@ -201,7 +205,7 @@ class GluonConfig:
                 f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late")
                 + ("_sw" if self.store_warp else "") + ("t" if self.staging_turns else "")
                 + ("_lean" if self.lean_start else "") + (f"_t{self.tail_order}" if self.tail_order else "")
-                + (f"_pl{self.prologue_loads}" if self.prologue_loads else ""))
+                + (f"_pl{self.prologue_loads}" if self.prologue_loads else "") + ("_bal" if self.balanced_grid else ""))
 
     @property
     def store_mode(self) -> int:
@@ -952,7 +956,10 @@ class GluonCall:
         self.config = config
         tiles = cdiv(M, config.block_m) * cdiv(N, config.block_n)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        self.grid = (min(num_sms(index), tiles),)
+        programs = min(num_sms(index), tiles)
+        if config.balanced_grid:
+            programs = cdiv(tiles, cdiv(tiles, programs))  # the same rounds, each program as many tiles
+        self.grid = (programs,)
         self.chunk_n = config.block_n // config.epilogue_split
         self.constexprs = dict(
             HAS_BIAS=has_bias, ACTIVATION=ACTIVATIONS.index(activation), GROUP_M=config.group_m,
