@@ -299,6 +299,13 @@ CONFIGS = {
     "coop2_128x256_g16_lean_t3_pl1": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
                                                  epilogue_split=4, split_m=True, group_m=16, lean_start=True,
                                                  loader_regs=24, consumer_regs=240, tail_order=3, prologue_loads=1),
+    # The same with balanced_grid (H100, FP8, plain, one run of 10 points: 1.044 against 1.010x
+    # `_scaled_mm` at 16384x4096x4096, 1.01-1.02x the unbalanced config at the three M = 4096 points
+    # with N = 4096 / 6144, within 2.5 % either way at the others).
+    "coop2_128x256_g16_lean_t3_pl1_bal": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
+                                                     epilogue_split=4, split_m=True, group_m=16, lean_start=True,
+                                                     loader_regs=24, consumer_regs=240, tail_order=3, prologue_loads=1,
+                                                     balanced_grid=True),
     "coop2_128x256_g16_swt_t3_pl1": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
                                                 epilogue_split=4, split_m=True, group_m=16, store_warp=True,
                                                 staging_turns=True, lean_start=True, tail_order=3, prologue_loads=1),
@@ -1021,7 +1028,8 @@ TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop_128x256_
 # of them at 9 of the 12 points with M >= 1024 in that session's standard run (H100). Session 19
 # put tail_order=3 and prologue_loads=1 on the lean-start and staging-in-turns forms (see CONFIGS).
 FP8_TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop2_128x256", "coop2_128x256_g16",
-                       "coop2_128x256_g16_sw", "coop2_128x256_g16_swt_t3_pl1", "coop2_128x256_g16_lean_t3_pl1")
+                       "coop2_128x256_g16_sw", "coop2_128x256_g16_swt_t3_pl1", "coop2_128x256_g16_lean_t3_pl1",
+                       "coop2_128x256_g16_lean_t3_pl1_bal")
 # The gated GEMM's candidates, INT8 and FP8 (all of GATED_CONFIGS): at gate_up 2 x 14336 x 4096
 # on an H100 each was the fastest gated config of a dtype at one M or more of 256 ... 16384
 # (sessions 10 and 11; gated_coop2_128x128 for FP8 and INT8 at M = 4096).
