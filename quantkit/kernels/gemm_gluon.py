@@ -331,6 +331,13 @@ GATED_CONFIGS = {
 }
 
 
+def program_count(tiles: int, sms: int, balanced: bool) -> int:
+    """Persistent programs for ``tiles`` tiles on ``sms`` SMs: one per SM (at most one per tile), or
+    (``balanced``) the fewest that take the same rounds of tiles, each program as many tiles."""
+    programs = min(sms, tiles)
+    return cdiv(tiles, cdiv(tiles, programs)) if balanced else programs
+
+
 def _wave_efficiency(tiles: int, programs: int) -> float:
     """tiles / (programs x the busiest program's tile count): how busy the SMs are on average."""
     return tiles / (cdiv(tiles, programs) * programs)
@@ -963,10 +970,7 @@ class GluonCall:
         self.config = config
         tiles = cdiv(M, config.block_m) * cdiv(N, config.block_n)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        programs = min(num_sms(index), tiles)
-        if config.balanced_grid:
-            programs = cdiv(tiles, cdiv(tiles, programs))  # the same rounds, each program as many tiles
-        self.grid = (programs,)
+        self.grid = (program_count(tiles, num_sms(index), config.balanced_grid),)
         self.chunk_n = config.block_n // config.epilogue_split
         self.constexprs = dict(
             HAS_BIAS=has_bias, ACTIVATION=ACTIVATIONS.index(activation), GROUP_M=config.group_m,

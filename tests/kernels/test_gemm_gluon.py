@@ -216,6 +216,20 @@ def test_compiles_for_sm90(name, dtype, epilogue, sm90_builds, tmp_path):
         assert re.search(r"\b0 bytes spill stores", log), log
 
 
+@pytest.mark.parametrize("tiles, sms, balanced, programs", [
+    (2048, 132, False, 132), (2048, 132, True, 128),    # 16384x4096: 16 rounds either way
+    (3072, 132, True, 128), (192, 132, True, 96),       # 16384x6144 (24 rounds), 1024x6144 (2)
+    (14336, 132, True, 132), (100, 132, True, 100),     # 109 rounds need every SM; fewer tiles than SMs
+    (133, 132, True, 67), (1, 132, True, 1)])
+def test_program_count(tiles, sms, balanced, programs):
+    got = gemm_gluon.program_count(tiles, sms, balanced)
+    assert got == programs
+    # The rounds (the busiest program's tiles) never grow; balanced, one program fewer would need more.
+    rounds = -(-tiles // got)
+    assert rounds == -(-tiles // min(sms, tiles))
+    assert not balanced or got == 1 or -(-tiles // (got - 1)) > rounds
+
+
 @pytest.mark.skipif(gemm_gluon._GLUON_ERROR is not None, reason="Gluon does not import here")
 def test_weight_descriptor_cached_per_weight_and_released_with_it():
     import gc
