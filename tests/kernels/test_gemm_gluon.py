@@ -85,7 +85,11 @@ def test_tune_candidates_are_configs():
     (dict(consumer_warps=8, block_m=64), "block_m"),
     (dict(epilogue_split=3), "epilogue_split"),
     (dict(block_k=48), "block_k"),
-], ids=["too-many-stages", "three-consumers", "rows-per-warp", "split", "block-k"])
+    (dict(tail_order=2), "tail_order=2 needs split_m"),  # one consumer: nobody to order
+    (dict(consumers=2, consumer_warps=4, split_m=True, tail_order=4), "tail_order=4"),  # not below stages=4
+    (dict(prologue_loads=5), "prologue_loads=5"),
+], ids=["too-many-stages", "three-consumers", "rows-per-warp", "split", "block-k", "tail-unsplit", "tail-stages",
+        "prologue-stages"])
 def test_config_errors_name_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
         gemm_gluon.GluonConfig(**kwargs)
@@ -276,7 +280,7 @@ class _Barrier:
 
 
 def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=False, staged=False,
-                  guard_staging=True, turns=False, tail=0):
+                  guard_staging=True, turns=False, tail=0, prologue=0, skip_prologue=True):
     """``split``: two consumers on halves of every tile (split_m), each releasing every slot
     (empty barriers of 2 arrivals). ``staged`` (store_warp; every consumer on every tile): each
     consumer writes its part of the tile into the staging after waiting on stage[1] (the previous
@@ -287,7 +291,10 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
     phase of stage[0] (1 arrival) per part; once a part is read out, the store agent arrives on the
     free barrier stage[1 + c] of the consumer c that stages the next part.
     ``tail`` (tail_order, split only): with k_steps >= stages, consumer 1 waits on order[0] before
-    its step k_steps - tail of each tile, and consumer 0 arrives there once it has issued its last."""
+    its step k_steps - tail of each tile, and consumer 0 arrives there once it has issued its last.
+    ``prologue`` (prologue_loads): the first min(k_steps, prologue) copies are in flight before any
+    agent runs, and the loader skips those steps (``skip_prologue=False``: it does not, and the model
+    must then fail)."""
     ring_slot_phase, previous_phase, turn_phase = (gemm_gluon.ring_slot_phase, gemm_gluon.previous_phase,
                                                    gemm_gluon.turn_phase)
     ready = [_Barrier() for _ in range(stages)]
@@ -316,10 +323,16 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
 
         return ready_to_go
 
+    issued = min(k_steps, prologue)
+    landing.extend((step % stages, step) for step in range(issued))  # the kernel's prologue
+
     def loader():
         step = 0
         for _ in range(tiles):
             for _ in range(k_steps):
+                if step < issued and skip_prologue:
+                    step += 1
+                    continue
                 slot, phase = ring_slot_phase(step, stages)
                 yield wait(empty[slot], previous_phase(phase), step // stages - 1)
                 assert step < stages or released[slot] == step - stages, "slot refilled before its release"
@@ -465,6 +478,26 @@ def test_barrier_protocol_model_tail_order():
     for tiles, k_steps, stages, tail in cases:
         for staged, turns in ((False, False), (True, False), (True, True)):
             _run_protocol(tiles, k_steps, stages, 2, rng, split=True, staged=staged, turns=turns, tail=tail)
+
+
+def test_barrier_protocol_model_prologue_loads():
+    """prologue_loads: the first tile's first K steps copied before the partitions start, the
+    loader going on after them; with every arrangement. A loader that copied them again would
+    refill a slot before its release."""
+    import random
+
+    rng = random.Random(5)
+    cases = [(3, 32, 4, 1), (1, 2, 4, 4), (2, 1, 2, 2), (4, 5, 5, 3)]
+    cases += [(rng.randint(1, 6), rng.randint(1, 20), stages, rng.randint(1, stages))
+              for stages in (rng.randint(2, 6) for _ in range(80))]
+    for tiles, k_steps, stages, prologue in cases:
+        _run_protocol(tiles, k_steps, stages, 1, rng, prologue=prologue)
+        _run_protocol(tiles, k_steps, stages, 2, rng, prologue=prologue)
+        _run_protocol(tiles, k_steps, stages, 2, rng, split=True, tail=min(stages - 1, 3) if stages > 1 else 0,
+                      prologue=prologue)
+    with pytest.raises(AssertionError, match="slot overwritten|refilled|waits for phase"):
+        for seed in range(20):
+            _run_protocol(2, 8, 4, 2, random.Random(seed), split=True, prologue=2, skip_prologue=False)
 
 
 @pytest.mark.parametrize("consumers, split", [(1, False), (2, True)], ids=["cooperative", "split"])
