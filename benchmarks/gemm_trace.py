@@ -39,12 +39,15 @@ from kernels_only import ROOT  # noqa: E402  (quantkit without its __init__)
 import torch  # noqa: E402
 
 from quantkit.bench.common import environment_metadata  # noqa: E402
-from quantkit.bench.gemm import _make_operands  # noqa: E402
+from quantkit.bench.gemm import _FLUSH_BYTES, _make_operands  # noqa: E402
 from quantkit.kernels import gemm_gluon, reference  # noqa: E402
 
 POINTS = [(4096, 28672, 4096), (16384, 6144, 4096), (16384, 4096, 4096)]
 EVENTS = ("first_data", "mainloop", "drain", "epilogue")
 MAX_TILES = 64  # per consumer and program, as the traced kernel indexes its buffer
+# Where the traced kernel stores program p's four stamps (entry, consumer 0 / 1 exit, first copy):
+# after the tile stamps of two consumers per program.
+PROGRAM_STAMPS = f"trace_ptr + gl.num_programs(0) * {2 * MAX_TILES * 5} + gl.program_id(0) * 4"
 
 # (old, new, count): the lines added to gemm_gluon.py for the traced copy.
 SUBSTITUTIONS = [
@@ -74,12 +77,11 @@ SUBSTITUTIONS = [
      "                gl.store(base + 0, t0)\n                gl.store(base + 1, t1)\n"
      "                gl.store(base + 2, t2)\n                gl.store(base + 3, t3)\n"
      "                gl.store(base + 4, t4)\n        tma.store_wait(0)\n"
-     f"        gl.store(trace_ptr + gl.num_programs(0) * {2 * MAX_TILES * 5} + gl.program_id(0) * 4 + 1 + CONSUMER,"
-     " _clock(M))", 1),
+     f"        gl.store({PROGRAM_STAMPS} + 1 + CONSUMER, _clock(M))", 1),
     # Program events: kernel entry, each consumer's exit (after its last stores have read the
     # staging), the loader's first TMA issue; after the tile events of two consumers per program.
     ("        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)\n",
-     f"        gl.store(trace_ptr + gl.num_programs(0) * {2 * MAX_TILES * 5} + gl.program_id(0) * 4, _clock(M))\n"
+     f"        gl.store({PROGRAM_STAMPS}, _clock(M))\n"
      "        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)\n", 1),
     ("    def _load_partition(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,",
      "    def _load_partition(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K, trace_ptr,", 1),
@@ -88,12 +90,11 @@ SUBSTITUTIONS = [
     # The first copy: the loader's, or the prologue's (prologue_loads).
     ("                    _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, slot, off_m, off_n, ki, N, GATED)\n",
      "                    if step == 0:\n"
-     f"                        gl.store(trace_ptr + gl.num_programs(0) * {2 * MAX_TILES * 5} + gl.program_id(0) * 4 + 3,"
-     " _clock(M))\n"
+     f"                        gl.store({PROGRAM_STAMPS} + 3, _clock(M))\n"
      "                    _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, slot, off_m, off_n, ki, N, GATED)\n",
      1),
     ("            for s in gl.static_range(PROLOGUE_LOADS):\n                if s < k_steps:\n",
-     f"            gl.store(trace_ptr + gl.num_programs(0) * {2 * MAX_TILES * 5} + gl.program_id(0) * 4 + 3, _clock(M))\n"
+     f"            gl.store({PROGRAM_STAMPS} + 3, _clock(M))\n"
      "            for s in gl.static_range(PROLOGUE_LOADS):\n                if s < k_steps:\n", 1),
     ("bias_ptr, M, N, K,\n                          HAS_BIAS: gl.constexpr,",
      "bias_ptr, M, N, K, trace_ptr,\n                          HAS_BIAS: gl.constexpr,", 1),
@@ -209,7 +210,7 @@ def program_events(trace, grid, consumers, rows_of):
 def cupti_us(run, reps=30):
     """Mean duration (us) by CUPTI (torch.profiler) of the one kernel ``run`` launches, a 256 MB L2
     flush (a fill kernel, left out by name) before each call."""
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    flush = torch.empty(_FLUSH_BYTES, dtype=torch.int8, device="cuda")
     run()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -248,10 +249,9 @@ def analyse(trace, grid, consumers, split, tiles_total, ideal):
                 if i + 1 < len(rows):
                     parts["gap"].append(rows[i + 1][0] - t4)
     summary = {name: {"median": statistics.median(v), "mean": statistics.fmean(v)} for name, v in parts.items() if v}
-    summary["per_consumer"] = [
-        {name: statistics.fmean(value for p in range(grid) for row in rows_of[p][c]
-                                for value in [row[i + 1] - row[i]]) for i, name in enumerate(EVENTS)
-         if any(rows_of[p][c] for p in range(grid))} for c in range(consumers)]
+    per_consumer = [[row for p in range(grid) for row in rows_of[p][c]] for c in range(consumers)]
+    summary["per_consumer"] = [{name: statistics.fmean(row[i + 1] - row[i] for row in rows)
+                                for i, name in enumerate(EVENTS)} if rows else {} for rows in per_consumer]
     if split and consumers == 2:
         # The same tile's two halves (tail_order staggers them): when consumer 1's MMAs retire
         # after consumer 0's (t3), and when consumer 0's stores are issued against consumer 1's
