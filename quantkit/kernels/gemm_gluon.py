@@ -309,6 +309,13 @@ CONFIGS = {
     "coop2_128x256_g16_swt_t3_pl1": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
                                                 epilogue_split=4, split_m=True, group_m=16, store_warp=True,
                                                 staging_turns=True, lean_start=True, tail_order=3, prologue_loads=1),
+    # The same with balanced_grid (session 20, H100, FP8, plain, 9 rounds: 0.986 against 0.947x
+    # `_scaled_mm` at 16384x6144x4096 and 1.069 against 1.050x at 4096x6144x4096, 0.990 against
+    # 1.009x at 16384x4096x14336; session 19's run 12: 1.022 against 1.000x at 16384x6144x4096).
+    "coop2_128x256_g16_swt_t3_pl1_bal": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
+                                                    epilogue_split=4, split_m=True, group_m=16, store_warp=True,
+                                                    staging_turns=True, lean_start=True, tail_order=3,
+                                                    prologue_loads=1, balanced_grid=True),
 }
 
 # The gated form (``gated=True``): per K step the ring slot holds the A tile, the gate W tile (rows
@@ -328,6 +335,12 @@ GATED_CONFIGS = {
     # gated_coop_128x128 with its warpgroups as separate partitions (split_m, as coop2_128x256).
     "gated_coop2_128x128": GluonConfig(128, 128, 128, stages=4, consumers=2, consumer_warps=4, epilogue_split=4,
                                        gated=True, split_m=True),
+    # The same with the first K step copied from the prologue and a balanced grid (session 20, H200,
+    # gate_up 2 x 14336 x 4096, 7 rounds, against gated_coop2_128x128: FP8 1.008 / 1.024 / 1.029x at
+    # M = 1024 / 4096 / 16384, INT8 1.000 / 1.007 / 0.994x). tail_order=3 on top was 0.987-1.010x.
+    "gated_coop2_128x128_pl1_bal": GluonConfig(128, 128, 128, stages=4, consumers=2, consumer_warps=4,
+                                               epilogue_split=4, gated=True, split_m=True, prologue_loads=1,
+                                               balanced_grid=True),
 }
 
 
@@ -1022,8 +1035,11 @@ class GluonCall:
 # coop2_128x256_g16 at 7 of the 12 points with INT8 (plain; 562 against 593 us at 16384x6144), and
 # coop2_128x256_g16_swt beat it by 1.09-1.14x at 6 of the 8 points with M >= 4096 in session 15's
 # run 6 (H100, plain: 544 against 603 us at 16384x6144, 620 against 707 at 4096x28672).
+# Session 20 put session 19's forms of the last two in their place (H200, INT8, plain, 7 rounds, 12
+# points with M >= 1024: coop2_128x256_g16_lean_t3_pl1 1.02-1.10x and coop2_128x256_g16_swt_t3_pl1
+# 1.02-1.13x coop2_128x256_g16_swt, the faster of the two older forms at 11 of the 12).
 TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop_128x256_k64", "coop2_128x256",
-                   "coop2_128x256_g16_lean", "coop2_128x256_g16_swt")
+                   "coop2_128x256_g16_lean_t3_pl1", "coop2_128x256_g16_swt_t3_pl1")
 # FP8's (fast accumulation; plain, not gated): measured on an H100 in session 10 at the same 12
 # points, each of these four was the fastest FP8 config at one point or more (pp_128x128 at
 # 6144x4096, M = 1024; coop2_128x256_g16 at 9), and the fastest of them beat the Triton FP8 kernel
@@ -1033,11 +1049,12 @@ TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop_128x256_
 # put tail_order=3 and prologue_loads=1 on the lean-start and staging-in-turns forms (see CONFIGS).
 FP8_TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop2_128x256", "coop2_128x256_g16",
                        "coop2_128x256_g16_sw", "coop2_128x256_g16_swt_t3_pl1", "coop2_128x256_g16_lean_t3_pl1",
-                       "coop2_128x256_g16_lean_t3_pl1_bal")
+                       "coop2_128x256_g16_lean_t3_pl1_bal", "coop2_128x256_g16_swt_t3_pl1_bal")
 # The gated GEMM's candidates, INT8 and FP8 (all of GATED_CONFIGS): at gate_up 2 x 14336 x 4096
 # on an H100 each was the fastest gated config of a dtype at one M or more of 256 ... 16384
 # (sessions 10 and 11; gated_coop2_128x128 for FP8 and INT8 at M = 4096).
-GATED_TUNE_CANDIDATES = ("gated_pp_128x64", "gated_coop_128x128", "gated_coop_128x128_k64", "gated_coop2_128x128")
+GATED_TUNE_CANDIDATES = ("gated_pp_128x64", "gated_coop_128x128", "gated_coop_128x128_k64", "gated_coop2_128x128",
+                         "gated_coop2_128x128_pl1_bal")
 # Rounds of timing per candidate at a key's first call; the order of the candidates rotates by
 # one each round and the median is kept. One pass measured the same config 682 and 748 us in two
 # H100 runs (FP8 28672x4096, M = 4096; session 10): a single sample is at the mercy of the
