@@ -1036,8 +1036,8 @@ class GluonCall:
 # coop2_128x256_g16_swt beat it by 1.09-1.14x at 6 of the 8 points with M >= 4096 in session 15's
 # run 6 (H100, plain: 544 against 603 us at 16384x6144, 620 against 707 at 4096x28672).
 # Session 20 put session 19's forms of the last two in their place (H200, INT8, plain, 7 rounds, 12
-# points with M >= 1024: coop2_128x256_g16_lean_t3_pl1 1.02-1.10x and coop2_128x256_g16_swt_t3_pl1
-# 1.02-1.13x coop2_128x256_g16_swt, the faster of the two older forms at 11 of the 12).
+# points with M >= 1024, against the faster of coop2_128x256_g16_lean / _swt at each point:
+# coop2_128x256_g16_lean_t3_pl1 1.002-1.055x, coop2_128x256_g16_swt_t3_pl1 1.009-1.078x).
 TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop_128x256_k64", "coop2_128x256",
                    "coop2_128x256_g16_lean_t3_pl1", "coop2_128x256_g16_swt_t3_pl1")
 # FP8's (fast accumulation; plain, not gated): measured on an H100 in session 10 at the same 12
