@@ -25,10 +25,7 @@ synchronous wgmma (``wgmma.wait_group 0`` after every K step). Gluon exposes the
   warpgroups of a split tile take turns on one warpgroup-sized staging, one free barrier each,
   stage_bars[1 + c]). ``lean_start``: a tile's first
   MMA ignores its accumulator (use_acc off; it is handed the previous tile's registers, no
-  zeroing), and the next tile's coordinates are computed under the last MMA. ``direct_store``
-  (STORE_WARP 3, also only where N is a multiple of BLOCK_N): no staging, fence or TMA store; each
-  thread writes its bf16 column pairs straight from the wgmma layout with 4-byte global stores
-  (the output's address comes in the bias argument, which a plain call does not use).
+  zeroing), and the next tile's coordinates are computed under the last MMA.
 - CONSUMERS=1 ("cooperative"): one partition of CONSUMER_WARPS (8: two warpgroups, each owns 64
   rows of a 128-row tile). CONSUMERS=2 ("ping-pong"): two 4-warp partitions take alternate tiles
   of the program and take turns on the mainloop through an order barrier (CUTLASS's ping-pong):
@@ -170,11 +167,6 @@ class GluonConfig:
     # (2048 tiles on 132 SMs: 16 rounds, 128 programs of 16 instead of 68 of 16 and 64 of 15): no
     # partial last round, with the power the idle SMs leave to the others.
     balanced_grid: bool = False
-    # Plain epilogue where N is a multiple of block_n (else the TMA store): the scaled tile goes
-    # from the wgmma registers straight to global memory, each thread's bf16 column pairs as 4-byte
-    # stores, instead of through shared memory, a fence and TMA stores that wait on each other
-    # (the exposed part of a split tile's epilogue in session 19's traces).
-    direct_store: bool = False
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
@@ -195,8 +187,6 @@ class GluonConfig:
             raise ValueError(f"prologue_loads={self.prologue_loads}: 0 to stages={self.stages} K steps")
         if self.staging_turns and not (self.store_warp and self.split_m):
             raise ValueError("staging_turns needs store_warp=True and split_m=True (two warpgroups per tile)")
-        if self.direct_store and (self.store_warp or not self.early_scales):
-            raise ValueError("direct_store needs store_warp=False and early_scales=True (the tile scaled in its registers)")
         if self.store_warp and self.consumers == 2 and not self.split_m:
             raise ValueError("store_warp needs every consumer on every tile: split_m=True or consumers=1")
         if self.epilogue_buffers not in (1, 2) or self.epilogue_split % self.epilogue_buffers:
@@ -215,13 +205,13 @@ class GluonConfig:
                 f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late")
                 + ("_sw" if self.store_warp else "") + ("t" if self.staging_turns else "")
                 + ("_lean" if self.lean_start else "") + (f"_t{self.tail_order}" if self.tail_order else "")
-                + (f"_pl{self.prologue_loads}" if self.prologue_loads else "") + ("_bal" if self.balanced_grid else "") + ("_ds" if self.direct_store else ""))
+                + (f"_pl{self.prologue_loads}" if self.prologue_loads else "") + ("_bal" if self.balanced_grid else ""))
 
     @property
     def store_mode(self) -> int:
         """The kernel's STORE_WARP: 0 (the consumers store), 1 (store partition, the whole tile
-        staged), 2 (store partition, one warpgroup's part at a time) or 3 (direct_store)."""
-        return 3 if self.direct_store else 2 if self.staging_turns else int(self.store_warp)
+        staged) or 2 (store partition, one warpgroup's part at a time)."""
+        return 2 if self.staging_turns else int(self.store_warp)
 
     @property
     def staging_buffers(self) -> int:
@@ -316,11 +306,6 @@ CONFIGS = {
                                                      epilogue_split=4, split_m=True, group_m=16, lean_start=True,
                                                      loader_regs=24, consumer_regs=240, tail_order=3, prologue_loads=1,
                                                      balanced_grid=True),
-    # lean_t3_pl1 with direct_store, balanced (session 20).
-    "coop2_128x256_g16_lean_t3_pl1_bal_ds": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
-                                                        epilogue_split=4, split_m=True, group_m=16, lean_start=True,
-                                                        loader_regs=24, consumer_regs=240, tail_order=3,
-                                                        prologue_loads=1, balanced_grid=True, direct_store=True),
     "coop2_128x256_g16_swt_t3_pl1": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
                                                 epilogue_split=4, split_m=True, group_m=16, store_warp=True,
                                                 staging_turns=True, lean_start=True, tail_order=3, prologue_loads=1),
@@ -481,11 +466,6 @@ if _GLUON_ERROR is None:
         # kept live for the next tile's first MMA (lean_start), those spilled (0.4-2.6 KB with bias
         # + silu, triton 3.6 and 3.9), so they run the per-chunk epilogue, each chunk its own buffer.
         return FLAG if not HAS_BIAS and ACTIVATION == 0 and not GATED else 0  # FLAG's value kept (STORE_WARP 2)
-
-    @gluon.constexpr_function
-    def _store_partition_mode(STORE_WARP):
-        # STORE_WARP 1 and 2 have a store partition; 0 and 3 (direct_store) store from the consumers.
-        return STORE_WARP == 1 or STORE_WARP == 2
 
     @gluon.jit
     def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
@@ -772,44 +752,34 @@ if _GLUON_ERROR is None:
                     u = u * gl.expand_dims(w_scale_up, 0)
             else:
                 u = x  # a stand-in, unused
-            if STORE_WARP == 3:
-                # direct_store: each thread's bf16 column pairs straight from the wgmma layout (the
-                # launcher passes the output's address as bias_ptr, which a plain call does not use).
-                # The row offset is written as a multiple of 8 (a TMA-able output's row stride is)
-                # and N is a multiple of BLOCK_N, so the pairs go out as aligned 4-byte stores.
-                out_cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
-                row_start = rows.to(gl.int64) * (out_desc.strides[0] // 8) * 8
-                out_ptrs = bias_ptr + gl.expand_dims(row_start, 1) + gl.expand_dims(out_cols, 0)
-                gl.store(out_ptrs, x.to(out_desc.dtype), mask=gl.expand_dims(rows < M, 1))
+            if STORE_WARP == 2:
+                # staging_turns: free once the part staged before this one (the other consumer's,
+                # of this tile or the previous one) has been read out. This consumer's free barrier
+                # completes once per tile: for consumer 0 from the second tile on (the first
+                # waits for a fresh barrier's pre-completed phase), for consumer 1 from the first.
+                mbarrier.wait(stage_bars.index(1 + CONSUMER), _previous_phase(local - 1 + CONSUMER))
+            elif STORE_WARP:
+                # The staging is free again once the store partition's stores of the previous tile
+                # have read it (every consumer takes every tile: local counts this program's tiles).
+                mbarrier.wait(stage_bars.index(1), _previous_phase(local - 1))
+            if EPILOGUE_SPLIT == 1:
+                _store_chunk(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
+                             STORE_WARP)
+            elif EPILOGUE_SPLIT == 2:
+                _store_halves(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                              HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
             else:
-                if STORE_WARP == 2:
-                    # staging_turns: free once the part staged before this one (the other consumer's,
-                    # of this tile or the previous one) has been read out. This consumer's free barrier
-                    # completes once per tile: for consumer 0 from the second tile on (the first
-                    # waits for a fresh barrier's pre-completed phase), for consumer 1 from the first.
-                    mbarrier.wait(stage_bars.index(1 + CONSUMER), _previous_phase(local - 1 + CONSUMER))
-                elif STORE_WARP:
-                    # The staging is free again once the store partition's stores of the previous tile
-                    # have read it (every consumer takes every tile: local counts this program's tiles).
-                    mbarrier.wait(stage_bars.index(1), _previous_phase(local - 1))
-                if EPILOGUE_SPLIT == 1:
-                    _store_chunk(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                                 HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
-                                 STORE_WARP)
-                elif EPILOGUE_SPLIT == 2:
-                    _store_halves(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                                  HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
-                else:
-                    left, right = _halves(x)
-                    u_left, u_right = _halves(u)
-                    _store_halves(left, u_left, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr,
-                                  N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
-                    _store_halves(right, u_right, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr,
-                                  bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
-                if STORE_WARP:
-                    # The staged tile visible to the TMA unit, then handed to the store partition.
-                    fence_async_shared()
-                    mbarrier.arrive(stage_bars.index(0))
+                left, right = _halves(x)
+                u_left, u_right = _halves(u)
+                _store_halves(left, u_left, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr,
+                              N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
+                _store_halves(right, u_right, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr,
+                              bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
+            if STORE_WARP:
+                # The staged tile visible to the TMA unit, then handed to the store partition.
+                fence_async_shared()
+                mbarrier.arrive(stage_bars.index(0))
             if LEAN_START:
                 # The next tile's first MMA takes these registers as its (ignored) accumulator: no
                 # zeroing, and no second set of 128 live registers.
@@ -837,7 +807,7 @@ if _GLUON_ERROR is None:
         # buffer, for one consumer's part (staging_turns) or for every consumer's; else
         # EPILOGUE_BUFFERS per consumer.
         STAGING: gl.constexpr = (EPILOGUE_SPLIT if STORE_WARP == 2 else
-                                 CONSUMERS * (EPILOGUE_SPLIT if STORE_WARP == 1 else EPILOGUE_BUFFERS))
+                                 CONSUMERS * (EPILOGUE_SPLIT if STORE_WARP else EPILOGUE_BUFFERS))
         c_bufs = gl.allocate_shared_memory(out_desc.dtype, [STAGING] + out_desc.block_type.shape, out_desc.layout)
         ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -873,13 +843,12 @@ if _GLUON_ERROR is None:
         fence_async_shared()
         PLAIN_STORE_WARP: gl.constexpr = _plain_only(STORE_WARP, HAS_BIAS, ACTIVATION, GATED)
         PLAIN_LEAN: gl.constexpr = _plain_only(LEAN_START, HAS_BIAS, ACTIVATION, GATED)
-        STORE_PARTITION: gl.constexpr = _store_partition_mode(PLAIN_STORE_WARP)
 
         # The default partition (the kernel's num_warps) is consumer 0; workers follow: consumer 1
         # (ping-pong, split_m), the loader, and with store_warp the store partition. Neither a
         # (function, arguments) tuple nor an arguments tuple can be a variable here (Gluon 3.6 / 3.9
         # refuse both), hence one full list per arrangement.
-        if CONSUMERS == 1 and STORE_PARTITION:
+        if CONSUMERS == 1 and PLAIN_STORE_WARP:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
@@ -898,7 +867,7 @@ if _GLUON_ERROR is None:
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED, PROLOGUE_LOADS)),
             ], [1], [LOADER_REGS])
-        elif STORE_PARTITION:
+        elif PLAIN_STORE_WARP:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
@@ -1007,7 +976,7 @@ class GluonCall:
     a_scale (M,) and w_scale (N,) float32, ``bias_arg`` the bias or any tensor when there is none.
     A gated config (``config.gated``): w the stacked (2N, K) [gate; up] weight, w_scale (2N,), no bias."""
 
-    __slots__ = ("config", "grid", "constexprs", "chunk_n", "key", "tail", "direct")
+    __slots__ = ("config", "grid", "constexprs", "chunk_n", "key", "tail")
 
     def __init__(self, config: GluonConfig, M: int, N: int, device: torch.device, has_bias: bool,
                  activation: str) -> None:
@@ -1016,16 +985,12 @@ class GluonCall:
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.grid = (program_count(tiles, num_sms(index), config.balanced_grid),)
         self.chunk_n = config.block_n // config.epilogue_split
-        # direct_store: plain epilogue, and whole tiles across N (else the TMA store path).
-        self.direct = (config.direct_store and not (has_bias or activation != "none" or config.gated)
-                       and N % config.block_n == 0)
-        store_mode = config.store_mode if self.direct or not config.direct_store else 0
         self.constexprs = dict(
             HAS_BIAS=has_bias, ACTIVATION=ACTIVATIONS.index(activation), GROUP_M=config.group_m,
             STAGES=config.stages, CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
             EPILOGUE_BUFFERS=config.epilogue_buffers, LOADER_REGS=config.loader_regs,
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
-            SPLIT_M=config.split_m, STORE_WARP=store_mode, LEAN_START=config.lean_start,
+            SPLIT_M=config.split_m, STORE_WARP=config.store_mode, LEAN_START=config.lean_start,
             TAIL_ORDER=config.tail_order, PROLOGUE_LOADS=config.prologue_loads,
             num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the
@@ -1037,8 +1002,6 @@ class GluonCall:
         cfg = self.config
         M, K = a.shape
         N = out.shape[1]
-        if self.direct:
-            bias_arg = out  # the kernel's direct stores take the output's address from bias_ptr
         # What the compiled binary depends on besides the config: the dtypes (descriptor element
         # types, the bias pointer), each integer's specialization and the scale/bias alignment.
         key = (self.key, a.dtype, out.dtype, bias_arg.dtype, int_spec(M), int_spec(N), int_spec(K),
