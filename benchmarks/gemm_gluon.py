@@ -70,7 +70,9 @@ CHECK_MS = [1, 13, 257, 1024]
 # phases), a K tail, step counts that are no multiple of the ring depth; K=272: K shorter than the ring.
 # (8192, 4096, 144): ~8 cooperative tiles per program of 2 K steps (one a tail), so one warpgroup can
 # run a whole tile ahead of the other (staging_turns' free barriers, session 15).
-LONG_CHECKS = [(1024, 4096, 4096), (1000, 6144, 4096), (2048, 6144, 4000), (2048, 6144, 272), (8192, 4096, 144)]
+# (3000, 6144, 4000): tail_halves after 4 whole rounds (576 tiles: 48 as 96 half tiles), ragged rows, a K tail.
+LONG_CHECKS = [(1024, 4096, 4096), (1000, 6144, 4096), (2048, 6144, 4000), (2048, 6144, 272), (8192, 4096, 144),
+               (3000, 6144, 4000)]
 SELECTED: list[str] = []  # --configs; empty = every config
 OPTIONS = {"bias": True}  # --no-bias: the plain epilogue (no bias anywhere; the strictest baseline)
 ROUNDS = 3

@@ -167,6 +167,12 @@ class GluonConfig:
     # (2048 tiles on 132 SMs: 16 rounds, 128 programs of 16 instead of 68 of 16 and 64 of 15): no
     # partial last round, with the power the idle SMs leave to the others.
     balanced_grid: bool = False
+    # split_m only, not with balanced_grid: the tiles of a partial last round (where at most half
+    # the programs have one) are taken as half tiles, 64 rows each, one per program, by that
+    # program's warpgroup for those rows (the other warpgroup idles): the round takes the time of
+    # one warpgroup's MMAs on half a tile instead of a whole tile's (3072 tiles on 132 SMs: 23
+    # rounds, then 72 half tiles instead of 36 whole ones).
+    tail_halves: bool = False
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
@@ -185,6 +191,9 @@ class GluonConfig:
             raise ValueError(f"tail_order={self.tail_order} needs split_m=True and 0 < tail_order < stages={self.stages}")
         if not 0 <= self.prologue_loads <= self.stages:
             raise ValueError(f"prologue_loads={self.prologue_loads}: 0 to stages={self.stages} K steps")
+        if self.tail_halves and not (self.split_m and not self.balanced_grid and not self.gated):
+            raise ValueError("tail_halves needs split_m=True (a warpgroup per half tile), balanced_grid=False "
+                             "and gated=False")
         if self.staging_turns and not (self.store_warp and self.split_m):
             raise ValueError("staging_turns needs store_warp=True and split_m=True (two warpgroups per tile)")
         if self.store_warp and self.consumers == 2 and not self.split_m:
@@ -205,7 +214,8 @@ class GluonConfig:
                 f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late")
                 + ("_sw" if self.store_warp else "") + ("t" if self.staging_turns else "")
                 + ("_lean" if self.lean_start else "") + (f"_t{self.tail_order}" if self.tail_order else "")
-                + (f"_pl{self.prologue_loads}" if self.prologue_loads else "") + ("_bal" if self.balanced_grid else ""))
+                + (f"_pl{self.prologue_loads}" if self.prologue_loads else "") + ("_bal" if self.balanced_grid else "")
+                + ("_th" if self.tail_halves else ""))
 
     @property
     def store_mode(self) -> int:
@@ -312,6 +322,17 @@ CONFIGS = {
     # The same with balanced_grid (session 20, H100, FP8, plain, 9 rounds: 0.986 against 0.947x
     # `_scaled_mm` at 16384x6144x4096 and 1.069 against 1.050x at 4096x6144x4096, 0.990 against
     # 1.009x at 16384x4096x14336; session 19's run 12: 1.022 against 1.000x at 16384x6144x4096).
+    # The unbalanced forms with the partial last round's tiles in halves (tail_halves): the round
+    # ends after one warpgroup's MMAs on half a tile (16384x6144: 23 rounds and 72 half tiles, where
+    # the balanced grid has 24 rounds on 128 SMs).
+    "coop2_128x256_g16_lean_t3_pl1_th": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
+                                                    epilogue_split=4, split_m=True, group_m=16, lean_start=True,
+                                                    loader_regs=24, consumer_regs=240, tail_order=3, prologue_loads=1,
+                                                    tail_halves=True),
+    "coop2_128x256_g16_swt_t3_pl1_th": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
+                                                   epilogue_split=4, split_m=True, group_m=16, store_warp=True,
+                                                   staging_turns=True, lean_start=True, tail_order=3, prologue_loads=1,
+                                                   tail_halves=True),
     "coop2_128x256_g16_swt_t3_pl1_bal": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
                                                     epilogue_split=4, split_m=True, group_m=16, store_warp=True,
                                                     staging_turns=True, lean_start=True, tail_order=3,
@@ -344,9 +365,12 @@ GATED_CONFIGS = {
 }
 
 
-def program_count(tiles: int, sms: int, balanced: bool) -> int:
+def program_count(tiles: int, sms: int, balanced: bool, tail_halves: bool = False) -> int:
     """Persistent programs for ``tiles`` tiles on ``sms`` SMs: one per SM (at most one per tile), or
-    (``balanced``) the fewest that take the same rounds of tiles, each program as many tiles."""
+    (``balanced``) the fewest that take the same rounds of tiles, each program as many tiles, or
+    (``tail_halves``, with at most half as many tiles as SMs) one per half tile."""
+    if tail_halves and 2 * tiles <= sms:
+        return 2 * tiles
     programs = min(sms, tiles)
     return cdiv(tiles, cdiv(tiles, programs)) if balanced else programs
 
@@ -426,6 +450,29 @@ def turn_phase(tile):
     return (((tile + 1) // 2) & 1) ^ 1  # previous_phase((tile + 1) // 2), spelled out for gluon.jit
 
 
+def unit_count(tiles, programs):
+    """tail_halves: the work units the programs walk (unit u by program u % programs): the tiles,
+    plus one more per tile of a partial last round when at most half the programs have one there;
+    those tiles are taken as two half tiles each, one per program."""
+    leftover = tiles % programs
+    units = tiles
+    if 2 * leftover <= programs:
+        units = tiles + leftover
+    return units
+
+
+def unit_tile(unit, tiles, units):
+    """(tile, half) of work unit ``unit`` of ``units`` (``unit_count``): half 2 is the whole
+    tile, 0 or 1 its first or second half of rows (the rows of split_m's consumer 0 or 1)."""
+    whole = 2 * tiles - units  # the tiles before the halved ones
+    tile = unit
+    half = 2
+    if unit >= whole:
+        tile = whole + (unit - whole) // 2
+        half = (unit - whole) % 2
+    return tile, half
+
+
 # ----------------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------------
@@ -434,6 +481,24 @@ if _GLUON_ERROR is None:
     _ring_slot_phase = gluon.jit(ring_slot_phase)
     _previous_phase = gluon.jit(previous_phase)
     _turn_phase = gluon.jit(turn_phase)
+    _unit_count = gluon.jit(unit_count)
+    _unit_tile = gluon.jit(unit_tile)
+
+    @gluon.jit
+    def _units(tiles, programs, TAIL_HALVES: gl.constexpr):
+        # The units this kernel's programs walk: its tiles, or with TAIL_HALVES unit_count's.
+        units = tiles
+        if TAIL_HALVES:
+            units = _unit_count(tiles, programs)
+        return units
+
+    @gluon.jit
+    def _tile_of(unit, tiles, units, TAIL_HALVES: gl.constexpr):
+        # The tile of a unit (unit_tile); without TAIL_HALVES every unit is its tile.
+        tile = unit
+        if TAIL_HALVES:
+            tile, _ = _unit_tile(unit, tiles, units)
+        return tile
 
     @gluon.constexpr_function
     def _split(BLOCK_M, CONSUMERS, SPLIT_M):
@@ -514,8 +579,9 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _load_partition(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
-                        PROLOGUE_LOADS: gl.constexpr):
+                        PROLOGUE_LOADS: gl.constexpr, TAIL_HALVES: gl.constexpr):
         # PROLOGUE_LOADS: the kernel's prologue issued the first min(k_steps, PROLOGUE_LOADS) steps.
+        # A half tile's unit (TAIL_HALVES) loads the whole tile's slices: its warpgroup reads its rows.
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -523,8 +589,11 @@ if _GLUON_ERROR is None:
         num_pid_n = gl.cdiv(N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
         issued = gl.minimum(k_steps, PROLOGUE_LOADS)
+        tiles = num_pid_m * num_pid_n
+        units = _units(tiles, gl.num_programs(0), TAIL_HALVES)
         step = 0  # K-slices issued by this program so far: the ring position
-        for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        for unit in range(gl.program_id(0), units, gl.num_programs(0)):
+            tile = _tile_of(unit, tiles, units, TAIL_HALVES)
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
@@ -577,7 +646,7 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _store_partition(out_desc, c_bufs, stage_bars, M, N, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
-                         STORE_MODE: gl.constexpr):
+                         STORE_MODE: gl.constexpr, TAIL_HALVES: gl.constexpr):
         # store_warp: the TMA stores of every tile the consumers staged. STORE_MODE 1: stage_bars[0]
         # completes a phase when every consumer has staged its part of this program's next tile (in
         # tile order), stage_bars[1] when the stores have read the staging back out, so it can be
@@ -594,23 +663,33 @@ if _GLUON_ERROR is None:
         BLOCK_N: gl.constexpr = CHUNK_N * CHUNKS
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N)
+        tiles = num_pid_m * num_pid_n
+        units = _units(tiles, gl.num_programs(0), TAIL_HALVES)
         staged = 0  # tiles stored so far
-        for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        for unit in range(gl.program_id(0), units, gl.num_programs(0)):
+            # A half tile's unit: only its warpgroup's part holds results (the other's is not stored).
+            if TAIL_HALVES:
+                tile, half = _unit_tile(unit, tiles, units)
+            else:
+                tile = unit
+                half: gl.constexpr = 2
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             if STORE_MODE == 2:
                 for c in gl.static_range(CONSUMERS):
                     mbarrier.wait(stage_bars.index(0), (staged * CONSUMERS + c) & 1)
-                    for j in gl.static_range(CHUNKS):
-                        _tma_store(out_desc, [pid_m * BLOCK_M + c * ROWS, pid_n * BLOCK_N + j * CHUNK_N],
-                                   c_bufs.index(j))
+                    if (half == 2) | (half == c):
+                        for j in gl.static_range(CHUNKS):
+                            _tma_store(out_desc, [pid_m * BLOCK_M + c * ROWS, pid_n * BLOCK_N + j * CHUNK_N],
+                                       c_bufs.index(j))
                     tma.store_wait(0)
                     mbarrier.arrive(stage_bars.index(1 + (c + 1) % CONSUMERS))
             else:
                 mbarrier.wait(stage_bars.index(0), staged & 1)
                 for c in gl.static_range(CONSUMERS):
-                    for j in gl.static_range(CHUNKS):
-                        _tma_store(out_desc, [pid_m * BLOCK_M + c * ROWS, pid_n * BLOCK_N + j * CHUNK_N],
-                                   c_bufs.index(c * CHUNKS + j))
+                    if (half == 2) | (half == c):
+                        for j in gl.static_range(CHUNKS):
+                            _tma_store(out_desc, [pid_m * BLOCK_M + c * ROWS, pid_n * BLOCK_N + j * CHUNK_N],
+                                       c_bufs.index(c * CHUNKS + j))
                 tma.store_wait(0)  # the stores have read the staging (not: reached global memory)
                 mbarrier.arrive(stage_bars.index(1))
             staged += 1
@@ -644,9 +723,10 @@ if _GLUON_ERROR is None:
                             STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                             ACTIVATION: gl.constexpr, GATED: gl.constexpr, EARLY_SCALES: gl.constexpr,
                             SPLIT_M: gl.constexpr, STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr,
-                            TAIL_ORDER: gl.constexpr):
+                            TAIL_ORDER: gl.constexpr, TAIL_HALVES: gl.constexpr):
         # SPLIT_M: every consumer takes every tile, rows [ROW0, ROW0 + TILE_M) of it; otherwise
-        # (ping-pong) consumer c takes this program's tiles c, c + 2, ... whole.
+        # (ping-pong) consumer c takes this program's tiles c, c + 2, ... whole. TAIL_HALVES (split_m):
+        # on a half tile's unit the other consumer keeps the barriers' counts without MMAs or stores.
         BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
         BLOCK_N: gl.constexpr = w_bufs.type.shape[1]
@@ -667,13 +747,22 @@ if _GLUON_ERROR is None:
         TURN: gl.constexpr = 0 if SPLIT_M else CONSUMER
         local = TURN  # this program's tile count so far (both consumers'): the ring position
         first = gl.program_id(0) + TURN * nprog
-        last = num_pid_m * num_pid_n - 1
+        tiles = num_pid_m * num_pid_n
+        units = _units(tiles, nprog, TAIL_HALVES)
+        last = units - 1
         if LEAN_START:
             # The first tile's coordinates (each later tile's are computed under the last MMA of the
             # tile before it), and an accumulator never read: every tile's first MMA ignores it.
-            pid_m, pid_n = _grouped_tile(first, num_pid_m, num_pid_n, GROUP_M)
+            first_tile = _tile_of(first, tiles, units, TAIL_HALVES)
+            pid_m, pid_n = _grouped_tile(first_tile, num_pid_m, num_pid_n, GROUP_M)
             acc = gl.zeros((TILE_M, BLOCK_N), acc_dtype, layout=mma_layout)
-        for tile in range(first, last + 1, TURNS * nprog):
+        for unit in range(first, last + 1, TURNS * nprog):
+            if TAIL_HALVES:
+                tile, half = _unit_tile(unit, tiles, units)
+                busy = (half == 2) | (half == CONSUMER)  # False: the other consumer's half tile
+            else:
+                tile = unit
+                busy: gl.constexpr = True  # (a constexpr: the tests on it fold away at compile time)
             if not LEAN_START:
                 pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * BLOCK_M + ROW0
@@ -687,34 +776,45 @@ if _GLUON_ERROR is None:
                 # Our turn: the other consumer has issued all of the previous tile's ring waits
                 # and MMAs, so the ring positions below are at most one lap ahead of the loader.
                 mbarrier.wait(order_bars.index(CONSUMER), _turn_phase(local))
-            for ki in range(k_steps):
-                if TAIL_ORDER > 0 and CONSUMER == 1:
-                    # tail_order: consumer 0 arrives once per tile (below), so this tile's arrival
-                    # completes phase `local`. With k_steps >= STAGES consumer 0 cannot arrive for
-                    # the next tile before this wait (its last slot needs our releases past it).
-                    if k_steps >= STAGES and ki == k_steps - TAIL_ORDER:
-                        mbarrier.wait(order_bars.index(0), local & 1)
-                slot, phase = _ring_slot_phase(step, STAGES)
-                mbarrier.wait(ready_bars.index(slot), phase)
-                a_tile = a_bufs.index(slot)
-                if SPLIT_M:
-                    a_tile = a_tile.slice(ROW0, TILE_M)
-                if LEAN_START:
-                    use_acc = ki > 0
-                else:
-                    use_acc = True
-                acc = warpgroup_mma(a_tile, w_bufs.index(slot).permute((1, 0)), acc, use_acc=use_acc, is_async=True)
-                if GATED:
-                    # Two MMA groups per step (gate, up): waiting down to 2 outstanding keeps this
-                    # step's pair in flight and retires the previous step's pair, whose slot is free.
-                    acc_up = warpgroup_mma(a_tile, u_bufs.index(slot).permute((1, 0)), acc_up, use_acc=use_acc,
-                                           is_async=True)
-                    acc, acc_up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_up))
-                else:
-                    # Keep this MMA in flight; the one before it has now retired, so its slot is free.
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES), pred=ki > 0)
-                step += 1
+            if busy:
+                for ki in range(k_steps):
+                    if TAIL_ORDER > 0 and CONSUMER == 1:
+                        # tail_order: consumer 0 arrives once per tile (below), so this tile's arrival
+                        # completes phase `local`. With k_steps >= STAGES consumer 0 cannot arrive for
+                        # the next tile before this wait (its last slot needs our releases past it).
+                        if k_steps >= STAGES and ki == k_steps - TAIL_ORDER:
+                            mbarrier.wait(order_bars.index(0), local & 1)
+                    slot, phase = _ring_slot_phase(step, STAGES)
+                    mbarrier.wait(ready_bars.index(slot), phase)
+                    a_tile = a_bufs.index(slot)
+                    if SPLIT_M:
+                        a_tile = a_tile.slice(ROW0, TILE_M)
+                    if LEAN_START:
+                        use_acc = ki > 0
+                    else:
+                        use_acc = True
+                    acc = warpgroup_mma(a_tile, w_bufs.index(slot).permute((1, 0)), acc, use_acc=use_acc, is_async=True)
+                    if GATED:
+                        # Two MMA groups per step (gate, up): waiting down to 2 outstanding keeps this
+                        # step's pair in flight and retires the previous step's pair, whose slot is free.
+                        acc_up = warpgroup_mma(a_tile, u_bufs.index(slot).permute((1, 0)), acc_up, use_acc=use_acc,
+                                               is_async=True)
+                        acc, acc_up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_up))
+                    else:
+                        # Keep this MMA in flight; the one before it has now retired, so its slot is free.
+                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                    mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES), pred=ki > 0)
+                    step += 1
+            else:
+                # The other warpgroup's half tile: take and release the ring slots in step with it.
+                for ki in range(k_steps):
+                    if TAIL_ORDER > 0 and CONSUMER == 1:
+                        if k_steps >= STAGES and ki == k_steps - TAIL_ORDER:
+                            mbarrier.wait(order_bars.index(0), local & 1)
+                    slot, phase = _ring_slot_phase(step, STAGES)
+                    mbarrier.wait(ready_bars.index(slot), phase)
+                    mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES), pred=ki > 0)
+                    step += 1
             if TAIL_ORDER > 0 and CONSUMER == 0:
                 # Every MMA of this tile issued: consumer 1 may issue its last TAIL_ORDER steps.
                 mbarrier.arrive(order_bars.index(0), pred=k_steps >= STAGES)
@@ -724,7 +824,8 @@ if _GLUON_ERROR is None:
                 mbarrier.arrive(order_bars.index(1 - CONSUMER))
             if LEAN_START:
                 # The next tile's coordinates while the last MMA runs (past the last tile: unused).
-                pid_m, pid_n = _grouped_tile(gl.minimum(tile + TURNS * nprog, last), num_pid_m, num_pid_n, GROUP_M)
+                next_tile = _tile_of(gl.minimum(unit + TURNS * nprog, last), tiles, units, TAIL_HALVES)
+                pid_m, pid_n = _grouped_tile(next_tile, num_pid_m, num_pid_n, GROUP_M)
             # The epilogue's scale loads go out while the last MMA is still running, so their
             # latency hides under it (EARLY_SCALES: the column scales too, for the whole tile, not
             # one round trip per output chunk).
@@ -762,20 +863,21 @@ if _GLUON_ERROR is None:
                 # The staging is free again once the store partition's stores of the previous tile
                 # have read it (every consumer takes every tile: local counts this program's tiles).
                 mbarrier.wait(stage_bars.index(1), _previous_phase(local - 1))
-            if EPILOGUE_SPLIT == 1:
-                _store_chunk(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                             HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
-                             STORE_WARP)
-            elif EPILOGUE_SPLIT == 2:
-                _store_halves(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
-                              HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
-            else:
-                left, right = _halves(x)
-                u_left, u_right = _halves(u)
-                _store_halves(left, u_left, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr,
-                              N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
-                _store_halves(right, u_right, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr,
-                              bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
+            if busy:  # (a half tile's other consumer stages and stores nothing)
+                if EPILOGUE_SPLIT == 1:
+                    _store_chunk(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                                 HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
+                                 STORE_WARP)
+                elif EPILOGUE_SPLIT == 2:
+                    _store_halves(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                                  HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
+                else:
+                    left, right = _halves(x)
+                    u_left, u_right = _halves(u)
+                    _store_halves(left, u_left, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr,
+                                  bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
+                    _store_halves(right, u_right, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr,
+                                  bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
             if STORE_WARP:
                 # The staged tile visible to the TMA unit, then handed to the store partition.
                 fence_async_shared()
@@ -795,8 +897,10 @@ if _GLUON_ERROR is None:
                           EPILOGUE_BUFFERS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, SPLIT_M: gl.constexpr,
                           STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr, TAIL_ORDER: gl.constexpr,
-                          PROLOGUE_LOADS: gl.constexpr, num_warps: gl.constexpr):
+                          PROLOGUE_LOADS: gl.constexpr, TAIL_HALVES: gl.constexpr, num_warps: gl.constexpr):
         # GATED: out (M, N) = act(gate) * up over the stacked (2N, K) weight of w_desc; N counts outputs.
+        # tail_halves with the plain epilogue only (with a bias and an activation it spilled 40 bytes).
+        PLAIN_HALVES: gl.constexpr = _plain_only(TAIL_HALVES, HAS_BIAS, ACTIVATION, GATED)
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
         if GATED:
@@ -824,8 +928,12 @@ if _GLUON_ERROR is None:
             # visible to the TMA unit before the first copy.
             fence_async_shared()
             BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-            pid_m, pid_n = _grouped_tile(gl.program_id(0), gl.cdiv(M, a_desc.block_type.shape[0]),
-                                         gl.cdiv(N, w_desc.block_type.shape[0]), GROUP_M)
+            num_pid_m = gl.cdiv(M, a_desc.block_type.shape[0])
+            num_pid_n = gl.cdiv(N, w_desc.block_type.shape[0])
+            tiles = num_pid_m * num_pid_n
+            units = _units(tiles, gl.num_programs(0), PLAIN_HALVES)
+            first_tile = _tile_of(gl.program_id(0), tiles, units, PLAIN_HALVES)
+            pid_m, pid_n = _grouped_tile(first_tile, num_pid_m, num_pid_n, GROUP_M)
             k_steps = gl.cdiv(K, BLOCK_K)
             for s in gl.static_range(PROLOGUE_LOADS):
                 if s < k_steps:
@@ -853,46 +961,48 @@ if _GLUON_ERROR is None:
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
-                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS)),
-                (_store_partition, (out_desc, c_bufs, stage_bars, M, N, GROUP_M, CONSUMERS, PLAIN_STORE_WARP)),
+                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES)),
+                (_store_partition, (out_desc, c_bufs, stage_bars, M, N, GROUP_M, CONSUMERS, PLAIN_STORE_WARP,
+                                     PLAIN_HALVES)),
             ], [1, 1], [LOADER_REGS, LOADER_REGS])
         elif CONSUMERS == 1:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
-                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS)),
+                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES)),
             ], [1], [LOADER_REGS])
         elif PLAIN_STORE_WARP:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
-                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS)),
-                (_store_partition, (out_desc, c_bufs, stage_bars, M, N, GROUP_M, CONSUMERS, PLAIN_STORE_WARP)),
+                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES)),
+                (_store_partition, (out_desc, c_bufs, stage_bars, M, N, GROUP_M, CONSUMERS, PLAIN_STORE_WARP,
+                                     PLAIN_HALVES)),
             ], [num_warps, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
-                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS)),
+                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES)),
             ], [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -983,7 +1093,8 @@ class GluonCall:
         self.config = config
         tiles = cdiv(M, config.block_m) * cdiv(N, config.block_n)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        self.grid = (program_count(tiles, num_sms(index), config.balanced_grid),)
+        plain = not (has_bias or config.gated) and activation == "none"
+        self.grid = (program_count(tiles, num_sms(index), config.balanced_grid, config.tail_halves and plain),)
         self.chunk_n = config.block_n // config.epilogue_split
         self.constexprs = dict(
             HAS_BIAS=has_bias, ACTIVATION=ACTIVATIONS.index(activation), GROUP_M=config.group_m,
@@ -991,7 +1102,7 @@ class GluonCall:
             EPILOGUE_BUFFERS=config.epilogue_buffers, LOADER_REGS=config.loader_regs,
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
             SPLIT_M=config.split_m, STORE_WARP=config.store_mode, LEAN_START=config.lean_start,
-            TAIL_ORDER=config.tail_order, PROLOGUE_LOADS=config.prologue_loads,
+            TAIL_ORDER=config.tail_order, PROLOGUE_LOADS=config.prologue_loads, TAIL_HALVES=config.tail_halves,
             num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the
         # constexprs in signature order (after the 9 runtime arguments) for the cached launcher.

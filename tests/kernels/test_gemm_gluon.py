@@ -88,8 +88,10 @@ def test_tune_candidates_are_configs():
     (dict(tail_order=2), "tail_order=2 needs split_m"),  # one consumer: nobody to order
     (dict(consumers=2, consumer_warps=4, split_m=True, tail_order=4), "tail_order=4"),  # not below stages=4
     (dict(prologue_loads=5), "prologue_loads=5"),
+    (dict(tail_halves=True), "tail_halves needs split_m"),  # one consumer: no warpgroup per half
+    (dict(consumers=2, consumer_warps=4, split_m=True, tail_halves=True, balanced_grid=True), "balanced_grid=False"),
 ], ids=["too-many-stages", "three-consumers", "rows-per-warp", "split", "block-k", "tail-unsplit", "tail-stages",
-        "prologue-stages"])
+        "prologue-stages", "halves-unsplit", "halves-balanced"])
 def test_config_errors_name_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
         gemm_gluon.GluonConfig(**kwargs)
@@ -129,7 +131,7 @@ def _compile(config, dtype: str, activation: int = 2, plain: bool = False):
                      LOADER_REGS=config.loader_regs, CONSUMER_REGS=config.consumer_regs,
                      GATED=config.gated, EARLY_SCALES=config.early_scales, SPLIT_M=config.split_m,
                      STORE_WARP=config.store_mode, LEAN_START=config.lean_start, TAIL_ORDER=config.tail_order,
-                     PROLOGUE_LOADS=config.prologue_loads,
+                     PROLOGUE_LOADS=config.prologue_loads, TAIL_HALVES=config.tail_halves,
                      num_warps=config.consumer_warps)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(gemm_gluon._scaled_mm_kernel, signature, constants)
@@ -232,6 +234,37 @@ def test_program_count(tiles, sms, balanced, programs):
     rounds = -(-tiles // got)
     assert rounds == -(-tiles // min(sms, tiles))
     assert not balanced or got == 1 or -(-tiles // (got - 1)) > rounds
+
+
+@pytest.mark.parametrize("tiles, sms, programs, units", [
+    (3072, 132, 132, 3108),  # 16384x6144: 23 rounds, then 36 tiles as 72 half tiles
+    (3584, 132, 132, 3604),  # 4096x28672: 27 rounds, then 20 tiles as 40 halves
+    (2048, 132, 132, 2048),  # 16384x4096: 68 tiles left over, 136 halves would not fit one round
+    (192, 132, 132, 252),    # 1024x6144: 60 left over
+    (2112, 132, 132, 2112),  # whole rounds only
+    (66, 132, 132, 132), (2, 132, 4, 4), (67, 132, 67, 67), (1, 1, 1, 1)])
+def test_tail_halves_units_cover_every_tile_once(tiles, sms, programs, units):
+    """Program p walks units p, p + programs, ...: every tile is taken whole or as its two halves,
+    each exactly once; the halves are the last round, at most one per program, on distinct programs."""
+    assert gemm_gluon.program_count(tiles, sms, False, tail_halves=True) == programs
+    assert gemm_gluon.unit_count(tiles, programs) == units
+    taken = {}
+    halves_of = {}
+    for p in range(programs):
+        walked = [gemm_gluon.unit_tile(u, tiles, units) for u in range(p, units, programs)]
+        assert all(half == 2 for _, half in walked[:-1])  # only a program's last unit can be a half
+        for tile, half in walked:
+            for part in ((0, 1) if half == 2 else (half,)):
+                assert (tile, part) not in taken
+                taken[tile, part] = p
+            if half != 2:
+                halves_of.setdefault(tile, set()).add(p)
+    assert set(taken) == {(t, part) for t in range(tiles) for part in (0, 1)}
+    assert all(len(ps) == 2 for ps in halves_of.values())  # a tile's halves on two programs
+    rounds = -(-units // programs)
+    assert rounds == -(-tiles // programs)  # never a round more than whole tiles take
+    if halves_of:
+        assert min(halves_of) == tiles - len(halves_of)  # the last tiles, after every whole one
 
 
 @pytest.mark.skipif(gemm_gluon._GLUON_ERROR is not None, reason="Gluon does not import here")
