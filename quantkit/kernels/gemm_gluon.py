@@ -322,17 +322,18 @@ CONFIGS = {
     # The same with balanced_grid (session 20, H100, FP8, plain, 9 rounds: 0.986 against 0.947x
     # `_scaled_mm` at 16384x6144x4096 and 1.069 against 1.050x at 4096x6144x4096, 0.990 against
     # 1.009x at 16384x4096x14336; session 19's run 12: 1.022 against 1.000x at 16384x6144x4096).
-    # The unbalanced forms with the partial last round's tiles in halves (tail_halves): the round
-    # ends after one warpgroup's MMAs on half a tile (16384x6144: 23 rounds and 72 half tiles, where
-    # the balanced grid has 24 rounds on 128 SMs).
+    # The unbalanced lean form with the partial last round's tiles in halves (tail_halves): the
+    # round ends after one warpgroup's MMAs on half a tile (16384x6144: 23 rounds and 72 half tiles,
+    # where the balanced grid has 24 rounds on 128 SMs). Session 21 (H100, FP8, plain, 7 rounds,
+    # L2 flushed): 663.6 against 675.7 us for lean_t3_pl1_bal at 4096x28672x4096 (faster in each of
+    # the 7 rounds; 1.016x `_scaled_mm`), 39.9 against 43.9 us at 1024x6144x4096, 573.7 against
+    # 574.3 us at 16384x6144x4096. Run back to back at the power cap (warm L2) it was 0.5-3 % slower
+    # than the balanced form at those two large points: the SMs a partial round leaves idle give
+    # their power to the others. The store-partition form with tail_halves was no faster.
     "coop2_128x256_g16_lean_t3_pl1_th": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
                                                     epilogue_split=4, split_m=True, group_m=16, lean_start=True,
                                                     loader_regs=24, consumer_regs=240, tail_order=3, prologue_loads=1,
                                                     tail_halves=True),
-    "coop2_128x256_g16_swt_t3_pl1_th": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
-                                                   epilogue_split=4, split_m=True, group_m=16, store_warp=True,
-                                                   staging_turns=True, lean_start=True, tail_order=3, prologue_loads=1,
-                                                   tail_halves=True),
     "coop2_128x256_g16_swt_t3_pl1_bal": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
                                                     epilogue_split=4, split_m=True, group_m=16, store_warp=True,
                                                     staging_turns=True, lean_start=True, tail_order=3,
@@ -1157,10 +1158,12 @@ TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop_128x256_
 # at all 12 (1.004-1.082x, plain epilogue). Session 15 added the store-partition and lean-start
 # forms of coop2_128x256_g16 (they differ from it with the plain epilogue only); the tuner picked one
 # of them at 9 of the 12 points with M >= 1024 in that session's standard run (H100). Session 19
-# put tail_order=3 and prologue_loads=1 on the lean-start and staging-in-turns forms (see CONFIGS).
+# put tail_order=3 and prologue_loads=1 on the lean-start and staging-in-turns forms (see CONFIGS); session
+# 20 added the balanced store-partition form, session 21 the lean form with tail_halves.
 FP8_TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop2_128x256", "coop2_128x256_g16",
                        "coop2_128x256_g16_sw", "coop2_128x256_g16_swt_t3_pl1", "coop2_128x256_g16_lean_t3_pl1",
-                       "coop2_128x256_g16_lean_t3_pl1_bal", "coop2_128x256_g16_swt_t3_pl1_bal")
+                       "coop2_128x256_g16_lean_t3_pl1_bal", "coop2_128x256_g16_swt_t3_pl1_bal",
+                       "coop2_128x256_g16_lean_t3_pl1_th")
 # The gated GEMM's candidates, INT8 and FP8 (all of GATED_CONFIGS): at gate_up 2 x 14336 x 4096
 # on an H100 each was the fastest gated config of a dtype at one M or more of 256 ... 16384
 # (sessions 10 and 11; gated_coop2_128x128 for FP8 and INT8 at M = 4096).
