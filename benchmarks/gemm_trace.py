@@ -60,9 +60,9 @@ SUBSTITUTIONS = [
      "    @gluon.jit\n    def _halves(x):", 1),
     ("            step = local * k_steps\n",
      "            step = local * k_steps\n            t0 = _clock(tile)\n            t1 = t0\n", 1),
-    ("                mbarrier.wait(ready_bars.index(slot), phase)\n                a_tile = a_bufs.index(slot)",
-     "                mbarrier.wait(ready_bars.index(slot), phase)\n                if ki == 0:\n"
-     "                    t1 = _clock(ki)\n                a_tile = a_bufs.index(slot)", 1),
+    ("                    mbarrier.wait(ready_bars.index(slot), phase)\n                    a_tile = a_bufs.index(slot)",
+     "                    mbarrier.wait(ready_bars.index(slot), phase)\n                    if ki == 0:\n"
+     "                        t1 = _clock(ki)\n                    a_tile = a_bufs.index(slot)", 1),
     ("            rows = off_m + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout))\n",
      "            t2 = _clock(tile)\n            rows = off_m + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout))\n", 1),
     ("            mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES))\n            local += TURNS\n",
@@ -85,8 +85,9 @@ SUBSTITUTIONS = [
      "        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)\n", 1),
     ("    def _load_partition(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,",
      "    def _load_partition(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K, trace_ptr,", 1),
-    ("ready_bars, empty_bars, M, N, K,\n                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS)),",
-     "ready_bars, empty_bars, M, N, K,\n                                   trace_ptr, GROUP_M, STAGES, GATED, PROLOGUE_LOADS)),", 4),
+    ("ready_bars, empty_bars, M, N, K,\n                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES)),",
+     "ready_bars, empty_bars, M, N, K,\n                                   trace_ptr, GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES)),",
+     4),
     # The first copy: the loader's, or the prologue's (prologue_loads).
     ("                    _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, slot, off_m, off_n, ki, N, GATED)\n",
      "                    if step == 0:\n"
