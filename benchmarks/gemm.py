@@ -1,6 +1,6 @@
 """Check the GEMM and quantization kernels on the GPU, then benchmark them.
 
-    PYTHONUNBUFFERED=1 QUANTKIT_COMMIT=<sha> python benchmarks/gemm.py --out $OUT/gemmstd --deadline 420
+    PYTHONUNBUFFERED=1 QUANTKIT_COMMIT=<sha> python benchmarks/gemm.py --out $OUT/gemmstd --deadline 545
     python benchmarks/gemm.py --estimate                  # counts and a runtime estimate, no GPU needed
     TRITON_INTERPRET=1 python benchmarks/gemm.py --out /tmp/g --smoke   # CPU dry run, tiny shapes
     PYTHONUNBUFFERED=1 QUANTKIT_COMMIT=<sha> python benchmarks/gemm.py --split-k --out $OUT/splitk --deadline 540
