@@ -60,9 +60,9 @@ SUBSTITUTIONS = [
      "    @gluon.jit\n    def _halves(x):", 1),
     ("            step = local * k_steps\n",
      "            step = local * k_steps\n            t0 = _clock(tile)\n            t1 = t0\n", 1),
-    ("                    mbarrier.wait(ready_bars.index(slot), phase)\n                    a_tile = a_bufs.index(slot)",
-     "                    mbarrier.wait(ready_bars.index(slot), phase)\n                    if ki == 0:\n"
-     "                        t1 = _clock(ki)\n                    a_tile = a_bufs.index(slot)", 1),
+    ("                mbarrier.wait(ready_bars.index(slot), phase)\n                if busy:",
+     "                mbarrier.wait(ready_bars.index(slot), phase)\n                if ki == 0:\n"
+     "                    t1 = _clock(ki)\n                if busy:", 1),
     ("            rows = off_m + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout))\n",
      "            t2 = _clock(tile)\n            rows = off_m + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout))\n", 1),
     ("            mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES))\n            local += TURNS\n",

@@ -777,16 +777,16 @@ if _GLUON_ERROR is None:
                 # Our turn: the other consumer has issued all of the previous tile's ring waits
                 # and MMAs, so the ring positions below are at most one lap ahead of the loader.
                 mbarrier.wait(order_bars.index(CONSUMER), _turn_phase(local))
-            if busy:
-                for ki in range(k_steps):
-                    if TAIL_ORDER > 0 and CONSUMER == 1:
-                        # tail_order: consumer 0 arrives once per tile (below), so this tile's arrival
-                        # completes phase `local`. With k_steps >= STAGES consumer 0 cannot arrive for
-                        # the next tile before this wait (its last slot needs our releases past it).
-                        if k_steps >= STAGES and ki == k_steps - TAIL_ORDER:
-                            mbarrier.wait(order_bars.index(0), local & 1)
-                    slot, phase = _ring_slot_phase(step, STAGES)
-                    mbarrier.wait(ready_bars.index(slot), phase)
+            for ki in range(k_steps):
+                if TAIL_ORDER > 0 and CONSUMER == 1:
+                    # tail_order: consumer 0 arrives once per tile (below), so this tile's arrival
+                    # completes phase `local`. With k_steps >= STAGES consumer 0 cannot arrive for
+                    # the next tile before this wait (its last slot needs our releases past it).
+                    if k_steps >= STAGES and ki == k_steps - TAIL_ORDER:
+                        mbarrier.wait(order_bars.index(0), local & 1)
+                slot, phase = _ring_slot_phase(step, STAGES)
+                mbarrier.wait(ready_bars.index(slot), phase)
+                if busy:  # (else the other warpgroup's half tile: take and release the slots in step with it)
                     a_tile = a_bufs.index(slot)
                     if SPLIT_M:
                         a_tile = a_tile.slice(ROW0, TILE_M)
@@ -804,18 +804,8 @@ if _GLUON_ERROR is None:
                     else:
                         # Keep this MMA in flight; the one before it has now retired, so its slot is free.
                         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                    mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES), pred=ki > 0)
-                    step += 1
-            else:
-                # The other warpgroup's half tile: take and release the ring slots in step with it.
-                for ki in range(k_steps):
-                    if TAIL_ORDER > 0 and CONSUMER == 1:
-                        if k_steps >= STAGES and ki == k_steps - TAIL_ORDER:
-                            mbarrier.wait(order_bars.index(0), local & 1)
-                    slot, phase = _ring_slot_phase(step, STAGES)
-                    mbarrier.wait(ready_bars.index(slot), phase)
-                    mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES), pred=ki > 0)
-                    step += 1
+                mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES), pred=ki > 0)
+                step += 1
             if TAIL_ORDER > 0 and CONSUMER == 0:
                 # Every MMA of this tile issued: consumer 1 may issue its last TAIL_ORDER steps.
                 mbarrier.arrive(order_bars.index(0), pred=k_steps >= STAGES)
