@@ -319,8 +319,8 @@ def main() -> None:
             # MMA cycles of one consumer's tile at the dense FP8 rate (4096 MACs / SM / cycle): the
             # split tile's two halves share the tensor cores, so a half takes the whole tile's time.
             ideal = config.block_m * config.block_n * K // 4096
-            summary = analyse(trace, grid, config.consumers, config.shared_tiles,
-                              tiles * (config.consumers if config.shared_tiles else 1), ideal)
+            summary = analyse(trace, grid, config.consumers, config.split_m,
+                              tiles * (config.consumers if config.split_m else 1), ideal)
             row = {"M": M, "N": N, "K": K, "config": name, "rel_err": err, "ms_untraced": ms_u, "ms_traced": ms_t,
                    "kernel_us_cupti": kernel_us, "scaled_mm_kernel_us_cupti": cublas_us(M, N, K), "grid": grid,
                    **summary}

@@ -142,10 +142,6 @@ class GluonConfig:
     # ("cooperative" with independent warpgroups: each waits and releases ring slots on its own)
     # instead of taking alternate tiles (ping-pong).
     split_m: bool = False
-    # consumers=2 only: both consumers work on every tile, consumer c on columns [c, c + 1) x block_n / 2
-    # (all block_m rows: 128 rows as two 64-row wgmmas per K step, two independent accumulator chains)
-    # instead of on half the rows. The A tile is read by both, each W half by one.
-    split_n: bool = False
     # A one-warp store partition issues the output's TMA stores: the consumers stage the whole tile
     # (every epilogue chunk its own buffer), fence once, arrive, and go on to the next tile's MMAs,
     # instead of waiting on barriers, fences and stores chunk by chunk (2k SM cycles per tile of the
@@ -183,22 +179,16 @@ class GluonConfig:
             raise ValueError(f"consumers={self.consumers}: 1 (cooperative) or 2 (ping-pong)")
         if self.consumer_warps not in (4, 8):
             raise ValueError(f"consumer_warps={self.consumer_warps}: 4 or 8 (whole warpgroups)")
-        if (self.split_m or self.split_n) and self.consumers != 2:
-            raise ValueError(f"split_m / split_n need consumers=2 (two warpgroups on halves of each tile), "
-                             f"got {self.consumers}")
-        if self.split_m and self.split_n:
-            raise ValueError("split_m and split_n: choose one (the rows or the columns of a tile per warpgroup)")
-        if self.split_n and (self.gated or self.store_warp or self.tail_halves):
-            raise ValueError("split_n takes neither gated, store_warp nor tail_halves")
+        if self.split_m and self.consumers != 2:
+            raise ValueError(f"split_m needs consumers=2 (two warpgroups on halves of each tile), got {self.consumers}")
         if self.block_m % (16 * self.consumer_warps * (2 if self.split_m else 1)):
             raise ValueError(f"block_m={self.block_m} must be a multiple of 16 rows per warp "
                              f"({16 * self.consumer_warps} for {self.consumer_warps} warps)")
-        if self.tile_n % (8 * self.epilogue_split) or self.epilogue_split not in (1, 2, 4):
-            raise ValueError(f"epilogue_split={self.epilogue_split} must be 1, 2 or 4 and divide a consumer's "
-                             f"{self.tile_n} columns into multiples of 8")
-        if self.tail_order and not (self.shared_tiles and 0 < self.tail_order < self.stages):
-            raise ValueError(f"tail_order={self.tail_order} needs split_m or split_n and 0 < tail_order < "
-                             f"stages={self.stages}")
+        if self.block_n % (8 * self.epilogue_split) or self.epilogue_split not in (1, 2, 4):
+            raise ValueError(f"epilogue_split={self.epilogue_split} must be 1, 2 or 4 and divide "
+                             f"block_n={self.block_n} into multiples of 8")
+        if self.tail_order and not (self.split_m and 0 < self.tail_order < self.stages):
+            raise ValueError(f"tail_order={self.tail_order} needs split_m=True and 0 < tail_order < stages={self.stages}")
         if not 0 <= self.prologue_loads <= self.stages:
             raise ValueError(f"prologue_loads={self.prologue_loads}: 0 to stages={self.stages} K steps")
         if self.tail_halves and not (self.split_m and not self.balanced_grid and not self.gated):
@@ -206,7 +196,7 @@ class GluonConfig:
                              "and gated=False")
         if self.staging_turns and not (self.store_warp and self.split_m):
             raise ValueError("staging_turns needs store_warp=True and split_m=True (two warpgroups per tile)")
-        if self.store_warp and self.consumers == 2 and not self.shared_tiles:
+        if self.store_warp and self.consumers == 2 and not self.split_m:
             raise ValueError("store_warp needs every consumer on every tile: split_m=True or consumers=1")
         if self.epilogue_buffers not in (1, 2) or self.epilogue_split % self.epilogue_buffers:
             raise ValueError(f"epilogue_buffers={self.epilogue_buffers}: 1, or 2 with an even epilogue_split")
@@ -219,8 +209,7 @@ class GluonConfig:
     @property
     def name(self) -> str:
         kind = ("gated_" if self.gated else "") + (
-            "coop2x" if self.split_m else "coop2n" if self.split_n else "pp" if self.consumers == 2
-            else f"coop{self.consumer_warps}w")
+            "coop2x" if self.split_m else "pp" if self.consumers == 2 else f"coop{self.consumer_warps}w")
         return (f"{kind}_{self.block_m}x{self.block_n}x{self.block_k}_s{self.stages}"
                 f"_e{self.epilogue_split}_g{self.group_m}" + ("" if self.early_scales else "_late")
                 + ("_sw" if self.store_warp else "") + ("t" if self.staging_turns else "")
@@ -242,33 +231,13 @@ class GluonConfig:
         return self.consumers * (self.epilogue_split if self.store_warp else self.epilogue_buffers)
 
     @property
-    def shared_tiles(self) -> bool:
-        """Both consumers on every tile (split_m or split_n), not on alternate tiles."""
-        return self.split_m or self.split_n
-
-    @property
-    def split(self) -> int:
-        """The kernel's SPLIT: 0 (one consumer, or ping-pong), 1 (split_m), 2 (split_n)."""
-        return 1 if self.split_m else 2 if self.split_n else 0
-
-    @property
     def stored_rows(self) -> int:
         """Rows of one consumer's output chunk (its TMA store box)."""
         return self.block_m // 2 if self.split_m else self.block_m
 
-    @property
-    def tile_n(self) -> int:
-        """Columns of one consumer's part of a tile."""
-        return self.block_n // 2 if self.split_n else self.block_n
-
-    @property
-    def chunk_n(self) -> int:
-        """Columns of one output chunk (the TMA store box)."""
-        return self.tile_n // self.epilogue_split
-
     def shared_bytes(self, out_bytes: int = 2) -> int:
         ring = self.stages * (self.block_m + (2 if self.gated else 1) * self.block_n) * self.block_k  # 8-bit operands
-        staging = self.staging_buffers * self.stored_rows * self.chunk_n * out_bytes
+        staging = self.staging_buffers * self.stored_rows * (self.block_n // self.epilogue_split) * out_bytes
         return ring + staging + (2 * self.stages + self.consumers + 3) * 8 + 1024  # barriers, alignment slack
 
 
@@ -365,20 +334,6 @@ CONFIGS = {
                                                     epilogue_split=4, split_m=True, group_m=16, lean_start=True,
                                                     loader_regs=24, consumer_regs=240, tail_order=3, prologue_loads=1,
                                                     tail_halves=True),
-    # split_n (session 22): the same tile with each warpgroup on all 128 rows x 128 of the columns, two
-    # 64-row wgmmas per K step, so a warpgroup alone (the other in its epilogue) still keeps two
-    # independent accumulator chains in flight.
-    "coop2n_128x256_g16_lean_t3_pl1": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
-                                                  epilogue_split=4, split_n=True, group_m=16, lean_start=True,
-                                                  loader_regs=24, consumer_regs=240, tail_order=3, prologue_loads=1),
-    "coop2n_128x256_g16_lean_t3_pl1_bal": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
-                                                      epilogue_split=4, split_n=True, group_m=16, lean_start=True,
-                                                      loader_regs=24, consumer_regs=240, tail_order=3,
-                                                      prologue_loads=1, balanced_grid=True),
-    "coop2n_128x256_g16_lean_pl1_bal": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
-                                                   epilogue_split=4, split_n=True, group_m=16, lean_start=True,
-                                                   loader_regs=24, consumer_regs=240, prologue_loads=1,
-                                                   balanced_grid=True),
     "coop2_128x256_g16_swt_t3_pl1_bal": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
                                                     epilogue_split=4, split_m=True, group_m=16, store_warp=True,
                                                     staging_turns=True, lean_start=True, tail_order=3,
@@ -547,9 +502,8 @@ if _GLUON_ERROR is None:
         return tile
 
     @gluon.constexpr_function
-    def _part(BLOCK, CONSUMERS, SPLIT, AXIS):
-        # A consumer's rows (AXIS 1) or columns (AXIS 2) of a tile: half where SPLIT is AXIS.
-        return BLOCK // CONSUMERS if SPLIT == AXIS else BLOCK
+    def _split(BLOCK_M, CONSUMERS, SPLIT_M):
+        return BLOCK_M // CONSUMERS if SPLIT_M else BLOCK_M
 
     @gluon.constexpr_function
     def _mma_layout(BLOCK_M, BLOCK_N, num_warps, IS_INT8):
@@ -769,23 +723,20 @@ if _GLUON_ERROR is None:
                             CONSUMERS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, GROUP_M: gl.constexpr,
                             STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                             ACTIVATION: gl.constexpr, GATED: gl.constexpr, EARLY_SCALES: gl.constexpr,
-                            SPLIT: gl.constexpr, STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr,
+                            SPLIT_M: gl.constexpr, STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr,
                             TAIL_ORDER: gl.constexpr, TAIL_HALVES: gl.constexpr):
-        # SPLIT 1 (split_m) / 2 (split_n): every consumer takes every tile, rows [ROW0, ROW0 + TILE_M)
-        # x columns [COL0, COL0 + TILE_N) of it; SPLIT 0 with two consumers (ping-pong): consumer c
-        # takes this program's tiles c, c + 2, ... whole. TAIL_HALVES (split_m):
+        # SPLIT_M: every consumer takes every tile, rows [ROW0, ROW0 + TILE_M) of it; otherwise
+        # (ping-pong) consumer c takes this program's tiles c, c + 2, ... whole. TAIL_HALVES (split_m):
         # on a half tile's unit the other consumer keeps the barriers' counts without MMAs or stores.
         BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
         BLOCK_N: gl.constexpr = w_bufs.type.shape[1]
         IS_INT8: gl.constexpr = a_bufs.dtype == gl.int8
         acc_dtype: gl.constexpr = gl.int32 if IS_INT8 else gl.float32
-        TILE_M: gl.constexpr = _part(BLOCK_M, CONSUMERS, SPLIT, 1)
-        TILE_N: gl.constexpr = _part(BLOCK_N, CONSUMERS, SPLIT, 2)
-        ROW0: gl.constexpr = CONSUMER * TILE_M if SPLIT == 1 else 0
-        COL0: gl.constexpr = CONSUMER * TILE_N if SPLIT == 2 else 0
-        mma_layout: gl.constexpr = _mma_layout(TILE_M, TILE_N, CONSUMER_WARPS, IS_INT8)
-        chunk_layout: gl.constexpr = _chunk_layout(TILE_M, TILE_N, CONSUMER_WARPS, IS_INT8, EPILOGUE_SPLIT)
+        TILE_M: gl.constexpr = _split(BLOCK_M, CONSUMERS, SPLIT_M)
+        ROW0: gl.constexpr = CONSUMER * TILE_M if SPLIT_M else 0
+        mma_layout: gl.constexpr = _mma_layout(TILE_M, BLOCK_N, CONSUMER_WARPS, IS_INT8)
+        chunk_layout: gl.constexpr = _chunk_layout(TILE_M, BLOCK_N, CONSUMER_WARPS, IS_INT8, EPILOGUE_SPLIT)
         BUFFERS: gl.constexpr = c_bufs.type.shape[0] // CONSUMERS
         FIRST: gl.constexpr = 0 if STORE_WARP == 2 else CONSUMER * BUFFERS  # staging_turns: one shared part
 
@@ -793,8 +744,8 @@ if _GLUON_ERROR is None:
         num_pid_n = gl.cdiv(N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
         nprog = gl.num_programs(0)
-        TURNS: gl.constexpr = 1 if SPLIT else CONSUMERS  # consumers taking turns on this program's tiles
-        TURN: gl.constexpr = 0 if SPLIT else CONSUMER
+        TURNS: gl.constexpr = 1 if SPLIT_M else CONSUMERS  # consumers taking turns on this program's tiles
+        TURN: gl.constexpr = 0 if SPLIT_M else CONSUMER
         local = TURN  # this program's tile count so far (both consumers'): the ring position
         first = gl.program_id(0) + TURN * nprog
         tiles = num_pid_m * num_pid_n
@@ -805,7 +756,7 @@ if _GLUON_ERROR is None:
             # tile before it), and an accumulator never read: every tile's first MMA ignores it.
             first_tile = _tile_of(first, tiles, units, TAIL_HALVES)
             pid_m, pid_n = _grouped_tile(first_tile, num_pid_m, num_pid_n, GROUP_M)
-            acc = gl.zeros((TILE_M, TILE_N), acc_dtype, layout=mma_layout)
+            acc = gl.zeros((TILE_M, BLOCK_N), acc_dtype, layout=mma_layout)
         for unit in range(first, last + 1, TURNS * nprog):
             if TAIL_HALVES:
                 tile, half = _unit_tile(unit, tiles, units)
@@ -816,12 +767,12 @@ if _GLUON_ERROR is None:
             if not LEAN_START:
                 pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * BLOCK_M + ROW0
-            off_n = pid_n * BLOCK_N + COL0
+            off_n = pid_n * BLOCK_N
             step = local * k_steps
             if not LEAN_START:
-                acc = gl.zeros((TILE_M, TILE_N), acc_dtype, layout=mma_layout)
+                acc = gl.zeros((TILE_M, BLOCK_N), acc_dtype, layout=mma_layout)
                 if GATED:
-                    acc_up = gl.zeros((TILE_M, TILE_N), acc_dtype, layout=mma_layout)
+                    acc_up = gl.zeros((TILE_M, BLOCK_N), acc_dtype, layout=mma_layout)
             if TURNS == 2:
                 # Our turn: the other consumer has issued all of the previous tile's ring waits
                 # and MMAs, so the ring positions below are at most one lap ahead of the loader.
@@ -837,16 +788,13 @@ if _GLUON_ERROR is None:
                 mbarrier.wait(ready_bars.index(slot), phase)
                 if busy:  # (else the other warpgroup's half tile: take and release the slots in step with it)
                     a_tile = a_bufs.index(slot)
-                    w_tile = w_bufs.index(slot)
-                    if SPLIT == 1:
+                    if SPLIT_M:
                         a_tile = a_tile.slice(ROW0, TILE_M)
-                    elif SPLIT == 2:
-                        w_tile = w_tile.slice(COL0, TILE_N)
                     if LEAN_START:
                         use_acc = ki > 0
                     else:
                         use_acc = True
-                    acc = warpgroup_mma(a_tile, w_tile.permute((1, 0)), acc, use_acc=use_acc, is_async=True)
+                    acc = warpgroup_mma(a_tile, w_bufs.index(slot).permute((1, 0)), acc, use_acc=use_acc, is_async=True)
                     if GATED:
                         # Two MMA groups per step (gate, up): waiting down to 2 outstanding keeps this
                         # step's pair in flight and retires the previous step's pair, whose slot is free.
@@ -875,7 +823,7 @@ if _GLUON_ERROR is None:
             rows = off_m + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout))
             a_scale = gl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
             if EARLY_SCALES:
-                cols = off_n + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, mma_layout))
+                cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
                 w_scale = gl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
                 if GATED:
                     w_scale_up = gl.load(w_scale_ptr + N + cols, mask=cols < N, other=0.0)
@@ -938,7 +886,7 @@ if _GLUON_ERROR is None:
                           HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr,
                           STAGES: gl.constexpr, CONSUMERS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr,
                           EPILOGUE_BUFFERS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, SPLIT: gl.constexpr,
+                          GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, SPLIT_M: gl.constexpr,
                           STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr, TAIL_ORDER: gl.constexpr,
                           PROLOGUE_LOADS: gl.constexpr, TAIL_HALVES: gl.constexpr, num_warps: gl.constexpr):
         # GATED: out (M, N) = act(gate) * up over the stacked (2N, K) weight of w_desc; N counts outputs.
@@ -983,8 +931,8 @@ if _GLUON_ERROR is None:
                     _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, s,
                                pid_m * a_desc.block_type.shape[0], pid_n * w_desc.block_type.shape[0], s, N, GATED)
         for i in gl.static_range(STAGES):
-            # SPLIT (split_m, split_n): both consumers read every slot, and both release it.
-            mbarrier.init(empty_bars.index(i), count=CONSUMERS if SPLIT else 1)
+            # SPLIT_M: both consumers read every slot, and both release it.
+            mbarrier.init(empty_bars.index(i), count=CONSUMERS if SPLIT_M else 1)
         for i in gl.static_range(CONSUMERS):
             mbarrier.init(order_bars.index(i), count=1)
         mbarrier.init(stage_bars.index(0), count=1 if STORE_WARP == 2 else CONSUMERS)
@@ -1004,7 +952,7 @@ if _GLUON_ERROR is None:
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES)),
                 (_store_partition, (out_desc, c_bufs, stage_bars, M, N, GROUP_M, CONSUMERS, PLAIN_STORE_WARP,
@@ -1015,7 +963,7 @@ if _GLUON_ERROR is None:
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES)),
             ], [1], [LOADER_REGS])
@@ -1024,11 +972,11 @@ if _GLUON_ERROR is None:
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES)),
                 (_store_partition, (out_desc, c_bufs, stage_bars, M, N, GROUP_M, CONSUMERS, PLAIN_STORE_WARP,
@@ -1039,11 +987,11 @@ if _GLUON_ERROR is None:
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES)),
             ], [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -1138,13 +1086,13 @@ class GluonCall:
         index = device.index if device.index is not None else torch.cuda.current_device()
         plain = not (has_bias or config.gated) and activation == "none"
         self.grid = (program_count(tiles, num_sms(index), config.balanced_grid, config.tail_halves and plain),)
-        self.chunk_n = config.chunk_n
+        self.chunk_n = config.block_n // config.epilogue_split
         self.constexprs = dict(
             HAS_BIAS=has_bias, ACTIVATION=ACTIVATIONS.index(activation), GROUP_M=config.group_m,
             STAGES=config.stages, CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
             EPILOGUE_BUFFERS=config.epilogue_buffers, LOADER_REGS=config.loader_regs,
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
-            SPLIT=config.split, STORE_WARP=config.store_mode, LEAN_START=config.lean_start,
+            SPLIT_M=config.split_m, STORE_WARP=config.store_mode, LEAN_START=config.lean_start,
             TAIL_ORDER=config.tail_order, PROLOGUE_LOADS=config.prologue_loads, TAIL_HALVES=config.tail_halves,
             num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the

@@ -112,7 +112,7 @@ def _compile(config, dtype: str, activation: int = 2, plain: bool = False):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     operand = gl.int8 if dtype == "i8" else gl.float8e4nv
-    chunk_n = config.chunk_n
+    chunk_n = config.block_n // config.epilogue_split
 
     def desc(dt, block, gl_dtype):
         layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
@@ -129,7 +129,7 @@ def _compile(config, dtype: str, activation: int = 2, plain: bool = False):
                      CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
                      EPILOGUE_BUFFERS=config.epilogue_buffers,
                      LOADER_REGS=config.loader_regs, CONSUMER_REGS=config.consumer_regs,
-                     GATED=config.gated, EARLY_SCALES=config.early_scales, SPLIT=config.split,
+                     GATED=config.gated, EARLY_SCALES=config.early_scales, SPLIT_M=config.split_m,
                      STORE_WARP=config.store_mode, LEAN_START=config.lean_start, TAIL_ORDER=config.tail_order,
                      PROLOGUE_LOADS=config.prologue_loads, TAIL_HALVES=config.tail_halves,
                      num_warps=config.consumer_warps)
