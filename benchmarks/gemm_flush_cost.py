@@ -24,7 +24,7 @@ import gemm_gluon as bench  # noqa: E402  (sets up the quantkit package stub, as
 
 import torch  # noqa: E402
 
-from quantkit.bench.gemm import _FLUSH_BYTES, adaptive_graph_ms  # noqa: E402
+from quantkit.bench.gemm import _FLUSH_BYTES, adaptive_graph_ms, rotated_medians  # noqa: E402
 
 CALLS = 20
 
@@ -66,11 +66,8 @@ def main() -> None:
         for op in ops.values():
             if op is not None:
                 op()  # compile outside the timing
-        samples = {name: [] for name in ops}
-        names = list(ops)
-        for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                samples[name].append(spans(ops[name], flush))
+        # Each sample is an (op, memset after it) pair of spans: only the per-round samples are used.
+        _, samples = rotated_medians(ops, lambda op: spans(op, flush), args.rounds)
         for name, values in samples.items():
             row = {"M": M, "N": N, "K": K, "op": name,
                    "op_us": statistics.median(v[0] for v in values),

@@ -322,6 +322,10 @@ CONFIGS = {
     # The same with balanced_grid (session 20, H100, FP8, plain, 9 rounds: 0.986 against 0.947x
     # `_scaled_mm` at 16384x6144x4096 and 1.069 against 1.050x at 4096x6144x4096, 0.990 against
     # 1.009x at 16384x4096x14336; session 19's run 12: 1.022 against 1.000x at 16384x6144x4096).
+    "coop2_128x256_g16_swt_t3_pl1_bal": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
+                                                    epilogue_split=4, split_m=True, group_m=16, store_warp=True,
+                                                    staging_turns=True, lean_start=True, tail_order=3,
+                                                    prologue_loads=1, balanced_grid=True),
     # The unbalanced lean form with the partial last round's tiles in halves (tail_halves): the
     # round ends after one warpgroup's MMAs on half a tile (16384x6144: 23 rounds and 72 half tiles,
     # where the balanced grid has 24 rounds on 128 SMs). Session 21 (H100, FP8, plain, 7 rounds,
@@ -334,10 +338,6 @@ CONFIGS = {
                                                     epilogue_split=4, split_m=True, group_m=16, lean_start=True,
                                                     loader_regs=24, consumer_regs=240, tail_order=3, prologue_loads=1,
                                                     tail_halves=True),
-    "coop2_128x256_g16_swt_t3_pl1_bal": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
-                                                    epilogue_split=4, split_m=True, group_m=16, store_warp=True,
-                                                    staging_turns=True, lean_start=True, tail_order=3,
-                                                    prologue_loads=1, balanced_grid=True),
 }
 
 # The gated form (``gated=True``): per K step the ring slot holds the A tile, the gate W tile (rows
