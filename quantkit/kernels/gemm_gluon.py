@@ -451,6 +451,17 @@ def turn_phase(tile):
     return (((tile + 1) // 2) & 1) ^ 1  # previous_phase((tile + 1) // 2), spelled out for gluon.jit
 
 
+def plain_only(flag, has_bias, activation, gated):
+    """``flag`` where the epilogue is plain (no bias, activation index 0, not gated), else 0; its
+    value kept (STORE_WARP 2). The kernel's and the grid's one rule for the plain-only options:
+    store_warp and lean_start take effect with the plain epilogue, whose output chunks are views of
+    the scaled tile. A bias or activation makes new values per chunk: with the chunks no longer
+    fenced apart (store_warp) or the scaled tile kept live for the next tile's first MMA
+    (lean_start), those spilled (0.4-2.6 KB with bias + silu, triton 3.6 and 3.9), so they run the
+    per-chunk epilogue, each chunk its own buffer. tail_halves spilled 40 bytes with bias + silu."""
+    return flag if not has_bias and activation == 0 and not gated else 0
+
+
 def unit_count(tiles, programs):
     """tail_halves: the work units the programs walk (unit u by program u % programs): the tiles,
     plus one more per tile of a partial last round when at most half the programs have one there;
@@ -482,6 +493,7 @@ if _GLUON_ERROR is None:
     _ring_slot_phase = gluon.jit(ring_slot_phase)
     _previous_phase = gluon.jit(previous_phase)
     _turn_phase = gluon.jit(turn_phase)
+    _plain_only = gluon.constexpr_function(plain_only)
     _unit_count = gluon.jit(unit_count)
     _unit_tile = gluon.jit(unit_tile)
 
@@ -524,14 +536,6 @@ if _GLUON_ERROR is None:
         n = min(full.instr_shape[1], BLOCK_N // EPILOGUE_SPLIT)
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 32])
 
-    @gluon.constexpr_function
-    def _plain_only(FLAG, HAS_BIAS, ACTIVATION, GATED):
-        # store_warp and lean_start take effect with the plain epilogue (no bias, no activation, not
-        # gated), whose output chunks are views of the scaled tile. A bias or activation makes new
-        # values per chunk: with the chunks no longer fenced apart (store_warp) or the scaled tile
-        # kept live for the next tile's first MMA (lean_start), those spilled (0.4-2.6 KB with bias
-        # + silu, triton 3.6 and 3.9), so they run the per-chunk epilogue, each chunk its own buffer.
-        return FLAG if not HAS_BIAS and ACTIVATION == 0 and not GATED else 0  # FLAG's value kept (STORE_WARP 2)
 
     @gluon.jit
     def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
@@ -1084,11 +1088,12 @@ class GluonCall:
         self.config = config
         tiles = cdiv(M, config.block_m) * cdiv(N, config.block_n)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        plain = not (has_bias or config.gated) and activation == "none"
-        self.grid = (program_count(tiles, num_sms(index), config.balanced_grid, config.tail_halves and plain),)
+        act = ACTIVATIONS.index(activation)
+        halves = plain_only(config.tail_halves, has_bias, act, config.gated)  # the kernel's PLAIN_HALVES
+        self.grid = (program_count(tiles, num_sms(index), config.balanced_grid, halves),)
         self.chunk_n = config.block_n // config.epilogue_split
         self.constexprs = dict(
-            HAS_BIAS=has_bias, ACTIVATION=ACTIVATIONS.index(activation), GROUP_M=config.group_m,
+            HAS_BIAS=has_bias, ACTIVATION=act, GROUP_M=config.group_m,
             STAGES=config.stages, CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
             EPILOGUE_BUFFERS=config.epilogue_buffers, LOADER_REGS=config.loader_regs,
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
