@@ -27,22 +27,13 @@ import kernels_only  # noqa: E402, F401  (quantkit without its __init__)
 
 import torch  # noqa: E402
 
+from gemm_order import condition  # noqa: E402
 from quantkit.bench.common import environment_metadata  # noqa: E402
 from quantkit.bench.gemm import _bf16_operands, _quantized, adaptive_graph_ms  # noqa: E402
 from quantkit.kernels import gemm_gluon  # noqa: E402
 
 POINTS = [(16384, 6144, 4096), (16384, 4096, 4096), (4096, 28672, 4096), (16384, 4096, 14336)]
 CONDITIONERS = ("scaled_mm", "self")
-
-
-def condition(fn, ms: float) -> None:
-    """Run ``fn`` back to back for about ``ms`` milliseconds."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    while (time.perf_counter() - start) * 1e3 < ms:
-        for _ in range(4):
-            fn()
-        torch.cuda.synchronize()
 
 
 def point_ops(M: int, N: int, K: int) -> tuple[dict, tuple]:
@@ -102,7 +93,7 @@ def main() -> None:
             pairs = list(samples)
             rng.shuffle(pairs)
             for target, cond in pairs:
-                condition(ops[target if cond == "self" else cond], args.condition_ms)
+                condition(ops, target if cond == "self" else cond, args.condition_ms)
                 samples[(target, cond)].append(adaptive_graph_ms(ops[target]) * 1e3)
         us = {f"{t}|{c}": statistics.median(v) for (t, c), v in samples.items()}
         results.append({"M": M, "N": N, "K": K, "tunings": tuned, "us": us,
