@@ -27,7 +27,6 @@ does not take where the Gluon kernel runs (session 15):
 """
 
 import argparse
-import datetime
 import json
 import random
 import statistics
@@ -89,8 +88,7 @@ def main() -> None:
     args = parser.parse_args()
     targets, conditioners = args.targets.split(","), args.conditioners.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {**environment_metadata(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "condition_ms": args.condition_ms, "reps": args.reps}
+    meta = {**environment_metadata(), "condition_ms": args.condition_ms, "reps": args.reps}
     rng = random.Random(14)
     results, lines = [], [f"{meta.get('gpu')} torch {torch.__version__} {meta['date']}  "
                           f"(us, median of {args.reps}; rows: target, columns: what ran before it)"]

@@ -16,7 +16,6 @@ Writes gemm_tune_bias.json / .txt, rewritten after every point.
 """
 
 import argparse
-import datetime
 import json
 import random
 import statistics
@@ -49,8 +48,7 @@ def point_ops(M: int, N: int, K: int) -> tuple[dict, tuple]:
 
 def tunings(operands: tuple, count: int) -> list[dict]:
     """The shipped tuner ``count`` times at this point: its pick and candidate times (us) each time."""
-    a, w, a_scale, w_scale = operands
-    a_scale, w_scale = a_scale.reshape(-1).float().contiguous(), w_scale.reshape(-1).float().contiguous()
+    a, w, a_scale, w_scale = operands  # scales (M,) and (N,) fp32, as tuned_call takes them
     out = torch.empty((a.shape[0], w.shape[0]), device=a.device, dtype=torch.bfloat16)
     runs = []
     for _ in range(count):
@@ -74,8 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
-    meta = {**environment_metadata(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "condition_ms": args.condition_ms, "reps": args.reps, "tunings": args.tunings,
+    meta = {**environment_metadata(), "condition_ms": args.condition_ms, "reps": args.reps, "tunings": args.tunings,
             "tune_rounds": gemm_gluon.TUNE_ROUNDS}
     rng = random.Random(24)
     results, lines = [], [f"{meta.get('gpu')} torch {torch.__version__} triton {meta.get('triton')} {meta['date']}"]
