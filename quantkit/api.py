@@ -20,6 +20,7 @@ from quantkit.config import QuantConfig
 from quantkit.convert import ConversionReport, convert_model, target_linears
 from quantkit.eval.perplexity import PerplexityResult, evaluate_perplexity
 from quantkit.kernels.ops import resolve_backend
+from quantkit.nn import QuantLinear
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +54,12 @@ def prepare_evaluation_tokens(tokenizer, dataset: str, max_tokens: int | None = 
 @torch.no_grad()
 def quantize(
     model: nn.Module,
-    config: QuantConfig,
+    config: QuantConfig | str,
     calibration_data: torch.Tensor | None = None,
     progress: bool = True,
     offload_device: str | torch.device | None = None,
 ) -> nn.Module:
-    """Quantize ``model`` in place to W8A8 as ``config`` says and return it.
+    """Quantize ``model`` in place to W8A8 as ``config`` (or the scheme it names) says and return it.
 
     calibration_data: (n, seq_len) token ids; needed for static activations (and for the
     calibration recipes), unused for plain dynamic schemes.
@@ -66,6 +67,12 @@ def quantize(
     time (``calibration.offload`` states the memory bound); the quantized model stays in host
     memory (save it, or move it with ``.to``), with the backend chosen for the host.
     """
+    if isinstance(config, str):
+        config = QuantConfig.preset(config)
+    elif not isinstance(config, QuantConfig):
+        raise TypeError(f"config={config!r} is not a QuantConfig; pass one (QuantConfig.preset('fp8')) or a scheme name")
+    if any(isinstance(m, QuantLinear) for m in model.modules()) or getattr(model.config, "quantization_config", None):
+        raise ValueError("the model is already quantized; quantize its 16-bit original")
     if config.needs_calibration and calibration_data is None:
         raise ValueError(f"scheme {config.name!r} needs calibration data; pass token blocks "
                          "(quantkit.prepare_calibration_data)")
@@ -151,10 +158,43 @@ def compare_perplexity(baseline: nn.Module, quantized: nn.Module, tokens: torch.
                        stride: int | None = None, bos_token_id: int | None = None,
                        progress: bool = True, cuda_graph: bool = False) -> Comparison:
     """Perplexity of both models on the same tokens with the same windows (``cuda_graph``: see
-    ``evaluate_perplexity``)."""
+    ``evaluate_perplexity``). ``quantized`` must have been made from ``baseline``."""
+    check_same_model(baseline, quantized)
     return Comparison(
         baseline=evaluate_perplexity(baseline, tokens, window, stride, bos_token_id, progress, "baseline perplexity",
                                      cuda_graph),
         quantized=evaluate_perplexity(quantized, tokens, window, stride, bos_token_id, progress,
                                       "quantized perplexity", cuda_graph),
     )
+
+
+# What a quantized model shares with its 16-bit original whatever the recipe.
+_ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "intermediate_size")
+# quantkit keeps the input embeddings in 16 bits and no recipe changes them: a checkpoint's differ
+# from its original's by bf16 rounding (2**-9 relative) at most.
+_EMBEDDING_TOLERANCE = 1e-2
+
+
+@torch.no_grad()
+def check_same_model(baseline: nn.Module, quantized: nn.Module) -> None:
+    """Raise ValueError unless ``quantized`` was made from ``baseline``: the same architecture and the
+    same input embeddings."""
+    for key in _ARCHITECTURE:
+        ours, theirs = getattr(baseline.config, key, None), getattr(quantized.config, key, None)
+        if ours != theirs:
+            raise ValueError(f"the quantized model has {key}={theirs!r} but the baseline has {key}={ours!r}; "
+                             "compare a checkpoint with the 16-bit model it was made from")
+    base, quant = baseline.get_input_embeddings().weight, quantized.get_input_embeddings().weight
+    if base.shape != quant.shape:
+        raise ValueError(f"the quantized model's input embeddings are {tuple(quant.shape)}, the baseline's "
+                         f"{tuple(base.shape)}; compare a checkpoint with the 16-bit model it was made from")
+    diff = norm = 0.0
+    for start in range(0, base.shape[0], 8192):  # in slices: a large vocabulary's fp32 copy is gigabytes
+        rows = base[start:start + 8192].float()
+        diff += (rows - quant[start:start + 8192].to(rows.device, torch.float32)).square().sum().item()
+        norm += rows.square().sum().item()
+    relative = (diff / max(norm, 1e-30)) ** 0.5
+    if relative > _EMBEDDING_TOLERANCE:
+        raise ValueError(f"the quantized model's input embeddings differ from the baseline's by {relative:.2g} "
+                         "(relative); compare a checkpoint with the 16-bit model it was made from")

@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from quantkit.config import QuantConfig
 from quantkit.convert import build_empty_quantized, untie_quantized_head
 from quantkit.kernels.ops import resolve_backend
-from quantkit.models.loading import default_dtype, staging_dir
+from quantkit.models.loading import default_dtype, publish_files, staging_dir
 from quantkit.nn import QuantLinear
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -135,6 +135,7 @@ def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite
             generation_config.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
+        publish_files(staging)
         _swap_in(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -219,6 +220,8 @@ def load(
     ckpt = Path(ckpt_dir)
     config = read_quant_config(ckpt)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} was asked for but no CUDA GPU is available; use device='cpu'")
     dtype = dtype or default_dtype(device)
     backend = resolve_backend(backend, device)
     files = _shard_files(ckpt)

@@ -88,8 +88,11 @@ class QuantConfig:
             raise ValueError(f"keep_sensitive={self.keep_sensitive} must be >= 0")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is not one of {BACKENDS}")
-        if isinstance(self.ignore, (str, list)):
-            object.__setattr__(self, "ignore", (self.ignore,) if isinstance(self.ignore, str) else tuple(self.ignore))
+        ignore = (self.ignore,) if isinstance(self.ignore, str) else self.ignore
+        if not isinstance(ignore, (tuple, list)) or not all(isinstance(p, str) for p in ignore):
+            raise ValueError(f"ignore={self.ignore!r} must be a tuple of module-name patterns "
+                             "(('lm_head',) is the default; () quantizes every Linear)")
+        object.__setattr__(self, "ignore", tuple(ignore))
 
     @classmethod
     def preset(cls, scheme: str, recipe: str = "plain", **overrides: Any) -> "QuantConfig":

@@ -118,7 +118,8 @@ def check_lengths(model: nn.Module, prompt_len: int, max_new_tokens: int, cache_
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim={head_dim} is not supported by quantkit's attention kernels {SUPPORTED_HEAD_DIMS}")
+        raise ValueError(f"head_dim={head_dim} is not supported by quantkit's attention kernels {SUPPORTED_HEAD_DIMS}, "
+                         "which generation runs on; generate from this model's checkpoint with transformers or vLLM")
     context = getattr(config, "max_position_embeddings", None)
     if context is not None and total > context:
         raise ValueError(

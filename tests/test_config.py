@@ -39,3 +39,14 @@ def test_schemes_quantkit_cannot_run_are_refused(path, value, message):
     group[key] = value
     with pytest.raises(UnknownSchemeError, match=message):
         QuantConfig.from_quantization_config(qc)
+
+
+@pytest.mark.parametrize("ignore", [None, 3, ("lm_head", 7)])
+def test_ignore_that_is_not_patterns_is_refused(ignore):
+    with pytest.raises(ValueError, match=r"must be a tuple of module-name patterns"):
+        QuantConfig(ignore=ignore)
+
+
+def test_ignore_takes_a_string_or_a_list():
+    assert QuantConfig(ignore="lm_head").ignore == ("lm_head",)
+    assert QuantConfig(ignore=["lm_head", "*.down_proj"]).ignore == ("lm_head", "*.down_proj")

@@ -66,6 +66,14 @@ def _dataset_from_dict(columns: dict):
     return datasets.Dataset.from_dict(columns)
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{str(path)!r} is not UTF-8 text (byte {exc.start}: {exc.reason}); "
+                           "convert it to UTF-8 or leave it out") from exc
+
+
 def _load_documents(source: str):
     if source == BUNDLED_DATASET:
         return _bundled_wikipedia()
@@ -78,7 +86,7 @@ def _load_documents(source: str):
         if not files:
             raise DatasetError(f"directory {source!r} has no .txt files")
         # One document per file, so the calibration/evaluation split never cuts a file in two.
-        return _dataset_from_dict({"text": [Path(f).read_text(encoding="utf-8") for f in files]})
+        return _dataset_from_dict({"text": [_read_text(Path(f)) for f in files]})
     if source.startswith((".", "/", "~")) or source.endswith(".txt"):
         raise DatasetError(f"dataset path {source!r} does not exist; pass a text file, a folder of .txt files, "
                            f"a Hugging Face dataset name, or {BUNDLED_DATASET!r}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -91,12 +90,18 @@ def _check_writable(path: Path, option: str, directory: bool) -> None:
 
 
 def _write_json(path: Path, payload: dict) -> None:
-    """Write JSON atomically: a reader never sees half a report."""
+    """Write JSON atomically (a reader never sees half a report), with the permissions the umask gives."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
-        json.dump(payload, handle, indent=2)
-        tmp = handle.name
-    os.replace(tmp, path)
+        tmp = Path(handle.name)
+    try:
+        tmp.write_text(json.dumps(payload, indent=2))
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # NamedTemporaryFile's 0600 would hide the report from other users
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -118,36 +123,49 @@ def quantize(
     scheme: str = typer.Option("fp8", help="int8 | int8-static | fp8 | fp8-static"),
     recipe: str = typer.Option("plain", help="plain | accurate (the measured best calibration recipe of the scheme; "
                                              "the flags below override its parts)."),
-    dataset: str = typer.Option(DEFAULT_DATASET, help="Calibration text: HF dataset name[:config], .txt file/folder, or 'wikipedia-excerpt'."),
-    num_samples: int = typer.Option(16, min=1, help="Calibration blocks."),
+    dataset: Optional[str] = typer.Option(None, help="Calibration text: HF dataset name[:config], .txt file/folder, or "
+                                                     "'wikipedia-excerpt' (the default)."),
+    num_samples: int = typer.Option(16, min=1, help="Calibration blocks (fewer if the text runs out; the count used is printed)."),
     seq_len: Optional[int] = typer.Option(None, min=2, help="Tokens per calibration block (default: 2048, or the model's "
                                                              "context if shorter; calibrate on contexts as long as you will run)."),
     device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
     backend: str = typer.Option("auto", help="auto | triton | torch"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     smoothquant: Optional[float] = typer.Option(None, help="SmoothQuant migration strength alpha in [0, 1] (0.5 is the default recipe)."),
-    gptq: bool = typer.Option(False, "--gptq", help="Error-compensated (GPTQ) weight rounding."),
-    weight_observer: str = typer.Option("absmax", help="absmax | percentile | mse (per-channel clipping search)."),
-    activation_observer: str = typer.Option("absmax", help="absmax | percentile | mse (static schemes)."),
-    percentile: float = typer.Option(99.99, help="Percentile of |x| or |w| the percentile observers clip at."),
-    keep_sensitive: int = typer.Option(0, min=0, help="Keep the N most sensitive layers in 16 bits."),
+    gptq: Optional[bool] = typer.Option(None, "--gptq/--no-gptq", help="Error-compensated (GPTQ) weight rounding "
+                                                                      "(default: off, or the recipe's choice)."),
+    weight_observer: Optional[str] = typer.Option(None, help="absmax | percentile | mse (per-channel clipping search; "
+                                                             "default: absmax, or the recipe's choice)."),
+    activation_observer: Optional[str] = typer.Option(None, help="absmax | percentile | mse (static schemes only; "
+                                                                 "default: absmax, or the recipe's choice)."),
+    percentile: Optional[float] = typer.Option(None, help="Percentile of |x| or |w| the percentile observers clip at "
+                                                          "(default: 99.99)."),
+    keep_sensitive: Optional[int] = typer.Option(None, min=0, help="Keep the N most sensitive layers in 16 bits "
+                                                                   "(default: 0, or the recipe's choice)."),
     report: Optional[Path] = typer.Option(None, help="Write the JSON calibration report here."),
     offload: bool = typer.Option(False, "--offload", help="Keep the model in host memory and calibrate on --device one decoder block at a time (models larger than the GPU)."),
 ) -> None:
     """Calibrate, quantize and save MODEL as a compressed-tensors checkpoint."""
     import quantkit
 
-    # Flags left at their defaults do not override the recipe's choices.
-    flags = {"smoothquant_alpha": smoothquant, "gptq": gptq or None, "keep_sensitive": keep_sensitive or None,
-             "weight_observer": None if weight_observer == "absmax" else weight_observer,
-             "activation_observer": None if activation_observer == "absmax" else activation_observer,
-             "percentile": None if percentile == 99.99 else percentile}
+    # Only the flags given override the recipe's choices (a flag set to its default value included).
+    flags = {"smoothquant_alpha": smoothquant, "gptq": gptq, "keep_sensitive": keep_sensitive,
+             "weight_observer": weight_observer, "activation_observer": activation_observer, "percentile": percentile}
     config = quantkit.QuantConfig.preset(
         scheme, recipe=recipe, backend=backend, **{k: v for k, v in flags.items() if v is not None})
+    if activation_observer is not None and not config.is_static:
+        fail(f"--activation-observer {activation_observer} sets static activation scales, which --scheme {scheme} "
+             "does not have (it scales per token at run time); use int8-static or fp8-static, or drop the flag")
     quantkit.check_output_dir(output, overwrite, source=model)
     _check_writable(output, "--output", directory=True)
     if report:
         _check_writable(report, "--report", directory=False)
+        if report.resolve() == output.resolve():
+            fail(f"--report {str(report)!r} is the --output directory; give the report a file path of its own")
+    if dataset is not None and not config.needs_calibration:
+        typer.echo(f"note: --dataset is not used: --scheme {scheme} scales activations per token at run time "
+                   "and runs no calibration", err=True)
+    dataset = dataset or DEFAULT_DATASET
     device = _device(device)
     start = time.perf_counter()
     if offload:
@@ -164,6 +182,9 @@ def quantize(
             seq_len = min(DEFAULT_CALIBRATION_SEQ_LEN, getattr(source.config, "max_position_embeddings", None)
                           or DEFAULT_CALIBRATION_SEQ_LEN)
         blocks = quantkit.prepare_calibration_data(tokenizer, dataset, num_samples, seq_len, model=source)
+        if len(blocks) < num_samples:
+            typer.echo(f"note: the calibration text holds {len(blocks)} blocks of {seq_len} tokens, fewer than "
+                       f"--num-samples {num_samples}; calibrating on {len(blocks)}", err=True)
     qmodel = quantkit.quantize(source, config, blocks, offload_device=device if offload else None)
     quantkit.save(qmodel, output, tokenizer=tokenizer, overwrite=overwrite)
     if report:
@@ -351,7 +372,8 @@ def bench_model(out_dir: Path = typer.Option(Path("benchmarks/results"), help="W
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    # No root handler: logging's last resort prints quantkit's warnings as bare lines, and a root
+    # handler would print a second copy of every message from libraries with their own (huggingface_hub).
     import transformers
 
     # transformers' load-time chatter (unused weights, generation defaults) hides quantkit's output.

@@ -79,6 +79,10 @@ def evaluate_perplexity(
     if context_length is not None and window > context_length:
         raise ValueError(f"window={window} exceeds the model's context of {context_length} tokens; "
                          f"use a window of at most {context_length}")
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
+        kind = tokens.dtype if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise ValueError(f"tokens are {kind}; pass token ids as an int64 tensor "
+                         "(quantkit.prepare_evaluation_tokens returns one)")
     if tokens.dim() != 1:
         raise ValueError(f"tokens must be one 1-D stream, got shape {tuple(tokens.shape)}; "
                          "pass tokens.reshape(-1) if its rows are one text")

@@ -12,7 +12,7 @@ import torch
 import transformers
 from packaging.version import Version
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ def bundled_model_dir() -> Path:
     try:
         model.to(torch.bfloat16).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        publish_files(staging)
         os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -107,10 +108,30 @@ def staging_dir(parent: Path, prefix: str) -> Path:
     """A new directory in ``parent`` for output that is renamed into place once complete, with the
     permissions the umask gives: mkdtemp's 0700 would hide the finished directory from other users."""
     path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    os.chmod(path, 0o777 & ~_umask())
+    return path
+
+
+def publish_files(directory: Path) -> None:
+    """Give the files in ``directory`` the permissions the umask gives (safetensors writes 0600)."""
+    mode = 0o666 & ~_umask()
+    for path in directory.rglob("*"):
+        if path.is_file():
+            os.chmod(path, mode)
+
+
+def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
-    os.chmod(path, 0o777 & ~mask)
-    return path
+    return mask
+
+
+def _refuse_quantized(config, source: str) -> None:
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else "unknown"
+        raise ModelLoadError(f"{source!r} is already quantized (quant_method={method!r}); pass its 16-bit original "
+                             "(a quantkit checkpoint loads with quantkit.load)")
 
 
 def load_model(
@@ -137,6 +158,7 @@ def load_model(
     elif path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{source!r} has no config.json; pass a Hugging Face model directory")
+        _refuse_quantized(AutoConfig.from_pretrained(str(path)), source)
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     elif (path.exists() or source.startswith((".", "/", "~")) or source.endswith("/") or source.count("/") > 1
@@ -147,6 +169,7 @@ def load_model(
         )
     else:
         try:
+            _refuse_quantized(AutoConfig.from_pretrained(source), source)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(source)
         except OSError as exc:

@@ -385,3 +385,87 @@ def test_checkpoint_with_a_bad_scale_value(checkpoint, llama_dir, tmp_path, name
     save_file(tensors, str(shard))
     result = invoke("eval", broken, "--baseline", llama_dir)
     assert_user_error(result, name, "non-finite or non-positive scale")
+
+
+def test_eval_refuses_a_baseline_the_checkpoint_was_not_made_from(checkpoint, text_dir, tmp_path):
+    from tests.tiny import make_model, make_tokenizer, save_tiny_model
+
+    # Another architecture: refused by its config. The same one with other weights: by its embeddings.
+    gemma = save_tiny_model(tmp_path / "gemma", "gemma3")
+    result = invoke("eval", checkpoint, "--baseline", gemma, "--dataset", text_dir, "--window", 64, "--max-tokens", 100)
+    assert_user_error(result, "model_type='llama'", "model_type='gemma3_text'", "made from")
+    tokenizer = make_tokenizer()
+    make_model("llama", len(tokenizer), seed=1).save_pretrained(tmp_path / "other")
+    tokenizer.save_pretrained(tmp_path / "other")
+    result = invoke("eval", checkpoint, "--baseline", tmp_path / "other", "--dataset", text_dir, "--window", 64,
+                    "--max-tokens", 100)
+    assert_user_error(result, "input embeddings differ", "made from")
+
+
+def test_quantized_checkpoint_is_refused_where_a_16_bit_model_is_needed(checkpoint, text_dir, tmp_path):
+    result = invoke("quantize", checkpoint, "-o", tmp_path / "again", "--scheme", "fp8")
+    assert_user_error(result, "is already quantized", "16-bit original")
+    assert not (tmp_path / "again").exists()
+    result = invoke("eval", checkpoint, "--baseline", checkpoint, "--dataset", text_dir, "--window", 64)
+    assert_user_error(result, "is already quantized")
+
+
+def test_recipe_parts_set_back_to_their_defaults_override_the_recipe(llama_dir, text_dir, tmp_path):
+    out = tmp_path / "acc"
+    result = invoke("quantize", llama_dir, "-o", out, "--scheme", "int8-static", "--recipe", "accurate",
+                    "--dataset", text_dir, "--num-samples", 2, "--seq-len", 32, "--keep-sensitive", 0, "--no-gptq",
+                    "--activation-observer", "absmax")
+    assert result.exit_code == 0, result.output
+    recipe = json.loads((out / "config.json").read_text())["quantization_config"]["quantkit"]
+    assert recipe["keep_sensitive"] == 0 and recipe["gptq"] is False and recipe["activation_observer"] == "absmax"
+    assert recipe["smoothquant_alpha"] == 0.75  # the recipe's, not overridden
+    assert "converted 14 Linear layers" in result.stdout
+
+
+def test_static_only_flags_on_a_dynamic_scheme(llama_dir, text_dir, tmp_path):
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--scheme", "int8", "--activation-observer", "mse")
+    assert_user_error(result, "--activation-observer mse", "int8-static")
+    assert not (tmp_path / "out").exists()
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--scheme", "fp8", "--dataset", text_dir)
+    assert result.exit_code == 0, result.output
+    assert "note: --dataset is not used" in result.stderr
+
+
+def test_fewer_calibration_blocks_than_asked_are_reported(llama_dir, text_dir, tmp_path):
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--scheme", "int8-static", "--dataset", text_dir,
+                    "--num-samples", 10000, "--seq-len", 32)
+    assert result.exit_code == 0, result.output
+    note = next(line for line in result.stderr.splitlines() if line.startswith("note: the calibration text holds"))
+    used = int(note.split(" holds ")[1].split()[0])
+    assert 1 <= used < 10000 and f"calibrating on {used}" in note
+
+
+def test_report_that_is_the_output_directory_is_refused_before_any_work(llama_dir, tmp_path):
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--scheme", "fp8", "--report", tmp_path / "out")
+    assert_user_error(result, "--report", "is the --output directory")
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_dataset_file_that_is_not_utf8(llama_dir, tmp_path):
+    bad = tmp_path / "texts"
+    bad.mkdir()
+    (bad / "latin1.txt").write_bytes("Caf\xe9 au bord de la rivi\xe8re.".encode("latin-1"))
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--scheme", "int8-static", "--dataset", bad,
+                    "--seq-len", 32)
+    assert_user_error(result, "latin1.txt", "is not UTF-8 text", "convert it to UTF-8")
+    assert not (tmp_path / "out").exists()
+
+
+def test_written_files_follow_the_umask(checkpoint, llama_dir, text_dir, tmp_path):
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in checkpoint.iterdir():
+        assert path.stat().st_mode & 0o777 == 0o666 & ~mask, path
+    report = tmp_path / "report.json"
+    result = invoke("eval", checkpoint, "--baseline", llama_dir, "--dataset", text_dir, "--window", 64,
+                    "--max-tokens", 100, "--json", report)
+    assert result.exit_code == 0, result.output
+    assert report.stat().st_mode & 0o777 == 0o666 & ~mask
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]

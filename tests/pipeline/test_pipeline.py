@@ -310,3 +310,35 @@ def test_bad_calibration_blocks_are_refused_first(llama_dir, blocks, message):
     model, _ = quantkit.load_model(llama_dir)
     with pytest.raises(ValueError, match=message):
         quantkit.quantize(model, quantkit.QuantConfig.preset("int8-static"), blocks)
+
+
+def test_quantize_takes_a_scheme_name_and_refuses_other_configs(llama_dir):
+    model, _ = quantkit.load_model(llama_dir)
+    with pytest.raises(TypeError, match=r"config=5 is not a QuantConfig"):
+        quantkit.quantize(model, 5)
+    qmodel = quantkit.quantize(model, "fp8", progress=False)
+    assert qmodel.quantkit_config == quantkit.QuantConfig.preset("fp8")
+    with pytest.raises(ValueError, match=r"already quantized"):
+        quantkit.quantize(qmodel, "int8")
+
+
+def test_compare_perplexity_refuses_a_model_made_from_another_baseline(llama_dir, text_dir):
+    model, tokenizer = quantkit.load_model(llama_dir)
+    quantized = quantkit.quantize(copy.deepcopy(model), "int8", progress=False)
+    tokens = quantkit.prepare_evaluation_tokens(tokenizer, str(text_dir), 120)
+    # A tenth of the embedding's size in random noise: well above bf16 rounding (2**-9), as retraining is.
+    with torch.no_grad():
+        embedding = model.get_input_embeddings().weight
+        embedding.add_(0.1 * embedding.norm() / embedding.numel() ** 0.5 * torch.randn_like(embedding))
+    with pytest.raises(ValueError, match=r"input embeddings differ from the baseline's by") as caught:
+        quantkit.compare_perplexity(model, quantized, tokens, window=64, progress=False)
+    assert 0.09 < float(str(caught.value).split(" by ")[1].split()[0]) < 0.11
+    with pytest.raises(ValueError, match=r"tokens are torch.float32"):
+        quantkit.evaluate_perplexity(quantized, tokens.float(), window=64, progress=False)
+
+
+def test_load_on_a_missing_gpu_is_a_clear_error(llama_dir, text_dir, tmp_path):
+    model, tokenizer = quantkit.load_model(llama_dir)
+    quantkit.save(quantkit.quantize(model, "fp8", progress=False), tmp_path / "ckpt", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=r"device='cuda' was asked for but no CUDA GPU is available"):
+        quantkit.load(tmp_path / "ckpt", device="cuda")
