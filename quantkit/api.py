@@ -71,7 +71,7 @@ def quantize(
         config = QuantConfig.preset(config)
     elif not isinstance(config, QuantConfig):
         raise TypeError(f"config={config!r} is not a QuantConfig; pass one (QuantConfig.preset('fp8')) or a scheme name")
-    if any(isinstance(m, QuantLinear) for m in model.modules()) or getattr(model.config, "quantization_config", None):
+    if any(isinstance(m, QuantLinear) for m in model.modules()) or getattr(getattr(model, "config", None), "quantization_config", None):
         raise ValueError("the model is already quantized; quantize its 16-bit original")
     if config.needs_calibration and calibration_data is None:
         raise ValueError(f"scheme {config.name!r} needs calibration data; pass token blocks "
