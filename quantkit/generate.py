@@ -25,15 +25,15 @@ from torch import nn
 
 from quantkit.kernels.launch import side_stream
 from quantkit.kernels.ops import resolve_backend
-from quantkit.kernels.reference_attention import SUPPORTED_HEAD_DIMS
-from quantkit.models.fast_attention import register_static_cache_attention
+from quantkit.models.fast_attention import padded_head_dim, register_static_cache_attention
 from quantkit.nn import QuantLinear
 
 _FROM_MODEL = object()
 
 
 class StaticKVCache:
-    """Per-layer (B, Hkv, capacity, D) key/value buffers written at ``write_positions``.
+    """Per-layer (B, Hkv, capacity, D) key/value buffers written at ``write_positions``; D is the
+    model's head_dim rounded up to a size the attention kernels take (``padded_head_dim``).
 
     Implements the part of transformers' Cache interface that decoder models call during a
     forward pass (``update``, ``get_seq_length``). Buffers are allocated on first write, with the
@@ -49,14 +49,17 @@ class StaticKVCache:
         self.seen_tokens = 0  # host-side count, only for callers that derive positions from it
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        head_dim = key_states.shape[-1]
         if layer_idx not in self.keys:
-            batch, heads, _, head_dim = key_states.shape
-            shape = (batch, heads, self.capacity, head_dim)
+            batch, heads = key_states.shape[:2]
+            # At the head size the attention kernels run (zero columns past head_dim), so that
+            # decode reads the buffer as it is instead of padding a copy of it every step.
+            shape = (batch, heads, self.capacity, padded_head_dim(head_dim))
             self.keys[layer_idx] = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
             self.values[layer_idx] = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys.index_copy_(2, self.write_positions, key_states)
-        values.index_copy_(2, self.write_positions, value_states)
+        keys[..., :head_dim].index_copy_(2, self.write_positions, key_states)
+        values[..., :head_dim].index_copy_(2, self.write_positions, value_states)
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -116,10 +119,7 @@ def check_lengths(model: nn.Module, prompt_len: int, max_new_tokens: int, cache_
             f"cache of {capacity} tokens; pass cache_capacity >= {total} or generate fewer tokens"
         )
     config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim={head_dim} is not supported by quantkit's attention kernels {SUPPORTED_HEAD_DIMS}, "
-                         "which generation runs on; generate from this model's checkpoint with transformers or vLLM")
+    padded_head_dim(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     context = getattr(config, "max_position_embeddings", None)
     if context is not None and total > context:
         raise ValueError(

@@ -18,7 +18,11 @@ layers pass it per layer; others pass none or set ``module.sliding_window``).
   kernels do not take: the function raises a ValueError naming the fix instead of silently
   computing something else. A StaticCache gets no mask when unpadded, so the mask function
   refuses it first (more key slots than tokens seen).
-- Unsupported head_dim, softcap, dropout or non-causal layers raise ValueError as well.
+- head_dim: the kernels take 64, 128 and 256; a smaller size (16, 32, 80, 96, ...) runs at the next
+  one up with q, k and v zero-padded, which leaves the scores and the output's own columns as they
+  were (``padded_head_dim``). quantkit.generate's cache is allocated padded, so its decode steps
+  copy nothing; a DynamicCache's keys are padded per call. Above 256, ValueError.
+- Softcap, dropout or non-causal layers raise ValueError as well.
 
 The backend is resolved once, at registration ("auto" -> Triton on CUDA, else the torch twins).
 Registering with ``model=`` (as ``optimize`` and ``generate`` do) also pins it on that model's
@@ -28,16 +32,39 @@ attention modules, so models on different backends in one process each keep thei
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
 from quantkit.kernels import attention_ops
 from quantkit.kernels.ops import resolve_backend
+from quantkit.kernels.reference_attention import SUPPORTED_HEAD_DIMS
 
 ATTENTION_NAME = "quantkit"
 # The backend of one model's attention modules, set by registering with ``model=``: the registered
 # function is global (one per name), so two models on different backends must not share its default.
 BACKEND_ATTR = "quantkit_attention_backend"
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head size the kernels run ``head_dim`` at: itself if they take it, else the next size up."""
+    for size in SUPPORTED_HEAD_DIMS:
+        if size >= head_dim:
+            return size
+    raise ValueError(f"head_dim={head_dim} is larger than quantkit's attention kernels take "
+                     f"({max(SUPPORTED_HEAD_DIMS)}); use attn_implementation='sdpa' for this model")
+
+
+def _padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """q, k, v zero-padded on head_dim to the size the kernels run at (k and v may already be:
+    quantkit.generate's cache is allocated padded). Zero columns add nothing to q.k, and the
+    output's padded columns (weights times v's zeros) are sliced off by the caller."""
+    size = padded_head_dim(key.shape[-1])
+
+    def pad(t):
+        return t if t.shape[-1] == size else F.pad(t, (0, size - t.shape[-1]))
+
+    return pad(query), pad(key), pad(value)
 
 
 def bind_attention_backend(model: torch.nn.Module, backend: str) -> None:
@@ -76,7 +103,9 @@ def _attention_forward(
         raise ValueError("quantkit attention is causal-only; this layer is bidirectional")
     if sliding_window is None:
         sliding_window = getattr(module, "sliding_window", None)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    head_dim = query.shape[-1]
+    scale = scaling if scaling is not None else head_dim ** -0.5
+    query, key, value = _padded(query, key, value)
     if query.shape[2] == 1:
         batch, key_len = key.shape[0], key.shape[2]
         seqlens = torch.full((batch,), key_len, dtype=torch.int32, device=key.device)
@@ -86,7 +115,7 @@ def _attention_forward(
     else:
         out = attention_ops.flash_attention(query, key, value, scale, sliding_window, backend=backend)
     # HF's attention functions return (B, S, H, D); the caller reshapes to (B, S, H * D).
-    return out.transpose(1, 2).contiguous(), None
+    return out[..., :head_dim].transpose(1, 2).contiguous(), None
 
 
 def _dynamic_cache_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -159,7 +188,9 @@ def _static_attention_forward(
         raise ValueError(f"quantkit attention is inference-only (got dropout={dropout}); call model.eval()")
     if sliding_window is None:
         sliding_window = getattr(module, "sliding_window", None)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    head_dim = query.shape[-1]
+    scale = scaling if scaling is not None else head_dim ** -0.5
+    query, key, value = _padded(query, key, value)
     if query.shape[2] == 1:
         # Decode over the whole static buffer: the valid length of each row is a device tensor
         # (so a captured graph replays it unchanged); quantkit_kv_len is only the host-side bound.
@@ -175,7 +206,7 @@ def _static_attention_forward(
         out = attention_ops.flash_attention(
             query, key[:, :, :quantkit_kv_len], value[:, :, :quantkit_kv_len], scale, sliding_window, backend=backend
         )
-    return out.transpose(1, 2).contiguous(), None
+    return out[..., :head_dim].transpose(1, 2).contiguous(), None
 
 
 def register_static_cache_attention(backend: str = "auto", device: torch.device | str = "cuda",

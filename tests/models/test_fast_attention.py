@@ -47,6 +47,28 @@ def test_logits_and_greedy_tokens_match_sdpa(make_model, backend):
     assert torch.equal(got_tokens, want_tokens)
 
 
+@pytest.mark.parametrize("head_dim, backend", [(16, "torch"), (80, "torch"), (96, "triton")])
+def test_head_dims_between_the_kernels_sizes_match_sdpa(head_dim, backend):
+    # 80 and 96 (Phi-style) run at 128, 16 at 64, on zero-padded q/k/v; Gemma-3's query_pre_attn_scalar
+    # scale and sliding window carry over unchanged.
+    torch.manual_seed(1)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=head_dim, sliding_window=5, query_pre_attn_scalar=40,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256)).eval()
+    input_ids = torch.randint(1, 128, (2, 11))  # no pad id (0): generate would read it as padding
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        want = model(input_ids).logits
+        want_tokens = model.generate(input_ids, max_new_tokens=3, do_sample=False)
+    model.set_attn_implementation(register_quantkit_attention(backend=backend))
+    with torch.no_grad():
+        got = model(input_ids).logits
+        got_tokens = model.generate(input_ids, max_new_tokens=3, do_sample=False)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got_tokens, want_tokens)
+
+
 def test_padded_batch_is_refused():
     model = tiny_llama().eval()
     model.set_attn_implementation(register_quantkit_attention(backend="torch"))

@@ -87,11 +87,28 @@ def test_bad_lengths_are_refused_before_any_work(kwargs, match, monkeypatch):
     assert calls == []
 
 
-def test_unsupported_head_dim_is_refused():
+@pytest.mark.parametrize("scheme", [None, "int8"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_head_dims_the_kernels_do_not_take_run_padded(arch, scheme):
     from tests.tiny import make_model
 
-    model = make_model("llama", 64)  # head_dim 16
-    with pytest.raises(ValueError, match="head_dim=16"):
+    # head_dim 16 (Llama) and 32 (Gemma-3, sliding window 16): the kernels run them at 64.
+    model = make_model(arch, 160, seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # no near-ties between greedy choices
+    if scheme:
+        model = optimize(quantkit.quantize(model, QuantConfig.preset(scheme), progress=False))
+    ids = _prompt(160, length=21, seed=6)
+    want = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(generate(model, ids, 8, eos_token_id=None), want)
+
+
+def test_head_dim_beyond_the_kernels_is_refused():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=1, num_key_value_heads=1, head_dim=320))
+    with pytest.raises(ValueError, match=r"head_dim=320 is larger than quantkit's attention kernels take \(256\)"):
         generate(model, [[3, 4, 5]], 2)
 
 
