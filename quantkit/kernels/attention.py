@@ -182,11 +182,15 @@ def _flash_prefill_kernel(
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _prefill_config(head_dim: int) -> tuple[int, int, int, int]:
+def _prefill_config(head_dim: int, element_size: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a head_dim on Hopper-class GPUs."""
     if _INTERPRETED:
         # The interpreter's cost is per program: few, big blocks.
         return 64, 64, 4, 1
+    if element_size == 4:
+        # fp32 tiles are twice the size: the 16-bit configs' 3 stages of 128-wide K and V tiles
+        # would ask for 448 KB of shared memory at head_dim 128 (the H100 has 227 KB).
+        return (64, 32, 4, 2) if head_dim <= 128 else (64, 16, 4, 2)
     if head_dim == 64:
         return 128, 64, 4, 3
     if head_dim == 128:
@@ -263,7 +267,7 @@ def _prefill_call(q, k, v, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, blo
         k_strides = (k.stride(0), k.stride(1), k.stride(2))
         v_strides = (v.stride(0), v.stride(1), v.stride(2))
         o_strides = out_strides[:3]
-    block_m, block_n, num_warps, num_stages = block_config or _prefill_config(head_dim)
+    block_m, block_n, num_warps, num_stages = block_config or _prefill_config(head_dim, q.element_size())
     if q.numel() == 0:
         return None, (), {}, num_warps, num_stages, None
     grid = (batch * n_q_heads, cdiv(seqlen_q, block_m))
