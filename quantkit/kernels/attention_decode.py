@@ -546,10 +546,14 @@ def decode_split_plan(
 DEFAULT_DECODE_D128 = DecodeConfig(128, 4, 3, 1, loads="tma")
 
 
-def _decode_config(head_dim: int) -> DecodeConfig:
-    """The split kernel's config for a head_dim."""
+def _decode_config(head_dim: int, element_size: int = 2) -> DecodeConfig:
+    """The split kernel's config for a head_dim (and the cache's element size)."""
     if _INTERPRETED:
         return DecodeConfig(64, 4, 1, 2)
+    if element_size == 4:
+        # fp32 caches: the 16-bit configs overflow shared memory (278 KB asked at head_dim 64 on
+        # an H100, which has 227 KB); 16-key blocks in 2 stages (1 at head_dim 256) fit.
+        return DecodeConfig(16, 4, 2 if head_dim <= 128 else 1, 1)
     if head_dim == 256:
         return DecodeConfig(32, 4, 2, 2)
     if head_dim == 128:
@@ -701,7 +705,7 @@ def decode_attention(
     group = n_q_heads // n_kv_heads
     max_keys = max_seqlen if max_seqlen is not None else capacity
     span = min(max_keys, window) if window is not None else max_keys
-    config = DecodeConfig.of(block_config) if block_config is not None else _decode_config(head_dim)
+    config = DecodeConfig.of(block_config) if block_config is not None else _decode_config(head_dim, k_cache.element_size())
     block_n = config.block_n
     # The flat schedule cuts the filled blocks on the device. Its pointer-load loop is not
     # software-pipelined by Triton (nested in the segment loop; TMA loads are): a TMA config over
