@@ -180,12 +180,23 @@ _EMBEDDING_TOLERANCE = 1e-2
 def check_same_model(baseline: nn.Module, quantized: nn.Module) -> None:
     """Raise ValueError unless ``quantized`` was made from ``baseline``: the same architecture and the
     same input embeddings."""
+    def text_config(model):  # multimodal configs keep the language model's sizes in text_config
+        config = getattr(model, "config", None)
+        return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+    ours_config, theirs_config = text_config(baseline), text_config(quantized)
+    if ours_config is None or theirs_config is None:
+        return  # not Hugging Face models: nothing to compare by
     for key in _ARCHITECTURE:
-        ours, theirs = getattr(baseline.config, key, None), getattr(quantized.config, key, None)
+        ours, theirs = getattr(ours_config, key, None), getattr(theirs_config, key, None)
         if ours != theirs:
             raise ValueError(f"the quantized model has {key}={theirs!r} but the baseline has {key}={ours!r}; "
                              "compare a checkpoint with the 16-bit model it was made from")
+    if not (hasattr(baseline, "get_input_embeddings") and hasattr(quantized, "get_input_embeddings")):
+        return
     base, quant = baseline.get_input_embeddings().weight, quantized.get_input_embeddings().weight
+    if base.is_meta or quant.is_meta:
+        return  # offloaded: the values are not here to compare
     if base.shape != quant.shape:
         raise ValueError(f"the quantized model's input embeddings are {tuple(quant.shape)}, the baseline's "
                          f"{tuple(base.shape)}; compare a checkpoint with the 16-bit model it was made from")

@@ -88,11 +88,19 @@ class QuantConfig:
             raise ValueError(f"keep_sensitive={self.keep_sensitive} must be >= 0")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is not one of {BACKENDS}")
-        ignore = (self.ignore,) if isinstance(self.ignore, str) else self.ignore
-        if not isinstance(ignore, (tuple, list)) or not all(isinstance(p, str) for p in ignore):
+        ignore = self.ignore
+        if isinstance(ignore, str):
+            ignore = (ignore,)
+        elif isinstance(ignore, (set, frozenset)):
+            ignore = sorted(ignore, key=str)  # one order, so equal configs write equal checkpoints
+        try:
+            ignore = tuple(ignore)
+        except TypeError:
+            ignore = None
+        if ignore is None or not all(isinstance(p, str) for p in ignore):
             raise ValueError(f"ignore={self.ignore!r} must be a tuple of module-name patterns "
                              "(('lm_head',) is the default; () quantizes every Linear)")
-        object.__setattr__(self, "ignore", tuple(ignore))
+        object.__setattr__(self, "ignore", ignore)
 
     @classmethod
     def preset(cls, scheme: str, recipe: str = "plain", **overrides: Any) -> "QuantConfig":

@@ -47,6 +47,7 @@ def test_ignore_that_is_not_patterns_is_refused(ignore):
         QuantConfig(ignore=ignore)
 
 
-def test_ignore_takes_a_string_or_a_list():
+def test_ignore_takes_a_string_a_list_or_a_set():
     assert QuantConfig(ignore="lm_head").ignore == ("lm_head",)
     assert QuantConfig(ignore=["lm_head", "*.down_proj"]).ignore == ("lm_head", "*.down_proj")
+    assert QuantConfig(ignore={"lm_head", "*.down_proj"}).ignore == ("*.down_proj", "lm_head")

@@ -160,8 +160,9 @@ def quantize(
     _check_writable(output, "--output", directory=True)
     if report:
         _check_writable(report, "--report", directory=False)
-        if report.resolve() == output.resolve():
-            fail(f"--report {str(report)!r} is the --output directory; give the report a file path of its own")
+        if output.resolve().is_relative_to(report.resolve()):
+            fail(f"--report {str(report)!r} is the --output directory or one above it; give the report a file "
+                 "path of its own")
     if dataset is not None and not config.needs_calibration:
         typer.echo(f"note: --dataset is not used: --scheme {scheme} scales activations per token at run time "
                    "and runs no calibration", err=True)

@@ -81,8 +81,9 @@ def evaluate_perplexity(
                          f"use a window of at most {context_length}")
     if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
         kind = tokens.dtype if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-        raise ValueError(f"tokens are {kind}; pass token ids as an int64 tensor "
+        raise ValueError(f"tokens are {kind}; pass token ids as an integer tensor "
                          "(quantkit.prepare_evaluation_tokens returns one)")
+    tokens = tokens.long()  # cross_entropy takes int64 targets
     if tokens.dim() != 1:
         raise ValueError(f"tokens must be one 1-D stream, got shape {tuple(tokens.shape)}; "
                          "pass tokens.reshape(-1) if its rows are one text")

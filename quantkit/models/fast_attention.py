@@ -59,6 +59,9 @@ def _padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
     """q, k, v zero-padded on head_dim to the size the kernels run at (k and v may already be:
     quantkit.generate's cache is allocated padded). Zero columns add nothing to q.k, and the
     output's padded columns (weights times v's zeros) are sliced off by the caller."""
+    if value.shape[-1] != key.shape[-1]:
+        raise ValueError(f"quantkit attention needs values as wide as keys (k head_dim {key.shape[-1]}, v "
+                         f"{value.shape[-1]}, as in multi-head latent attention); use attn_implementation='sdpa'")
     size = padded_head_dim(key.shape[-1])
 
     def pad(t):

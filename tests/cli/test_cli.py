@@ -440,9 +440,10 @@ def test_fewer_calibration_blocks_than_asked_are_reported(llama_dir, text_dir, t
     assert 1 <= used < 10000 and f"calibrating on {used}" in note
 
 
-def test_report_that_is_the_output_directory_is_refused_before_any_work(llama_dir, tmp_path):
-    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--scheme", "fp8", "--report", tmp_path / "out")
-    assert_user_error(result, "--report", "is the --output directory")
+@pytest.mark.parametrize("output, report", [("out", "out"), ("out/ckpt", "out")], ids=["output", "above-output"])
+def test_report_that_is_the_output_directory_is_refused_before_any_work(llama_dir, tmp_path, output, report):
+    result = invoke("quantize", llama_dir, "-o", tmp_path / output, "--scheme", "fp8", "--report", tmp_path / report)
+    assert_user_error(result, "--report", "is the --output directory or one above it")
     assert sorted(tmp_path.iterdir()) == []
 
 

@@ -69,6 +69,21 @@ def test_head_dims_between_the_kernels_sizes_match_sdpa(head_dim, backend):
     assert torch.equal(got_tokens, want_tokens)
 
 
+def test_values_narrower_than_keys_are_refused():
+    # Multi-head latent attention (DeepSeek-V3): k is 64 wide, v 16; padding must not hide it.
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=32,
+        qk_rope_head_dim=32, v_head_dim=16, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=128)).eval()
+    model.set_attn_implementation(register_quantkit_attention(backend="torch"))
+    with pytest.raises(ValueError, match=r"values as wide as keys \(k head_dim 64, v 16"), torch.no_grad():
+        model(torch.randint(1, 128, (1, 9)))
+
+
 def test_padded_batch_is_refused():
     model = tiny_llama().eval()
     model.set_attn_implementation(register_quantkit_attention(backend="torch"))

@@ -335,6 +335,8 @@ def test_compare_perplexity_refuses_a_model_made_from_another_baseline(llama_dir
     assert 0.09 < float(str(caught.value).split(" by ")[1].split()[0]) < 0.11
     with pytest.raises(ValueError, match=r"tokens are torch.float32"):
         quantkit.evaluate_perplexity(quantized, tokens.float(), window=64, progress=False)
+    int64 = quantkit.evaluate_perplexity(quantized, tokens, window=64, progress=False)
+    assert quantkit.evaluate_perplexity(quantized, tokens.int(), window=64, progress=False) == int64
 
 
 def test_load_on_a_missing_gpu_is_a_clear_error(llama_dir, text_dir, tmp_path):
