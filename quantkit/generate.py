@@ -50,10 +50,10 @@ class StaticKVCache:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         head_dim = key_states.shape[-1]
-        if value_states.shape[-1] != head_dim:
-            raise ValueError(f"quantkit.generate needs values as wide as keys (k head_dim {head_dim}, v "
-                             f"{value_states.shape[-1]}); generate with model.generate instead")
         if layer_idx not in self.keys:
+            if value_states.shape[-1] != head_dim:
+                raise ValueError(f"quantkit.generate needs values as wide as keys (k head_dim {head_dim}, v "
+                                 f"{value_states.shape[-1]}); generate with model.generate instead")
             batch, heads = key_states.shape[:2]
             # At the head size the attention kernels run (zero columns past head_dim), so that
             # decode reads the buffer as it is instead of padding a copy of it every step.

@@ -126,12 +126,14 @@ def _umask() -> int:
     return mask
 
 
-def _refuse_quantized(config, source: str) -> None:
+def _refuse_quantized(config, source: str):
+    """``config`` if it describes a 16-bit model; ModelLoadError if it is already quantized."""
     quantization = getattr(config, "quantization_config", None)
     if quantization:
         method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else "unknown"
         raise ModelLoadError(f"{source!r} is already quantized (quant_method={method!r}); pass its 16-bit original "
                              "(a quantkit checkpoint loads with quantkit.load)")
+    return config
 
 
 def load_model(
@@ -158,8 +160,8 @@ def load_model(
     elif path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{source!r} has no config.json; pass a Hugging Face model directory")
-        _refuse_quantized(AutoConfig.from_pretrained(str(path)), source)
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        config = _refuse_quantized(AutoConfig.from_pretrained(str(path)), source)
+        model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     elif (path.exists() or source.startswith((".", "/", "~")) or source.endswith("/") or source.count("/") > 1
           or source.endswith(".gguf")):  # a path, not a hub id ("org/name")
@@ -169,8 +171,8 @@ def load_model(
         )
     else:
         try:
-            _refuse_quantized(AutoConfig.from_pretrained(source), source)
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+            config = _refuse_quantized(AutoConfig.from_pretrained(source), source)
+            model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(source)
         except OSError as exc:
             raise ModelLoadError(

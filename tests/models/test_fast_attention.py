@@ -33,16 +33,19 @@ def tiny_gemma3():
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_logits_and_greedy_tokens_match_sdpa(make_model, backend):
     torch.manual_seed(0)
-    model = make_model().eval()
-    input_ids = torch.randint(0, 128, (2, 13))
+    assert_matches_sdpa(make_model().eval(), torch.randint(0, 128, (2, 13)), backend, new_tokens=4)
+
+
+def assert_matches_sdpa(model, input_ids, backend, new_tokens):
+    """Logits and greedy tokens with quantkit's attention equal the same model's on sdpa."""
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
         want = model(input_ids).logits
-        want_tokens = model.generate(input_ids, max_new_tokens=4, do_sample=False)
+        want_tokens = model.generate(input_ids, max_new_tokens=new_tokens, do_sample=False)
     model.set_attn_implementation(register_quantkit_attention(backend=backend))
     with torch.no_grad():
         got = model(input_ids).logits
-        got_tokens = model.generate(input_ids, max_new_tokens=4, do_sample=False)
+        got_tokens = model.generate(input_ids, max_new_tokens=new_tokens, do_sample=False)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(got_tokens, want_tokens)
 
@@ -57,16 +60,7 @@ def test_head_dims_between_the_kernels_sizes_match_sdpa(head_dim, backend):
         num_key_value_heads=1, head_dim=head_dim, sliding_window=5, query_pre_attn_scalar=40,
         layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256)).eval()
     input_ids = torch.randint(1, 128, (2, 11))  # no pad id (0): generate would read it as padding
-    model.set_attn_implementation("sdpa")
-    with torch.no_grad():
-        want = model(input_ids).logits
-        want_tokens = model.generate(input_ids, max_new_tokens=3, do_sample=False)
-    model.set_attn_implementation(register_quantkit_attention(backend=backend))
-    with torch.no_grad():
-        got = model(input_ids).logits
-        got_tokens = model.generate(input_ids, max_new_tokens=3, do_sample=False)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert torch.equal(got_tokens, want_tokens)
+    assert_matches_sdpa(model, input_ids, backend, new_tokens=3)
 
 
 def test_values_narrower_than_keys_are_refused():
