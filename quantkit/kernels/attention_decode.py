@@ -700,6 +700,8 @@ def decode_attention(
     timing).
     """
     check_decode_inputs(q, k_cache, v_cache, cache_seqlens, window, max_seqlen)
+    if q.numel() == 0:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
     batch, n_q_heads, head_dim = q.shape
     n_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     group = n_q_heads // n_kv_heads
@@ -722,8 +724,6 @@ def decode_attention(
         split_len = triton.cdiv(n_blocks, max(1, min(n_splits, n_blocks))) * block_n
         n_splits = triton.cdiv(max(span, 1), split_len)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if q.numel() == 0:
-        return out
     if flat:
         return _decode_flat(q, k_cache, v_cache, cache_seqlens, scale, window, max_keys, config, out)
     epilogue, split_chunk = decode_epilogue(n_splits, group, head_dim, fuse_combine)

@@ -212,8 +212,8 @@ def rms_norm(
     """RMSNorm (+ fused residual add, + Gemma's ``offset=1``); returns (y, new residual or None)."""
     triton = is_triton(backend)
     if triton and _direct(x):
-        return _norm_kernels().rms_norm(x, weight, float(eps), residual, float(offset))
-    check_norm_inputs(x, weight, residual)
+        return _norm_kernels().rms_norm(x, weight, eps, residual, float(offset))
+    check_norm_inputs(x, weight, residual, eps=eps)
     if not triton:
         return reference.rms_norm(x, weight, eps, residual, offset)
     if residual is None:
@@ -232,8 +232,8 @@ def layer_norm(
     """LayerNorm (+ fused residual add); returns (y, new residual or None)."""
     triton = is_triton(backend)
     if triton and _direct(x):
-        return _norm_kernels().layer_norm(x, weight, bias, float(eps), residual)
-    check_norm_inputs(x, weight, residual, bias)
+        return _norm_kernels().layer_norm(x, weight, bias, eps, residual)
+    check_norm_inputs(x, weight, residual, bias, eps)
     if not triton:
         return reference.layer_norm(x, weight, bias, eps, residual)
     if residual is None:

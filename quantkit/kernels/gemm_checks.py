@@ -20,6 +20,10 @@ MAX_INT8_K = (2**31 - 1) // int(INT8_MIN * INT8_MIN)
 
 def _check_scale(scale: torch.Tensor, name: str, length: int, length_name: str, ref: torch.Tensor) -> bool:
     """Validate a scale; returns True when it is a vector (one entry per row / channel)."""
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(
+            f"{name} is a {type(scale).__name__}; scales are float32 tensors: pass torch.tensor({name}, dtype=torch.float32)"
+        )
     if scale.dtype != torch.float32:
         raise ValueError(f"{name}.dtype={scale.dtype}; scales must be float32: pass {name}.float()")
     if scale.device != ref.device:
@@ -41,6 +45,9 @@ def check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype, ga
 
     ``layout=False`` (the torch backend) leaves out what only the kernels need: K a multiple of 16
     and their strides."""
+    for name, t in (("a", a), ("w", w)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
     if a.dim() != 2 or w.dim() != 2:
         raise ValueError(
             f"a and w must be 2-D, got a {tuple(a.shape)} and w {tuple(w.shape)}; flatten leading dims of a"
@@ -80,6 +87,8 @@ def check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype, ga
     _check_scale(a_scale, "a_scale", M, "token (row of a)", a)
     _check_scale(w_scale, "w_scale", N_w, "output channel (row of w)", a)
     if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias is a {type(bias).__name__}; pass a ({N},) float tensor or None")
         if gated:
             raise ValueError("the gated GEMM takes no bias")
         if bias.dim() != 1 or bias.shape[0] != N:

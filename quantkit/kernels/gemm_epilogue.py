@@ -17,7 +17,7 @@ from quantkit.kernels.quant import cast_for_store
 def apply_activation(x, ACTIVATION: tl.constexpr):
     """fp32 activation; codes follow reference.ACTIVATIONS (none, relu, silu, gelu, gelu_tanh)."""
     if ACTIVATION == 1:
-        x = tl.maximum(x, 0.0)
+        x = tl.where(x < 0.0, 0.0, x)  # relu(NaN) = NaN, as in torch (tl.maximum drops NaN)
     elif ACTIVATION == 2:
         x = x * tl.sigmoid(x)
     elif ACTIVATION == 3:

@@ -551,7 +551,7 @@ if _GLUON_ERROR is None:
     def _activation(x, ACTIVATION: gl.constexpr):
         # Codes follow reference.ACTIVATIONS; sigmoid as 1 / (1 + exp(-x)) saturates cleanly.
         if ACTIVATION == 1:
-            x = gl.maximum(x, 0.0)
+            x = gl.where(x < 0.0, 0.0, x)  # relu(NaN) = NaN, as in torch
         elif ACTIVATION == 2:
             x = x / (1.0 + gl.exp(-x))
         elif ACTIVATION == 3:

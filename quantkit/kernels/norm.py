@@ -83,8 +83,8 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, offset: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch RMSNorm (+ residual); returns (y, new residual or None). Twin: ``reference_attention.rms_norm``."""
-    check_norm_inputs(x, weight, residual)
-    x = x.contiguous()
+    check_norm_inputs(x, weight, residual, eps=eps)
+    x, weight = x.contiguous(), weight.contiguous()  # the kernel reads the weight with unit stride
     residual = residual.contiguous() if residual is not None else None
     y = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else None
@@ -104,8 +104,9 @@ def layer_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch LayerNorm (+ residual); returns (y, new residual or None). Twin: ``reference_attention.layer_norm``."""
-    check_norm_inputs(x, weight, residual, bias)
-    x = x.contiguous()
+    check_norm_inputs(x, weight, residual, bias, eps)
+    x, weight = x.contiguous(), weight.contiguous()  # the kernel reads weight and bias with unit stride
+    bias = bias.contiguous() if bias is not None else None
     residual = residual.contiguous() if residual is not None else None
     y = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else None

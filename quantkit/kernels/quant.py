@@ -17,6 +17,8 @@ most of their instruction budget (benchmarks/NOTES-quant.md).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -27,7 +29,7 @@ from quantkit.kernels.launch import (INTERPRETED, CachedLaunch, aligned, cdiv, c
 from quantkit.kernels.quant_checks import (MAX_SINGLE_PASS_K,  # noqa: F401 (re-exported)
                                            check_activation_input, check_per_tensor_scale, check_quant_dtype,
                                            check_rms_norm_args)
-from quantkit.kernels.reference import FP8_MAX, INT8_MAX, MIN_SCALE, qmax_of
+from quantkit.kernels.reference import FP8_MAX, INT8_MAX, MIN_SCALE, check_eps, qmax_of  # noqa: F401 (re-exported)
 
 # Chunk width of the static quantizer (and of the per-token kernel's short-row configs).
 CHUNK_K = 4096
@@ -39,6 +41,8 @@ SINGLE_PASS_PER_TOKEN_K = 8192
 # tl.load / tl.store eviction policies of the ``evict`` launch option: what is read again (the
 # first read of a chunked row, the norm weight) asks L1/L2 to keep it; the rest goes first.
 KEEP_POLICY, STREAM_POLICY = "evict_last", "evict_first"
+_INF = math.inf
+
 
 def is_interpreted() -> bool:
     """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1, read at import:
@@ -129,9 +133,24 @@ def quantize_with_scale(x, scale, IS_FP8: tl.constexpr, INTERPRETED: tl.constexp
 
 
 @triton.jit
+def nan_maximum(a, b):
+    """Elementwise max that keeps NaN, like torch's ``maximum`` (``tl.maximum`` drops it)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def row_amax(x, axis: tl.constexpr):
+    """max over ``axis`` that keeps NaN, like torch's ``amax``: a row holding a NaN (or an inf
+    that the norm turned into one) gets a NaN scale, so the NaN reaches the GEMM's output
+    instead of being hidden behind finite values."""
+    return tl.reduce(x, axis, nan_maximum)
+
+
+@triton.jit
 def scale_from_amax(amax, QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr):
-    """The reference's ``scale_from_amax``: ``max(amax / qmax, MIN_SCALE)`` with IEEE division."""
-    return tl.maximum(tl.math.div_rn(amax, QMAX), MIN_SCALE_C)
+    """The reference's ``scale_from_amax``: ``max(amax / qmax, MIN_SCALE)`` with IEEE division
+    (NaN stays NaN, as in torch's ``clamp_min``)."""
+    return nan_maximum(tl.math.div_rn(amax, QMAX), MIN_SCALE_C)
 
 
 @triton.jit
@@ -211,9 +230,9 @@ def _quantize_per_token_kernel(
         if KEEP_INPUT_DTYPE and not INTERPRETED:
             # |x| and max are exact in the input dtype: the row can stay 16-bit in registers
             # until it is quantized (half the registers per row: more rows in flight per SM).
-            amax = tl.max(tl.abs(x_in), axis=1).to(tl.float32)
+            amax = row_amax(tl.abs(x_in), 1).to(tl.float32)
         else:
-            amax = tl.max(tl.abs(x_in.to(tl.float32)), axis=1)
+            amax = row_amax(tl.abs(x_in.to(tl.float32)), 1)
         scale = scale_from_amax(amax, QMAX, MIN_SCALE_C)
         inv_scale = tl.math.div_rn(1.0, scale)
         q = quantize_with_row_scale(x_in.to(tl.float32), scale[:, None], inv_scale[:, None], IS_FP8, FAST_DIVIDE,
@@ -226,8 +245,8 @@ def _quantize_per_token_kernel(
         for start in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             mask = row_mask[:, None] & (start + cols < K)
             x = tl.load(x_rows + start + cols, mask=mask, other=0.0, eviction_policy=KEEP)
-            running_amax = tl.maximum(running_amax, tl.abs(x.to(tl.float32)))
-        amax = tl.max(running_amax, axis=1)
+            running_amax = nan_maximum(running_amax, tl.abs(x.to(tl.float32)))
+        amax = row_amax(running_amax, 1)
         scale = scale_from_amax(amax, QMAX, MIN_SCALE_C)
         inv_scale = tl.math.div_rn(1.0, scale)
         # Second pass over the row: it was read a moment ago, so it comes from L2, not memory.
@@ -286,7 +305,7 @@ def _rms_norm_quant_kernel(
     # monotone, so max|normed| == max|x * (offset + w)| * rstd exactly, which the chunked
     # kernel relies on to find the scale in the same pass as the sum of squares.
     weighted = x * weight[None, :]
-    amax = tl.max(tl.abs(weighted), axis=1) * rstd
+    amax = row_amax(tl.abs(weighted), 1) * rstd
     scale = scale_from_amax(amax, QMAX, MIN_SCALE_C)
     inv_scale = tl.math.div_rn(1.0, scale)
     q = quantize_with_row_scale(weighted * rstd[:, None], scale[:, None], inv_scale[:, None], IS_FP8, FAST_DIVIDE,
@@ -340,21 +359,21 @@ def _rms_norm_quant_chunked_kernel(
             # The weight is re-read by every row: ask the caches to keep it.
             weight = offset + tl.load(weight_ptr + start + cols, mask=mask, other=0.0,
                                       eviction_policy="evict_last").to(tl.float32)
-            running_amax = tl.maximum(running_amax, tl.abs(x * weight))
+            running_amax = nan_maximum(running_amax, tl.abs(x * weight))
     rstd = inverse_rms(tl.sum(sum_sq, axis=0), K, eps)
     if HAS_RESIDUAL:
         # The next passes read the new residual that other threads of this program stored.
         tl.debug_barrier()
     if TWO_PASS:
-        amax = tl.max(running_amax, axis=0) * rstd
+        amax = row_amax(running_amax, 0) * rstd
     else:
         for start in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             mask = start + cols < K
             x = tl.load(normed_src + start + cols, mask=mask, other=0.0, eviction_policy=KEEP).to(tl.float32)
             weight = offset + tl.load(weight_ptr + start + cols, mask=mask, other=0.0,
                                       eviction_policy="evict_last").to(tl.float32)
-            running_amax = tl.maximum(running_amax, tl.abs((x * weight) * rstd))
-        amax = tl.max(running_amax, axis=0)
+            running_amax = nan_maximum(running_amax, tl.abs((x * weight) * rstd))
+        amax = row_amax(running_amax, 0)
     scale = scale_from_amax(amax, QMAX, MIN_SCALE_C)
     inv_scale = tl.math.div_rn(1.0, scale)
     for start in tl.range(0, K, BLOCK_K, num_stages=STAGES):
@@ -588,7 +607,8 @@ def rms_norm_quant_per_token(
                      dtype, None if residual is None else (residual.shape, residual.stride(), residual.dtype,
                                                           residual.device))
         call = _RMS_CALLS.get(signature)
-        if call is not None:
+        # Any eps but a plain non-negative finite float takes the checked path below.
+        if call is not None and type(eps) is float and 0.0 <= eps < _INF:
             shape, scale_shape, device, key, grid, strides, launch, constexprs, num_warps = call
             q = torch.empty(*shape, dtype=dtype, device=device)  # separate ints: see quantize_per_token
             scale = torch.empty(*scale_shape, dtype=torch.float32, device=device)
@@ -602,7 +622,7 @@ def rms_norm_quant_per_token(
                    (x, residual_arg, new_residual_arg, weight, q, scale, *strides, float(eps), float(offset)),
                    constexprs, num_warps, 3)
             return q, scale, new_residual
-    check_rms_norm_args(x, weight, residual)
+    check_rms_norm_args(x, weight, residual, eps=eps)
     check_quant_dtype(dtype)
     _check_runnable(x)
     M, K = x.shape

@@ -64,6 +64,16 @@ def cast_to_quantized(x_scaled: torch.Tensor, dtype: torch.dtype, activation: bo
     return x_scaled.to(torch.float8_e4m3fn)
 
 
+def check_eps(eps: float) -> None:
+    """A norm's epsilon must be a finite number >= 0 (a negative one makes rsqrt NaN for flat rows)."""
+    try:
+        ok = not isinstance(eps, (bool, str)) and 0.0 <= float(eps) < float("inf")
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"eps={eps!r} must be a finite number >= 0 (models use about 1e-6)")
+
+
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The fp32 scale that maps a clipping magnitude onto the format's largest value."""
     amax = amax.float()
@@ -85,7 +95,11 @@ def quantize_per_channel(
 
 def quantize_per_token(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic symmetric per-row quantization of an (M, K) activation -> (q (M, K), scale (M,) fp32)."""
-    scale = scale_from_amax(x.float().abs().amax(dim=-1), dtype)
+    if x.shape[-1] == 0:  # empty rows: amax 0, so the smallest scale (as the kernels give)
+        amax = torch.zeros(x.shape[:-1], dtype=torch.float32, device=x.device)
+    else:
+        amax = x.float().abs().amax(dim=-1)
+    scale = scale_from_amax(amax, dtype)
     return cast_to_quantized(x.float() / scale[:, None], dtype, activation=True), scale
 
 

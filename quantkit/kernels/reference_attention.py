@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.kernels.reference import rms_norm_fp32
+from quantkit.kernels.reference import check_eps, rms_norm_fp32
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
@@ -56,7 +56,9 @@ def flash_attention(
     of shape (B + 1,) holding each sequence's start offset -> (Tq, Hq, D).
     """
     if cu_seqlens_q is None:
-        out = torch.stack([_attend(q[b], k[b], v[b], scale, window) for b in range(q.shape[0])])
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        for b in range(q.shape[0]):
+            out[b] = _attend(q[b], k[b], v[b], scale, window)
         return out.to(q.dtype)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     starts_q = cu_seqlens_q.tolist()
@@ -84,8 +86,10 @@ def decode_attention(
     """
     lengths = cache_seqlens.tolist()
     capacity = k_cache.shape[2]
-    if max(lengths) > capacity:
-        raise ValueError(f"cache_seqlens max {max(lengths)} exceeds the cache capacity {capacity}")
+    if lengths and not 0 <= min(lengths) <= max(lengths) <= capacity:
+        raise ValueError(
+            f"cache_seqlens spans {min(lengths)}..{max(lengths)}; each length must lie in 0..{capacity} (the capacity)"
+        )
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for b, length in enumerate(lengths):
         if length == 0:
@@ -186,7 +190,7 @@ def _check_head_dim(head_dim: int) -> None:
 
 
 def _check_window(window: int | None) -> None:
-    if window is not None and (not isinstance(window, int) or window < 1):
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"window={window!r} must be a positive int or None (no window)")
 
 
@@ -218,6 +222,8 @@ def check_prefill_inputs(q, k, v, window, cu_seqlens_q, cu_seqlens_k) -> None:
             raise ValueError(
                 f"cu_seqlens_q has {cu_seqlens_q.numel()} offsets, cu_seqlens_k {cu_seqlens_k.numel()}; one batch"
             )
+        for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+            _check_offsets(name, cu, total)
         _, n_q_heads, head_dim = q.shape
         _, n_kv_heads, k_head_dim = k.shape
     else:
@@ -237,6 +243,19 @@ def check_prefill_inputs(q, k, v, window, cu_seqlens_q, cu_seqlens_k) -> None:
         raise ValueError(f"q head_dim {head_dim} != k head_dim {k_head_dim}")
     _check_head_dim(head_dim)
     _check_heads(n_q_heads, n_kv_heads)
+
+
+def _check_offsets(name: str, cu: torch.Tensor, total: int) -> None:
+    """Packed offsets must start at 0, never decrease and end within the packed length. Checked
+    where they live on the CPU; on a GPU reading them would synchronize, so there it is the
+    caller's contract (the kernels index the packed tensors with them unchecked)."""
+    if cu.device.type != "cpu":
+        return
+    offsets = cu.tolist()
+    if offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])) or offsets[-1] > total:
+        raise ValueError(
+            f"{name}={offsets} must start at 0, never decrease and end at most at the packed length {total}"
+        )
 
 
 def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, window, max_seqlen) -> None:
@@ -293,6 +312,8 @@ def check_rope_inputs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
         raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in batch, seq or head_dim")
     if head_dim < 2 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim={head_dim} must be a power of two for the RoPE kernel")
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        raise ValueError(f"q has {q.shape[1]} heads and k {k.shape[1]}; RoPE needs at least one head in each")
     for name, t in (("cos", cos), ("sin", sin)):
         if t.dim() != 3 or t.shape[0] not in (1, batch) or tuple(t.shape[1:]) != (seqlen, head_dim):
             raise ValueError(f"{name} must be (B or 1, S, D) = (.., {seqlen}, {head_dim}); got {tuple(t.shape)}")
@@ -305,8 +326,12 @@ def check_rope_inputs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
 
 
-def check_norm_inputs(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, bias: torch.Tensor | None = None) -> None:
-    """Raise ValueError on anything the norm kernels cannot take (shapes and dtypes only)."""
+def check_norm_inputs(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, bias: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> None:
+    """Raise ValueError on anything the norm kernels cannot take (shapes, dtypes, eps)."""
+    check_eps(eps)
     if x.dtype not in NORM_DTYPES:
         raise ValueError(f"x has dtype {x.dtype}; the norm kernels take float16, bfloat16 or float32")
     if x.dim() < 1 or x.shape[-1] < 1 or x.shape[-1] > MAX_HIDDEN:

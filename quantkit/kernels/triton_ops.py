@@ -137,7 +137,10 @@ DIRECT_EAGER_LAUNCH = True
 
 
 def direct_launch(x: torch.Tensor) -> bool:
-    """True when a call may bypass the registered op: eager, on a plain tensor (see module docs)."""
+    """True when a call may bypass the registered op: eager, on a plain tensor (see module docs).
+    Raises TypeError for a non-tensor, which the op's dispatcher would refuse less clearly."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"the input must be a torch.Tensor, got {type(x).__name__}")
     return DIRECT_EAGER_LAUNCH and type(x) is torch.Tensor and not torch.compiler.is_compiling()
 
 
@@ -167,7 +170,8 @@ def quantize_per_tensor(x, scale, dtype):
 
 def rms_norm_quant_per_token(x, weight, eps, dtype, residual=None, offset=0.0):
     if direct_launch(x):
-        return quant.rms_norm_quant_per_token(x, weight, float(eps), dtype, residual, float(offset))
+        return quant.rms_norm_quant_per_token(x, weight, eps, dtype, residual, float(offset))
+    quant.check_eps(eps)  # before float() would take "1e-6" or True
     if residual is None:
         q, scale = _rms_norm_quant_op(x, weight, float(eps), dtype, float(offset))
         return q, scale, None

@@ -179,6 +179,14 @@ def test_prefill_bad_input_raises_before_launch(backend):
     q, k, v = _qkv((1, 2, 8, 64), (1, 2, 8, 64))
     with pytest.raises(ValueError, match="dtypes differ"):
         attention_ops.flash_attention(q, k.half(), v, 0.1, backend=backend)
+    with pytest.raises(ValueError, match="window=True"):
+        attention_ops.flash_attention(q, k, v, 0.1, window=True, backend=backend)
+    # Packed offsets past the packed length were read out of bounds by the kernel (CPU tensors are checked).
+    q, k, v = _qkv((5, 4, 64), (5, 2, 64))
+    for offsets in ([0, 2, 9], [1, 2, 5], [0, 3, 2, 5]):
+        cu = torch.tensor(offsets, dtype=torch.int32)
+        with pytest.raises(ValueError, match="must start at 0, never decrease"):
+            attention_ops.flash_attention(q, k, v, 0.1, None, cu, cu, 7, backend=backend)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -195,6 +203,24 @@ def test_decode_bad_input_raises_before_launch(backend):
                                        seqlens, 0.1, backend=backend)
     with pytest.raises(ValueError, match="backend"):
         attention_ops.decode_attention(q, cache, cache, seqlens, 0.1, backend="auto")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_empty_batch_returns_empty_outputs(backend):
+    cache = torch.randn(0, 2, 8, 64)
+    out = attention_ops.decode_attention(torch.randn(0, 4, 64), cache, cache, torch.zeros(0, dtype=torch.int32), 0.1,
+                                         backend=backend)
+    assert out.shape == (0, 4, 64)
+    q, k, v = _qkv((0, 4, 5, 64), (0, 2, 5, 64))
+    assert attention_ops.flash_attention(q, k, v, 0.1, backend=backend).shape == (0, 4, 5, 64)
+
+
+def test_twin_refuses_negative_cache_lengths():
+    # Python slicing made a length of -1 attend to capacity - 1 keys.
+    cache = torch.randn(2, 2, 8, 64)
+    with pytest.raises(ValueError, match="must lie in 0..8"):
+        attention_ops.decode_attention(torch.randn(2, 4, 64), cache, cache, torch.tensor([3, -1], dtype=torch.int32),
+                                       0.1, backend="torch")
 
 
 # (batch, length, block_n, programs_per_sm, splits): the pointer kernel's (64-key tiles, two per SM)

@@ -512,3 +512,19 @@ def test_gated_rejects_tail_split():
     with pytest.raises(ValueError, match="gated"):
         gemm.gated_scaled_mm(a, w, a_scale, w_scale, config={**gemm_tma_interpreter_config(), "TAIL_SPLIT": 2},
                              kernel="persistent")
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("M,kernel", [(1, "auto"), (13, "tiled"), (13, "persistent")], ids=["gemv", "tiled", "persistent"])
+def test_relu_keeps_nan_like_torch(qdtype, M, kernel):
+    # tl.maximum(NaN, 0) is 0: a NaN token (its per-token scale) or bias used to come out of a
+    # ReLU epilogue as zeros, where torch gives NaN.
+    N, K = 40, 64
+    a, a_scale, w, w_scale, bias = _operands(M, N, K, qdtype, seed=5)
+    a_scale[M - 1] = float("nan")
+    bias[3] = float("nan")
+    out = gemm.scaled_mm(a, w, a_scale, w_scale, bias, "relu", torch.float32, out=_poisoned(M, N, torch.float32),
+                         kernel=kernel)
+    ref = reference.scaled_mm(a, w, a_scale, w_scale, bias, "relu", torch.float32)
+    assert out[M - 1].isnan().all() and out[:, 3].isnan().all()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, equal_nan=True)

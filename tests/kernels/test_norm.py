@@ -70,3 +70,28 @@ def test_norm_bad_input_raises(backend):
         attention_ops.layer_norm(x.double(), torch.randn(64), None, 1e-5, backend=backend)
     with pytest.raises(ValueError, match="bias must be"):
         attention_ops.layer_norm(x, torch.randn(64), torch.randn(3), 1e-5, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_norm_takes_strided_weight_and_bias(backend):
+    # The kernels read weight and bias with unit stride: views with another stride used to be
+    # read as if contiguous (every other element, or past the end for an expanded weight).
+    x = torch.randn(5, 64)
+    stacked = torch.randn(2, 128)
+    weight, bias = stacked[0, ::2], stacked[1, 1::2]
+    for w in (weight, torch.tensor([1.7]).expand(64)):
+        got, _ = attention_ops.rms_norm(x, w, 1e-6, backend=backend)
+        ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    got, _ = attention_ops.layer_norm(x, weight, bias, 1e-5, backend=backend)
+    torch.testing.assert_close(got, torch.nn.functional.layer_norm(x, (64,), weight, bias, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("eps", [-1e-6, float("nan"), None])
+def test_norm_refuses_a_bad_eps(backend, eps):
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="eps="):
+        attention_ops.rms_norm(x, torch.randn(64), eps, backend=backend)
+    with pytest.raises(ValueError, match="eps="):
+        attention_ops.layer_norm(x, torch.randn(64), None, eps, backend=backend)

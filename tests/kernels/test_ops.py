@@ -128,6 +128,9 @@ def test_both_backends_refuse_the_same_bad_calls(backend):
         (lambda: ops.scaled_mm(a[:, :0], w[:, :0], a_scale, w_scale, backend=backend), "K=0"),
         (lambda: ops.gated_scaled_mm(a, w3, a_scale, w3_scale, backend=backend), "has 3 rows"),
         (lambda: ops.rms_norm_quant_per_token(x, torch.randn(7), 1e-6, torch.int8, backend=backend), "weight has shape"),
+        (lambda: ops.scaled_mm(a, w, 0.5, w_scale, backend=backend), "a_scale is a float"),
+        (lambda: ops.scaled_mm(a, w, a_scale, w_scale, 0.0, backend=backend), "bias is a float"),
+        (lambda: ops.quantize_per_token(x.tolist(), torch.int8, backend=backend), "must be a"),
     ]
     for call, message in cases:
         with pytest.raises((ValueError, TypeError), match=message):

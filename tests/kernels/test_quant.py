@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.kernels import quant, reference
+from quantkit.kernels import ops, quant, reference
 
 QDTYPES = [pytest.param(torch.int8, id="int8"), pytest.param(torch.float8_e4m3fn, id="fp8")]
 XDTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),
@@ -377,3 +377,60 @@ def test_rms_norm_quant_against_unfused_float64():
 def test_bad_input_raises_clear_value_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def _nan_equal(got: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the interpreter's numpy on inf * 0
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("variant", ["single_pass", "rows4", "two_pass_c64"])
+def test_nan_and_inf_rows_keep_their_nan_and_inf_scales(qdtype, variant):
+    # tl.max drops NaN: a row holding one used to get a finite scale (its NaN quantized to a
+    # finite code), hiding a diverging model behind finite logits. torch keeps it, so must the kernel.
+    config = {"single_pass": {}, "rows4": {"rows": 4}, "two_pass_c64": {"single_pass": False, "chunk_k": 64}}[variant]
+    M, K = 7, 150
+    x = _x(M, K, torch.bfloat16, seed=11)
+    x[1, 77] = float("nan")
+    x[4, 149] = float("inf")
+    x[5, 0] = float("-inf")
+    q, scale = quant.quantize_per_token(x, qdtype, out=_poisoned_q(M, K, qdtype), config=config)
+    ref_q, ref_scale = reference.quantize_per_token(x, qdtype)
+    _nan_equal(scale, ref_scale)
+    assert scale[1].isnan() and scale[4].isinf() and scale[5].isinf()
+    finite = [0, 2, 3, 6]  # the codes of non-finite rows are unspecified
+    assert torch.equal(q[finite].view(torch.int8), ref_q[finite].view(torch.int8))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("config", [None, {"chunk_k": 64, "passes": 2}, {"chunk_k": 64, "passes": 3}],
+                         ids=["row", "chunked2", "chunked3"])
+def test_rms_norm_quant_nan_and_inf_rows_get_nan_scales(qdtype, config):
+    # A NaN, or an inf (rstd = 0, inf * 0 = NaN), makes the row's scale NaN as in the twin.
+    M, K = 5, 150
+    x = _x(M, K, torch.float32, seed=12)
+    x[1, 3] = float("nan")
+    x[3, 100] = float("inf")
+    weight = torch.randn(K)
+    _, scale, _ = quant.rms_norm_quant_per_token(x, weight, 1e-6, qdtype, None, 0.0, config=config)
+    _, ref_scale, _ = reference.rms_norm_quant_per_token(x, weight, 1e-6, qdtype)
+    assert ref_scale[[1, 3]].isnan().all() and scale[[1, 3]].isnan().all()
+    torch.testing.assert_close(scale[[0, 2, 4]], ref_scale[[0, 2, 4]], rtol=1e-6, atol=0)
+
+
+def test_twin_quantizes_empty_rows_like_the_kernel():
+    x = torch.randn(6, 48)[:, :0]
+    for impl in (quant, reference):
+        q, scale = impl.quantize_per_token(x, torch.int8)
+        assert q.shape == (6, 0) and torch.equal(scale, torch.full((6,), reference.MIN_SCALE))
+
+
+@pytest.mark.parametrize("eps", [-1e-6, float("nan"), float("inf"), "1e-6", True])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_norm_quant_refuses_a_bad_eps(eps, backend):
+    x, weight = torch.randn(3, 32), torch.randn(32)
+    ops.rms_norm_quant_per_token(x, weight, 1e-6, torch.int8, backend=backend)  # the launch is cached now
+    with pytest.raises(ValueError, match="eps="):
+        ops.rms_norm_quant_per_token(x, weight, eps, torch.int8, backend=backend)

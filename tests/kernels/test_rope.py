@@ -64,6 +64,9 @@ def test_rope_bad_input_raises(backend):
         attention_ops.apply_rope(q[..., :48], k[..., :48], cos[..., :48], sin[..., :48], backend=backend)
     with pytest.raises(ValueError, match="dtype"):
         attention_ops.apply_rope(q.to(torch.float64), k, cos, sin, backend=backend)
+    # Zero q heads used to skip the launch and return k's output uninitialised.
+    with pytest.raises(ValueError, match="at least one head"):
+        attention_ops.apply_rope(q[:, :0], k, cos, sin, backend=backend)
 
 
 @pytest.mark.parametrize("dtype,magnitude", [(torch.float16, 1e-4), (torch.float16, 2e4), (torch.bfloat16, 1e-30),
