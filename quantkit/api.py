@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -17,7 +18,7 @@ from quantkit.calibration.smoothquant import smooth_model
 from quantkit.calibration.weights import weight_amax as observed_weight_amax
 from quantkit.calibration.data import calibration_blocks, load_texts, tokenize_stream
 from quantkit.config import QuantConfig
-from quantkit.convert import ConversionReport, convert_model, target_linears
+from quantkit.convert import ConversionReport, convert_model, require_targets, target_linears
 from quantkit.eval.perplexity import PerplexityResult, evaluate_perplexity
 from quantkit.kernels.ops import resolve_backend
 from quantkit.nn import QuantLinear
@@ -41,7 +42,11 @@ def prepare_calibration_data(tokenizer, dataset: str, num_samples: int = 64, seq
         if limit is not None and seq_len > limit:
             raise ValueError(f"seq_len={seq_len} is larger than the model's context of {limit} tokens; "
                              f"use --seq-len {limit} or less")
-    return calibration_blocks(tokenizer, load_texts(dataset, "calibration"), num_samples, seq_len)
+    blocks = calibration_blocks(tokenizer, load_texts(dataset, "calibration"), num_samples, seq_len)
+    if len(blocks) < num_samples:
+        warnings.warn(f"the calibration split of {dataset!r} holds {len(blocks)} blocks of {seq_len} tokens, fewer "
+                      f"than num_samples={num_samples}; calibrating on {len(blocks)}", stacklevel=2)
+    return blocks
 
 
 def prepare_evaluation_tokens(tokenizer, dataset: str, max_tokens: int | None = None) -> torch.Tensor:
@@ -88,6 +93,7 @@ def quantize(
 
 def _quantize(model: nn.Module, config: QuantConfig, calibration_data: torch.Tensor | None, progress: bool,
               backend: str, per_block: bool) -> nn.Module:
+    require_targets(model, config)  # before any calibration work
     dtype = config.torch_dtype
     smoothquant_report = None
     if config.smoothquant_alpha is not None:

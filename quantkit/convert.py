@@ -17,22 +17,67 @@ from quantkit.nn import QuantLinear
 logger = logging.getLogger(__name__)
 
 
+# Mixture-of-experts routing gates stay in 16 bits, as the output head does: a few outputs that
+# pick experts (or scale the shared expert) from the whole hidden state, where an 8-bit error
+# changes which weights run. Matched by their last name part and a small output count.
+ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
+ROUTER_MAX_OUTPUTS = 512
+
+
 @dataclass
 class ConversionReport:
     converted: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    # Weights (2-D and up) of modules other than nn.Linear and embeddings, by module type: they
+    # stay in 16 bits (e.g. the stacked expert tensors of transformers' MoE blocks).
+    other_weights: dict[str, int] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        return f"converted {len(self.converted)} Linear layers, kept {len(self.skipped)} in 16 bits"
+        text = f"converted {len(self.converted)} Linear layers, kept {len(self.skipped)} in 16 bits"
+        if self.other_weights:
+            listed = ", ".join(f"{kind} {count:,}" for kind, count in self.other_weights.items())
+            text += f"; weights of other modules left in 16 bits: {listed}"
+        return text
+
+
+def is_routing_gate(name: str, module: nn.Linear) -> bool:
+    return name.rsplit(".", 1)[-1] in ROUTER_NAMES and module.out_features <= ROUTER_MAX_OUTPUTS
 
 
 def target_linears(model: nn.Module, config: QuantConfig, extra_ignore: tuple[str, ...] = ()) -> dict[str, nn.Linear]:
-    """Name -> module for every nn.Linear that ``config`` quantizes."""
+    """Name -> module for every nn.Linear that ``config`` quantizes (routing gates never)."""
     return {
         name: module
         for name, module in model.named_modules()
         if type(module) is nn.Linear and not config.is_ignored(name) and name not in extra_ignore
+        and not is_routing_gate(name, module)
     }
+
+
+def weights_outside_linears(model: nn.Module) -> dict[str, int]:
+    """Module type -> parameter count of the 2-D+ weights that no nn.Linear, QuantLinear or
+    embedding holds: what a conversion of Linears cannot reach."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, QuantLinear, nn.Embedding)):
+            continue
+        n = sum(p.numel() for p in module.parameters(recurse=False) if p.dim() >= 2)
+        if n:
+            kind = type(module).__name__
+            counts[kind] = counts.get(kind, 0) + n
+    return counts
+
+
+def require_targets(model: nn.Module, config: QuantConfig) -> None:
+    """Raise ValueError, naming what the model holds instead, when no Linear would be quantized."""
+    if target_linears(model, config):
+        return
+    others = weights_outside_linears(model)
+    if others:
+        kinds = ", ".join(sorted(others))
+        raise ValueError(f"{type(model).__name__} has no nn.Linear layer to quantize: its weights are in {kinds}, "
+                         "which quantkit does not quantize (it rewrites nn.Linear layers only)")
+    raise ValueError(f"no nn.Linear layer matched; check the ignore patterns of the QuantConfig ({list(config.ignore)})")
 
 
 def untie_quantized_head(model: nn.Module) -> bool:
@@ -75,6 +120,7 @@ def convert_model(
     weight_amax / quantized_weights: optional per-layer results of a clipping search or GPTQ.
     backend: a concrete backend ("triton" or "torch"), already resolved for the model's device.
     """
+    require_targets(model, config)
     report = ConversionReport()
     targets = target_linears(model, config, extra_ignore)
     if config.is_static:
@@ -102,8 +148,15 @@ def convert_model(
         _set_submodule(model, name, quantized)
         report.converted.append(name)
     if not report.converted:
-        raise ValueError("no nn.Linear layer matched; check the ignore patterns of the QuantConfig")
+        raise ValueError("every nn.Linear layer is kept in 16 bits; nothing to quantize")
     untie_quantized_head(model)
+    report.other_weights = weights_outside_linears(model)
+    other = sum(report.other_weights.values())
+    quantized = sum(model.get_submodule(name).weight.numel() for name in report.converted)
+    if other > quantized:
+        logger.warning("only %.0f%% of the model's matrix weights were quantized: %s stay in 16 bits "
+                       "(quantkit quantizes nn.Linear layers only)", 100 * quantized / (quantized + other),
+                       ", ".join(sorted(report.other_weights)))
     logger.info("%s", report)
     return report
 

@@ -1,14 +1,19 @@
 """Text for calibration and evaluation, as `datasets` Datasets, and their token blocks.
 
 A dataset is split by document into a calibration part and an evaluation part that never share
-a document: every fourth document (index % 4 == 3) is held out for evaluation. The same rule
-applies to every source, so `quantkit quantize --dataset X` and `quantkit eval --dataset X`
-never see each other's text.
+a document. A document's split follows from its own text: it is held out for evaluation when a
+hash of the text, whitespace collapsed, falls in one bucket of four. So a document lands in the
+same split whatever else the dataset holds (files added, removed or reordered, another folder
+that shares some files), and copies of it, line endings or spacing aside, land with it:
+`quantkit quantize --dataset X` and `quantkit eval --dataset Y` never share a document's text.
+The bundled Wikipedia excerpt is a fixed file; it holds out every fourth article by position,
+as it always has, so that published perplexities stay comparable.
 """
 
 from __future__ import annotations
 
 import bz2
+import hashlib
 from pathlib import Path
 
 import torch
@@ -110,19 +115,33 @@ def load_texts(source: str, split: str) -> list[str]:
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not one of {SPLITS}")
-    docs = list(_load_documents(source)["text"])
-    evaluation = [text for index, text in enumerate(docs) if index % EVAL_EVERY == EVAL_EVERY - 1]
-    if split == "evaluation":
-        texts = [text for text in evaluation if text and text.strip()]
+    docs = [text for text in _load_documents(source)["text"] if text and text.strip()]
+    if source == BUNDLED_DATASET:
+        held_out = [index % EVAL_EVERY == EVAL_EVERY - 1 for index in range(len(docs))]
+        # A copy of a held-out article elsewhere in the file is not calibrated on.
+        held_out_keys = {document_key(text) for text, out in zip(docs, held_out) if out}
+        held_out = [out or document_key(text) in held_out_keys for text, out in zip(docs, held_out)]
     else:
-        # A document that also appears in the evaluation split (a duplicate) is not calibrated on.
-        held_out = {text.strip() for text in evaluation if text}
-        texts = [text for index, text in enumerate(docs)
-                 if index % EVAL_EVERY != EVAL_EVERY - 1 and text and text.strip() and text.strip() not in held_out]
+        held_out = [is_held_out(text) for text in docs]
+    texts = [text for text, out in zip(docs, held_out) if out == (split == "evaluation")]
     if not texts:
-        raise DatasetError(f"dataset {source!r} yields no text for the {split} split; it needs at least "
-                           f"{EVAL_EVERY} distinct non-empty documents (a single text file is one document)")
+        raise DatasetError(
+            f"dataset {source!r} yields no text for the {split} split: of its {len(docs)} non-empty documents "
+            f"(a text file is one document, a dataset row is one), about one in {EVAL_EVERY} is held out for "
+            "evaluation, chosen by a hash of its text, and none fell on this side; add more documents"
+        )
     return texts
+
+
+def document_key(text: str) -> str:
+    """A document's text with whitespace collapsed: copies that differ in line endings or spacing agree."""
+    return " ".join(text.split())
+
+
+def is_held_out(text: str) -> bool:
+    """Whether a document belongs to the evaluation split: one hash bucket of ``EVAL_EVERY``."""
+    digest = hashlib.blake2b(document_key(text).encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % EVAL_EVERY == EVAL_EVERY - 1
 
 
 def tokenize_stream(tokenizer: PreTrainedTokenizerBase, texts: list[str], max_tokens: int | None = None) -> torch.Tensor:

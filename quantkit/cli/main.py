@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -182,7 +183,9 @@ def quantize(
         if seq_len is None:
             seq_len = min(DEFAULT_CALIBRATION_SEQ_LEN, getattr(source.config, "max_position_embeddings", None)
                           or DEFAULT_CALIBRATION_SEQ_LEN)
-        blocks = quantkit.prepare_calibration_data(tokenizer, dataset, num_samples, seq_len, model=source)
+        with warnings.catch_warnings():  # the note below says it on the command line
+            warnings.simplefilter("ignore")
+            blocks = quantkit.prepare_calibration_data(tokenizer, dataset, num_samples, seq_len, model=source)
         if len(blocks) < num_samples:
             typer.echo(f"note: the calibration text holds {len(blocks)} blocks of {seq_len} tokens, fewer than "
                        f"--num-samples {num_samples}; calibrating on {len(blocks)}", err=True)

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import quantkit
 from quantkit.kernels.reference import sqnr_db
 from quantkit.nn import QuantLinear
+from tests.tiny import make_documents
 
 SCHEMES = ["int8", "int8-static", "fp8", "fp8-static"]
 
@@ -134,21 +135,55 @@ def test_calibration_and_evaluation_splits_are_disjoint(text_dir):
 
 
 def test_duplicate_and_hidden_documents_do_not_leak_into_calibration(text_dir, tmp_path):
-    """The split goes by position: a second copy of an evaluation document (or a notebook's hidden
-    checkpoint copy) used to land in the calibration split."""
+    """A second copy of an evaluation document (here with Windows line endings and extra spaces)
+    lands in the evaluation split with it; a notebook's hidden checkpoint copy is not read."""
     import shutil
 
-    from quantkit.calibration.data import load_texts
+    from quantkit.calibration.data import document_key, load_texts
 
     folder = tmp_path / "docs"
     shutil.copytree(text_dir, folder)
     held_out = load_texts(str(folder), "evaluation")
-    (folder / "zz-copy.txt").write_text(held_out[0])
+    calibration = load_texts(str(folder), "calibration")
+    copy = held_out[0].replace(". ", ".\r\n  ")
+    (folder / "zz-copy.txt").write_bytes(copy.encode())
     (folder / ".ipynb_checkpoints").mkdir()
     (folder / ".ipynb_checkpoints" / "doc-checkpoint.txt").write_text(held_out[-1])
-    calibration = load_texts(str(folder), "calibration")
-    assert not {t.strip() for t in calibration} & {t.strip() for t in load_texts(str(folder), "evaluation")}
-    assert load_texts(str(folder), "evaluation") == held_out  # the copies change nothing held out
+    assert load_texts(str(folder), "calibration") == calibration
+    evaluation = load_texts(str(folder), "evaluation")
+    assert evaluation[:-1] == held_out and evaluation[-1] != held_out[0]
+    assert document_key(evaluation[-1]) == document_key(held_out[0])
+
+
+def test_a_document_keeps_its_split_whatever_else_the_dataset_holds(text_dir, tmp_path):
+    """The split follows each document's text, not its position: calibrating on one folder and
+    evaluating on another that shares files (or the same folder with files added) never puts a
+    calibration document in the evaluation text. By position, adding one file used to move
+    every later document to the other split."""
+    import shutil
+
+    from quantkit.calibration.data import load_texts
+
+    original_calibration = set(load_texts(str(text_dir), "calibration"))
+    original_evaluation = set(load_texts(str(text_dir), "evaluation"))
+    grown = tmp_path / "grown"
+    shutil.copytree(text_dir, grown)
+    for i, doc in enumerate(make_documents(12, 20, seed=99)):
+        (grown / f"doc{i:02d}b.txt").write_text(doc)
+    (grown / "doc03.txt").rename(grown / "zz-renamed.txt")
+    calibration, evaluation = load_texts(str(grown), "calibration"), load_texts(str(grown), "evaluation")
+    assert original_calibration <= set(calibration) and original_evaluation <= set(evaluation)
+    assert not set(calibration) & original_evaluation and not set(evaluation) & original_calibration
+    assert len(evaluation) > len(original_evaluation)  # some of the new documents are held out
+
+
+def test_too_few_documents_for_a_split_is_a_clear_error(tmp_path):
+    from quantkit.calibration.data import DatasetError, is_held_out, load_texts
+
+    calibration_only = next(doc for doc in make_documents(20, 5, seed=1) if not is_held_out(doc))
+    (tmp_path / "one.txt").write_text(calibration_only)
+    with pytest.raises(DatasetError, match="no text for the evaluation split.*add more documents"):
+        load_texts(str(tmp_path), "evaluation")
 
 
 def test_static_scheme_requires_calibration_data(llama_dir):

@@ -1,0 +1,66 @@
+"""Architectures whose weights are not all in nn.Linear: mixture-of-experts blocks (transformers 5
+keeps the experts as stacked 3-D tensors and the router as its own module) and GPT-2's Conv1D."""
+
+import logging
+
+import pytest
+import torch
+import transformers
+
+import quantkit
+from quantkit.nn import QuantLinear
+
+COMMON = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _model(config):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_qwen2_moe_keeps_its_routing_gates_and_reports_the_experts(caplog):
+    config = transformers.Qwen2MoeConfig(intermediate_size=128, moe_intermediate_size=64,
+                                         shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                                         **COMMON)
+    model = _model(config)
+    ids = torch.randint(1, 300, (2, 11))
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+    with caplog.at_level(logging.WARNING, logger="quantkit.convert"):
+        qmodel = quantkit.quantize(model, "int8")
+    report = qmodel.quantkit_report
+    # shared_expert_gate scales the whole shared expert from one output: it stays in 16 bits, like the router.
+    gates = [f"model.layers.{i}.mlp.shared_expert_gate" for i in range(2)]
+    assert set(gates) <= set(report.skipped) and not set(gates) & set(report.converted)
+    assert all(type(qmodel.get_submodule(name)) is torch.nn.Linear for name in gates)
+    assert any(name.endswith("shared_expert.down_proj") for name in report.converted)
+    # The routed experts are 3-D tensors, not Linears: the report and a warning say they stay in 16 bits.
+    assert set(report.other_weights) == {"Qwen2MoeExperts", "Qwen2MoeTopKRouter"}
+    assert report.other_weights["Qwen2MoeExperts"] == 2 * 4 * 3 * 64 * 64
+    assert "Qwen2MoeExperts" in str(report)
+    assert "of the model's matrix weights were quantized" in caplog.text
+    with torch.no_grad():
+        logits = qmodel(input_ids=ids).logits
+    assert ((logits - reference).norm() / reference.norm()).item() < 0.05
+
+
+def test_a_model_without_linears_is_refused_by_name():
+    config = transformers.GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+    model = _model(config)
+    with pytest.raises(ValueError, match="its weights are in Conv1D, which quantkit does not quantize"):
+        quantkit.quantize(model, "int8")
+    # Before any calibration work: keep_sensitive used to report "all 0 quantizable layers" instead.
+    blocks = torch.randint(1, 300, (2, 16))
+    with pytest.raises(ValueError, match="Conv1D"):
+        quantkit.quantize(model, quantkit.QuantConfig.preset("int8-static", "accurate"), blocks)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+
+
+def test_fewer_calibration_blocks_than_asked_warns(text_dir):
+    from tests.tiny import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    with pytest.warns(UserWarning, match="fewer than num_samples=100000"):
+        blocks = quantkit.prepare_calibration_data(tokenizer, str(text_dir), num_samples=100000, seq_len=32)
+    assert 1 <= len(blocks) < 100000
