@@ -1,7 +1,7 @@
 """The real bundled Gemma-3-270M on CPU: loading, the tokenizer guard, and W8A8 perplexity bounds.
 
 Modest budget (2,048 held-out Wikipedia tokens, window 1024) so CI stays fast. Measured on the
-dev machine (2026-11-22, torch 2.13 CPU, fp32): baseline 19.39, fp8 +2.5 %, int8 +3.1 %.
+dev machine (torch 2.13 CPU, fp32; README's CI row): baseline 19.391, fp8 +2.38 %, int8 +2.94 %.
 The bound below (6 %) is twice the worst of those: a broken scale, rounding or GEMM costs tens
 of percent or more, a correct W8A8 path stays inside it.
 """
@@ -35,7 +35,7 @@ def test_bundled_model_and_tokenizer(bundled):
     # The Wikipedia excerpt is held out by article; a correct tokenizer gives ~4.4 chars/token.
     text = tokenizer.decode(tokens[1:])
     assert len(text) / (tokens.numel() - 1) > 3.5
-    # A baseline far from ~20 means the evaluation is wrong, not the model (DESIGN.md).
+    # A baseline far from ~20 means the evaluation is wrong, not the model (README, Results).
     assert 14.0 < baseline.perplexity < 30.0
 
 

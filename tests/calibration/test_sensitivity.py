@@ -1,5 +1,7 @@
 """Per-layer sensitivity ranking finds the layer that was made fragile on purpose."""
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -79,3 +81,17 @@ def test_layer_error_scores_a_quantized_head(model):
     ranking = dict(rank_layers(model, _blocks(), QuantConfig.preset("int8", ignore=()), n_blocks=3, batch_size=2,
                                method="layer_error", progress=False, max_seq_len=17))
     assert ranking["lm_head"] > 0
+
+
+def test_kl_is_of_the_quantized_from_the_float_distribution():
+    """KL(p_float || p_quant), the direction the docstring promises, on two 3-way distributions by hand."""
+    from quantkit.calibration.sensitivity import _kl
+
+    p = torch.tensor([[0.7, 0.2, 0.1]])
+    q = torch.tensor([[0.4, 0.4, 0.2]])
+    expected = sum(a * math.log(a / b) for a, b in zip(p[0].tolist(), q[0].tolist()))  # 0.1838
+    reverse = sum(b * math.log(b / a) for a, b in zip(p[0].tolist(), q[0].tolist()))  # 0.1920
+    assert _kl([p.log()], [q.log()]) == pytest.approx(expected, rel=1e-6)
+    assert abs(expected - reverse) > 5e-3
+    # Mean over positions: a second, identical row halves it.
+    assert _kl([torch.cat([p, p]).log()], [torch.cat([q, p]).log()]) == pytest.approx(expected / 2, rel=1e-6)

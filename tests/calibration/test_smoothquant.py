@@ -216,6 +216,10 @@ def test_scales_formula():
     weight = torch.tensor([1.0, 2.0, 4.0])
     s = smoothing_scales(act, weight, alpha=0.5)
     torch.testing.assert_close(s, torch.tensor([2.0, 1.0, 1.5], dtype=torch.float64))
+    # alpha != 0.5 tells x^alpha / w^(1 - alpha) from x^(1 - alpha) / w^alpha:
+    # 16^0.75 / 1 = 8, 81^0.75 / 16^0.25 = 27 / 2; a channel that never fired keeps 1.
+    s = smoothing_scales(torch.tensor([16.0, 0.0, 81.0]), torch.tensor([1.0, 2.0, 16.0]), alpha=0.75)
+    torch.testing.assert_close(s, torch.tensor([8.0, 1.0, 13.5], dtype=torch.float64))
 
 
 def test_bad_arguments():

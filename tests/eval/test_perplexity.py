@@ -1,7 +1,10 @@
 """evaluate_perplexity's windows: what each scores, and the arguments it refuses."""
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from quantkit.eval.perplexity import evaluate_perplexity
 from tests.models.test_fast_path import make_tiny
@@ -46,3 +49,37 @@ def test_refused_arguments():
         evaluate_perplexity(model, tokens, window=too_long, progress=False)
     with pytest.raises(ValueError, match="1-D stream"):
         evaluate_perplexity(model, tokens.reshape(2, 20), window=8, progress=False)
+
+
+def _nll_per_token(model, ids: torch.Tensor) -> torch.Tensor:
+    """-log p(ids[t] | ids[:t]) for t >= 1, from one plain forward over ``ids``."""
+    with torch.no_grad():
+        logits = model(input_ids=ids[None]).logits[0].float()
+    return F.cross_entropy(logits[:-1], ids[1:], reduction="none")
+
+
+@pytest.mark.parametrize("bos", [None, 1], ids=["no_bos", "bos"])
+def test_one_window_equals_cross_entropy_over_the_sequence(bos):
+    model = make_tiny("llama").eval()
+    tokens = torch.randint(3, model.config.vocab_size, (23,), generator=torch.Generator().manual_seed(2))
+    result = evaluate_perplexity(model, tokens, window=24, bos_token_id=bos, progress=False)
+    ids = tokens if bos is None else torch.cat([torch.tensor([bos]), tokens])
+    expected = _nll_per_token(model, ids)
+    assert result.tokens == expected.numel() == (22 if bos is None else 23)
+    assert result.nll == pytest.approx(expected.mean().item(), rel=1e-6)
+    assert result.perplexity == pytest.approx(math.exp(expected.mean().item()), rel=1e-6)
+
+
+def test_sliding_windows_score_each_token_once_with_its_context():
+    """stride < window: each token is scored once, by the window whose new part holds it, with the
+    window's earlier tokens as context (no BOS: the stream's first token is never scored)."""
+    model = make_tiny("llama").eval()
+    tokens = torch.randint(3, model.config.vocab_size, (20,), generator=torch.Generator().manual_seed(3))
+    result = evaluate_perplexity(model, tokens, window=8, stride=4, progress=False)
+    nll = []
+    for begin, end, first in [(0, 8, 1), (4, 12, 8), (8, 16, 12), (12, 20, 16)]:
+        per_token = _nll_per_token(model, tokens[begin:end])  # predicts tokens[begin + 1 : end]
+        nll.append(per_token[first - begin - 1:])
+    expected = torch.cat(nll)
+    assert result.tokens == expected.numel() == 19
+    assert result.nll == pytest.approx(expected.mean().item(), rel=1e-6)

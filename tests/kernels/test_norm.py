@@ -56,7 +56,9 @@ def test_rms_norm_bf16_3d_gemma():
     torch.testing.assert_close(res.float(), summed.float(), rtol=2 ** -7, atol=0)
     ref = norm(summed.float())
     rel = (y.float() - ref).norm() / ref.norm()
-    assert rel < 1e-2
+    # bf16 output truncated by the interpreter: up to 2**-7 of each value, 4.3e-3 here in norm;
+    # a missing offset or residual costs tens of percent.
+    assert rel < 6e-3
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

@@ -102,3 +102,23 @@ def test_residual_comparison_variant_and_ratio():
     e2e._add_ratios(rows)
     assert rows[0]["residual_speedup"] == 4.4 / 4.0 and rows[0]["residual_peak_ratio"] == 1.0
     assert "residual_speedup" not in rows[1] and "norm_quant_speedup" not in rows[0]
+
+
+def test_ratios_to_hf_bf16_and_the_targets_they_meet():
+    """speedup_vs_bf16 is ours over the baseline's throughput (prefill) and the baseline's time
+    over ours (decode): above 1 when quantkit is faster, and the target lines read it so."""
+    rows = [{"variant": "hf-bf16", "workload": "prefill_1x8", "tokens_per_s": 100.0, "graph_tokens_per_s": 120.0,
+             "peak_bytes": 200, "model_bytes": 160},
+            {"variant": "fp8-fast", "workload": "prefill_1x8", "tokens_per_s": 180.0, "graph_tokens_per_s": 240.0,
+             "peak_bytes": 110, "model_bytes": 88},
+            {"variant": "hf-bf16", "workload": "decode_b1", "ms_per_token": 9.0, "peak_bytes": 200, "model_bytes": 160},
+            {"variant": "fp8-fast", "workload": "decode_b1", "ms_per_token": 5.0, "peak_bytes": 100, "model_bytes": 88}]
+    e2e._add_ratios(rows)
+    prefill, decode = rows[1], rows[3]
+    assert prefill["speedup_vs_bf16"] == 1.8 and decode["speedup_vs_bf16"] == 9.0 / 5.0
+    assert prefill["graph_speedup_vs_bf16_graph"] == 2.0 and prefill["graph_speedup_vs_bf16_eager"] == 2.4
+    assert prefill["memory_ratio_vs_bf16"] == 0.55 and decode["model_bytes_ratio_vs_bf16"] == 0.55
+    lines = {line["target"]: line for line in e2e.summarize_targets(rows)}
+    eager = lines["prefill_1x8 fp8-fast >= 1.7x hf-bf16 (both eager)"]
+    assert eager["value"] == 1.8 and eager["met"]
+    assert lines["decode_b1 fp8-fast <= 6.0 ms/token"]["met"]

@@ -67,6 +67,14 @@ def test_construction_and_input_checks():
         QuantLinear.from_linear(linear, torch.int8, quantized_weight=(q, torch.ones(1)))
     layer = QuantLinear.from_linear(linear, torch.int8, input_amax=3.0)  # a plain number is a range too
     assert layer.input_scale.item() == pytest.approx(3.0 / 127)
+    fp8 = QuantLinear.from_linear(linear, torch.float8_e4m3fn, input_amax=torch.tensor(896.0))
+    assert fp8.input_scale.item() == 2.0  # amax / 448: FP8's largest value, not INT8's 127
+    weight = torch.randn(16, 32)
+    weight[3, 5] = 44.8
+    linear.weight.data.copy_(weight)
+    fp8 = QuantLinear.from_linear(linear, torch.float8_e4m3fn)
+    assert fp8.weight_scale[3].item() == pytest.approx(0.1)
+    torch.testing.assert_close(fp8.weight_scale.view(-1), weight.abs().amax(1) / 448)
     with pytest.raises(ValueError, match="input has 48 features .* in_features=32"):
         layer(torch.randn(2, 48))
     assert "activation=silu" in repr(QuantLinear(32, 16, False, torch.int8, False, activation="silu"))

@@ -81,17 +81,18 @@ def test_checkpoint_layout_is_compressed_tensors(llama_dir, text_dir, tmp_path, 
 # activations, so with a shared scale the two agree to float rounding. Dynamic INT8 is the one
 # exception: compressed-tensors computes per-token scales as amax / 127.5 (range [-128, 127]),
 # quantkit (like vLLM's kernels) as amax / 127, so some activations round to a neighbouring level.
+# Relative difference allowed between a quantkit layer and transformers' compressed-tensors layer
+# on the same input. Dynamic INT8 is the exception: compressed-tensors computes per-token scales
+# as amax / 127.5 (range [-128, 127]), quantkit and vLLM as amax / 127.
+LAYER_TOLERANCE = {"int8": 2e-2, "int8-static": 1e-5, "fp8": 1e-5, "fp8-static": 1e-5}
+# Whole-model logits on the llama-only checks below (measured: at most 1e-7 but for dynamic INT8).
 TRANSFORMERS_TOLERANCE = {"int8": 4e-2, "int8-static": 2e-3, "fp8": 2e-3, "fp8-static": 2e-3}
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_checkpoint_loads_in_transformers(tiny_model_dir, text_dir, tmp_path, scheme):
-    """transformers + compressed-tensors load our checkpoint: same weights, logits within tolerance."""
-    pytest.importorskip("compressed_tensors")
-    model, tokenizer = quantkit.load_model(tiny_model_dir)
-    reference = copy.deepcopy(model)
-    qmodel = quantkit.quantize(model, quantkit.QuantConfig.preset(scheme), _blocks(tokenizer, text_dir))
-    out = quantkit.save(qmodel, tmp_path / "ckpt", tokenizer=tokenizer)
+def _compare_with_transformers(qmodel, out, tokenizer, text_dir, scheme) -> tuple[float, torch.Tensor]:
+    """Load ``out`` in transformers (compressed-tensors), check it holds our weights and scales and
+    that each quantized layer gives our output on our input; return (relative logit difference,
+    our logits) on held-out text."""
     hf_model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     hf_modules = dict(hf_model.named_modules())
     for name in qmodel.quantkit_report.converted:
@@ -101,15 +102,47 @@ def test_checkpoint_loads_in_transformers(tiny_model_dir, text_dir, tmp_path, sc
     # Held-out text, not random ids: static scales are calibrated on text (random ids would test
     # saturation far past the calibrated range instead).
     ids = quantkit.prepare_evaluation_tokens(tokenizer, str(text_dir), max_tokens=96).reshape(2, 48)
+    inputs = {}
+
+    def keep_first_call(name):
+        def hook(module, args, output):
+            inputs.setdefault(name, (args[0], output))
+        return hook
+
+    hooks = [qmodel.get_submodule(name).register_forward_hook(keep_first_call(name))
+             for name in qmodel.quantkit_report.converted]
     with torch.no_grad():
         ours = qmodel(input_ids=ids).logits
+        for hook in hooks:
+            hook.remove()
         theirs = hf_model(input_ids=ids).logits
+        assert set(inputs) == set(qmodel.quantkit_report.converted)
+        for name, (x, y) in inputs.items():
+            their_y = hf_modules[name](x)
+            layer_rel = ((y.float() - their_y.float()).norm() / y.float().norm()).item()
+            assert layer_rel < LAYER_TOLERANCE[scheme], f"{name}: relative difference {layer_rel:.2e}"
+    return ((ours - theirs).norm() / ours.norm()).item(), ours
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_checkpoint_loads_in_transformers(tiny_model_dir, text_dir, tmp_path, scheme):
+    """transformers + compressed-tensors load our checkpoint: same weights, each layer's output
+    the same on the same input, and logits that differ far less than quantization moves them.
+
+    End to end, the float32 noise of two stacks moves the odd activation across an 8-bit
+    rounding boundary, and a tiny random model amplifies that (Gemma's more than Llama's): so the
+    layers are compared one by one, and the logits against the quantization error."""
+    pytest.importorskip("compressed_tensors")
+    model, tokenizer = quantkit.load_model(tiny_model_dir)
+    reference = copy.deepcopy(model)
+    qmodel = quantkit.quantize(model, quantkit.QuantConfig.preset(scheme), _blocks(tokenizer, text_dir))
+    out = quantkit.save(qmodel, tmp_path / "ckpt", tokenizer=tokenizer)
+    rel, ours = _compare_with_transformers(qmodel, out, tokenizer, text_dir, scheme)
+    ids = quantkit.prepare_evaluation_tokens(tokenizer, str(text_dir), max_tokens=96).reshape(2, 48)
+    with torch.no_grad():
         original = reference(input_ids=ids).logits
-    rel = ((ours - theirs).norm() / ours.norm()).item()
     quantization_error = ((ours - original).norm() / ours.norm()).item()
-    assert rel < TRANSFORMERS_TOLERANCE[scheme], f"relative difference {rel:.2e}"
-    if scheme != "int8":
-        assert rel < quantization_error / 2, "transformers disagrees with quantkit as much as quantization itself"
+    assert rel < quantization_error / (1 if scheme == "int8" else 2), (rel, quantization_error)
     assert AutoTokenizer.from_pretrained(str(out))("river city")["input_ids"] == tokenizer("river city")["input_ids"]
 
 
@@ -256,13 +289,8 @@ def test_accurate_recipe_depends_on_the_scheme_only(scheme):
         quantkit.QuantConfig.preset(scheme, recipe="best")
 
 
-def _transformers_vs_quantkit(qmodel, out, tokenizer, text_dir):
-    """Relative logit difference between quantkit's model and transformers loading ``out``."""
-    hf_model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
-    ids = quantkit.prepare_evaluation_tokens(tokenizer, str(text_dir), max_tokens=96).reshape(2, 48)
-    with torch.no_grad():
-        ours, theirs = qmodel(input_ids=ids).logits, hf_model(input_ids=ids).logits
-    return ((ours - theirs).norm() / ours.norm()).item()
+def _transformers_vs_quantkit(qmodel, out, tokenizer, text_dir, scheme):
+    return _compare_with_transformers(qmodel, out, tokenizer, text_dir, scheme)[0]
 
 
 def test_checkpoint_lists_ignored_layers_by_name(llama_dir, text_dir, tmp_path):
@@ -277,7 +305,7 @@ def test_checkpoint_lists_ignored_layers_by_name(llama_dir, text_dir, tmp_path):
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert sorted(qc["ignore"]) == ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
     assert qc["quantkit"]["ignore_patterns"] == ["lm_head", "*down_proj"]
-    assert _transformers_vs_quantkit(qmodel, out, tokenizer, text_dir) < TRANSFORMERS_TOLERANCE["fp8-static"]
+    assert _transformers_vs_quantkit(qmodel, out, tokenizer, text_dir, "fp8-static") < TRANSFORMERS_TOLERANCE["fp8-static"]
     loaded = quantkit.load(out, device="cpu")
     assert not isinstance(loaded.get_submodule("model.layers.1.mlp.down_proj"), QuantLinear)
     assert isinstance(loaded.get_submodule("model.layers.1.mlp.up_proj"), QuantLinear)
@@ -314,7 +342,8 @@ def test_quantized_head_of_a_tied_model_round_trips(tiny_model_dir, text_dir, tm
     ids = _input_ids(len(tokenizer))
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, qmodel(input_ids=ids).logits)
-    assert _transformers_vs_quantkit(qmodel, out, tokenizer, text_dir) < TRANSFORMERS_TOLERANCE["fp8"]
+    # Layer by layer, the quantized head included (the logits of a tiny Gemma amplify rounding flips).
+    _compare_with_transformers(qmodel, out, tokenizer, text_dir, "fp8")
 
 
 def test_static_int8_saturates_like_compressed_tensors(llama_dir, text_dir, tmp_path):
@@ -326,7 +355,7 @@ def test_static_int8_saturates_like_compressed_tensors(llama_dir, text_dir, tmp_
     config = quantkit.QuantConfig.preset("int8-static", activation_observer="percentile", percentile=99.0)
     qmodel = quantkit.quantize(model, config, _blocks(tokenizer, text_dir))
     out = quantkit.save(qmodel, tmp_path / "ckpt", tokenizer=tokenizer)
-    assert _transformers_vs_quantkit(qmodel, out, tokenizer, text_dir) < 1e-4
+    assert _transformers_vs_quantkit(qmodel, out, tokenizer, text_dir, "int8-static") < 1e-4
 
 
 def test_keep_sensitive_beyond_the_layer_count_is_refused_first(llama_dir, text_dir):
