@@ -44,13 +44,15 @@ def is_routing_gate(name: str, module: nn.Linear) -> bool:
     return name.rsplit(".", 1)[-1] in ROUTER_NAMES and module.out_features <= ROUTER_MAX_OUTPUTS
 
 
-def target_linears(model: nn.Module, config: QuantConfig, extra_ignore: tuple[str, ...] = ()) -> dict[str, nn.Linear]:
-    """Name -> module for every nn.Linear that ``config`` quantizes (routing gates never)."""
+def target_linears(model: nn.Module, config: QuantConfig, extra_ignore: tuple[str, ...] = (),
+                   keep_routers: bool = True) -> dict[str, nn.Linear]:
+    """Name -> module for every nn.Linear that ``config`` quantizes; routing gates only with
+    ``keep_routers=False`` (loading: a checkpoint's ignore list says what it quantized)."""
     return {
         name: module
         for name, module in model.named_modules()
         if type(module) is nn.Linear and not config.is_ignored(name) and name not in extra_ignore
-        and not is_routing_gate(name, module)
+        and not (keep_routers and is_routing_gate(name, module))
     }
 
 
@@ -73,7 +75,11 @@ def require_targets(model: nn.Module, config: QuantConfig) -> None:
     if target_linears(model, config):
         return
     others = weights_outside_linears(model)
-    if others:
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head else None
+    linears = [name for name, module in model.named_modules()
+               if type(module) is nn.Linear and module is not head and not is_routing_gate(name, module)]
+    if others and not linears:
         kinds = ", ".join(sorted(others))
         raise ValueError(f"{type(model).__name__} has no nn.Linear layer to quantize: its weights are in {kinds}, "
                          "which quantkit does not quantize (it rewrites nn.Linear layers only)")
@@ -164,7 +170,9 @@ def convert_model(
 def build_empty_quantized(model: nn.Module, config: QuantConfig, backend: str, dtype: torch.dtype) -> list[str]:
     """Swap target Linears for uninitialised QuantLinears (the loader fills them from a checkpoint)."""
     names = []
-    for name, linear in target_linears(model, config).items():
+    # A checkpoint lists by name every Linear it kept in 16 bits (routing gates included since
+    # they stay so), so the ignore list alone decides here; older checkpoints quantized some gates.
+    for name, linear in target_linears(model, config, keep_routers=False).items():
         module = QuantLinear(
             linear.in_features,
             linear.out_features,

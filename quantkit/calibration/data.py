@@ -6,8 +6,11 @@ hash of the text, whitespace collapsed, falls in one bucket of four. So a docume
 same split whatever else the dataset holds (files added, removed or reordered, another folder
 that shares some files), and copies of it, line endings or spacing aside, land with it:
 `quantkit quantize --dataset X` and `quantkit eval --dataset Y` never share a document's text.
-The bundled Wikipedia excerpt is a fixed file; it holds out every fourth article by position,
-as it always has, so that published perplexities stay comparable.
+Two exceptions: a dataset with fewer than four distinct documents holds none out (a single
+text file calibrates), and one whose hashes leave a side empty moves one document across
+(``_hash_split``). The bundled Wikipedia excerpt is a fixed file; it holds out every fourth
+article by position, as it always has, so that published perplexities stay comparable (it is
+not split like other datasets, so evaluate it only against itself).
 """
 
 from __future__ import annotations
@@ -122,15 +125,35 @@ def load_texts(source: str, split: str) -> list[str]:
         held_out_keys = {document_key(text) for text, out in zip(docs, held_out) if out}
         held_out = [out or document_key(text) in held_out_keys for text, out in zip(docs, held_out)]
     else:
-        held_out = [is_held_out(text) for text in docs]
+        held_out = _hash_split(docs)
     texts = [text for text, out in zip(docs, held_out) if out == (split == "evaluation")]
     if not texts:
+        distinct = len({document_key(text) for text in docs})
         raise DatasetError(
-            f"dataset {source!r} yields no text for the {split} split: of its {len(docs)} non-empty documents "
-            f"(a text file is one document, a dataset row is one), about one in {EVAL_EVERY} is held out for "
-            "evaluation, chosen by a hash of its text, and none fell on this side; add more documents"
+            f"dataset {source!r} yields no text for the {split} split: it holds {distinct} distinct non-empty "
+            f"documents (a text file is one, a dataset row is one), and holding one in {EVAL_EVERY} out for "
+            f"evaluation needs at least {EVAL_EVERY}; add documents or split the text into files"
         )
     return texts
+
+
+def _hash_split(docs: list[str]) -> list[bool]:
+    """Held out or not, per document, by its hash bucket. Datasets with fewer than ``EVAL_EVERY``
+    distinct documents hold nothing out. Where the buckets leave a side empty (a few
+    documents), the document with the largest hash is held out, or the one with the smallest
+    calibrated on: in those datasets alone a split depends on the other documents."""
+    keys = [document_key(text) for text in docs]
+    values = {key: _hash_value(key) for key in keys}
+    if len(values) < EVAL_EVERY:
+        return [False] * len(docs)
+    held_out = [values[key] % EVAL_EVERY == EVAL_EVERY - 1 for key in keys]
+    if not any(held_out):
+        chosen = max(values, key=values.get)
+        held_out = [key == chosen for key in keys]
+    elif all(held_out):
+        chosen = min(values, key=values.get)
+        held_out = [key != chosen for key in keys]
+    return held_out
 
 
 def document_key(text: str) -> str:
@@ -138,10 +161,14 @@ def document_key(text: str) -> str:
     return " ".join(text.split())
 
 
+def _hash_value(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "big")
+
+
 def is_held_out(text: str) -> bool:
-    """Whether a document belongs to the evaluation split: one hash bucket of ``EVAL_EVERY``."""
-    digest = hashlib.blake2b(document_key(text).encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "big") % EVAL_EVERY == EVAL_EVERY - 1
+    """Whether a document's hash puts it in the evaluation bucket (one of ``EVAL_EVERY``); see
+    ``_hash_split`` for datasets too small for the buckets alone."""
+    return _hash_value(document_key(text)) % EVAL_EVERY == EVAL_EVERY - 1
 
 
 def tokenize_stream(tokenizer: PreTrainedTokenizerBase, texts: list[str], max_tokens: int | None = None) -> torch.Tensor:

@@ -40,8 +40,8 @@ def _norm_kernels():
     return kernel_module("norm")
 
 
-def _direct(x: torch.Tensor) -> bool:
-    return kernel_module("triton_ops").direct_launch(x)
+def _direct(x: torch.Tensor, name: str = "x") -> bool:
+    return kernel_module("triton_ops").direct_launch(x, name)
 
 
 # --------------------------------------------------------------------------- registered ops
@@ -158,7 +158,7 @@ def flash_attention(
     ``max_seqlen_q``, a host-side bound on the longest sequence.
     """
     triton = is_triton(backend)
-    if triton and _direct(q):
+    if triton and _direct(q, "q"):
         return _attention_kernels().flash_attention(q, k, v, float(scale), window, cu_seqlens_q, cu_seqlens_k,
                                                     max_seqlen_q)
     check_prefill_inputs(q, k, v, window, cu_seqlens_q, cu_seqlens_k)
@@ -179,7 +179,7 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence over a static (B, Hkv, capacity, D) cache; see the twin."""
     triton = is_triton(backend)
-    if triton and _direct(q):
+    if triton and _direct(q, "q"):
         return _attention_kernels().decode_attention(q, k_cache, v_cache, cache_seqlens, float(scale), window,
                                                      max_seqlen)
     check_decode_inputs(q, k_cache, v_cache, cache_seqlens, window, max_seqlen)
@@ -193,7 +193,7 @@ def apply_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE on q (B, Hq, S, D) and k (B, Hkv, S, D) with HF's cos/sin (B|1, S, D)."""
     triton = is_triton(backend)
-    if triton and _direct(q):
+    if triton and _direct(q, "q"):
         return _rope_kernels().apply_rope(q, k, cos, sin)
     check_rope_inputs(q, k, cos, sin)
     if triton:

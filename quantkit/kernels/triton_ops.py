@@ -136,22 +136,22 @@ def _(x, residual, weight, eps, dtype, offset):
 DIRECT_EAGER_LAUNCH = True
 
 
-def direct_launch(x: torch.Tensor) -> bool:
+def direct_launch(x: torch.Tensor, name: str = "x") -> bool:
     """True when a call may bypass the registered op: eager, on a plain tensor (see module docs).
     Raises TypeError for a non-tensor, which the op's dispatcher would refuse less clearly."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"the input must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     return DIRECT_EAGER_LAUNCH and type(x) is torch.Tensor and not torch.compiler.is_compiling()
 
 
 def scaled_mm(a, w, a_scale, w_scale, bias=None, activation="none", out_dtype=torch.bfloat16):
-    if direct_launch(a):
+    if direct_launch(a, "a"):
         return gemm.scaled_mm(a, w, a_scale, w_scale, bias, activation, out_dtype)
     return _scaled_mm_op(a, w, a_scale, w_scale, bias, activation, out_dtype)
 
 
 def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype=torch.bfloat16):
-    if direct_launch(a):
+    if direct_launch(a, "a"):
         return gemm.gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation, out_dtype)
     return _gated_scaled_mm_op(a, w_gate_up, a_scale, w_scale, activation, out_dtype)
 

@@ -9,6 +9,7 @@ import transformers
 
 import quantkit
 from quantkit.nn import QuantLinear
+from tests.tiny import make_tokenizer
 
 COMMON = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -58,9 +59,36 @@ def test_a_model_without_linears_is_refused_by_name():
 
 
 def test_fewer_calibration_blocks_than_asked_warns(text_dir):
-    from tests.tiny import make_tokenizer
-
     tokenizer = make_tokenizer()
     with pytest.warns(UserWarning, match="fewer than num_samples=100000"):
         blocks = quantkit.prepare_calibration_data(tokenizer, str(text_dir), num_samples=100000, seq_len=32)
     assert 1 <= len(blocks) < 100000
+
+
+def test_checkpoints_with_a_quantized_routing_gate_still_load(tmp_path, monkeypatch):
+    """Checkpoints saved before routing gates stayed in 16 bits hold a quantized shared_expert_gate
+    and list only lm_head as ignored: the loader follows the checkpoint's ignore list."""
+    from quantkit import convert
+
+    config = transformers.Qwen2MoeConfig(intermediate_size=128, moe_intermediate_size=64,
+                                         shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                                         **COMMON)
+    model = _model(config)
+    with monkeypatch.context() as patch:
+        patch.setattr(convert, "ROUTER_NAMES", ())
+        qmodel = quantkit.quantize(model, "int8")
+        assert "model.layers.0.mlp.shared_expert_gate" in qmodel.quantkit_report.converted
+        out = quantkit.save(qmodel, tmp_path / "old", tokenizer=make_tokenizer())
+    loaded = quantkit.load(out, device="cpu")
+    assert isinstance(loaded.get_submodule("model.layers.0.mlp.shared_expert_gate"), QuantLinear)
+    ids = torch.randint(1, 300, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, qmodel(input_ids=ids).logits)
+
+
+def test_ignoring_every_linear_names_the_ignore_patterns():
+    config = transformers.Qwen2MoeConfig(intermediate_size=128, moe_intermediate_size=64,
+                                         shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                                         **COMMON)
+    with pytest.raises(ValueError, match="check the ignore patterns"):
+        quantkit.quantize(_model(config), quantkit.QuantConfig.preset("int8", ignore=("lm_head", "model.*")))

@@ -76,13 +76,9 @@ def test_checkpoint_layout_is_compressed_tensors(llama_dir, text_dir, tmp_path, 
     assert not list(tmp_path.glob(".*staging*")), "staging directory left behind"
 
 
-# Relative logit difference allowed between quantkit and transformers' compressed-tensors path.
-# transformers runs the checkpoint by decompressing weights to fp32 and fake-quantizing the
-# activations, so with a shared scale the two agree to float rounding. Dynamic INT8 is the one
-# exception: compressed-tensors computes per-token scales as amax / 127.5 (range [-128, 127]),
-# quantkit (like vLLM's kernels) as amax / 127, so some activations round to a neighbouring level.
 # Relative difference allowed between a quantkit layer and transformers' compressed-tensors layer
-# on the same input. Dynamic INT8 is the exception: compressed-tensors computes per-token scales
+# on the same input. transformers decompresses the weights to fp32 and fake-quantizes the
+# activations, so with a shared scale the two agree to float rounding. Dynamic INT8 is the exception: compressed-tensors computes per-token scales
 # as amax / 127.5 (range [-128, 127]), quantkit and vLLM as amax / 127.
 LAYER_TOLERANCE = {"int8": 2e-2, "int8-static": 1e-5, "fp8": 1e-5, "fp8-static": 1e-5}
 # Whole-model logits on the llama-only checks below (measured: at most 1e-7 but for dynamic INT8).
@@ -210,13 +206,26 @@ def test_a_document_keeps_its_split_whatever_else_the_dataset_holds(text_dir, tm
     assert len(evaluation) > len(original_evaluation)  # some of the new documents are held out
 
 
-def test_too_few_documents_for_a_split_is_a_clear_error(tmp_path):
+def test_small_datasets_still_split_or_calibrate(tmp_path):
+    """A single text file calibrates whatever its hash, and is refused for evaluation; a few
+    documents whose hashes all fall on one side still give both sides a document."""
     from quantkit.calibration.data import DatasetError, is_held_out, load_texts
 
-    calibration_only = next(doc for doc in make_documents(20, 5, seed=1) if not is_held_out(doc))
-    (tmp_path / "one.txt").write_text(calibration_only)
-    with pytest.raises(DatasetError, match="no text for the evaluation split.*add more documents"):
-        load_texts(str(tmp_path), "evaluation")
+    docs = make_documents(40, 5, seed=1)
+    held = [doc for doc in docs if is_held_out(doc)]
+    kept = [doc for doc in docs if not is_held_out(doc)]
+    single = tmp_path / "single.txt"
+    single.write_text(held[0])
+    assert load_texts(str(single), "calibration") == [held[0]]
+    with pytest.raises(DatasetError, match="needs at least 4; add documents"):
+        load_texts(str(single), "evaluation")
+    for name, group in (("calibration_only", kept[:5]), ("held_out_only", held[:5])):
+        folder = tmp_path / name
+        folder.mkdir()
+        for i, doc in enumerate(group):
+            (folder / f"doc{i}.txt").write_text(doc)
+        calibration, evaluation = load_texts(str(folder), "calibration"), load_texts(str(folder), "evaluation")
+        assert calibration and evaluation and sorted(calibration + evaluation) == sorted(group)
 
 
 def test_static_scheme_requires_calibration_data(llama_dir):
