@@ -19,6 +19,7 @@ valid lengths read from a device tensor. The output equals ``model.generate(do_s
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -142,14 +143,20 @@ def generate(
     cache_capacity: int | None = None,
     cuda_graph: bool | None = None,
     stats: dict | None = None,
+    attention_mask=None,
 ) -> torch.Tensor:
-    """Greedy decoding; returns (B, S + n) token ids, prompt included, like ``model.generate``.
+    """Greedy decoding; returns (B, S + n) token ids, prompt included, as ``model.generate`` with
+    ``do_sample=False`` does when the generation config sets no logits rules (repetition penalty,
+    minimum length, banned or forced tokens: plain argmax here, with a warning naming them).
 
     input_ids: (B, S) or (S,) token ids (or lists) of an unpadded batch (equal lengths).
+    attention_mask: optional; all ones (an unpadded batch), as padding is refused.
     eos_token_id: int, list or None; defaults to the model's generation_config. A sequence that
         has finished continues with ``pad_token_id`` (default: the generation_config's pad id, else
         the first eos id, as ``model.generate`` does), and generation stops once all have finished.
-        A prompt holding the pad id (a padded batch) is refused: its pads would be attended.
+        A padded batch is refused, its pads would be attended: a mask with a zero, a prompt holding a
+        pad id that is not an eos id, or (batch > 1) rows that start with the pad id or not all end
+        with it.
     cache_capacity: slots of the static KV cache (default: S + max_new_tokens).
     cuda_graph: capture the decode step (default: on when the model is on CUDA).
     stats: if a dict is given, it receives prefill_s, decode_s, decode_steps, capture_s
@@ -159,12 +166,12 @@ def generate(
     batch, prompt_len = ids.shape
     capacity = check_lengths(model, prompt_len, max_new_tokens, cache_capacity)
     eos = _eos_ids(model, eos_token_id)
-    config_pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
-    if isinstance(config_pad, int) and config_pad not in eos and bool((ids == config_pad).any()):
-        raise ValueError(f"the prompt holds the pad token id {config_pad}: a padded batch (its pads would be "
-                         "attended as text); pass prompts of equal length unpadded, or one prompt per call")
+    generation_config = getattr(model, "generation_config", None)
+    config_pad = getattr(generation_config, "pad_token_id", None)
+    _refuse_padding(ids, attention_mask, pad_token_id if pad_token_id is not None else config_pad, eos)
     if pad_token_id is None:
         pad_token_id = config_pad if isinstance(config_pad, int) else eos[0] if eos else 0
+    _warn_unapplied_rules(generation_config)
     device = next(model.parameters()).device
     use_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
     if use_graph and device.type != "cuda":
@@ -177,6 +184,43 @@ def generate(
         return _generate(model, ids.to(device), max_new_tokens, eos, pad_token_id, capacity, use_graph, stats)
     finally:
         model.set_attn_implementation(previous_attention)
+
+
+def _refuse_padding(ids: torch.Tensor, attention_mask, pad, eos: list[int]) -> None:
+    padded = ("a padded batch (its pads would be attended as text); pass prompts of equal length unpadded, "
+              "or one prompt per call")
+    if attention_mask is not None:
+        mask = torch.as_tensor(attention_mask)
+        if mask.numel() != ids.numel():
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)} for prompt ids of shape {tuple(ids.shape)}")
+        if not bool((mask != 0).all()):
+            raise ValueError(f"attention_mask holds zeros: {padded}")
+    if not isinstance(pad, int):
+        return
+    if pad not in eos and bool((ids == pad).any()):
+        raise ValueError(f"the prompt holds the pad token id {pad}: {padded}")
+    if ids.shape[0] > 1:
+        ends = ids[:, -1] == pad
+        if bool((ids[:, 0] == pad).any()) or (bool(ends.any()) and not bool(ends.all())):
+            raise ValueError(f"rows of the prompt start or end with the pad token id {pad}: {padded}")
+
+
+# Generation-config settings that model.generate(do_sample=False) applies to the logits and a
+# plain argmax does not, with the value that means "off".
+_LOGITS_RULES = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0, "min_length": 0,
+                 "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+                 "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None,
+                 "encoder_repetition_penalty": 1.0}
+
+
+def _warn_unapplied_rules(generation_config) -> None:
+    if generation_config is None:
+        return
+    unapplied = [f"{name}={value!r}" for name, off in _LOGITS_RULES.items()
+                 if (value := getattr(generation_config, name, off)) not in (off, None)]
+    if unapplied:
+        warnings.warn(f"quantkit decodes by plain greedy argmax; the generation config's {', '.join(unapplied)} "
+                      "is not applied (model.generate(do_sample=False) applies it)", stacklevel=3)
 
 
 def _sync(device: torch.device) -> None:

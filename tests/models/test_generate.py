@@ -161,3 +161,36 @@ def test_bad_prompts_are_refused():
         generate(model, "the river", 3)
     with pytest.raises(TypeError, match="max_new_tokens=2.5"):
         generate(model, [[5, 6]], 2.5)
+
+
+def test_padded_batches_are_refused_when_pad_is_eos_or_passed():
+    """Left padding with the eos id (tokenizer.pad_token = eos_token), a pad id passed as an
+    argument, or a mask with zeros: each used to decode with the pads attended as text."""
+    model = make_tiny("llama")
+    model.generation_config.pad_token_id = 2
+    model.generation_config.eos_token_id = 2
+    prompt = _prompt(model.config.vocab_size, batch=2, length=7, seed=4)
+    left_padded = prompt.clone()
+    left_padded[1, :3] = 2
+    with pytest.raises(ValueError, match="start or end with the pad token id 2"):
+        generate(model, left_padded, 4)
+    right_padded = prompt.clone()
+    right_padded[0, -2:] = 2
+    with pytest.raises(ValueError, match="start or end with the pad token id 2"):
+        generate(model, right_padded, 4)
+    model.generation_config.pad_token_id = None
+    with pytest.raises(ValueError, match="pad token id 5"):
+        generate(model, torch.tensor([[5, 5, 7, 8], [9, 6, 7, 8]]), 3, pad_token_id=5)
+    mask = torch.ones_like(prompt)
+    mask[1, 0] = 0
+    with pytest.raises(ValueError, match="attention_mask holds zeros"):
+        generate(model, prompt, 3, attention_mask=mask)
+    assert torch.equal(generate(model, prompt, 3, attention_mask=torch.ones_like(prompt)), generate(model, prompt, 3))
+
+
+def test_logits_rules_of_the_generation_config_are_named_in_a_warning():
+    model = make_tiny("llama")
+    model.generation_config.repetition_penalty = 1.3
+    model.generation_config.min_new_tokens = 4
+    with pytest.warns(UserWarning, match=r"repetition_penalty=1.3, min_new_tokens=4 is not applied"):
+        generate(model, _prompt(model.config.vocab_size, batch=1), 2, eos_token_id=None)

@@ -417,3 +417,28 @@ def test_load_on_a_missing_gpu_is_a_clear_error(llama_dir, text_dir, tmp_path):
     quantkit.save(quantkit.quantize(model, "fp8", progress=False), tmp_path / "ckpt", tokenizer=tokenizer)
     with pytest.raises(ValueError, match=r"device='cuda' was asked for but no CUDA GPU is available"):
         quantkit.load(tmp_path / "ckpt", device="cuda")
+
+
+def test_load_keeps_the_generation_config(llama_dir, tmp_path):
+    """Extra eos ids (an instruct model's end-of-turn token) live only in generation_config.json:
+    load used to rebuild the generation config from config.json and generate past them."""
+    model, tokenizer = quantkit.load_model(llama_dir)
+    model.generation_config.eos_token_id = [2, 27]
+    model.generation_config.pad_token_id = 0
+    out = quantkit.save(quantkit.quantize(model, "int8"), tmp_path / "ckpt", tokenizer=tokenizer)
+    loaded = quantkit.load(out, device="cpu")
+    assert loaded.generation_config.eos_token_id == [2, 27] and loaded.generation_config.pad_token_id == 0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"dtype": "auto"}, "dtype='auto' is not supported"),
+    ({"dtype": torch.float64}, "dtype=torch.float64 is not supported"),
+    ({"device": "gpu"}, "device='gpu' is not supported"),
+    ({"device": "meta"}, "device='meta' is not supported"),
+])
+def test_load_refuses_bad_dtype_and_device(llama_dir, tmp_path, kwargs, match):
+    model, tokenizer = quantkit.load_model(llama_dir)
+    out = quantkit.save(quantkit.quantize(model, "int8"), tmp_path / "ckpt", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=match):
+        quantkit.load(out, **kwargs)
+    assert quantkit.load(out, device="cpu", dtype="bfloat16").model.embed_tokens.weight.dtype == torch.bfloat16
