@@ -41,7 +41,6 @@ SINGLE_PASS_PER_TOKEN_K = 8192
 # tl.load / tl.store eviction policies of the ``evict`` launch option: what is read again (the
 # first read of a chunked row, the norm weight) asks L1/L2 to keep it; the rest goes first.
 KEEP_POLICY, STREAM_POLICY = "evict_last", "evict_first"
-_INF = math.inf
 
 
 def is_interpreted() -> bool:
@@ -608,7 +607,7 @@ def rms_norm_quant_per_token(
                                                           residual.device))
         call = _RMS_CALLS.get(signature)
         # Any eps but a plain non-negative finite float takes the checked path below.
-        if call is not None and type(eps) is float and 0.0 <= eps < _INF:
+        if call is not None and type(eps) is float and 0.0 <= eps < math.inf:
             shape, scale_shape, device, key, grid, strides, launch, constexprs, num_warps = call
             q = torch.empty(*shape, dtype=dtype, device=device)  # separate ints: see quantize_per_token
             scale = torch.empty(*scale_shape, dtype=torch.float32, device=device)

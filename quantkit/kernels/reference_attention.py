@@ -55,12 +55,11 @@ def flash_attention(
     Packed (varlen): q (Tq, Hq, D), k/v (Tk, Hkv, D) with int32 ``cu_seqlens_q``/``cu_seqlens_k``
     of shape (B + 1,) holding each sequence's start offset -> (Tq, Hq, D).
     """
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     if cu_seqlens_q is None:
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         for b in range(q.shape[0]):
             out[b] = _attend(q[b], k[b], v[b], scale, window)
         return out.to(q.dtype)
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     starts_q = cu_seqlens_q.tolist()
     starts_k = cu_seqlens_k.tolist()
     for b in range(len(starts_q) - 1):

@@ -20,11 +20,15 @@ def _model(config):
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
+def _qwen2_moe():
+    """Tiny Qwen2-MoE: 4 routed experts (3-D tensors), a shared expert and its one-output gate."""
+    return _model(transformers.Qwen2MoeConfig(intermediate_size=128, moe_intermediate_size=64,
+                                              shared_expert_intermediate_size=128, num_experts=4,
+                                              num_experts_per_tok=2, **COMMON))
+
+
 def test_qwen2_moe_keeps_its_routing_gates_and_reports_the_experts(caplog):
-    config = transformers.Qwen2MoeConfig(intermediate_size=128, moe_intermediate_size=64,
-                                         shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
-                                         **COMMON)
-    model = _model(config)
+    model = _qwen2_moe()
     ids = torch.randint(1, 300, (2, 11))
     with torch.no_grad():
         reference = model(input_ids=ids).logits
@@ -70,10 +74,7 @@ def test_checkpoints_with_a_quantized_routing_gate_still_load(tmp_path, monkeypa
     and list only lm_head as ignored: the loader follows the checkpoint's ignore list."""
     from quantkit import convert
 
-    config = transformers.Qwen2MoeConfig(intermediate_size=128, moe_intermediate_size=64,
-                                         shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
-                                         **COMMON)
-    model = _model(config)
+    model = _qwen2_moe()
     with monkeypatch.context() as patch:
         patch.setattr(convert, "ROUTER_NAMES", ())
         qmodel = quantkit.quantize(model, "int8")
@@ -87,8 +88,5 @@ def test_checkpoints_with_a_quantized_routing_gate_still_load(tmp_path, monkeypa
 
 
 def test_ignoring_every_linear_names_the_ignore_patterns():
-    config = transformers.Qwen2MoeConfig(intermediate_size=128, moe_intermediate_size=64,
-                                         shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
-                                         **COMMON)
     with pytest.raises(ValueError, match="check the ignore patterns"):
-        quantkit.quantize(_model(config), quantkit.QuantConfig.preset("int8", ignore=("lm_head", "model.*")))
+        quantkit.quantize(_qwen2_moe(), quantkit.QuantConfig.preset("int8", ignore=("lm_head", "model.*")))

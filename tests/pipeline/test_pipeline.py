@@ -430,15 +430,22 @@ def test_load_keeps_the_generation_config(llama_dir, tmp_path):
     assert loaded.generation_config.eos_token_id == [2, 27] and loaded.generation_config.pad_token_id == 0
 
 
+@pytest.fixture(scope="module")
+def int8_checkpoint(llama_dir, tmp_path_factory):
+    model, tokenizer = quantkit.load_model(llama_dir)
+    return quantkit.save(quantkit.quantize(model, "int8"), tmp_path_factory.mktemp("int8") / "ckpt", tokenizer=tokenizer)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"dtype": "auto"}, "dtype='auto' is not supported"),
     ({"dtype": torch.float64}, "dtype=torch.float64 is not supported"),
     ({"device": "gpu"}, "device='gpu' is not supported"),
     ({"device": "meta"}, "device='meta' is not supported"),
 ])
-def test_load_refuses_bad_dtype_and_device(llama_dir, tmp_path, kwargs, match):
-    model, tokenizer = quantkit.load_model(llama_dir)
-    out = quantkit.save(quantkit.quantize(model, "int8"), tmp_path / "ckpt", tokenizer=tokenizer)
+def test_load_refuses_bad_dtype_and_device(int8_checkpoint, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        quantkit.load(out, **kwargs)
-    assert quantkit.load(out, device="cpu", dtype="bfloat16").model.embed_tokens.weight.dtype == torch.bfloat16
+        quantkit.load(int8_checkpoint, **kwargs)
+
+
+def test_load_takes_a_dtype_name(int8_checkpoint):
+    assert quantkit.load(int8_checkpoint, device="cpu", dtype="bfloat16").model.embed_tokens.weight.dtype == torch.bfloat16
