@@ -18,7 +18,7 @@ from quantkit.checkpoint import (
 )
 from quantkit.config import QuantConfig, UnknownSchemeError
 from quantkit.eval import PerplexityResult, evaluate_perplexity
-from quantkit.models.loading import BUNDLED_MODEL, ModelLoadError, load_model
+from quantkit.models.loading import BUNDLED_MODEL, ModelLoadError, load_model, resolve_device
 from quantkit.calibration.data import BUNDLED_DATASET, DatasetError
 from quantkit.generate import generate as generate_tokens
 from quantkit.models.fast_path import optimize
@@ -58,5 +58,6 @@ __all__ = [
     "prepare_evaluation_tokens",
     "quantize",
     "read_quant_config",
+    "resolve_device",
     "save",
 ]

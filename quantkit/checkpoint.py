@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from quantkit.config import QuantConfig
 from quantkit.convert import build_empty_quantized, untie_quantized_head
 from quantkit.kernels.ops import resolve_backend
-from quantkit.models.loading import default_dtype, publish_files, staging_dir
+from quantkit.models.loading import publish_files, resolve_device, resolve_dtype, staging_dir
 from quantkit.nn import QuantLinear
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -219,8 +219,8 @@ def load(
     """
     ckpt = Path(ckpt_dir)
     config = read_quant_config(ckpt)
-    device = _check_device(device)
-    dtype = _check_dtype(dtype) or default_dtype(device)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     backend = resolve_backend(backend, device)
     files = _shard_files(ckpt)
     hf_config = AutoConfig.from_pretrained(str(ckpt))
@@ -255,32 +255,3 @@ def load(
         model.generation_config = GenerationConfig.from_pretrained(str(ckpt))
     model.quantkit_config = config
     return model.to(device).eval()
-
-
-LOAD_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def _check_device(device) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError):
-        parsed = None
-    if parsed is None or parsed.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={str(device)!r} is not supported; use 'cpu', 'cuda' or 'cuda:N'")
-    device = parsed
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={str(device)!r} was asked for but no CUDA GPU is available; use device='cpu'")
-    return device
-
-
-def _check_dtype(dtype) -> torch.dtype | None:
-    """None (the device's default), a float torch dtype the kernels take, or its name."""
-    if dtype is None:
-        return None
-    resolved = LOAD_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
-    if resolved not in LOAD_DTYPES.values():
-        raise ValueError(f"dtype={dtype!r} is not supported; use torch.float32, torch.float16 or torch.bfloat16 "
-                         "(or their names)")
-    return resolved

@@ -18,6 +18,7 @@ valid lengths read from a device tensor. The output equals ``model.generate(do_s
 
 from __future__ import annotations
 
+import operator
 import time
 import warnings
 
@@ -101,22 +102,34 @@ def _as_batch(input_ids, vocab_size: int | None) -> torch.Tensor:
     return ids.long()
 
 
+def _as_int(value, name: str) -> int:
+    """``value`` as a Python int: ints, numpy integers and 0-d integer tensors; TypeError otherwise."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}={value!r} must be an int") from None
+
+
 def _eos_ids(model: nn.Module, eos_token_id) -> list[int]:
     if eos_token_id is _FROM_MODEL:
         eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos_token_id is None:
         return []
-    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
+    if isinstance(eos_token_id, torch.Tensor):
+        eos_token_id = eos_token_id.tolist()
+    if isinstance(eos_token_id, (list, tuple, set, frozenset)):
+        return [_as_int(t, "eos_token_id") for t in eos_token_id]
+    return [_as_int(eos_token_id, "eos_token_id")]
 
 
 def check_lengths(model: nn.Module, prompt_len: int, max_new_tokens: int, cache_capacity: int | None) -> int:
     """Validate lengths (and head_dim) before any device work; return the cache capacity to allocate."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-        raise TypeError(f"max_new_tokens={max_new_tokens!r} must be an int")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: ask for at least one new token")
     total = prompt_len + max_new_tokens
-    capacity = total if cache_capacity is None else cache_capacity
+    capacity = total if cache_capacity is None else _as_int(cache_capacity, "cache_capacity")
     if total > capacity:
         raise ValueError(
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {total} does not fit the static "
@@ -164,8 +177,11 @@ def generate(
     """
     ids = _as_batch(input_ids, getattr(model.config, "vocab_size", None))
     batch, prompt_len = ids.shape
+    max_new_tokens = _as_int(max_new_tokens, "max_new_tokens")
     capacity = check_lengths(model, prompt_len, max_new_tokens, cache_capacity)
     eos = _eos_ids(model, eos_token_id)
+    if pad_token_id is not None:
+        pad_token_id = _as_int(pad_token_id, "pad_token_id")
     generation_config = getattr(model, "generation_config", None)
     config_pad = getattr(generation_config, "pad_token_id", None)
     _refuse_padding(ids, attention_mask, pad_token_id if pad_token_id is not None else config_pad, eos)

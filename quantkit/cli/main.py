@@ -61,19 +61,9 @@ def user_errors(func):
 
 
 def _device(device: Optional[str]) -> str:
-    import torch
+    import quantkit
 
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        kind = torch.device(device).type
-    except RuntimeError:
-        kind = None
-    if kind not in ("cpu", "cuda"):
-        fail(f"--device {device!r} is not one quantkit runs on; use cpu, cuda or cuda:N")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        fail(f"--device {device} was asked for but no CUDA GPU is available; use --device cpu")
-    return device
+    return str(quantkit.resolve_device(device, option="--device "))
 
 
 def _check_writable(path: Path, option: str, directory: bool) -> None:

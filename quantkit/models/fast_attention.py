@@ -70,6 +70,30 @@ def _padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
     return pad(query), pad(key), pad(value)
 
 
+class _KernelCall:
+    """What both attention functions check and prepare before a kernel, and the output after it.
+
+    ``args``: query, key, value zero-padded to the kernels' head size, the softmax scale, the
+    sliding window (the call's, else the module's) and the backend (the module's own, else the
+    registered default). ``output`` slices the padding off and returns HF's (B, S, H, D) layout.
+    """
+
+    def __init__(self, module, query, key, value, backend, scaling, dropout, sliding_window, softcap, is_causal):
+        if softcap is not None:
+            raise ValueError(f"quantkit attention has no logit softcap (got softcap={softcap}); use 'eager'")
+        if dropout:
+            raise ValueError(f"quantkit attention is inference-only (got dropout={dropout}); call model.eval()")
+        if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
+            raise ValueError("quantkit attention is causal-only; this layer is bidirectional")
+        self.head_dim = query.shape[-1]
+        scale = scaling if scaling is not None else self.head_dim ** -0.5
+        window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+        self.args = (*_padded(query, key, value), scale, window, module.__dict__.get(BACKEND_ATTR, backend))
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        return out[..., :self.head_dim].transpose(1, 2).contiguous()
+
+
 def bind_attention_backend(model: torch.nn.Module, backend: str) -> None:
     """Make ``model``'s attention modules run the registered functions on ``backend``."""
     for module in model.modules():
@@ -91,24 +115,14 @@ def _attention_forward(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    backend = module.__dict__.get(BACKEND_ATTR, backend)
     if attention_mask is not None:
         raise ValueError(
             "quantkit attention got an attention mask, i.e. a padded batch or a StaticCache longer than its "
             "valid keys; these kernels take unpadded batches over a DynamicCache. Drop the padding (one "
             "sequence, or equal lengths) or use attn_implementation='sdpa' for this call."
         )
-    if softcap is not None:
-        raise ValueError(f"quantkit attention has no logit softcap (got softcap={softcap}); use 'eager'")
-    if dropout:
-        raise ValueError(f"quantkit attention is inference-only (got dropout={dropout}); call model.eval()")
-    if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
-        raise ValueError("quantkit attention is causal-only; this layer is bidirectional")
-    if sliding_window is None:
-        sliding_window = getattr(module, "sliding_window", None)
-    head_dim = query.shape[-1]
-    scale = scaling if scaling is not None else head_dim ** -0.5
-    query, key, value = _padded(query, key, value)
+    call = _KernelCall(module, query, key, value, backend, scaling, dropout, sliding_window, softcap, is_causal)
+    query, key, value, scale, sliding_window, backend = call.args
     if query.shape[2] == 1:
         batch, key_len = key.shape[0], key.shape[2]
         seqlens = torch.full((batch,), key_len, dtype=torch.int32, device=key.device)
@@ -117,8 +131,7 @@ def _attention_forward(
         )[:, :, None]
     else:
         out = attention_ops.flash_attention(query, key, value, scale, sliding_window, backend=backend)
-    # HF's attention functions return (B, S, H, D); the caller reshapes to (B, S, H * D).
-    return out[..., :head_dim].transpose(1, 2).contiguous(), None
+    return call.output(out), None
 
 
 def _dynamic_cache_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -177,23 +190,16 @@ def _static_attention_forward(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    backend = module.__dict__.get(BACKEND_ATTR, backend)
     if quantkit_kv_len is None:
         raise ValueError(
             f"the {STATIC_ATTENTION_NAME!r} attention runs only inside quantkit.generate (it needs the valid "
             "cache length, quantkit_kv_len); select 'quantkit' for ordinary forward calls"
         )
-    if softcap is not None:
-        raise ValueError(f"quantkit attention has no logit softcap (got softcap={softcap}); use 'eager'")
-    if dropout:
-        raise ValueError(f"quantkit attention is inference-only (got dropout={dropout}); call model.eval()")
-    if sliding_window is None:
-        sliding_window = getattr(module, "sliding_window", None)
-    head_dim = query.shape[-1]
-    scale = scaling if scaling is not None else head_dim ** -0.5
-    query, key, value = _padded(query, key, value)
+    call = _KernelCall(module, query, key, value, backend, scaling, dropout, sliding_window, softcap, is_causal)
+    query, key, value, scale, sliding_window, backend = call.args
     if query.shape[2] == 1:
         # Decode over the whole static buffer: the valid length of each row is a device tensor
         # (so a captured graph replays it unchanged); quantkit_kv_len is only the host-side bound.
@@ -209,7 +215,7 @@ def _static_attention_forward(
         out = attention_ops.flash_attention(
             query, key[:, :, :quantkit_kv_len], value[:, :, :quantkit_kv_len], scale, sliding_window, backend=backend
         )
-    return out[..., :head_dim].transpose(1, 2).contiguous(), None
+    return call.output(out), None
 
 
 def register_static_cache_attention(backend: str = "auto", device: torch.device | str = "cuda",

@@ -36,6 +36,38 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
+MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: torch.device | str | None, option: str = "device=") -> torch.device:
+    """``device`` checked (cpu, cuda or cuda:N, the GPU present); None is CUDA when available, else CPU.
+
+    ``option`` names the argument in the error ("device=" in Python, "--device " on the command line).
+    """
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"{option}{str(device)!r} is not supported; use 'cpu', 'cuda' or 'cuda:N'")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{option}{str(device)!r} was asked for but no CUDA GPU is available; use {option}'cpu'")
+    return parsed
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | str) -> torch.dtype:
+    """``dtype`` (a float dtype the kernels take, or its name) checked; None is ``default_dtype(device)``."""
+    if dtype is None:
+        return default_dtype(device)
+    resolved = MODEL_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if resolved not in MODEL_DTYPES.values():
+        raise ValueError(f"dtype={dtype!r} is not supported; use torch.float32, torch.float16 or torch.bfloat16 "
+                         "(or their names)")
+    return resolved
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("QUANTKIT_CACHE", Path.home() / ".cache" / "quantkit"))
 
@@ -146,7 +178,8 @@ def load_model(
     ``source`` is a local HF directory, a hub id (when online), a ``.gguf`` file (dequantized by
     transformers' GGUF loader), or ``"gemma3-270m"``, the bundled Gemma-3-270M base model.
     """
-    dtype = dtype or default_dtype(device)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     source = str(source)
     path = Path(source).expanduser()
     if source == BUNDLED_MODEL:

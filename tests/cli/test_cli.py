@@ -307,7 +307,9 @@ def test_os_errors_are_one_line(llama_dir, tmp_path, monkeypatch, text_dir):
 
 def test_unknown_device(llama_dir, tmp_path):
     result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--device", "tpu")
-    assert_user_error(result, "--device 'tpu'", "cpu, cuda")
+    assert_user_error(result, "--device 'tpu' is not supported", "'cpu', 'cuda'")
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--device", "cuda:1")
+    assert_user_error(result, "--device 'cuda:1' was asked for but no CUDA GPU is available", "--device 'cpu'")
 
 
 @pytest.mark.parametrize("args", [("--stride", 0), ("--max-tokens", -5), ("--window", 1)])

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, StaticCache
 
-from quantkit.models.fast_attention import register_quantkit_attention
+from quantkit.models.fast_attention import register_quantkit_attention, register_static_cache_attention
 
 
 def tiny_llama():
@@ -86,6 +86,28 @@ def test_padded_batch_is_refused():
     mask[0, :2] = 0
     with pytest.raises(ValueError, match="padded batch"), torch.no_grad():
         model(input_ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"softcap": 30.0}, "no logit softcap"),
+    ({"dropout": 0.1}, "inference-only"),
+    ({"is_causal": False}, "causal-only"),
+])
+def test_both_attention_functions_refuse_what_the_kernels_do_not_compute(kwargs, match):
+    from transformers import AttentionInterface
+
+    module = torch.nn.Module()
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 5, 64), torch.randn(1, 2, 5, 64), torch.randn(1, 2, 5, 64)
+    for name, extra in [(register_quantkit_attention(backend="torch"), {}),
+                        (register_static_cache_attention(backend="torch"), {"quantkit_kv_len": 5})]:
+        function = AttentionInterface()[name]
+        with pytest.raises(ValueError, match=match):
+            function(module, q, k, v, None, **extra, **kwargs)
+        # The same call without the offending argument runs: causal attention at head_dim 64.
+        out, _ = function(module, q, k, v, None, **extra)
+        scores = (q @ k.transpose(-1, -2)) / 8 + torch.full((5, 5), -torch.inf).triu(1)
+        torch.testing.assert_close(out, (scores.softmax(-1) @ v).transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("make_model", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])

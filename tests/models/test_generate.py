@@ -7,6 +7,7 @@ prompt), unquantized, plain W8A8 and through the exact fast path; plus the bundl
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,6 +53,10 @@ def test_eos_stops_and_pads_like_hf():
     got = generate(model, ids, 10, eos_token_id=eos, pad_token_id=0)
     assert torch.equal(got, want)
     assert (got[0, 9 + 3:] == 0).all() or got.shape[1] == 9 + 3
+    # numpy integers and 0-d tensors (a tokenizer's or a tensor's ids) are the same ids.
+    assert torch.equal(generate(model, ids, np.int64(10), eos_token_id=torch.tensor(eos), pad_token_id=np.int32(0)),
+                       want)
+    assert torch.equal(generate(model, ids, 10, eos_token_id=torch.tensor([eos, eos]), pad_token_id=0), want)
 
 
 def test_eos_from_generation_config():
@@ -161,6 +166,12 @@ def test_bad_prompts_are_refused():
         generate(model, "the river", 3)
     with pytest.raises(TypeError, match="max_new_tokens=2.5"):
         generate(model, [[5, 6]], 2.5)
+    with pytest.raises(TypeError, match="max_new_tokens=True must be an int"):
+        generate(model, [[5, 6]], True)
+    with pytest.raises(TypeError, match="eos_token_id=2.0 must be an int"):
+        generate(model, [[5, 6]], 2, eos_token_id=[2.0])
+    with pytest.raises(TypeError, match="pad_token_id='0' must be an int"):
+        generate(model, [[5, 6]], 2, pad_token_id="0")
 
 
 def test_padded_batches_are_refused_when_pad_is_eos_or_passed():

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -445,6 +446,21 @@ def int8_checkpoint(llama_dir, tmp_path_factory):
 def test_load_refuses_bad_dtype_and_device(int8_checkpoint, kwargs, match):
     with pytest.raises(ValueError, match=match):
         quantkit.load(int8_checkpoint, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"dtype": torch.int8}, "dtype=torch.int8 is not supported"),
+    ({"device": "meta"}, "device='meta' is not supported"),
+    ({"device": "cuda"}, "device='cuda' was asked for but no CUDA GPU is available; use device='cpu'"),
+])
+def test_load_model_refuses_bad_dtype_and_device(llama_dir, kwargs, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        quantkit.load_model(llama_dir, **kwargs)
+
+
+def test_load_model_takes_a_dtype_name(llama_dir):
+    model, _ = quantkit.load_model(llama_dir, dtype="float16")
+    assert model.get_input_embeddings().weight.dtype == torch.float16
 
 
 def test_load_takes_a_dtype_name(int8_checkpoint):
