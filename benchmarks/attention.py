@@ -14,6 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
+
 from quantkit.bench.attention import (  # noqa: E402
     bench_decode,
     bench_prefill,
@@ -68,11 +70,12 @@ def main():
     parser.add_argument("--profile-host", action="store_true", help="host (Python) cost per decode call")
     parser.add_argument("--quick", action="store_true", help="prefill 4k/16k, decode 1k/32k only")
     parser.add_argument("--prefill-seqs", type=int, nargs="+", help="prefill sequence lengths (default: all)")
-    parser.add_argument("--graph-rep-ms", type=int, help="CUDA-graph timing budget per measurement (default 100)")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("error: the attention benchmark needs a CUDA GPU; run it on the GPU machine")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if not args.no_checks:
-        checks = run_attention_checks()
+        checks = run_attention_checks()  # before the sweeps too
         Path(args.out, "attention_checks.json").write_text(json.dumps(checks, indent=1, default=str))
     if args.sweep:
         sweep = []
@@ -104,11 +107,7 @@ def main():
     kwargs = dict(prefill_seqs=(4096, 16384), decode_lengths=(1024, 32768)) if args.quick else {}
     if args.prefill_seqs:
         kwargs["prefill_seqs"] = tuple(args.prefill_seqs)
-    if args.graph_rep_ms:
-        import quantkit.bench.attention as bench_attention
-
-        bench_attention.GRAPH_REP_MS = args.graph_rep_ms
-    run_attention_benchmark(out_dir=args.out, **kwargs)
+    run_attention_benchmark(out_dir=args.out, checks=False, **kwargs)  # checked above
 
 
 if __name__ == "__main__":

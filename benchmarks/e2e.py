@@ -34,6 +34,10 @@ def main() -> None:
                              "fusion off) after each <scheme>-fast, report the ratios, and check the fusion on small "
                              "models (logits, greedy tokens, CUDA-graph vs eager decode) when checks run")
     args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("error: the end-to-end benchmark needs a CUDA GPU; run it on the GPU machine")
     run_e2e_benchmark(args.out, plot=not args.no_plot, checks=not args.no_checks,
                       fast_inexact=not args.no_inexact, deadline_s=args.deadline, isolate=not args.same_process,
                       variants=args.variants.split(",") if args.variants else None,

@@ -44,7 +44,7 @@ import torch  # noqa: E402
 from quantkit.bench import gemm as bench_gemm  # noqa: E402
 from quantkit.bench.gemm import (  # noqa: E402
     CHECK_PARTS, DEFAULT_MS, EPILOGUES, LLAMA3_8B_SHAPES, adaptive_graph_ms, bench_ms, point_seconds,
-    run_gemm_benchmark, run_gpu_checks)
+    run_gemm_benchmark, run_gpu_checks, timed_ops)
 from quantkit.bench import gemm_splitk  # noqa: E402
 from quantkit.kernels import gemm, gemm_tma, reference  # noqa: E402
 from quantkit.kernels.launch import config_dict  # noqa: E402
@@ -209,7 +209,7 @@ def estimate(shapes, ms, epilogues, gated, workers, sms=132, checks=True):
         n = len(_configs(family, bucket, dtype_name, gated_key))
         trials[family] = trials.get(family, 0) + n
     tune_s = sum(TRIAL_S[f] * n for f, n in trials.items())
-    timing_s = sum(len(epilogues) * point_seconds(M, N, K, 6) for N, K in shapes for M in ms)
+    timing_s = sum(point_seconds(M, N, K, timed_ops(epilogues)) for N, K in shapes for M in ms)
     if gated:
         timing_s += sum(2 * point_seconds(M, 2 * GATED_N, GATED_K, 3) for M in ms)
     quant_s = 15.0
@@ -272,6 +272,9 @@ def main():
         GATED_N, GATED_K = 64, 128
         bench_gemm.GATED_SHAPE = (GATED_N, GATED_K)
         skip.add("quant")  # the quantization benchmark needs CUDA
+    elif not torch.cuda.is_available():
+        raise SystemExit("error: the GEMM benchmark needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1, "
+                         "or --estimate)")
     deadline_at = T0 + args.deadline if args.deadline > 0 else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

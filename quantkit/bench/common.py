@@ -13,6 +13,19 @@ import torch
 _PACKAGE = Path(__file__).resolve().parents[1]  # quantkit/
 
 
+class CheckFailed(RuntimeError):
+    """A kernel's output at a benchmark point is outside its bound: its time is not reported."""
+
+
+def require_matplotlib() -> None:
+    """Fail before any GPU work when the plots could not be drawn at the end."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("the benchmark plots need matplotlib, which is not installed; "
+                         "pip install 'quantkit[bench]' (or matplotlib)") from None
+
+
 def source_digest(package: Path = _PACKAGE) -> str:
     """The first 12 hex digits of a SHA-256 over the package's .py files (relative paths and
     contents, in path order): which code ran, whatever state the checkout's .git is in."""

@@ -3,9 +3,13 @@
 Random weights (speed does not depend on values), built directly on the device in bf16.
 Workloads, each timed after warm-up, median of a few runs (CUDA events):
 - prefill: ``model(ids, use_cache=False, logits_to_keep=1)`` at 1x2048 and 4x2048 -> tokens/s;
-- decode: 512-token prompt, 128 new tokens, batch 1 and 8 -> ms/token of the decode phase.
+- decode: 512-token prompt, 128 new tokens, batch 1 and 8 -> ms/token of the decode phase,
+  the median of DECODE_RUNS runs on both sides.
   HF: ``model.generate`` (DynamicCache, eager), (t(128 new) - t(1 new)) / 127.
   quantkit: ``quantkit.generate.generate`` (static cache, CUDA-graph decode), decode time / 127.
+  So the decode ratio compares the two generate paths as a user runs them (HF's eager loop
+  against quantkit's graph-captured one), not kernels alone: most of HF's time per token is
+  Python and launches.
 - prefill through ``quantkit.graphed`` (every variant, the baseline too): the same forward
   captured as a CUDA graph on its first call, later calls timed from the host (input copy,
   replay, output clone), bit-equality with the eager logits recorded; what a caller repeating a
@@ -38,7 +42,10 @@ runs (eager forward, ``model.generate``), like the baseline; its graphed prefill
 is the same wrapper around its forward.
 
 ``run_fast_path_checks`` first checks, on small random Llama and Gemma-3 models on the same
-device, that the fast path's greedy tokens (and logits, for exact mode) equal the plain path's.
+device, each mode that is timed (``_fast_path_passed``): exact mode's logits and greedy tokens
+equal the plain path's, exact=False's logits are as close to the unquantized model's as the
+plain path's, and CUDA-graph decode equals eager decode. A failure stops the run before any
+timing (CheckFailed; the check rows go to ``{prefix}_checks_failed.json``).
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from quantkit.api import quantize
+from quantkit.bench.common import CheckFailed, require_matplotlib
 from quantkit.config import QuantConfig
 from quantkit.generate import generate
 from quantkit.models.fast_attention import register_quantkit_attention
@@ -69,6 +77,7 @@ from quantkit.models.graphed import GraphedForward
 PREFILL_SHAPES = ((1, 2048), (4, 2048))
 DECODE_BATCHES = (1, 8)
 PROMPT_LEN, NEW_TOKENS = 512, 128
+DECODE_RUNS = 3  # timed generate() runs per decode point, both sides; the median is reported
 SCHEMES = ("fp8", "int8")
 MODES = ("plain", "fast-exact", "fast")
 # Not in the default list: the fast path with the norm + quantization fusion off (comparison).
@@ -194,31 +203,32 @@ def bench_decode_hf(model, vocab: int, device, batches=DECODE_BATCHES, prompt_le
         if warmup_only:
             run(2)
             continue
-        one = time_ms(lambda: run(1), device, warmup=1, reps=3)
-        full = time_ms(lambda: run(new_tokens), device, warmup=0, reps=1)
+        one = time_ms(lambda: run(1), device, warmup=1, reps=DECODE_RUNS)
+        full = time_ms(lambda: run(new_tokens), device, warmup=0, reps=DECODE_RUNS)
         rows.append({"workload": f"decode_b{batch}", "ms_per_token": (full - one) / (new_tokens - 1),
-                     "prefill_ms": one})
+                     "prefill_ms": one, "runs": DECODE_RUNS})
     return rows
 
 
 @torch.no_grad()
 def bench_decode_quantkit(model, vocab: int, device, batches=DECODE_BATCHES, prompt_len=PROMPT_LEN,
-                          new_tokens=NEW_TOKENS, warmup_only: bool = False, runs: int = 2) -> list[dict]:
+                          new_tokens=NEW_TOKENS, warmup_only: bool = False, runs: int | None = None) -> list[dict]:
     rows = []
+    runs = runs or DECODE_RUNS
     for batch in batches:
         ids = torch.randint(0, vocab, (batch, prompt_len), device=device)
         if warmup_only:
             generate(model, ids, new_tokens, eos_token_id=None)
             continue
-        best = None
-        for _ in range(runs):  # keep the better of two runs
+        samples = []
+        for _ in range(runs):  # the median run, as for HF's generate
             stats: dict = {}
             generate(model, ids, new_tokens, eos_token_id=None, stats=stats)
-            per_token = stats["decode_s"] / max(stats["decode_steps"], 1) * 1e3
-            if best is None or per_token < best["ms_per_token"]:
-                best = {"workload": f"decode_b{batch}", "ms_per_token": per_token,
-                        "prefill_ms": stats["prefill_s"] * 1e3, "capture_ms": stats["capture_s"] * 1e3}
-        rows.append(best)
+            samples.append({"workload": f"decode_b{batch}",
+                            "ms_per_token": stats["decode_s"] / max(stats["decode_steps"], 1) * 1e3,
+                            "prefill_ms": stats["prefill_s"] * 1e3, "capture_ms": stats["capture_s"] * 1e3,
+                            "runs": runs})
+        rows.append(sorted(samples, key=lambda r: r["ms_per_token"])[len(samples) // 2])
     return rows
 
 
@@ -474,6 +484,8 @@ def run_fast_path_checks(device: str = "cuda", dtype=torch.bfloat16, schemes=SCH
                 if param.dim() == 1:
                     param.add_(torch.randn_like(param) * 0.1)
         ids = torch.randint(3, config.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(1)).to(device)
+        with torch.no_grad():
+            base_logits = base(ids).logits
         for scheme in schemes:
             plain = quantize(copy.deepcopy(base), QuantConfig.preset(scheme), progress=False)
             hf_tokens = plain.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
@@ -482,7 +494,9 @@ def run_fast_path_checks(device: str = "cuda", dtype=torch.bfloat16, schemes=SCH
             plain_logits = plain(ids).logits
             plain_tokens = generate(plain, ids, new_tokens, eos_token_id=None)
             row = {"arch": arch, "scheme": scheme, "device": str(device), "dtype": str(dtype),
-                   "generate_equals_hf_generate": bool(torch.equal(plain_tokens, hf_tokens))}
+                   "generate_equals_hf_generate": bool(torch.equal(plain_tokens, hf_tokens)),
+                   # The scale the fast path's own rounding is read against.
+                   "quantization_rel_err": _rel_diff(plain_logits, base_logits)}
             for exact in (True, False) if inexact else (True,):
                 fast = optimize(copy.deepcopy(plain), exact=exact)
                 fast_logits = fast(ids).logits
@@ -490,24 +504,46 @@ def run_fast_path_checks(device: str = "cuda", dtype=torch.bfloat16, schemes=SCH
                 tag = "exact" if exact else "fast"
                 row[f"{tag}_logits_equal"] = bool(torch.equal(fast_logits, plain_logits))
                 row[f"{tag}_logits_max_abs_diff"] = (fast_logits.float() - plain_logits.float()).abs().max().item()
+                row[f"{tag}_logits_rel_diff"] = _rel_diff(fast_logits, plain_logits)
+                row[f"{tag}_quantization_rel_err"] = _rel_diff(fast_logits, base_logits)
                 row[f"{tag}_tokens_equal"] = bool(torch.equal(fast_tokens, plain_tokens))
                 row[f"{tag}_report"] = str(fast.quantkit_fast_path)
-                if exact and torch.device(device).type == "cuda":
+                if torch.device(device).type == "cuda":
                     eager_tokens = generate(fast, ids, new_tokens, eos_token_id=None, cuda_graph=False)
-                    row["graph_equals_eager"] = bool(torch.equal(eager_tokens, fast_tokens))
+                    row[f"{tag}_graph_equals_eager"] = bool(torch.equal(eager_tokens, fast_tokens))
                 del fast
             if norm_quant:
                 row.update(_norm_quant_check(base, plain, ids, new_tokens, device))
-            row["passed"] = (row["exact_logits_equal"] and row["exact_tokens_equal"] and row.get("graph_equals_eager", True)
-                             and row.get("norm_quant_graph_equals_eager", True)
-                             and row.get("norm_quant_fused_launches", 1) > 0
-                             and row.get("residual_logits_equal", True))
+            row["passed"] = _fast_path_passed(row)
             print(json.dumps(row), flush=True)
             rows.append(row)
             del plain
         del base
         _reset_peak(device)
     return rows
+
+
+FAST_ERROR_MARGIN = 1.1  # exact=False's logits error against the plain path's (CPU bf16: 0.99-1.03)
+
+
+def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _fast_path_passed(row: dict) -> bool:
+    """exact=True: logits and tokens equal to the plain path's. exact=False (what the benchmark
+    times): its logits as close to the unquantized model's as the plain path's, within 10 %. (It
+    rounds differently before quantizing, so its logits differ from the plain path's by about the
+    quantization error itself in bf16, and greedy tokens may part at near-ties; a wrong fused
+    kernel adds error of its own.) Both: CUDA-graph decode equal to eager decode, and the norm +
+    quantization checks where they ran."""
+    fast_ok = row.get("fast_quantization_rel_err", 0.0) <= FAST_ERROR_MARGIN * row["quantization_rel_err"]
+    return bool(row["exact_logits_equal"] and row["exact_tokens_equal"] and fast_ok
+                and row.get("exact_graph_equals_eager", True) and row.get("fast_graph_equals_eager", True)
+                and row.get("norm_quant_graph_equals_eager", True)
+                and row.get("norm_quant_fused_launches", 1) > 0
+                and row.get("residual_logits_equal", True))
 
 
 def _norm_quant_check(base, plain, ids, new_tokens: int, device) -> dict:
@@ -578,11 +614,17 @@ def run_e2e_benchmark(
 
     import transformers
 
+    if plot:
+        require_matplotlib()
+
     meta = {**environment_metadata(), "transformers": transformers.__version__}
     config = config or llama3_8b_config()
     meta["model"] = (f"Llama shape: hidden {config.hidden_size}, intermediate {config.intermediate_size}, "
                      f"{config.num_hidden_layers} layers, {config.num_attention_heads}/{config.num_key_value_heads} "
                      f"heads, vocab {config.vocab_size}, random weights, bf16")
+    meta["decode_note"] = (f"median of {DECODE_RUNS} runs on both sides; HF model.generate runs eager (DynamicCache), "
+                           "quantkit.generate captures its decode step in a CUDA graph: the decode ratio is of the two "
+                           "generate paths, not of kernels")
     meta["memory_note"] = ("each variant in its own process" if isolate else "all variants in one process") + (
         "; model_bytes = allocated after build/quantize/optimize, before any forward; peak_bytes = "
         "max_memory_allocated over the eager inference workloads after a warm-up pass")
@@ -590,7 +632,13 @@ def run_e2e_benchmark(
                        "alike (gc_frozen_objects per row); gc.unfreeze() after the variant")
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    check_rows = run_fast_path_checks(device, inexact=False, norm_quant=compare_norm_quant) if checks else []
+    check_rows = run_fast_path_checks(device, inexact=fast_inexact, norm_quant=compare_norm_quant) if checks else []
+    failed = [f"{r['arch']} {r['scheme']}" for r in check_rows if not r["passed"]]
+    if failed:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"{prefix}_checks_failed.json").write_text(json.dumps(check_rows, indent=1, default=str))
+        raise CheckFailed(f"fast-path checks failed for {', '.join(failed)} ({prefix}_checks_failed.json); "
+                          "nothing is timed")
     shape = dict(prefill_shapes=prefill_shapes, decode_batches=decode_batches, prompt_len=prompt_len,
                  new_tokens=new_tokens)
     rows: list[dict] = []

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from quantkit.bench.common import bench_ms, environment_metadata
+from quantkit.bench.common import CheckFailed, bench_ms, environment_metadata, require_matplotlib
 from quantkit.kernels import gemm, gemm_gluon, gemm_tma, reference, triton_ops
 from quantkit.kernels.launch import median_replay_ms, rotated_medians
 
@@ -34,6 +34,18 @@ DEFAULT_MS = [1, 16, 64, 128, 512, 1024, 4096, 16384]
 GATED_SHAPE = (14336, 4096)
 # "plain": dequant only (Llama's projections); "bias_silu": the full epilogue.
 EPILOGUES = {"plain": (False, "none"), "bias_silu": (True, "silu")}
+# Where the GEMM is also timed with the bf16 input's per-token quantization in front of it.
+QUANTIZE_ROW_EPILOGUES = ("plain",)
+
+
+def checked_rel_err(what: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, K: int) -> float:
+    """Relative error of ``out`` against the fp32 reference; CheckFailed above the dtype's bound."""
+    bound = EXACT_ACCUM_BOUND if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
+    err = _rel_err(out, ref)
+    if not err < bound:  # NaN fails too
+        raise CheckFailed(f"{what}: relative error {err:.2e} against the reference exceeds {bound:.1e}; "
+                          "the kernel is wrong at this point, so no time is reported")
+    return err
 
 
 _FLUSH_BYTES = 256 << 20
@@ -156,6 +168,14 @@ def bench_scaled_mm_point(M, N, K, epilogue, device="cuda", timer=bench_ms, roun
             if M > 16:  # _int_mm's own restriction
                 ops[baseline_name] = int_mm
         ops[f"quantkit_{dtype_name}"] = ours
+        if epilogue in QUANTIZE_ROW_EPILOGUES:
+            # What a QuantLinear whose input is not quantized by the norm before it (o_proj,
+            # down_proj) runs on the bf16 input: the per-token quantization kernel, then the GEMM.
+            def quantize_then_ours(w=w, w_scale=w_scale, dtype=dtype):
+                q, q_scale = triton_ops.quantize_per_token(x, dtype)
+                return triton_ops.scaled_mm(q, w, q_scale, w_scale, bias_arg, activation, torch.bfloat16)
+
+            ops[f"quantkit_{dtype_name}+quantize"] = quantize_then_ours
         ours_of[dtype_name], baseline_of[dtype_name] = ours, baseline_name
         checks[dtype_name] = (a, w, a_scale, w_scale)
 
@@ -166,13 +186,21 @@ def bench_scaled_mm_point(M, N, K, epilogue, device="cuda", timer=bench_ms, roun
     for dtype_name, ours in ours_of.items():
         a, w, a_scale, w_scale = checks[dtype_name]
         t_ours, t_base = ms[f"quantkit_{dtype_name}"], ms.get(baseline_of[dtype_name], float("nan"))
-        # The autotuner's pick at this very shape, checked against the reference twin.
-        rel_err = _rel_err(ours(), reference.scaled_mm(a, w, a_scale, w_scale, bias_arg, activation, torch.float32))
+        # The autotuner's pick at this very shape (tuned inside the timing, as in every run),
+        # checked against the reference twin before its time is reported.
+        rel_err = checked_rel_err(f"quantkit_{dtype_name} at M={M} N={N} K={K} {epilogue}", ours(),
+                                  reference.scaled_mm(a, w, a_scale, w_scale, bias_arg, activation, torch.float32),
+                                  a.dtype, K)
         rows.append({
             **base, "op": f"quantkit_{dtype_name}", "ms": t_ours, "tflops": _tflops(M, N, K, t_ours), "rel_err": rel_err,
             "baseline": baseline_of[dtype_name], "baseline_ms": t_base, "speedup_vs_baseline": t_base / t_ours,
             "speedup_vs_bf16": ms["bf16_F.linear"] / t_ours,
         })
+        with_quant = f"quantkit_{dtype_name}+quantize"
+        if with_quant in ms:
+            t = ms[with_quant]
+            rows.append({**base, "op": with_quant, "ms": t, "tflops": _tflops(M, N, K, t),
+                         "speedup_vs_bf16": ms["bf16_F.linear"] / t})
     return rows
 
 
@@ -198,7 +226,8 @@ def bench_gated_point(M, N, K, dtype_name, activation="silu", device="cuda", tim
 
     ms, _ = rotated_medians({"fused": fused, "two": two_gemms, "bf16": bf16_two_gemms}, timer, rounds)
     t_fused, t_two, t_bf16 = ms["fused"], ms["two"], ms["bf16"]
-    rel_err = _rel_err(fused(), reference.gated_scaled_mm(a, w, a_scale, w_scale, activation, torch.float32))
+    rel_err = checked_rel_err(f"quantkit_gated_{dtype_name} at M={M} N={N} K={K}", fused(),
+                              reference.gated_scaled_mm(a, w, a_scale, w_scale, activation, torch.float32), dtype, K)
     flops_k = 2 * N  # the GEMM is M x 2N x K
     base = {"M": M, "N": N, "K": K, "epilogue": f"gated_{activation}", "dtype": dtype_name}
     return [
@@ -251,16 +280,19 @@ def plot_tflops(rows: list[dict], path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     shapes = sorted({(r["N"], r["K"]) for r in rows})
+    # One colour per op, one line style per epilogue: no two lines look alike.
+    ops = sorted({r["op"] for r in rows})
+    colours = {op: plt.get_cmap("tab20")(i % 20) for i, op in enumerate(ops)}
+    styles = dict(zip(sorted({r["epilogue"] for r in rows}), ("-", "--", ":", "-.")))
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
     for ax, (N, K) in zip(axes[0], shapes):
-        for epilogue in sorted({r["epilogue"] for r in rows}):
-            for op in sorted({r["op"] for r in rows}):
+        for epilogue, style in styles.items():
+            for op in ops:
                 pts = sorted((r["M"], r["tflops"]) for r in rows
                              if (r["N"], r["K"], r["op"], r["epilogue"]) == (N, K, op, epilogue)
                              and not math.isnan(r["tflops"]))
                 if pts:
-                    style = "-" if epilogue == "plain" or epilogue.startswith("gated") else "--"
-                    ax.plot(*zip(*pts), style, marker="o", ms=3, label=f"{op} [{epilogue}]")
+                    ax.plot(*zip(*pts), style, color=colours[op], marker="o", ms=3, label=f"{op} [{epilogue}]")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("M (tokens)")
@@ -283,6 +315,12 @@ def point_seconds(M: int, N: int, K: int, ops: int, replays: int = 16, rounds: i
     return rounds * ops * (2 * replays * per_replay_ms * 1e-3 + 0.06)
 
 
+def timed_ops(epilogues) -> int:
+    """Ops timed per (M, N, K) over ``epilogues``: quantkit FP8 and INT8, bf16, two ``_scaled_mm``
+    modes and ``_int_mm``, plus quantization + GEMM for FP8 and INT8 where that row is timed."""
+    return sum(6 + 2 * (epilogue in QUANTIZE_ROW_EPILOGUES) for epilogue in epilogues)
+
+
 def _time_left(deadline_at):
     return float("inf") if deadline_at is None else deadline_at - time.monotonic()
 
@@ -302,9 +340,16 @@ def run_gemm_benchmark(shapes=None, ms=None, out_dir="benchmarks/results", plot=
         raise ValueError("the GEMM benchmark needs a CUDA GPU; run it on the GPU machine")
     shapes = list(shapes or LLAMA3_8B_SHAPES)
     ms = list(ms or DEFAULT_MS)
+    if plot:
+        require_matplotlib()
     meta = environment_metadata()
     meta["timer"] = getattr(timer, "__name__", str(timer))
+    meta["rounds"] = rounds
     meta["skipped_for_deadline"] = skipped = []
+    # False until every point is written: a run cut short (an error, the device's time limit)
+    # leaves files that say so. The previous run's plot goes first, so no stale PNG sits beside them.
+    meta["complete"] = False
+    Path(out_dir, "gemm.png").unlink(missing_ok=True)
     rows = []
 
     def fits(what, seconds):
@@ -329,18 +374,37 @@ def run_gemm_benchmark(shapes=None, ms=None, out_dir="benchmarks/results", plot=
         write_results(rows, out_dir, "gemm", meta)
     for N, K in shapes:
         for M in ms:
-            if not fits(f"M={M} N={N} K={K}", len(epilogues) * point_seconds(M, N, K, 6, rounds=rounds)):
+            if not fits(f"M={M} N={N} K={K}", point_seconds(M, N, K, timed_ops(epilogues), rounds=rounds)):
                 continue
             for epilogue in epilogues:
                 rows.extend(bench_scaled_mm_point(M, N, K, epilogue, timer=timer, device=device, rounds=rounds))
             print_point(rows, M, N, K)
             write_results(rows, out_dir, "gemm", meta)  # partial results survive a time-out
     meta["autotune"] = autotune_choices()
+    meta["complete"] = True
     write_results(rows, out_dir, "gemm", meta)
     if plot:
         plot_tflops([r for r in rows if not r["epilogue"].startswith("gated")], Path(out_dir) / "gemm.png",
-                    f"quantkit W8A8 GEMM vs torch, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}")
+                    f"quantkit W8A8 GEMM vs torch, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, "
+                    f"commit {meta['commit'][:12]}, {meta['date'][:10]}")
     return rows
+
+
+def run_all(out_dir="benchmarks/results", timer=adaptive_graph_ms, rounds: int = ROUNDS) -> list[dict]:
+    """``quantkit bench gemm``: what benchmarks/gemm.py runs, in one process. The GPU checks
+    first (gemm_checks.json; CheckFailed / RuntimeError stops the run), then the quantization
+    kernels (gemm_quant.*), then the GEMMs (gemm.*)."""
+    from quantkit.bench.quant import run_quant_benchmark
+
+    if not torch.cuda.is_available():
+        raise ValueError("the GEMM benchmark needs a CUDA GPU; run it on the GPU machine")
+    require_matplotlib()
+    checks = run_gpu_checks()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gemm_checks.json").write_text(json.dumps(checks, indent=1, default=str))
+    run_quant_benchmark(out_dir=out, timer=timer)
+    return run_gemm_benchmark(out_dir=out, timer=timer, rounds=rounds)
 
 
 def print_point(rows, M, N, K):
@@ -354,6 +418,9 @@ def print_point(rows, M, N, K):
 # ----------------------------------------------------------------------------------------------
 # GPU correctness checks at real shapes (run before the timings, in the same process)
 # ----------------------------------------------------------------------------------------------
+
+
+EXACT_ACCUM_BOUND = 4e-3  # INT8 (exact int32 accumulation) and promoted FP8: bf16 output rounding
 
 
 def fp8_fast_accum_tolerance(K: int) -> float:
@@ -433,7 +500,7 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False, parts=CHECK_PAR
                     ref = reference.scaled_mm(a, w, sa, sw, b, activation, torch.float32)
                     exact = reference.fp64_scaled_mm(a, w, sa, sw, b, activation)
                     err_ref, err_64 = _rel_err(out, ref), _rel_err(out, exact)
-                    bound = 4e-3 if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
+                    bound = EXACT_ACCUM_BOUND if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
                     record(f"scaled_mm_{dtype}", not out.isnan().any() and err_ref < bound and err_64 < bound,
                            M=M, N=N, K=K, bias=has_bias, act=activation, rel_err_ref=err_ref, rel_err_fp64=err_64,
                            bound=bound)
@@ -441,7 +508,7 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False, parts=CHECK_PAR
             out = torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16)
             gemm.gated_scaled_mm(a, w2, sa, sw2, "silu", torch.bfloat16, out=out, config=None if small else fixed)
             err = _rel_err(out, reference.gated_scaled_mm(a, w2, sa, sw2, "silu", torch.float32))
-            bound = 4e-3 if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
+            bound = EXACT_ACCUM_BOUND if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
             record(f"gated_{dtype}", not out.isnan().any() and err < bound, M=M, N=N, K=K, rel_err=err, bound=bound)
 
         # Quantization kernels: bit-exact except RMSNorm, whose reduction order may move a value
@@ -511,7 +578,7 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False, parts=CHECK_PAR
                                         "config": str(cfg)})
                         print(f"[skip] config_{dtype}_gated={gated} {cfg}: {error}", flush=True)
                         continue
-                    bound = 4e-3 if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
+                    bound = EXACT_ACCUM_BOUND if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
                 record(f"config_{dtype}_gated={gated}", _rel_err(out, ref) < bound, config=str(cfg),
                        out_dtype=str(out_dtype), rel_err=_rel_err(out, ref), bound=bound)
 

@@ -330,39 +330,47 @@ def generate(
                    f"prefill {1000 * stats['prefill_s']:.0f} ms]", err=True)
 
 
-def _bench_out(out_dir: Path) -> Path:
+def _benchmark(run, out_dir: Path) -> None:
+    """Run a benchmark on the GPU; a kernel failing its output check ends it in one line."""
     import torch
+
+    from quantkit.bench.common import CheckFailed
 
     if not torch.cuda.is_available():
         fail("benchmarks need a CUDA GPU; none is available here")
-    return out_dir
+    try:
+        run(out_dir=out_dir)
+    except CheckFailed as exc:
+        fail(str(exc).splitlines()[0])
 
 
 @bench_app.command("gemm")
 @user_errors
 def bench_gemm(out_dir: Path = typer.Option(Path("benchmarks/results"), help="Where CSV/JSON/PNG go.")) -> None:
-    """INT8/FP8 scaled GEMMs vs cuBLAS bf16, _scaled_mm and _int_mm (Llama-3-8B shapes)."""
-    from quantkit.bench.gemm import run_gemm_benchmark
+    """GPU checks, then the quantization kernels and the INT8/FP8 GEMMs vs cuBLAS bf16, _scaled_mm and _int_mm
+    (Llama-3-8B shapes)."""
+    from quantkit.bench.gemm import run_all
 
-    run_gemm_benchmark(out_dir=_bench_out(out_dir))
+    _benchmark(run_all, out_dir)
 
 
 @bench_app.command("attention")
 @user_errors
 def bench_attention(out_dir: Path = typer.Option(Path("benchmarks/results"), help="Where CSV/JSON/PNG go.")) -> None:
-    """Flash prefill and split-KV decode attention vs SDPA."""
+    """GPU checks, then flash prefill and split-KV decode attention vs SDPA."""
     from quantkit.bench.attention import run_attention_benchmark
 
-    run_attention_benchmark(out_dir=_bench_out(out_dir))
+    _benchmark(run_attention_benchmark, out_dir)
 
 
 @bench_app.command("model")
 @user_errors
 def bench_model(out_dir: Path = typer.Option(Path("benchmarks/results"), help="Where CSV/JSON/PNG go.")) -> None:
-    """End to end on a Llama-3-8B-shaped model: HF bf16 vs quantkit fp8/int8 prefill, decode, memory."""
+    """Fast-path checks, then end to end on a Llama-3-8B-shaped model: HF bf16 vs quantkit fp8/int8 prefill,
+    decode, memory."""
     from quantkit.bench.e2e import run_e2e_benchmark
 
-    run_e2e_benchmark(out_dir=_bench_out(out_dir))
+    _benchmark(run_e2e_benchmark, out_dir)
 
 
 def main() -> None:

@@ -122,3 +122,25 @@ def test_ratios_to_hf_bf16_and_the_targets_they_meet():
     eager = lines["prefill_1x8 fp8-fast >= 1.7x hf-bf16 (both eager)"]
     assert eager["value"] == 1.8 and eager["met"]
     assert lines["decode_b1 fp8-fast <= 6.0 ms/token"]["met"]
+
+
+def test_fast_path_check_verdicts():
+    """exact mode must equal the plain path; exact=False (the timed mode) must be as close to the
+    unquantized model as the plain path, within 10 %; graph decode must equal eager decode."""
+    good = {"exact_logits_equal": True, "exact_tokens_equal": True, "quantization_rel_err": 0.040,
+            "fast_quantization_rel_err": 0.043, "exact_graph_equals_eager": True, "fast_graph_equals_eager": True}
+    assert e2e._fast_path_passed(good)
+    assert not e2e._fast_path_passed({**good, "fast_quantization_rel_err": 0.045})
+    assert not e2e._fast_path_passed({**good, "exact_tokens_equal": False})
+    assert not e2e._fast_path_passed({**good, "fast_graph_equals_eager": False})
+
+
+def test_failed_fast_path_checks_stop_the_run_before_any_timing(monkeypatch, tmp_path):
+    from quantkit.bench.common import CheckFailed
+
+    monkeypatch.setattr(e2e, "run_fast_path_checks", lambda *args, **kwargs: [
+        {"arch": "llama", "scheme": "fp8", "passed": False}])
+    monkeypatch.setattr(e2e, "measure_variant", lambda *args, **kwargs: pytest.fail("timed after a failed check"))
+    with pytest.raises(CheckFailed, match="fast-path checks failed for llama fp8"):
+        e2e.run_e2e_benchmark(tmp_path, plot=False, device="cpu", config=_tiny_config(), isolate=False)
+    assert (tmp_path / "e2e_checks_failed.json").is_file() and not (tmp_path / "e2e.json").exists()
