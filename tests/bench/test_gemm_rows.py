@@ -59,6 +59,7 @@ def test_plain_points_also_time_the_quantization_in_front_of_the_gemm(monkeypatc
     assert rows["quantkit_fp8+quantize"]["speedup_vs_bf16"] == pytest.approx(0.30 / 0.20)
     assert rows["quantkit_int8+quantize"]["speedup_vs_bf16"] == pytest.approx(0.30 / 0.15)
     assert bench_gemm.timed_ops(("plain", "bias_silu")) == 14
+    bench_gemm.print_point(list(rows.values()), 17, 48, 64)  # the run's log line for each row
 
 
 @pytest.mark.parametrize("epilogue", ["plain", "bias_silu"])
