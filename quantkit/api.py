@@ -13,7 +13,7 @@ from quantkit.calibration.calibrate import check_blocks, collect_input_ranges
 from quantkit.calibration.gptq import gptq_quantize_weights
 from quantkit.calibration.offload import check_offload, stream_blocks
 from quantkit.calibration.report import build_report
-from quantkit.calibration.sensitivity import most_sensitive, rank_layers
+from quantkit.calibration.sensitivity import most_sensitive, rank_layers, shared_input_groups
 from quantkit.calibration.smoothquant import smooth_model
 from quantkit.calibration.weights import weight_amax as observed_weight_amax
 from quantkit.calibration.data import calibration_blocks, load_texts, tokenize_stream
@@ -93,6 +93,18 @@ def quantize(
 
 def _quantize(model: nn.Module, config: QuantConfig, calibration_data: torch.Tensor | None, progress: bool,
               backend: str, per_block: bool) -> nn.Module:
+    # Statistics in eval mode whatever mode the caller left the model in (dropout doubled some
+    # static input scales); the caller's mode is restored.
+    was_training = model.training
+    model.eval()
+    try:
+        return _quantize_eval(model, config, calibration_data, progress, backend, per_block)
+    finally:
+        model.train(was_training)
+
+
+def _quantize_eval(model: nn.Module, config: QuantConfig, calibration_data: torch.Tensor | None, progress: bool,
+                   backend: str, per_block: bool) -> nn.Module:
     require_targets(model, config)  # before any calibration work
     dtype = config.torch_dtype
     smoothquant_report = None
@@ -111,7 +123,13 @@ def _quantize(model: nn.Module, config: QuantConfig, calibration_data: torch.Ten
                              f"Linear layers in 16 bits; use a value below {candidates}")
         # One forward per layer: short blocks keep a 100-layer model in minutes on a CPU.
         ranking = rank_layers(model, calibration_data, config, progress=progress, max_seq_len=128)
-        kept = tuple(most_sensitive(ranking, config.keep_sensitive))
+        # Whole groups of layers that read one input (q/k/v, gate/up): engines fuse each into one
+        # GEMM of one scheme, so a group is kept whole or not at all.
+        groups = shared_input_groups(model, calibration_data, target_linears(model, config))
+        kept = tuple(most_sensitive(ranking, config.keep_sensitive, groups))
+        if len(kept) >= candidates:
+            raise ValueError(f"keep_sensitive={config.keep_sensitive} keeps, with the layers that share their "
+                             f"inputs, all {candidates} quantizable Linear layers in 16 bits; use a smaller value")
     targets = target_linears(model, config, kept)
     input_amax = None
     if config.is_static:

@@ -13,6 +13,7 @@ from torch import nn
 
 from quantkit.config import QuantConfig
 from quantkit.nn import QuantLinear
+from quantkit.nn.linear import layer_backend
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ def convert_model(
             input_amax=input_amax[name] if config.is_static else None,
             weight_amax=(weight_amax or {}).get(name),
             quantized_weight=(quantized_weights or {}).get(name),
-            backend=backend,
+            backend=layer_backend(backend, linear.in_features),
         )
         _set_submodule(model, name, quantized)
         report.converted.append(name)
@@ -180,7 +181,7 @@ def build_empty_quantized(model: nn.Module, config: QuantConfig, backend: str, d
             config.torch_dtype,
             static_input=config.is_static,
             dtype=dtype,
-            backend=backend,
+            backend=layer_backend(backend, linear.in_features),
             device=linear.weight.device,
         )
         _set_submodule(model, name, module)

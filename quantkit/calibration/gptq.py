@@ -142,14 +142,17 @@ def gptq_quantize(
     H = hessian.detach().float().clone()
     s = scale.detach().float().clamp_min(MIN_SCALE).to(W.device)[:, None]
     K = W.shape[1]
-    # Columns that never saw a non-zero input cannot affect the output: zero them and give them a
-    # unit diagonal so H stays positive definite.
+    # Columns that never saw a non-zero input cannot affect the output: zero them and give them the
+    # live columns' mean diagonal so H stays positive definite. The damping is a fraction of that
+    # mean too: a unit diagonal counted in it over-damped layers with small inputs (down_proj),
+    # which then fell back towards round-to-nearest.
     dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
+    live_mean = torch.diag(H)[~dead].mean() if bool((~dead).any()) else H.new_tensor(1.0)
+    H[dead, dead] = live_mean
     W[:, dead] = 0.0
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(K, device=W.device)
     W, H = W[:, perm], H[perm][:, perm]
-    H.diagonal().add_(damp * torch.mean(torch.diag(H)))
+    H.diagonal().add_(damp * live_mean)
     # Upper Cholesky factor of H^-1: row i holds the update coefficients of column i onto the
     # columns after it (the OBS update, done once instead of re-inverting per column).
     L = torch.linalg.cholesky(H.double())

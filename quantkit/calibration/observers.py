@@ -103,6 +103,10 @@ class PercentileObserver(_SampledObserver):
 
     def amax(self) -> torch.Tensor:
         values = self._values().double()
+        if not bool(torch.isfinite(self._max)):
+            # NaN or inf in the activations: reported as absmax reports them (the converter then
+            # names the layer), not hidden behind a finite percentile of the rest.
+            return self._max.float()
         # kthvalue instead of torch.quantile: no 2**24 size limit. Nearest-rank definition.
         k = max(1, min(values.numel(), int(round(self.percentile / 100.0 * values.numel()))))
         return values.kthvalue(k).values.float()

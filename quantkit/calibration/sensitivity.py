@@ -65,17 +65,20 @@ def fake_quantize_input(x: torch.Tensor, config: QuantConfig) -> torch.Tensor:
 
 @contextmanager
 def fake_quantized(module: nn.Linear, config: QuantConfig):
-    """Temporarily run ``module`` as its W8A8 version (weight swapped, input quantized by a hook)."""
-    original = module.weight.detach().clone()
-    with torch.no_grad():
-        module.weight.copy_(fake_quantized_weight(original, config))
+    """Temporarily run ``module`` as its W8A8 version (weight swapped, input quantized by a hook).
+
+    The weight Parameter itself is swapped, not written into: a tied ``lm_head`` shares its
+    weight with the input embeddings, which must stay 16-bit while the head is scored.
+    """
+    original = module._parameters["weight"]
+    module._parameters["weight"] = nn.Parameter(fake_quantized_weight(original.detach(), config),
+                                                requires_grad=False)
     handle = module.register_forward_pre_hook(lambda _m, args: (fake_quantize_input(args[0], config), *args[1:]))
     try:
         yield module
     finally:
         handle.remove()
-        with torch.no_grad():
-            module.weight.copy_(original)
+        module._parameters["weight"] = original
 
 
 def _positions(seq_len: int, count: int) -> torch.Tensor:
@@ -185,9 +188,54 @@ def _layer_errors(model, blocks, layers, config, batch_size, progress) -> dict[s
     return {n: (err[n] / ref[n]) ** 0.5 if ref[n] > 0 else 0.0 for n in layers}
 
 
-def most_sensitive(ranking: list[tuple[str, float]], n: int) -> list[str]:
-    """Names of the ``n`` most sensitive layers of a ``rank_layers`` ranking (for the ignore list)."""
+def most_sensitive(ranking: list[tuple[str, float]], n: int, groups: list[list[str]] | None = None) -> list[str]:
+    """Names of the ``n`` most sensitive layers of a ``rank_layers`` ranking (for the ignore list).
+
+    ``groups`` (``shared_input_groups``): layers that read one input, which serving engines fuse
+    into one GEMM (q/k/v, gate/up) and which must then share one scheme (vLLM refuses a fused
+    layer whose parts differ). A layer is kept with its whole group, so the list holds at least
+    ``n`` names, whole groups, most sensitive member first.
+    """
     if n < 0:
         raise ValueError(f"n={n} must be >= 0")
-    ordered = sorted(ranking, key=lambda item: item[1], reverse=True)
-    return [name for name, _ in ordered[:n]]
+    ordered = [name for name, _ in sorted(ranking, key=lambda item: item[1], reverse=True)]
+    group_of = {name: group for group in groups or () for name in group}
+    kept: list[str] = []
+    for name in ordered:
+        if len(kept) >= n:
+            break
+        if name not in kept:
+            kept.extend(member for member in group_of.get(name, [name]) if member not in kept)
+    return kept
+
+
+@torch.no_grad()
+def shared_input_groups(model: nn.Module, blocks: torch.Tensor, layers: dict[str, nn.Module],
+                        tokens: int = 8) -> list[list[str]]:
+    """The named layers grouped by the input tensor they read, from one short forward (groups of
+    one included), in ``layers``' order."""
+    check_blocks(blocks)
+    readers: dict[tuple, list[str]] = {}
+    inputs = []  # referenced until the forward ends, so no address is reused by another tensor
+
+    def hook(name):
+        def fn(_module, args):
+            x = args[0]
+            inputs.append(x)
+            readers.setdefault((x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype), []).append(name)
+        return fn
+
+    handles = [module.register_forward_pre_hook(hook(name)) for name, module in layers.items()]
+    try:
+        forward_backbone(model, blocks[:1, :tokens], 1, progress=False, layers=layers.values())
+    finally:
+        for handle in handles:
+            handle.remove()
+    group_of = {name: group for group in readers.values() for name in group}
+    groups, seen = [], set()
+    for name in layers:
+        group = group_of.get(name, [name])
+        if group[0] not in seen:
+            seen.add(group[0])
+            groups.append(group)
+    return groups

@@ -214,6 +214,10 @@ def find_smoothing_groups(
         pre_hooks=[(m, lin_hook(n)) for n, m in linears.items()],
         hooks=[(m, norm_hook(n)) for n, m in norms.items()],
     )
+    if not bool(torch.isfinite(base_hidden).all()):
+        # NaN would pass every exactness check below (NaN > tol is False) and crash the norm fit.
+        raise ValueError("the model's hidden states hold NaN or inf on the calibration text before any smoothing; "
+                         "check the model's weights and dtype (fp16 overflows in some models: use bfloat16 or float32)")
     fed_by: dict[str, list[str]] = {}
     for lname, inputs in lin_in.items():
         if len(inputs) != 1:
@@ -247,7 +251,8 @@ def find_smoothing_groups(
             continue
         candidates.append(SmoothGroup("norm", nname, sorted(consumers), offset=offset))
 
-    # 2. Linear -> Linear paths that are channel-wise linear.
+    # 2. Linear -> Linear paths that are channel-wise linear, each consumer scaled by one producer.
+    scaled_consumers = {c for group in candidates for c in group.consumers}
     if linear_pairs:
         for aname, producer in linears.items():
             if aname not in baseline_inputs or _matches(aname, exclude) or id(producer.weight) in shared:
@@ -280,7 +285,7 @@ def find_smoothing_groups(
                 + [(norms[n], stop_at_norm(n)) for n in norm_in if calls.get(n) == 1],
                 hooks=[(producer, scale_output)],
             )
-            consumers, maps = [], []
+            consumers, maps, dead = [], [], []
             for bname, x in seen.items():
                 base = baseline_inputs[bname]
                 if base.shape != x.shape or torch.equal(base, x):
@@ -289,13 +294,25 @@ def find_smoothing_groups(
                 if mapping is not None:
                     consumers.append(bname)
                     maps.append(mapping)
+                elif bool((base.reshape(-1, base.shape[-1]).pow(2).sum(0) == 0).any()):
+                    dead.append(bname)
             if not consumers:
+                if dead:  # e.g. a ReLU MLP: the probe cannot tell where a channel that stays 0 comes from
+                    skipped.append({"module": aname, "reason": f"input channels of {dead[0]} stay zero on the probe "
+                                                               "tokens, so its channel map is unknown"})
+                continue
+            claimed = next((c for c in consumers if c in scaled_consumers), None)
+            if claimed is not None:
+                # Two producers feeding one consumer (gate and up of a ReLU MLP) would each divide
+                # its input by their own scale: the consumer would get both.
+                skipped.append({"module": aname, "reason": f"feeds {claimed}, whose input another rescaling scales"})
                 continue
             reason = usable_consumers(aname, consumers)
             if reason:
                 skipped.append({"module": aname, "reason": reason})
                 continue
             candidates.append(SmoothGroup("linear", aname, consumers, channel_maps=maps))
+            scaled_consumers.update(consumers)
 
     # 3. Fold random scales into the candidates and check the output does not move: all at once
     #    first (one forward; independent random scales cannot cancel each other's error), and
@@ -313,7 +330,7 @@ def find_smoothing_groups(
     groups = []
     for group in candidates:
         change = folded_change([group])
-        if change > EXACTNESS_TOL:
+        if not change <= EXACTNESS_TOL:  # NaN is not exact
             skipped.append({"module": group.producer, "reason": f"rescaling is not exact (output changed by {change:.2e})"})
         else:
             groups.append(group)

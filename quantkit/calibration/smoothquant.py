@@ -217,8 +217,9 @@ def smooth_model(
     """Apply SmoothQuant in place (an exact identity in floating point) and return a JSON-able report.
 
     blocks: (n_samples, seq_len) token ids; statistics are collected over all of them.
-    alpha: migration strength in [0, 1] (0 leaves activations as they are, 1 moves all their
-    range into the weights). exclude: glob patterns of Linears not to touch (their producers are
+    alpha: migration strength in [0, 1], ``s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)``: at 1 every
+    activation channel ends with the same range (the weights take all of it), at 0 every weight
+    input channel does (activations are still rescaled, by ``max|W_j|``). exclude: glob patterns of Linears not to touch (their producers are
     then left alone too). linear_pairs: also smooth Linear -> Linear paths (up -> down, v -> o).
     alpha_grid: if given, ``alpha`` is ignored and each group takes the strength of the grid (or
     no smoothing at all) that minimizes its consumers' W8A8 output error on ``search_tokens``

@@ -41,6 +41,7 @@ from quantkit.kernels.ops import resolve_backend
 from quantkit.kernels.reference_attention import SUPPORTED_HEAD_DIMS
 
 ATTENTION_NAME = "quantkit"
+_ABSENT = object()  # a keyword the caller did not pass
 # The backend of one model's attention modules, set by registering with ``model=``: the registered
 # function is global (one per name), so two models on different backends must not share its default.
 BACKEND_ATTR = "quantkit_attention_backend"
@@ -87,7 +88,9 @@ class _KernelCall:
             raise ValueError("quantkit attention is causal-only; this layer is bidirectional")
         self.head_dim = query.shape[-1]
         scale = scaling if scaling is not None else self.head_dim ** -0.5
-        window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+        # Only an absent keyword falls back to the module's attribute: a layer that passes None
+        # (Exaone-4's global layers keep config.sliding_window on the module) has no window.
+        window = getattr(module, "sliding_window", None) if sliding_window is _ABSENT else sliding_window
         self.args = (*_padded(query, key, value), scale, window, module.__dict__.get(BACKEND_ATTR, backend))
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
@@ -110,7 +113,7 @@ def _attention_forward(
     backend: str,
     scaling: float | None = None,
     dropout: float = 0.0,
-    sliding_window: int | None = None,
+    sliding_window=_ABSENT,
     softcap: float | None = None,
     is_causal: bool | None = None,
     **kwargs,
@@ -188,7 +191,7 @@ def _static_attention_forward(
     quantkit_cache_seqlens: torch.Tensor | None = None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    sliding_window: int | None = None,
+    sliding_window=_ABSENT,
     softcap: float | None = None,
     is_causal: bool | None = None,
     **kwargs,

@@ -317,9 +317,15 @@ def _defers(norm: "FastRMSNorm", x: torch.Tensor) -> bool:
     """Whether ``norm`` may return a deferred output for ``x`` (else the plain output)."""
     # The weight from the dict, not nn.Module.__getattr__ (~2 us a lookup on this hot path).
     width = norm._parameters["weight"].shape[0]
-    return (norm.defer_output and type(x) is torch.Tensor and x.shape[-1] == width and x.numel()
-            and not (x.requires_grad and torch.is_grad_enabled()) and not torch.is_inference_mode_enabled()
-            and not x.is_inference() and not torch.compiler.is_compiling())
+    # is_compiling first: dynamo refuses the inference-mode queries while tracing (fullgraph=True).
+    return (norm.defer_output and not torch.compiler.is_compiling() and type(x) is torch.Tensor
+            and x.shape[-1] == width and x.numel() and not (x.requires_grad and torch.is_grad_enabled())
+            and not torch.is_inference_mode_enabled() and not x.is_inference())
+
+
+# The RMSNorm module a FastRMSNorm replaced (in its __dict__, so its weight is not in state_dict twice).
+ORIGINAL_NORM = "quantkit_original_norm"
+_WARNED_CASTS: set = set()  # (verified dtype, input dtype) pairs warned about, once a process
 
 
 class FastRMSNorm(nn.Module):
@@ -339,13 +345,15 @@ class FastRMSNorm(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, eps: float, offset: float, backend: str,
-                 defer_output: bool = False) -> None:
+                 defer_output: bool = False, exact_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self.eps = float(eps)
         self.offset = float(offset)
         self.backend = backend
         self.defer_output = defer_output
+        # optimize(exact=True) verified bit-equality with the replaced norm in this dtype only.
+        self.exact_dtype = exact_dtype
         # Lists, so the hot path changes them without nn.Module.__setattr__ (~1 us):
         # [fused, materialized] counts; the (dtype, backend) the last fused consumer asked for;
         # a prepared (sum, its version, deferred output) for the next call.
@@ -363,12 +371,26 @@ class FastRMSNorm(nn.Module):
         """Deferred outputs whose 16-bit values were computed after all."""
         return self.output_counts[1]
 
+    def _replaced_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The original module's output: exact mode in a dtype other than the one verified (the
+        model was cast after optimize(exact=True)). optimize() again verifies the new dtype."""
+        original = self.__dict__[ORIGINAL_NORM]
+        original.weight.data = self.weight.data  # the live weight: moved, cast or loaded since the swap
+        if (self.exact_dtype, x.dtype) not in _WARNED_CASTS:
+            _WARNED_CASTS.add((self.exact_dtype, x.dtype))
+            logger.warning("a norm verified bit-exact in %s by optimize(exact=True) got %s input: it runs the "
+                           "model's own norm; call optimize() again after changing the model's dtype",
+                           self.exact_dtype, x.dtype)
+        return original(x)
+
     def _weight_for(self, x: torch.Tensor) -> torch.Tensor:
         # From the dict, not nn.Module.__getattr__ (~2 us a lookup; see GatedQuantMLP.forward).
         weight = self._parameters["weight"]
         return weight if weight.dtype == x.dtype else weight.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact_dtype is not None and x.dtype != self.exact_dtype:
+            return self._replaced_norm(x)
         prepared = self.prepared[0]
         if prepared is not None:
             self.prepared[0] = None

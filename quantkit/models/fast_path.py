@@ -56,10 +56,10 @@ from quantkit.kernels import attention_ops, ops
 from quantkit.kernels.reference import ACTIVATIONS
 from quantkit.models.fast_attention import register_quantkit_attention
 from quantkit.models.fast_layer import fuse_residual_adds
-from quantkit.models.fast_norm import FastRMSNorm, NormOutput, plain_tensor
+from quantkit.models.fast_norm import ORIGINAL_NORM, FastRMSNorm, NormOutput, plain_tensor
 from quantkit.models.fast_rope import enable_fused_rope
 from quantkit.nn import QuantLinear
-from quantkit.nn.linear import QuantizedBuffers, quantize_input
+from quantkit.nn.linear import QuantizedBuffers, inference_only, quantize_input
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class GatedQuantMLP(QuantizedBuffers):
             del q
             hidden = hidden.mul_(up)
             del up
-        return self._modules["down_proj"](hidden.reshape(*leading, size))
+        return inference_only(x, self._modules["down_proj"](hidden.reshape(*leading, size)))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, intermediate_size={self.intermediate_size}, "
@@ -278,7 +278,7 @@ class QKVProjection(nn.Module):
         self.out_features = fused.sizes[index]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused.project(x, self.index)
+        return inference_only(x, self.fused.project(x, self.index))
 
     def extra_repr(self) -> str:
         return f"index={self.index}, out_features={self.out_features}"
@@ -348,8 +348,6 @@ def _norm_epsilon(module: nn.Module) -> float | None:
     return None
 
 
-# The RMSNorm module a FastRMSNorm replaced, kept for a later optimize() (in the FastRMSNorm's __dict__).
-ORIGINAL_NORM = "quantkit_original_norm"
 
 
 def _rms_norm_offset(module: nn.Module, backend: str, exact: bool) -> float | None:
@@ -498,12 +496,14 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
                 module.defer_output = False
                 continue
             fast = module
+            fast.exact_dtype = module.weight.dtype if exact and original is not None else None
         elif norms and type(module).__name__.endswith("RMSNorm"):
             offset = _rms_norm_offset(module, backend, exact)
             if offset is None:
                 report.kept_norms.append(name)
                 continue
             fast = FastRMSNorm(module.weight, _norm_epsilon(module), offset, backend)
+            fast.exact_dtype = module.weight.dtype if exact else None
             # In __dict__, not as a submodule: the original's weight must not appear twice in state_dict.
             fast.__dict__[ORIGINAL_NORM] = module
             _set_submodule(model, name, fast)

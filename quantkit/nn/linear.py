@@ -7,11 +7,16 @@ fp32, ``input_scale`` (1,) fp32 for static activations, ``bias`` (N,) in the mod
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from quantkit.kernels import ops
+from quantkit.kernels.gemm_checks import K_ALIGNMENT
 from quantkit.kernels.reference import ACTIVATIONS, qmax_of, quantize_per_channel, scale_from_amax
+
+logger = logging.getLogger(__name__)
 
 
 def quantize_input(module: nn.Module, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,9 +33,56 @@ def quantize_input(module: nn.Module, x2d: torch.Tensor) -> tuple[torch.Tensor, 
             if fused is not None:
                 return fused
         x2d = x2d.real_tensor()
+    if x2d.stride(-1) != 1:  # a transposed or strided view: the kernels read rows of unit stride
+        x2d = x2d.contiguous()
     if module.static_input:
         return ops.quantize_per_tensor(x2d, module.input_scale, module.quant_dtype, backend=module.backend), module.input_scale
     return ops.quantize_per_token(x2d, module.quant_dtype, backend=module.backend)
+
+
+LAYER_BACKENDS = ("triton", "torch")
+
+
+def layer_backend(backend: str, in_features: int) -> str:
+    """The backend a layer of ``in_features`` inputs runs on: the model's, except the torch
+    reference for Triton layers whose K the kernels cannot take (not a multiple of 16)."""
+    if backend == "triton" and in_features % K_ALIGNMENT:
+        if in_features not in _WARNED_WIDTHS:
+            _WARNED_WIDTHS.add(in_features)
+            logger.warning("layers with in_features=%d (not a multiple of %d) run on the torch reference, not the "
+                           "Triton kernels", in_features, K_ALIGNMENT)
+        return "torch"
+    return backend
+
+
+_WARNED_WIDTHS: set = set()
+
+
+class _InferenceOnly(torch.autograd.Function):
+    """Passes a quantized layer's output through; its backward refuses. The rounding has no
+    useful gradient, and the kernels do not record one: without this, gradients through a
+    quantized model came out wrong on the torch backend (through the per-token scale only) and
+    missing on Triton (detached outputs), with no error."""
+
+    @staticmethod
+    def forward(ctx, x, out):
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("quantkit's quantized layers have no backward (their rounding has no useful gradient); "
+                           "run the model under torch.no_grad() or torch.inference_mode(), or fine-tune the 16-bit "
+                           "model and quantize it afterwards")
+
+
+def inference_only(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` of a quantized layer whose input is ``x``: as is, unless autograd records ``x``'s
+    history, where a backward through it raises instead of returning a wrong gradient."""
+    # A deferred norm output (a tensor subclass answering for x) never carries autograd history:
+    # the norm defers only when it does not, and asking would materialize it.
+    if torch.is_grad_enabled() and not hasattr(type(x), "deferred_quantize_per_token") and x.requires_grad:
+        return _InferenceOnly.apply(x, out)
+    return out
 
 
 class QuantizedBuffers(nn.Module):
@@ -51,8 +103,11 @@ class QuantizedBuffers(nn.Module):
             super()._apply(fn, recurse)
         finally:
             for name, buffer in kept.items():
-                device = fn(torch.empty(0, dtype=torch.float32, device=buffer.device)).device
-                self._buffers[name] = buffer.to(device)
+                probe = fn(torch.empty(0, dtype=buffer.dtype, device=buffer.device))
+                # A function that would change this dtype (.half(), .float(), .to(dtype)) only moves
+                # the buffer; anything else (a device move, to_empty, share_memory_) applies as it
+                # would to any buffer.
+                self._buffers[name] = fn(buffer) if probe.dtype == buffer.dtype else buffer.to(probe.device)
             for name in order:  # back in the state_dict's order
                 self._buffers[name] = self._buffers.pop(name)
         return self
@@ -90,6 +145,12 @@ class QuantLinear(QuantizedBuffers):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}")
         qmax_of(quant_dtype)  # validates the dtype
+        if backend not in LAYER_BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {LAYER_BACKENDS} (resolve 'auto' for the device "
+                             "with quantkit.kernels.ops.resolve_backend)")
+        if backend == "triton" and in_features % K_ALIGNMENT:
+            raise ValueError(f"in_features={in_features} is not a multiple of {K_ALIGNMENT}, which the Triton kernels "
+                             "need; use backend='torch' for this layer (layer_backend picks it)")
         self.in_features = in_features
         self.out_features = out_features
         self.quant_dtype = quant_dtype
@@ -171,7 +232,7 @@ class QuantLinear(QuantizedBuffers):
             x.dtype,
             backend=self.backend,
         )
-        return out.reshape(*leading, self.out_features)
+        return inference_only(x, out.reshape(*leading, self.out_features))
 
     def extra_repr(self) -> str:
         mode = "static" if self.static_input else "dynamic per-token"

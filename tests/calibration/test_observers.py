@@ -57,6 +57,20 @@ def test_observers_refuse_empty_and_bad_args():
         MSEObserver(torch.float16)
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_every_observer_reports_nan_and_inf_activations(bad):
+    """The percentile observer returned a finite percentile of the rest, so a model producing NaN
+    on the calibration data got through unreported; absmax and MSE report it, and the converter
+    then names the layer."""
+    x = torch.randn(3, 1000, generator=torch.Generator().manual_seed(4))
+    x[1, 17] = bad
+    for observer in (AbsMaxObserver(), PercentileObserver(99.0), MSEObserver()):
+        observer.update(x)
+        observer.update(torch.randn(2, 300))
+        amax = observer.amax()
+        assert not bool(torch.isfinite(amax)), type(observer).__name__
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mse_clips_laplace_and_lowers_error(dtype):
     torch.manual_seed(3)

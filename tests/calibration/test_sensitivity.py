@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from quantkit.calibration.sensitivity import fake_quantized, most_sensitive, rank_layers, target_layers
+from quantkit.calibration.sensitivity import (fake_quantized, most_sensitive, rank_layers, shared_input_groups,
+                                             target_layers)
 from quantkit.config import QuantConfig
 
 VOCAB = 211
@@ -54,6 +55,24 @@ def test_fragile_layer_ranks_first(model, scheme, method):
     assert most_sensitive(ranking, 0) == []
 
 
+def test_groups_that_read_one_input_are_kept_whole(model):
+    """vLLM fuses q/k/v and gate/up into one GEMM of one scheme and refuses a checkpoint that keeps
+    some of them in 16 bits: keeping one layer keeps its whole group."""
+    config = QuantConfig.preset("int8")
+    groups = shared_input_groups(model, _blocks(), target_layers(model, config))
+    layer = "model.layers.{}.{}".format
+    assert [layer(1, "self_attn.q_proj"), layer(1, "self_attn.k_proj"), layer(1, "self_attn.v_proj")] in groups
+    assert [layer(0, "mlp.gate_proj"), layer(0, "mlp.up_proj")] in groups
+    assert [FRAGILE] in groups and [layer(0, "mlp.down_proj")] in groups
+    assert sorted(n for g in groups for n in g) == sorted(target_layers(model, config))
+    ranking = [(layer(0, "self_attn.k_proj"), 0.9), (FRAGILE, 0.8), (layer(0, "mlp.up_proj"), 0.7),
+               (layer(0, "self_attn.q_proj"), 0.6)]
+    assert most_sensitive(ranking, 1, groups) == [layer(0, f"self_attn.{p}_proj") for p in "qkv"]
+    assert most_sensitive(ranking, 4, groups) == [layer(0, f"self_attn.{p}_proj") for p in "qkv"] + [FRAGILE]
+    assert most_sensitive(ranking, 5, groups)[-2:] == [layer(0, "mlp.gate_proj"), layer(0, "mlp.up_proj")]
+    assert most_sensitive(ranking, 2) == [layer(0, "self_attn.k_proj"), FRAGILE]  # no groups: layers alone
+
+
 def test_fake_quantization_is_undone(model):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     blocks = _blocks()
@@ -95,3 +114,24 @@ def test_kl_is_of_the_quantized_from_the_float_distribution():
     assert abs(expected - reverse) > 5e-3
     # Mean over positions: a second, identical row halves it.
     assert _kl([torch.cat([p, p]).log()], [torch.cat([q, p]).log()]) == pytest.approx(expected / 2, rel=1e-6)
+
+
+def test_a_tied_head_is_scored_alone():
+    """Scoring a tied lm_head wrote its fake-quantized weight into the shared tensor, so the input
+    embeddings were quantized too and the head over-ranked (5.85e-8 against 3.03e-8 alone)."""
+    torch.manual_seed(2)
+    config = LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=True)
+    tied = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        tied.lm_head.weight.mul_(30.0)  # sharp predictions (shared: the embeddings scale too)
+    untied = AutoModelForCausalLM.from_config(LlamaConfig(**{**config.to_dict(), "tie_word_embeddings": False})).eval()
+    untied.load_state_dict(tied.state_dict(), strict=False)
+    with torch.no_grad():
+        untied.lm_head.weight.copy_(tied.lm_head.weight)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    recipe = QuantConfig.preset("int8", ignore=())
+    score = {name: dict(rank_layers(m, _blocks(), recipe, layer_names=["lm_head"], progress=False))["lm_head"]
+             for name, m in (("tied", tied), ("untied", untied))}
+    assert score["tied"] == pytest.approx(score["untied"], rel=1e-6)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight  # still tied after scoring

@@ -248,3 +248,45 @@ def test_norm_fold_rounds_the_gain_first_and_compensates_the_consumers():
     assert torch.equal(stored, stored.to(torch.bfloat16).double())  # what the bf16 model will hold
     torch.testing.assert_close((stored + 1.0)[None, :] * consumer.weight, gain_before[None, :] * weight_before,
                                rtol=1e-12, atol=0)
+
+
+def _relu_llama(gate_bias):
+    torch.manual_seed(5)
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, hidden_act="relu", mlp_bias=True)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").double().eval()
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate_proj.bias.fill_(gate_bias)
+    return model
+
+
+def test_a_consumer_fed_by_two_producers_is_scaled_once():
+    """In a ReLU gated MLP both gate->down and up->down are channel-wise linear: both were folded,
+    dividing down_proj's input by the square of the intended scale."""
+    model = _relu_llama(gate_bias=3.0)  # ReLU(gate) > 0 everywhere: no dead channel hides the map
+    blocks = _blocks(4, 17)
+    with torch.no_grad():
+        before = model(blocks).logits
+    report = smooth_model(model, blocks, alpha=0.5, progress=False, probe_tokens=17)
+    feeding_down = [g["producer"] for g in report["groups"] if "model.layers.0.mlp.down_proj" in g["consumers"]]
+    assert len(feeding_down) == 1, report["groups"]
+    assert any(s["reason"].startswith("feeds model.layers.0.mlp.down_proj, whose input another rescaling")
+               for s in report["skipped"]), report["skipped"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(blocks).logits, before, rtol=1e-9, atol=1e-9)
+
+
+def test_a_producer_left_alone_for_dead_channels_is_reported():
+    model = _relu_llama(gate_bias=-0.3)  # two thirds of the ReLU(gate) channels stay at 0
+    report = smooth_model(model, _blocks(4, 17), alpha=0.5, progress=False, probe_tokens=17)
+    assert any("stay zero on the probe tokens" in s["reason"] for s in report["skipped"]), report["skipped"]
+
+
+def test_nan_hidden_states_are_refused_in_one_line():
+    model = _llama()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[7] = float("inf")
+    blocks = _blocks(3, 11)
+    blocks[:, 3] = 7
+    with pytest.raises(ValueError, match="hidden states hold NaN or inf on the calibration text"):
+        smooth_model(model, blocks, alpha=0.5, progress=False, probe_tokens=11)

@@ -1,6 +1,7 @@
 """The command line: the happy path, and every bad input as one line, exit code 1, nothing written."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -247,7 +248,15 @@ def test_accurate_recipe_is_recorded_and_flags_override_it(llama_dir, text_dir, 
     # The recipe's choices, except keep_sensitive, which the flag overrode (the recipe says 4).
     assert recipe["smoothquant_alpha"] == 0.75 and recipe["gptq"] is True
     assert recipe["keep_sensitive"] == 2
-    assert "converted 12 Linear layers" in result.stdout
+    # The 2 most sensitive layers, each with the layers that read its input (q/k/v, gate/up), of 14.
+    converted, kept = (int(word) for word in re.findall(r"converted (\d+) Linear layers, kept (\d+) in 16 bits",
+                                                         result.stdout)[0])
+    assert converted + kept == 15 and 2 <= kept - 1 <= 6  # 14 projections, and lm_head kept by default
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    for layer in range(2):
+        for parent, group in (("self_attn", ("q", "k", "v")), ("mlp", ("gate", "up"))):
+            kept_parts = {f"model.layers.{layer}.{parent}.{part}_proj" in ignore for part in group}
+            assert len(kept_parts) == 1, ignore  # a group is kept whole or not at all
 
 
 def test_unknown_recipe(llama_dir, tmp_path, text_dir):

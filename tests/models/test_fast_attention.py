@@ -50,6 +50,20 @@ def assert_matches_sdpa(model, input_ids, backend, new_tokens):
     assert torch.equal(got_tokens, want_tokens)
 
 
+@pytest.mark.parametrize("layer_types", [["full_attention"] * 2, ["sliding_attention", "full_attention"]])
+def test_a_layer_that_passes_no_window_gets_none(layer_types):
+    """Exaone-4's global layers keep config.sliding_window on the module but pass sliding_window=None:
+    quantkit used to read the module's and attend over a window there (logits off by ~1)."""
+    from transformers import Exaone4Config, Exaone4ForCausalLM
+
+    torch.manual_seed(0)
+    model = Exaone4ForCausalLM(Exaone4Config(
+        vocab_size=160, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=128, sliding_window=4, layer_types=layer_types,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    assert_matches_sdpa(model, torch.randint(3, 160, (1, 16)), "torch", new_tokens=4)
+
+
 @pytest.mark.parametrize("head_dim, backend", [(16, "torch"), (80, "torch"), (96, "triton")])
 def test_head_dims_between_the_kernels_sizes_match_sdpa(head_dim, backend):
     # 80 and 96 (Phi-style) run at 128, 16 at 64, on zero-padded q/k/v; Gemma-3's query_pre_attn_scalar

@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 import quantkit
+from quantkit.models import fast_norm
 from quantkit.config import QuantConfig
+from quantkit.generate import generate
 from quantkit.models.fast_path import FastRMSNorm, FusedQKV, GatedQuantMLP, QKVProjection, kernel_activation_of, optimize
 from quantkit.nn import QuantLinear
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
@@ -80,6 +82,24 @@ def test_exact_fast_path_gives_identical_logits(arch, scheme, dtype):
         want = plain(ids).logits
         got = fast(ids).logits
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_exact_mode_stays_exact_after_a_cast(arch, caplog, monkeypatch):
+    """optimize(exact=True) verifies bit-equality in the model's dtype at that time: cast to bf16
+    afterwards, it used to run fp32-verified fused norms and gated MLPs in bf16 (Qwen2: 62 of 160
+    greedy tokens differed). Those now run the model's own arithmetic in any other dtype."""
+    monkeypatch.setattr(fast_norm, "_WARNED_CASTS", set())  # warned once a process
+    model = _quantized(arch, "int8", torch.float32)
+    fast = optimize(copy.deepcopy(model), exact=True).to(torch.bfloat16)
+    plain = model.to(torch.bfloat16)
+    plain.set_attn_implementation(quantkit.models.fast_attention.register_quantkit_attention(backend="torch"))
+    ids = torch.randint(3, plain.config.vocab_size, (4, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        assert torch.equal(fast(ids).logits, plain(ids).logits)
+    assert torch.equal(generate(fast, ids, 12, eos_token_id=None), generate(plain, ids, 12, eos_token_id=None))
+    if fast.quantkit_fast_path.swapped_norms:
+        assert caplog.text.count("call optimize() again after changing the model's dtype") == 1
 
 
 def test_inexact_mode_uses_gated_kernel_and_stays_close():
@@ -289,3 +309,14 @@ def test_optimize_again_switches_fused_qkv_exactness():
     optimize(model, exact=True)
     assert all(m.exact for m in model.modules() if isinstance(m, FusedQKV))
     assert len(model.quantkit_fast_path.fused_qkv) == model.config.num_hidden_layers
+
+
+def test_inexact_model_compiles_fullgraph():
+    """The norm's defer check asked dynamo about inference mode before asking whether it traces,
+    and torch.compile(fullgraph=True) refused the exact=False model."""
+    model = optimize(_quantized("llama", "int8", torch.float32), exact=False)
+    ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+        got = torch.compile(model, fullgraph=True, backend="aot_eager")(ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

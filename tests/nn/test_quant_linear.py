@@ -86,3 +86,68 @@ def test_load_model_names_a_file_given_for_a_directory(tmp_path):
     model_dir = save_tiny_model(tmp_path / "m", "llama")
     with pytest.raises(quantkit.ModelLoadError, match="is a file; pass the model's directory"):
         quantkit.load_model(model_dir / "config.json")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_backward_through_a_quantized_layer_is_refused(backend, static):
+    """Gradients used to come out wrong on the torch backend (through the per-token scale only)
+    and missing on Triton (a detached output), with no error: backward now raises, while the
+    forward with autograd on (a model called without no_grad) still runs."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    layer = QuantLinear.from_linear(linear, torch.int8, input_amax=4.0 if static else None, backend=backend)
+    x = torch.randn(5, 64, requires_grad=True)
+    y = layer(x)
+    with torch.no_grad():
+        torch.testing.assert_close(y, layer(x))  # the same values with and without autograd
+    with pytest.raises(RuntimeError, match="quantized layers have no backward"):
+        (y.sum() + x.sum()).backward()
+    assert not layer(x.detach()).requires_grad
+
+
+def test_backward_through_an_optimized_model_is_refused():
+    model = optimize(_quantized("int8"), exact=False)
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    logits = model(input_ids=ids).logits  # embeddings are parameters: autograd records the forward
+    with pytest.raises(RuntimeError, match="quantized layers have no backward"):
+        logits.float().pow(2).mean().backward()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_transposed_and_strided_inputs_give_the_contiguous_result(backend):
+    torch.manual_seed(1)
+    layer = QuantLinear.from_linear(nn.Linear(64, 32), torch.float8_e4m3fn, backend=backend)
+    x = torch.randn(64, 7)
+    with torch.no_grad():
+        want = layer(x.t().contiguous())
+        assert torch.equal(layer(x.t()), want)
+        wide = torch.randn(7, 128)
+        assert torch.equal(layer(wide[:, ::2]), layer(wide[:, ::2].contiguous()))
+
+
+def test_backend_and_width_are_checked_when_the_layer_is_built():
+    linear = nn.Linear(40, 16)
+    for backend in ("auto", "bogus", "Torch"):
+        with pytest.raises(ValueError, match=f"backend='{backend}' is not one of \\('triton', 'torch'\\)"):
+            QuantLinear.from_linear(linear, torch.int8, backend=backend)
+    with pytest.raises(ValueError, match="in_features=40 is not a multiple of 16"):
+        QuantLinear.from_linear(linear, torch.int8, backend="triton")
+    from quantkit.nn.linear import layer_backend
+
+    assert layer_backend("triton", 40) == "torch" and layer_backend("triton", 48) == "triton"
+    assert layer_backend("torch", 40) == "torch"
+
+
+def test_to_empty_and_share_memory_apply_to_the_quantized_buffers():
+    """_apply moved the format buffers with .to(device) whatever the function: to_empty from the
+    meta device failed, and share_memory() left them unshared."""
+    layer = QuantLinear(32, 16, True, torch.float8_e4m3fn, static_input=True, device="meta")
+    layer.to_empty(device="cpu")
+    assert layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float8_e4m3fn
+    layer = QuantLinear.from_linear(nn.Linear(32, 16), torch.int8, input_amax=2.0)
+    layer.share_memory()
+    assert all(buffer.is_shared() for buffer in layer.buffers())
+    layer.half()
+    assert layer.weight.dtype == torch.int8 and layer.weight_scale.dtype == torch.float32
+    assert layer.bias.dtype == torch.float16

@@ -261,10 +261,13 @@ def test_full_recipe_round_trips(tiny_model_dir, text_dir, tmp_path):
         keep_sensitive=1,
     )
     qmodel = quantkit.quantize(model, config, _blocks(tokenizer, text_dir))
-    (kept,) = qmodel.quantkit_kept
-    assert type(qmodel.get_submodule(kept)) is torch.nn.Linear
+    kept = list(qmodel.quantkit_kept)  # the most sensitive layer with the layers that share its input
+    assert 1 <= len(kept) <= 3 and all(type(qmodel.get_submodule(name)) is torch.nn.Linear for name in kept)
+    group_size = {"q_proj": 3, "k_proj": 3, "v_proj": 3, "gate_proj": 2, "up_proj": 2}
+    assert len({name.rsplit(".", 1)[0] for name in kept}) == 1
+    assert len(kept) == group_size.get(kept[0].rsplit(".", 1)[1], 1)
     report = qmodel.quantkit_calibration_report
-    assert report["kept_in_16_bits"] == [kept] and report["smoothquant"]
+    assert report["kept_in_16_bits"] == kept and report["smoothquant"]
     ids = quantkit.prepare_evaluation_tokens(tokenizer, str(text_dir), max_tokens=96).reshape(2, 48)
     with torch.no_grad():
         logits_q = qmodel(input_ids=ids).logits
@@ -272,9 +275,9 @@ def test_full_recipe_round_trips(tiny_model_dir, text_dir, tmp_path):
     assert sqnr_db(logits_ref, logits_q) > 15.0
     out = quantkit.save(qmodel, tmp_path / "ckpt", tokenizer=tokenizer)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert sorted(qc["ignore"]) == sorted(["lm_head", kept])
+    assert sorted(qc["ignore"]) == sorted(["lm_head", *kept])
     loaded = quantkit.load(out, device="cpu")
-    assert type(loaded.get_submodule(kept)) is torch.nn.Linear
+    assert all(type(loaded.get_submodule(name)) is torch.nn.Linear for name in kept)
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, logits_q)
 
@@ -465,3 +468,21 @@ def test_load_model_takes_a_dtype_name(llama_dir):
 
 def test_load_takes_a_dtype_name(int8_checkpoint):
     assert quantkit.load(int8_checkpoint, device="cpu", dtype="bfloat16").model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_quantize_calibrates_in_eval_mode_and_restores_the_mode(llama_dir, text_dir):
+    """Static ranges were collected in whatever mode the caller left the model in: with dropout
+    on (train mode) o_proj's input scale came out doubled."""
+    model, tokenizer = quantkit.load_model(llama_dir)
+    model.config.attention_dropout = 0.5
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.5
+    blocks = _blocks(tokenizer, text_dir)
+    scales = {}
+    for training in (False, True):
+        torch.manual_seed(0)
+        qmodel = quantkit.quantize(copy.deepcopy(model).train(training), "int8-static", blocks, progress=False)
+        assert qmodel.training is training
+        scales[training] = qmodel.model.layers[0].self_attn.o_proj.input_scale.item()
+    assert scales[True] == scales[False]
