@@ -144,6 +144,10 @@ def convert_model(
         if config.is_static and not bool(torch.isfinite(input_amax[name]).all()):
             raise ValueError(f"{name}: calibration measured the input range {input_amax[name].item()}; the model "
                              "produced inf/NaN activations on the calibration data (check its dtype and weights)")
+        if config.is_static and not bool((input_amax[name] > 0).all()):
+            # Its static scale is the smallest there is: any input it sees later rounds to ~0.
+            logger.warning("%s: its input was zero on every calibration token, so its static input scale clips "
+                           "everything; calibrate on more text or keep it in 16 bits (ignore=[%r])", name, name)
         quantized = QuantLinear.from_linear(
             linear,
             config.torch_dtype,

@@ -414,7 +414,9 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
              residual_add: bool | None = None) -> nn.Module:
     """Rewrite a quantized model in place for end-to-end inference and return it.
 
-    exact: keep greedy outputs bit-identical to the plain QuantLinear model (see module docs).
+    exact: keep greedy outputs bit-identical to the plain QuantLinear model running quantkit's
+    attention (see module docs; against the same model on SDPA, attention's own rounding differs).
+    Bit-equality is verified in the model's dtype at this call: after a cast, call optimize() again.
     attention / norms: switch attention to the "quantkit" function / swap RMSNorm modules.
     qkv: stack q/k/v projections into a ``FusedQKV`` (one quantization + one GEMM when exact=False).
     rope: rotate q and k in one launch on CUDA (``fast_rope``; bit-equal to HF's eager RoPE, so

@@ -151,3 +151,16 @@ def test_to_empty_and_share_memory_apply_to_the_quantized_buffers():
     layer.half()
     assert layer.weight.dtype == torch.int8 and layer.weight_scale.dtype == torch.float32
     assert layer.bias.dtype == torch.float16
+
+
+def test_a_static_layer_whose_input_stayed_zero_is_named(caplog):
+    """An input that was zero on every calibration token gives the smallest static scale, which
+    later rounds every input to ~0: the converter names the layer and the way out."""
+    from quantkit.convert import convert_model
+
+    model = nn.Sequential(nn.Linear(32, 16), nn.Linear(16, 8))
+    config = QuantConfig.preset("int8-static", ignore=())
+    with caplog.at_level("WARNING"):
+        convert_model(model, config, "torch", input_amax={"0": torch.tensor(2.5), "1": torch.tensor(0.0)})
+    assert "1: its input was zero on every calibration token" in caplog.text and "ignore=['1']" in caplog.text
+    assert "0: its input" not in caplog.text
