@@ -117,11 +117,11 @@ def _eos_ids(model: nn.Module, eos_token_id) -> list[int]:
         eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos_token_id is None:
         return []
-    if isinstance(eos_token_id, torch.Tensor):
+    if hasattr(eos_token_id, "tolist"):  # a tensor or numpy array (or scalar) of ids
         eos_token_id = eos_token_id.tolist()
-    if isinstance(eos_token_id, (list, tuple, set, frozenset)):
-        return [_as_int(t, "eos_token_id") for t in eos_token_id]
-    return [_as_int(eos_token_id, "eos_token_id")]
+    if isinstance(eos_token_id, (str, bytes)) or not hasattr(eos_token_id, "__iter__"):
+        return [_as_int(eos_token_id, "eos_token_id")]
+    return [_as_int(t, "eos_token_id") for t in eos_token_id]
 
 
 def check_lengths(model: nn.Module, prompt_len: int, max_new_tokens: int, cache_capacity: int | None) -> int:

@@ -479,7 +479,7 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False, parts=CHECK_PAR
         results.append({"check": name, "ok": bool(ok), **info})
         print(f"[{'ok' if ok else 'FAIL'}] {name} {info}", flush=True)
         if not ok:
-            raise RuntimeError(f"GPU check failed: {name} {info}")
+            raise CheckFailed(f"GPU check failed: {name} {info}")
 
     torch.manual_seed(0)
     # One fixed config for the epilogue grid (the autotuned path is checked at every benchmark

@@ -75,7 +75,9 @@ def run_quant_benchmark(shapes=None, out_dir="benchmarks/results", timer=bench_g
                 n_bytes = quant_bytes(name, M, K)
                 ms = timer(fn)
                 gbs = n_bytes / (ms * 1e-3) / 1e9
-                same_size = same_size_copies.setdefault(n_bytes, copy_bandwidth_gbs(n_bytes, timer=timer))
+                if n_bytes not in same_size_copies:
+                    same_size_copies[n_bytes] = copy_bandwidth_gbs(n_bytes, timer=timer)
+                same_size = same_size_copies[n_bytes]
                 rows.append({"op": f"{name}_{dtype_name}", "M": M, "K": K, "ms": ms, "bytes": n_bytes, "gbs": gbs,
                              "fraction_of_copy": gbs / copy_gbs, "fraction_of_do_bench_copy": gbs / do_bench_gbs,
                              "same_size_copy_gbs": same_size, "fraction_of_same_size_copy": gbs / same_size})

@@ -194,7 +194,7 @@ def most_sensitive(ranking: list[tuple[str, float]], n: int, groups: list[list[s
     ``groups`` (``shared_input_groups``): layers that read one input, which serving engines fuse
     into one GEMM (q/k/v, gate/up) and which must then share one scheme (vLLM refuses a fused
     layer whose parts differ). A layer is kept with its whole group, so the list holds at least
-    ``n`` names, whole groups, most sensitive member first.
+    ``n`` names: whole groups, in the order of their most sensitive member, each in layer order.
     """
     if n < 0:
         raise ValueError(f"n={n} must be >= 0")
@@ -212,8 +212,12 @@ def most_sensitive(ranking: list[tuple[str, float]], n: int, groups: list[list[s
 @torch.no_grad()
 def shared_input_groups(model: nn.Module, blocks: torch.Tensor, layers: dict[str, nn.Module],
                         tokens: int = 8) -> list[list[str]]:
-    """The named layers grouped by the input tensor they read, from one short forward (groups of
-    one included), in ``layers``' order."""
+    """The named layers grouped by the input tensor they read and the module that holds them, from
+    one short forward (groups of one included), in ``layers``' order.
+
+    The parent module splits what one input feeds in parallel-attention blocks (Cohere, Phi, GPT-J
+    feed q/k/v and the MLP's first layer from one norm): engines fuse q/k/v and gate/up separately.
+    """
     check_blocks(blocks)
     readers: dict[tuple, list[str]] = {}
     inputs = []  # referenced until the forward ends, so no address is reused by another tensor
@@ -222,7 +226,9 @@ def shared_input_groups(model: nn.Module, blocks: torch.Tensor, layers: dict[str
         def fn(_module, args):
             x = args[0]
             inputs.append(x)
-            readers.setdefault((x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype), []).append(name)
+            key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, name.rpartition(".")[0])
+            if name not in readers.setdefault(key, []):  # a module called twice reads its input twice
+                readers[key].append(name)
         return fn
 
     handles = [module.register_forward_pre_hook(hook(name)) for name, module in layers.items()]

@@ -80,7 +80,10 @@ def inference_only(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     history, where a backward through it raises instead of returning a wrong gradient."""
     # A deferred norm output (a tensor subclass answering for x) never carries autograd history:
     # the norm defers only when it does not, and asking would materialize it.
-    if torch.is_grad_enabled() and not hasattr(type(x), "deferred_quantize_per_token") and x.requires_grad:
+    # Not while torch.compile traces: dynamo would trace the raising backward and refuse the graph
+    # (or break it at every layer); the compiled custom ops have no backward of their own either.
+    if (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and not hasattr(type(x), "deferred_quantize_per_token") and x.requires_grad):
         return _InferenceOnly.apply(x, out)
     return out
 

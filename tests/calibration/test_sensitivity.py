@@ -73,6 +73,19 @@ def test_groups_that_read_one_input_are_kept_whole(model):
     assert most_sensitive(ranking, 2) == [layer(0, "self_attn.k_proj"), FRAGILE]  # no groups: layers alone
 
 
+def test_a_parallel_block_keeps_attention_and_mlp_groups_apart():
+    """Phi feeds q/k/v and fc1 from one norm; engines fuse q/k/v alone, so fc1 is its own group."""
+    from transformers import PhiConfig
+
+    torch.manual_seed(0)
+    phi = AutoModelForCausalLM.from_config(PhiConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        max_position_embeddings=64)).eval()
+    groups = shared_input_groups(phi, _blocks(), target_layers(phi, QuantConfig.preset("int8")))
+    attention = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    assert attention in groups and ["model.layers.0.mlp.fc1"] in groups, groups
+
+
 def test_fake_quantization_is_undone(model):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     blocks = _blocks()

@@ -57,6 +57,8 @@ def test_eos_stops_and_pads_like_hf():
     assert torch.equal(generate(model, ids, np.int64(10), eos_token_id=torch.tensor(eos), pad_token_id=np.int32(0)),
                        want)
     assert torch.equal(generate(model, ids, 10, eos_token_id=torch.tensor([eos, eos]), pad_token_id=0), want)
+    assert torch.equal(generate(model, ids, 10, eos_token_id=np.array([eos]), pad_token_id=0), want)
+    assert torch.equal(generate(model, ids, 10, eos_token_id=range(eos, eos + 1), pad_token_id=0), want)
 
 
 def test_eos_from_generation_config():
