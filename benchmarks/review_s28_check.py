@@ -1,6 +1,6 @@
 """Session 28's review fixes on the GPU (one JSON file of checks; raises nothing, records each).
 
-    PYTHONPATH=. python benchmarks/review_s28_check.py OUT.json
+    PYTHONPATH=. python benchmarks/review_s28_check.py OUT.json [CHECK ...]   # e.g. compile_check
 
 - Quantized layers on the Triton kernels: with autograd recording, the forward gives the same
   values as under no_grad and a backward raises; transposed / strided inputs give the contiguous
@@ -88,24 +88,38 @@ def compile_check() -> None:
     config = _small_configs()["llama"]
     torch.manual_seed(0)
     base = build_model(config, "cuda", torch.bfloat16)
-    model = quantkit.optimize(quantkit.quantize(copy.deepcopy(base), "int8", progress=False), exact=False)
+    plain = quantkit.quantize(copy.deepcopy(base), "int8", progress=False)
+    model = quantkit.optimize(copy.deepcopy(plain), exact=False)
     ids = torch.randint(3, config.vocab_size, (2, 64), device="cuda")
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
     with torch.no_grad():
+        exact = base(ids, use_cache=False).logits.float()
+        plain_err = rel(plain(ids, use_cache=False).logits.float(), exact)
         want = model(ids, use_cache=False).logits.float()
         got = torch.compile(model, fullgraph=True)(ids, use_cache=False).logits.float()
-    err = ((got - want).norm() / want.norm()).item()
-    record("compile_fullgraph_exact_false", err < 2e-2, rel_err=err)
+    # Traced, the norms do not defer (no fused norm + quantization): the compiled model rounds as
+    # the plain path does, so it differs from the eager exact=False model by about the
+    # quantization error itself. The check: as close to the unquantized model as the plain path.
+    compiled_err, eager_err = rel(got, exact), rel(want, exact)
+    record("compile_fullgraph_exact_false", compiled_err <= 1.1 * plain_err, compiled_vs_eager=rel(got, want),
+           compiled_vs_unquantized=compiled_err, eager_vs_unquantized=eager_err, plain_vs_unquantized=plain_err)
 
 
 def main() -> None:
     out = sys.argv[1]
+    only = sys.argv[2:]  # check names to run (default: all)
     for check in (layer_checks, exaone_check, compile_check):
+        if only and check.__name__ not in only:
+            continue
         try:
             check()
         except Exception as exc:  # noqa: BLE001 - every check is recorded, the run goes on
             record(check.__name__, False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
     try:
-        rows = run_fast_path_checks("cuda", norm_quant=True)
+        rows = run_fast_path_checks("cuda", norm_quant=True) if not only or "fast_path" in only else []
         for row in rows:
             record("fast_path", row["passed"], **{k: v for k, v in row.items() if not k.endswith("report")})
     except Exception as exc:  # noqa: BLE001
