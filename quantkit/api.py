@@ -117,7 +117,8 @@ def _quantize_eval(model: nn.Module, config: QuantConfig, calibration_data: torc
         )
     ranking, kept = None, ()
     if config.keep_sensitive:
-        candidates = len(target_linears(model, config))
+        quantizable = target_linears(model, config)
+        candidates = len(quantizable)
         if config.keep_sensitive >= candidates:
             raise ValueError(f"keep_sensitive={config.keep_sensitive} would keep all {candidates} quantizable "
                              f"Linear layers in 16 bits; use a value below {candidates}")
@@ -125,7 +126,7 @@ def _quantize_eval(model: nn.Module, config: QuantConfig, calibration_data: torc
         ranking = rank_layers(model, calibration_data, config, progress=progress, max_seq_len=128)
         # Whole groups of layers that read one input (q/k/v, gate/up): engines fuse each into one
         # GEMM of one scheme, so a group is kept whole or not at all.
-        groups = shared_input_groups(model, calibration_data, target_linears(model, config))
+        groups = shared_input_groups(model, calibration_data, quantizable)
         kept = tuple(most_sensitive(ranking, config.keep_sensitive, groups))
         if len(kept) >= candidates:
             raise ValueError(f"keep_sensitive={config.keep_sensitive} keeps, with the layers that share their "

@@ -38,7 +38,8 @@ from quantkit.kernels import attention as attention_kernels
 from quantkit.kernels import norm as norm_kernels
 from quantkit.kernels import reference_attention
 from quantkit.kernels import rope as rope_kernels
-from quantkit.bench.common import CheckFailed, bench_ms, environment_metadata, require_matplotlib
+from quantkit.bench.common import (CheckFailed, bench_ms, environment_metadata, rel_err, require_matplotlib,
+                                   require_within)
 from quantkit.bench.gemm import bench_graph_ms
 
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -53,14 +54,7 @@ MAX_REL_ERR = 1e-2
 
 
 def checked(what: str, err: float) -> float:
-    if not err < MAX_REL_ERR:  # NaN fails too
-        raise CheckFailed(f"{what}: relative error {err:.2e} against the reference exceeds {MAX_REL_ERR:.0e}; "
-                          "the kernel is wrong at this point, so no time is reported")
-    return err
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    return require_within(what, err, MAX_REL_ERR)
 
 
 def _flash_sdpa(q, k, v):

@@ -17,6 +17,19 @@ class CheckFailed(RuntimeError):
     """A kernel's output at a benchmark point is outside its bound: its time is not reported."""
 
 
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref||, in float64."""
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def require_within(what: str, err: float, bound: float) -> float:
+    """``err`` if it is below ``bound`` (NaN is not), else CheckFailed naming ``what``."""
+    if not err < bound:
+        raise CheckFailed(f"{what}: relative error {err:.2e} against the reference exceeds {bound:.1e}; "
+                          "the kernel is wrong at this point, so no time is reported")
+    return err
+
+
 def require_matplotlib() -> None:
     """Fail before any GPU work when the plots could not be drawn at the end."""
     try:

@@ -67,7 +67,7 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from quantkit.api import quantize
-from quantkit.bench.common import CheckFailed, require_matplotlib
+from quantkit.bench.common import CheckFailed, rel_err, require_matplotlib
 from quantkit.config import QuantConfig
 from quantkit.generate import generate
 from quantkit.models.fast_attention import register_quantkit_attention
@@ -212,9 +212,8 @@ def bench_decode_hf(model, vocab: int, device, batches=DECODE_BATCHES, prompt_le
 
 @torch.no_grad()
 def bench_decode_quantkit(model, vocab: int, device, batches=DECODE_BATCHES, prompt_len=PROMPT_LEN,
-                          new_tokens=NEW_TOKENS, warmup_only: bool = False, runs: int | None = None) -> list[dict]:
+                          new_tokens=NEW_TOKENS, warmup_only: bool = False, runs: int = DECODE_RUNS) -> list[dict]:
     rows = []
-    runs = runs or DECODE_RUNS
     for batch in batches:
         ids = torch.randint(0, vocab, (batch, prompt_len), device=device)
         if warmup_only:
@@ -496,7 +495,7 @@ def run_fast_path_checks(device: str = "cuda", dtype=torch.bfloat16, schemes=SCH
             row = {"arch": arch, "scheme": scheme, "device": str(device), "dtype": str(dtype),
                    "generate_equals_hf_generate": bool(torch.equal(plain_tokens, hf_tokens)),
                    # The scale the fast path's own rounding is read against.
-                   "quantization_rel_err": _rel_diff(plain_logits, base_logits)}
+                   "quantization_rel_err": rel_err(plain_logits, base_logits)}
             for exact in (True, False) if inexact else (True,):
                 fast = optimize(copy.deepcopy(plain), exact=exact)
                 fast_logits = fast(ids).logits
@@ -504,8 +503,8 @@ def run_fast_path_checks(device: str = "cuda", dtype=torch.bfloat16, schemes=SCH
                 tag = "exact" if exact else "fast"
                 row[f"{tag}_logits_equal"] = bool(torch.equal(fast_logits, plain_logits))
                 row[f"{tag}_logits_max_abs_diff"] = (fast_logits.float() - plain_logits.float()).abs().max().item()
-                row[f"{tag}_logits_rel_diff"] = _rel_diff(fast_logits, plain_logits)
-                row[f"{tag}_quantization_rel_err"] = _rel_diff(fast_logits, base_logits)
+                row[f"{tag}_logits_rel_diff"] = rel_err(fast_logits, plain_logits)
+                row[f"{tag}_quantization_rel_err"] = rel_err(fast_logits, base_logits)
                 row[f"{tag}_tokens_equal"] = bool(torch.equal(fast_tokens, plain_tokens))
                 row[f"{tag}_report"] = str(fast.quantkit_fast_path)
                 if torch.device(device).type == "cuda":
@@ -524,11 +523,6 @@ def run_fast_path_checks(device: str = "cuda", dtype=torch.bfloat16, schemes=SCH
 
 
 FAST_ERROR_MARGIN = 1.1  # exact=False's logits error against the plain path's (CPU bf16: 0.99-1.03)
-
-
-def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def _fast_path_passed(row: dict) -> bool:

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from quantkit.bench.common import CheckFailed, bench_ms, environment_metadata, require_matplotlib
+from quantkit.bench.common import CheckFailed, bench_ms, environment_metadata, require_matplotlib, require_within
+from quantkit.bench.common import rel_err as _rel_err  # the name this module's users import
 from quantkit.kernels import gemm, gemm_gluon, gemm_tma, reference, triton_ops
 from quantkit.kernels.launch import median_replay_ms, rotated_medians
 
@@ -40,12 +41,7 @@ QUANTIZE_ROW_EPILOGUES = ("plain",)
 
 def checked_rel_err(what: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, K: int) -> float:
     """Relative error of ``out`` against the fp32 reference; CheckFailed above the dtype's bound."""
-    bound = EXACT_ACCUM_BOUND if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
-    err = _rel_err(out, ref)
-    if not err < bound:  # NaN fails too
-        raise CheckFailed(f"{what}: relative error {err:.2e} against the reference exceeds {bound:.1e}; "
-                          "the kernel is wrong at this point, so no time is reported")
-    return err
+    return require_within(what, _rel_err(out, ref), output_bound(dtype, K))
 
 
 _FLUSH_BYTES = 256 << 20
@@ -428,6 +424,11 @@ def print_point(rows, M, N, K):
 EXACT_ACCUM_BOUND = 4e-3  # INT8 (exact int32 accumulation) and promoted FP8: bf16 output rounding
 
 
+def output_bound(dtype: torch.dtype, K: int) -> float:
+    """The relative-error bound of a GEMM output of ``dtype`` operands over ``K``."""
+    return EXACT_ACCUM_BOUND if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
+
+
 def fp8_fast_accum_tolerance(K: int) -> float:
     """Relative-error bound for FP8 outputs with fast accumulation (the default).
 
@@ -437,10 +438,6 @@ def fp8_fast_accum_tolerance(K: int) -> float:
     INT8 and promoted FP8 stay at the tight bounds.
     """
     return 4e-3 * max(1.0, (K / 4096) ** 0.5)
-
-
-def _rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def _grid_steps(q, ref_q):
@@ -505,7 +502,7 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False, parts=CHECK_PAR
                     ref = reference.scaled_mm(a, w, sa, sw, b, activation, torch.float32)
                     exact = reference.fp64_scaled_mm(a, w, sa, sw, b, activation)
                     err_ref, err_64 = _rel_err(out, ref), _rel_err(out, exact)
-                    bound = EXACT_ACCUM_BOUND if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
+                    bound = output_bound(dtype, K)
                     record(f"scaled_mm_{dtype}", not out.isnan().any() and err_ref < bound and err_64 < bound,
                            M=M, N=N, K=K, bias=has_bias, act=activation, rel_err_ref=err_ref, rel_err_fp64=err_64,
                            bound=bound)
@@ -513,7 +510,7 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False, parts=CHECK_PAR
             out = torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16)
             gemm.gated_scaled_mm(a, w2, sa, sw2, "silu", torch.bfloat16, out=out, config=None if small else fixed)
             err = _rel_err(out, reference.gated_scaled_mm(a, w2, sa, sw2, "silu", torch.float32))
-            bound = EXACT_ACCUM_BOUND if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
+            bound = output_bound(dtype, K)
             record(f"gated_{dtype}", not out.isnan().any() and err < bound, M=M, N=N, K=K, rel_err=err, bound=bound)
 
         # Quantization kernels: bit-exact except RMSNorm, whose reduction order may move a value
@@ -583,7 +580,7 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False, parts=CHECK_PAR
                                         "config": str(cfg)})
                         print(f"[skip] config_{dtype}_gated={gated} {cfg}: {error}", flush=True)
                         continue
-                    bound = EXACT_ACCUM_BOUND if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
+                    bound = output_bound(dtype, K)
                 record(f"config_{dtype}_gated={gated}", _rel_err(out, ref) < bound, config=str(cfg),
                        out_dtype=str(out_dtype), rel_err=_rel_err(out, ref), bound=bound)
 

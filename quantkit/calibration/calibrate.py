@@ -57,6 +57,12 @@ def hidden_state(output) -> torch.Tensor:
 
 
 @torch.no_grad()
+def storage_key(t: torch.Tensor) -> tuple:
+    """Identity of a tensor within one forward: the same storage, offset, shape, strides and dtype.
+    Keep the tensor referenced while keys are compared, or its address may be reused."""
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 def forward_backbone(model: nn.Module, blocks: torch.Tensor, batch_size: int, desc: str = "calibrating",
                      progress: bool = True, layers: Iterable[nn.Module] = ()) -> None:
     """Run every block through the model in batches; hooks do the recording.

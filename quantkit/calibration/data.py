@@ -146,7 +146,7 @@ def _hash_split(docs: list[str]) -> list[bool]:
     values = {key: _hash_value(key) for key in keys}
     if len(values) < EVAL_EVERY:
         return [False] * len(docs)
-    held_out = [values[key] % EVAL_EVERY == EVAL_EVERY - 1 for key in keys]
+    held_out = [_in_eval_bucket(values[key]) for key in keys]
     if not any(held_out):
         chosen = max(values, key=values.get)
         held_out = [key == chosen for key in keys]
@@ -165,10 +165,14 @@ def _hash_value(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "big")
 
 
+def _in_eval_bucket(hash_value: int) -> bool:
+    return hash_value % EVAL_EVERY == EVAL_EVERY - 1
+
+
 def is_held_out(text: str) -> bool:
     """Whether a document's hash puts it in the evaluation bucket (one of ``EVAL_EVERY``); see
     ``_hash_split`` for datasets too small for the buckets alone."""
-    return _hash_value(document_key(text)) % EVAL_EVERY == EVAL_EVERY - 1
+    return _in_eval_bucket(_hash_value(document_key(text)))
 
 
 def tokenize_stream(tokenizer: PreTrainedTokenizerBase, texts: list[str], max_tokens: int | None = None) -> torch.Tensor:

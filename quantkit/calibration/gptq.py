@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from quantkit.calibration.calibrate import check_blocks, forward_backbone
+from quantkit.calibration.calibrate import check_blocks, forward_backbone, storage_key
 from quantkit.calibration.weights import WEIGHT_OBSERVERS, weight_amax
 from quantkit.kernels.reference import MIN_SCALE, cast_to_quantized, qmax_of, scale_from_amax
 
@@ -79,7 +79,7 @@ def collect_hessians(
     def hook(name):
         def fn(_m, args):
             x = args[0]
-            key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype)
+            key = storage_key(x)
             if name not in leader_of:  # first batch: decide who shares with whom
                 leader = seen[key][0] if key in seen else name
                 leader_of[name] = leader

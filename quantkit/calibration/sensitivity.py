@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from quantkit.calibration.calibrate import check_blocks, forward_backbone, input_device
+from quantkit.calibration.calibrate import check_blocks, forward_backbone, input_device, storage_key
 from quantkit.calibration.weights import weight_amax
 from quantkit.config import QuantConfig
 from quantkit.convert import target_linears
@@ -226,7 +226,7 @@ def shared_input_groups(model: nn.Module, blocks: torch.Tensor, layers: dict[str
         def fn(_module, args):
             x = args[0]
             inputs.append(x)
-            key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, name.rpartition(".")[0])
+            key = (*storage_key(x), name.rpartition(".")[0])
             if name not in readers.setdefault(key, []):  # a module called twice reads its input twice
                 readers[key].append(name)
         return fn

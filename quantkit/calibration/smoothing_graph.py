@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from quantkit.calibration.calibrate import backbone, check_blocks, hidden_state, input_device
+from quantkit.calibration.calibrate import backbone, check_blocks, hidden_state, input_device, storage_key
 
 # Relative change of the probe output above which a candidate rescaling is not an identity.
 # Float32 rounding through a few layers stays around 1e-6; a broken identity changes it by O(1).
@@ -28,10 +28,6 @@ RATIO_RESIDUAL_TOL = 1e-4
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     leaf = name.rsplit(".", 1)[-1]
     return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(leaf, p) for p in patterns)
-
-
-def _storage_key(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 # --- the module graph --------------------------------------------------------------------------
@@ -201,7 +197,7 @@ def find_smoothing_groups(
             calls[name] = calls.get(name, 0) + 1
             if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
                 keep_alive.append(out)
-                norm_out.setdefault(_storage_key(out), []).append(name)
+                norm_out.setdefault(storage_key(out), []).append(name)
                 norm_in[name] = args[0].detach().clone()
         return hook
 
@@ -222,7 +218,7 @@ def find_smoothing_groups(
     for lname, inputs in lin_in.items():
         if len(inputs) != 1:
             continue
-        for nname in norm_out.get(_storage_key(inputs[0]), []):
+        for nname in norm_out.get(storage_key(inputs[0]), []):
             fed_by.setdefault(nname, []).append(lname)
     baseline_inputs = {n: v[0].detach().clone() for n, v in lin_in.items() if len(v) == 1}
     del keep_alive, lin_in, norm_out

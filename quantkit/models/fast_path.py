@@ -348,8 +348,6 @@ def _norm_epsilon(module: nn.Module) -> float | None:
     return None
 
 
-
-
 def _rms_norm_offset(module: nn.Module, backend: str, exact: bool) -> float | None:
     """The offset (0 or Gemma's 1) under which the op reproduces ``module``, or None."""
     weight = getattr(module, "weight", None)
@@ -504,8 +502,8 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
             if offset is None:
                 report.kept_norms.append(name)
                 continue
-            fast = FastRMSNorm(module.weight, _norm_epsilon(module), offset, backend)
-            fast.exact_dtype = module.weight.dtype if exact else None
+            fast = FastRMSNorm(module.weight, _norm_epsilon(module), offset, backend,
+                               exact_dtype=module.weight.dtype if exact else None)
             # In __dict__, not as a submodule: the original's weight must not appear twice in state_dict.
             fast.__dict__[ORIGINAL_NORM] = module
             _set_submodule(model, name, fast)
