@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Takes the bundled Gemma-3-270M, transformers 5.23 (the GGUF loader quantkit needs; the GPU image has
-# 5.17) and the bundled dataset's token blocks to the GPU machine, whose calls carry at most 64 MiB.
+# 5.17) and the bundled dataset's token blocks to the GPU machine, whose calls carry at most 64 MiB with the
+# working tree (~29 MB of it).
 #
-#     benchmarks/bundled_carry.sh pack          # CPU: .carry/part00..part04 (~54 MB each) + .carry/SHA256
-#     # GPU, five calls in a row while the machine stays warm, carry [".carry/partNN"] each:
+#     benchmarks/bundled_carry.sh pack          # CPU: .carry/part00..part07 (~34 MB each) + bundled_carry.sha256
+#     # GPU, eight calls in a row while the machine stays warm, carry [".carry/partNN"] each:
 #     benchmarks/bundled_carry.sh stage NN      # copies the part to /tmp/qk/parts
-#     # after the fifth, in the same or a later call:
+#     # after the last, in the same or a later call:
 #     source benchmarks/bundled_carry.sh env    # joins and checks the parts; sets PYTHONPATH, QUANTKIT_CACHE
 #     python benchmarks/pretokenized.py run /tmp/qk/tokens.pt benchmarks/calibration_sweep.py --device cuda ...
 #
@@ -24,7 +25,7 @@ pack)
     python "$root/benchmarks/pretokenized.py" save "$work/tokens.pt"
     tar cf "$work/bundle.tar" -C "$work" gguf whl tokens.pt
     rm -rf "$root/.carry" && mkdir -p "$root/.carry"
-    split -n 5 -d "$work/bundle.tar" "$root/.carry/part"
+    split -n 8 -d "$work/bundle.tar" "$root/.carry/part"
     (cd "$work" && sha256sum bundle.tar | cut -d' ' -f1) > "$root/benchmarks/bundled_carry.sha256"
     ls -la "$root/.carry"
     ;;
@@ -35,7 +36,7 @@ stage)
     ;;
 env)
     if [ ! -d /tmp/qk/py ]; then
-        cat /tmp/qk/parts/part0[0-4] > /tmp/qk/bundle.tar
+        cat /tmp/qk/parts/part0[0-7] > /tmp/qk/bundle.tar
         echo "$(cat "$root/benchmarks/bundled_carry.sha256")  /tmp/qk/bundle.tar" | sha256sum -c -
         tar xf /tmp/qk/bundle.tar -C /tmp/qk
         mkdir -p /tmp/qk/cache/gguf
