@@ -1,7 +1,9 @@
-"""Greedy generation over a static KV cache, with the decode step captured as a CUDA graph.
+"""Greedy or sampled generation over a static KV cache, with the decode step captured as a CUDA graph.
 
     from quantkit.generate import generate
     tokens = generate(model, prompt_ids, max_new_tokens=64)     # (B, S + n) like model.generate
+    tokens = generate(model, prompt_ids, 64, do_sample=True, temperature=0.8, top_p=0.95,
+                      generator=torch.Generator("cuda").manual_seed(0))
 
 Why its own loop: each eager Triton launch costs ~50 us of host time (benchmarks/NOTES-gemm.md),
 so a decode step of a few hundred launches is launch-bound unless it replays as one graph. A graph
@@ -14,13 +16,21 @@ call (the model's own attention implementation is restored afterwards): prefill 
 attention over the first S slots, decode is split-KV attention over the whole buffer with the
 valid lengths read from a device tensor. The output equals ``model.generate(do_sample=False)``
 (same stopping and padding rules) up to the attention kernels' float rounding.
+
+Sampling draws every step's uniform number before the loop (one per row and step, from the
+caller's generator) and picks a token by the inverse CDF of the filtered distribution, so the
+captured step holds no random-number state and replays the same tokens as eager decoding.
+Temperature, top-k and top-p filter the logits as transformers' warpers of the same names do.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -31,6 +41,55 @@ from quantkit.models.fast_attention import padded_head_dim, register_static_cach
 from quantkit.nn import QuantLinear
 
 _FROM_MODEL = object()
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a token is drawn from one step's logits: softmax(logits / temperature), restricted to the
+    top_k most likely tokens (ties with the k-th kept) and then to the smallest set of most likely
+    tokens whose probability reaches top_p, renormalized."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.temperature) or not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature={self.temperature!r} must be a finite number > 0 "
+                             "(for greedy decoding leave do_sample off)")
+        if self.top_k is not None and _as_int(self.top_k, "top_k") < 1:
+            raise ValueError(f"top_k={self.top_k!r} must be >= 1 (or None for no top-k filter)")
+        if self.top_p is not None and (not _is_number(self.top_p) or not 0 < self.top_p <= 1):
+            raise ValueError(f"top_p={self.top_p!r} must lie in (0, 1] (or None for no top-p filter)")
+
+    @classmethod
+    def of(cls, temperature=None, top_k=None, top_p=None) -> "Sampling":
+        """From user values: numpy and 0-d tensor numbers taken as Python ones, None as the default."""
+        return cls(1.0 if temperature is None else _as_number(temperature, "temperature"),
+                   None if top_k is None else _as_int(top_k, "top_k"),
+                   None if top_p is None else _as_number(top_p, "top_p"))
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, V) logits -> (B, V) float32 probabilities of the filtered distribution."""
+        scores = logits.float() / self.temperature
+        if self.top_k is not None and self.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, self.top_k, dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, -math.inf)
+        if self.top_p is not None and self.top_p < 1:
+            ranked, order = torch.sort(scores, dim=-1, descending=True)
+            probs = ranked.softmax(dim=-1)
+            # A token stays while the tokens ranked above it hold less than top_p; the first always does.
+            above = probs.cumsum(dim=-1) - probs
+            drop = torch.empty_like(above, dtype=torch.bool).scatter_(1, order, above >= self.top_p)
+            scores = scores.masked_fill(drop, -math.inf)
+        return scores.softmax(dim=-1)
+
+    def choose(self, logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        """One token per row: the first whose cumulative probability exceeds ``uniform`` (B,) in [0, 1).
+        A token of probability 0 is never chosen."""
+        cdf = self.probabilities(logits).double().cumsum(dim=-1)
+        target = (uniform.double() * cdf[:, -1])[:, None]
+        return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_max(cdf.shape[-1] - 1)
 
 
 class StaticKVCache:
@@ -72,6 +131,18 @@ class StaticKVCache:
 
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _as_number(value, name: str) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() == 0:
+        value = value.item()
+    if not _is_number(value):
+        raise TypeError(f"{name}={value!r} must be a number")
+    return float(value)
 
 
 def _attention_backend(model: nn.Module, device: torch.device) -> str:
@@ -157,10 +228,16 @@ def generate(
     cuda_graph: bool | None = None,
     stats: dict | None = None,
     attention_mask=None,
+    do_sample: bool = False,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Greedy decoding; returns (B, S + n) token ids, prompt included, as ``model.generate`` with
-    ``do_sample=False`` does when the generation config sets no logits rules (repetition penalty,
-    minimum length, banned or forced tokens: plain argmax here, with a warning naming them).
+    """Greedy decoding (or sampling); returns (B, S + n) token ids, prompt included, as
+    ``model.generate`` with ``do_sample=False`` does when the generation config sets no logits rules
+    (repetition penalty, minimum length, banned or forced tokens: not applied here, with a warning
+    naming them).
 
     input_ids: (B, S) or (S,) token ids (or lists) of an unpadded batch (equal lengths).
     attention_mask: optional; all ones (an unpadded batch), as padding is refused.
@@ -174,6 +251,12 @@ def generate(
     cuda_graph: capture the decode step (default: on when the model is on CUDA).
     stats: if a dict is given, it receives prefill_s, decode_s, decode_steps, capture_s
         (host clocks around device-synchronized regions).
+    do_sample: draw each token from the model's distribution instead of taking the argmax, filtered
+        by ``temperature`` (default 1.0), ``top_k`` and ``top_p`` (default: no filter). These come
+        from the arguments only, never from the generation config, and are refused without do_sample.
+    generator: a torch.Generator (on the CPU or the model's device) that makes the samples
+        reproducible; default: torch's global generator of the model's device. The same generator
+        state gives the same tokens with or without the CUDA graph.
     """
     ids = _as_batch(input_ids, getattr(model.config, "vocab_size", None))
     batch, prompt_len = ids.shape
@@ -188,6 +271,7 @@ def generate(
     if pad_token_id is None:
         pad_token_id = config_pad if isinstance(config_pad, int) else eos[0] if eos else 0
     _warn_unapplied_rules(generation_config)
+    sampling = _sampling(do_sample, temperature, top_k, top_p, generator)
     device = next(model.parameters()).device
     use_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
     if use_graph and device.type != "cuda":
@@ -197,9 +281,31 @@ def generate(
     model.set_attn_implementation(register_static_cache_attention(_attention_backend(model, device), device,
                                                                   model=model))
     try:
-        return _generate(model, ids.to(device), max_new_tokens, eos, pad_token_id, capacity, use_graph, stats)
+        uniforms = None
+        if sampling is not None:
+            # Every step's uniform number up front: the captured step then holds no RNG state.
+            uniforms = torch.rand((max_new_tokens, batch), generator=generator, dtype=torch.float64,
+                                  device=generator.device if generator is not None else device).to(device)
+        return _generate(model, ids.to(device), max_new_tokens, eos, pad_token_id, capacity, use_graph, stats,
+                         sampling, uniforms)
     finally:
         model.set_attn_implementation(previous_attention)
+
+
+def _sampling(do_sample: bool, temperature, top_k, top_p, generator) -> Sampling | None:
+    if not isinstance(do_sample, bool):
+        raise TypeError(f"do_sample={do_sample!r} must be True or False")
+    if not do_sample:
+        given = [f"{name}={value!r}" for name, value in
+                 (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("generator", generator))
+                 if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} only applies when sampling; pass do_sample=True (or drop it "
+                             "for greedy decoding)")
+        return None
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator={generator!r} must be a torch.Generator")
+    return Sampling.of(temperature, top_k, top_p)
 
 
 def _refuse_padding(ids: torch.Tensor, attention_mask, pad, eos: list[int]) -> None:
@@ -244,7 +350,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _generate(model, ids, max_new_tokens, eos, pad_token_id, capacity, use_graph, stats):
+def _generate(model, ids, max_new_tokens, eos, pad_token_id, capacity, use_graph, stats, sampling, uniforms):
     device = ids.device
     batch, prompt_len = ids.shape
     cache = StaticKVCache(capacity)
@@ -252,9 +358,12 @@ def _generate(model, ids, max_new_tokens, eos, pad_token_id, capacity, use_graph
     out = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
 
-    def pick(logits: torch.Tensor) -> torch.Tensor:
-        # Greedy choice on fp32 logits, then model.generate's rule for finished rows.
-        token = logits[:, -1].float().argmax(dim=-1)
+    def pick(logits: torch.Tensor, step_index: torch.Tensor) -> torch.Tensor:
+        # Greedy (or sampled) choice on fp32 logits, then model.generate's rule for finished rows.
+        if sampling is None:
+            token = logits[:, -1].float().argmax(dim=-1)
+        else:
+            token = sampling.choose(logits[:, -1], uniforms.index_select(0, step_index)[0])
         if eos:
             token = torch.where(finished, torch.full_like(token, pad_token_id), token)
             finished.logical_or_((token[:, None] == eos_tensor).any(dim=1))
@@ -269,7 +378,7 @@ def _generate(model, ids, max_new_tokens, eos, pad_token_id, capacity, use_graph
     prefill_seqlens = torch.full((batch,), prompt_len, dtype=torch.int32, device=device)
     logits = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
                    logits_to_keep=1, quantkit_kv_len=prompt_len, quantkit_cache_seqlens=prefill_seqlens).logits
-    out[:, 0] = pick(logits)
+    out[:, 0] = pick(logits, torch.zeros(1, dtype=torch.long, device=device))
     cache.seen_tokens = prompt_len
     _sync(device)
     prefill_s = time.perf_counter() - start
@@ -286,7 +395,7 @@ def _generate(model, ids, max_new_tokens, eos, pad_token_id, capacity, use_graph
     def step() -> None:
         logits = model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True,
                        logits_to_keep=1, quantkit_kv_len=capacity, quantkit_cache_seqlens=seqlens).logits
-        chosen = pick(logits)
+        chosen = pick(logits, out_index)
         out.index_copy_(1, out_index, chosen[:, None])
         token.copy_(chosen[:, None])
         for counter in (position, write_slot, seqlens, out_index):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 import os
 import sys
 import tempfile
@@ -295,18 +296,26 @@ def demo(
 def generate(
     model: str = typer.Argument(..., help="A quantized checkpoint directory, or a 16-bit model (same forms as `quantize`)."),
     prompt: str = typer.Option(..., help="Text to continue."),
-    max_new_tokens: int = typer.Option(32, min=1, help="Tokens to generate (greedy)."),
+    max_new_tokens: int = typer.Option(32, min=1, help="Tokens to generate."),
     scheme: Optional[str] = typer.Option(None, help="Quantize a 16-bit MODEL on the fly with this dynamic scheme."),
     fast: bool = typer.Option(True, "--fast/--plain", help="Fused fast path (identical outputs) or plain modules."),
     device: Optional[str] = typer.Option(None, help="cpu or cuda."),
+    temperature: float = typer.Option(0.0, help="0: greedy decoding; > 0: sample at this temperature."),
+    top_k: Optional[int] = typer.Option(None, help="Sample among the K most likely tokens (needs --temperature > 0)."),
+    top_p: Optional[float] = typer.Option(None, help="Sample among the most likely tokens that hold probability P "
+                                          "(needs --temperature > 0)."),
+    seed: Optional[int] = typer.Option(None, help="Seed of the sampling (default: a fresh one, printed)."),
 ) -> None:
-    """Greedy generation with a static KV cache (CUDA-graph decode on a GPU)."""
+    """Greedy or sampled generation with a static KV cache (CUDA-graph decode on a GPU)."""
+    import torch
+
     import quantkit
 
     config = quantkit.QuantConfig.preset(scheme) if scheme else None
     if config is not None and config.needs_calibration:
         fail(f"--scheme {scheme} needs calibration data; generate quantizes on the fly with int8 or fp8 "
              "(or run `quantkit quantize` first and pass its checkpoint)")
+    sampling = _sampling_options(temperature, top_k, top_p, seed)
     device = _device(device)
     path = Path(model)
     if (path / "config.json").is_file() and quantkit.is_quantized_checkpoint(path):
@@ -322,12 +331,37 @@ def generate(
         quantkit.optimize(lm)
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
     stats: dict = {}
-    out = quantkit.generate_tokens(lm, ids, max_new_tokens, stats=stats)
+    seed = sampling.pop("seed", None)
+    if seed is not None:
+        sampling["generator"] = torch.Generator(device).manual_seed(seed)
+    out = quantkit.generate_tokens(lm, ids, max_new_tokens, stats=stats, **sampling)
     typer.echo(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     steps = stats.get("decode_steps") or 0
-    if steps:
-        typer.echo(f"[{steps} decode steps, {1000 * stats['decode_s'] / steps:.1f} ms/token, "
-                   f"prefill {1000 * stats['prefill_s']:.0f} ms]", err=True)
+    notes = [f"{steps} decode steps, {1000 * stats['decode_s'] / steps:.1f} ms/token, "
+             f"prefill {1000 * stats['prefill_s']:.0f} ms"] if steps else []
+    if seed is not None:
+        notes.append(f"seed {seed}")
+    if notes:
+        typer.echo(f"[{', '.join(notes)}]", err=True)
+
+
+def _sampling_options(temperature: float, top_k: Optional[int], top_p: Optional[float], seed: Optional[int]) -> dict:
+    """generate_tokens' sampling arguments from the CLI's options ({} for greedy decoding)."""
+    if not math.isfinite(temperature) or temperature < 0:
+        fail(f"--temperature {temperature} must be >= 0 (0 decodes greedily)")
+    if temperature == 0:
+        given = [f"--{name} {value}" for name, value in (("top-k", top_k), ("top-p", top_p), ("seed", seed))
+                 if value is not None]
+        if given:
+            fail(f"{', '.join(given)} only applies when sampling; pass --temperature > 0 as well")
+        return {}
+    if top_k is not None and top_k < 1:
+        fail(f"--top-k {top_k} must be >= 1")
+    if top_p is not None and not 0 < top_p <= 1:
+        fail(f"--top-p {top_p} must lie in (0, 1]")
+    if seed is None:
+        seed = int.from_bytes(os.urandom(4), "little")
+    return dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
 
 def _benchmark(run, out_dir: Path) -> None:

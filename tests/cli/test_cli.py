@@ -211,6 +211,30 @@ def test_generate_from_checkpoint_fast_equals_plain(checkpoint_hd64):
     assert "5 decode steps" in fast.stderr  # the first new token comes from the prefill
 
 
+def test_generate_samples_reproducibly_with_a_seed(checkpoint_hd64):
+    args = ("generate", checkpoint_hd64, "--prompt", "The river city", "--max-new-tokens", 8, "--device", "cpu")
+    greedy = invoke(*args)
+    runs = [invoke(*args, "--temperature", 4.0, "--top-p", 0.99, "--seed", seed) for seed in (11, 11, 12)]
+    assert all(run.exit_code == 0 for run in runs), [run.output for run in runs]
+    assert runs[0].stdout == runs[1].stdout != runs[2].stdout
+    assert "seed 11" in runs[0].stderr and "seed" not in greedy.stderr
+    # One token kept: sampling is greedy decoding.
+    assert invoke(*args, "--temperature", 1.0, "--top-k", 1).stdout == greedy.stdout
+    unseeded = invoke(*args, "--temperature", 1.0)
+    assert unseeded.exit_code == 0 and "seed " in unseeded.stderr, unseeded.output
+
+
+@pytest.mark.parametrize("options, fragments", [
+    (("--top-k", 5), ("--top-k 5 only applies when sampling", "--temperature > 0")),
+    (("--seed", 3, "--top-p", 0.5), ("--top-p 0.5, --seed 3 only applies when sampling",)),
+    (("--temperature", -1), ("--temperature -1.0 must be >= 0",)),
+    (("--temperature", 1, "--top-k", 0), ("--top-k 0 must be >= 1",)),
+    (("--temperature", 1, "--top-p", 1.5), ("--top-p 1.5 must lie in (0, 1]",)),
+])
+def test_generate_sampling_options_are_checked(checkpoint_hd64, options, fragments):
+    assert_user_error(invoke("generate", checkpoint_hd64, "--prompt", "a", "--device", "cpu", *options), *fragments)
+
+
 def test_generate_beyond_context(checkpoint_hd64):
     checkpoint = checkpoint_hd64
     result = invoke("generate", checkpoint, "--prompt", "The river city", "--max-new-tokens", 1000, "--device", "cpu")

@@ -207,3 +207,113 @@ def test_logits_rules_of_the_generation_config_are_named_in_a_warning():
     model.generation_config.min_new_tokens = 4
     with pytest.warns(UserWarning, match=r"repetition_penalty=1.3, min_new_tokens=4 is not applied"):
         generate(model, _prompt(model.config.vocab_size, batch=1), 2, eos_token_id=None)
+
+
+def _hf_filtered_probs(logits, temperature, top_k, top_p):
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    scores = logits.clone()
+    warpers = [TemperatureLogitsWarper(temperature)]
+    if top_k is not None:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p is not None:
+        warpers.append(TopPLogitsWarper(top_p))
+    for warper in warpers:
+        scores = warper(None, scores)
+    return scores.softmax(dim=-1)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [
+    (1.0, None, None), (0.7, None, None), (1.3, 17, None), (0.9, None, 0.6), (0.8, 40, 0.9), (2.0, 3, 0.999),
+    (1.0, 1, None), (0.5, None, 0.05), (1.0, 5000, 1.0),
+])
+def test_sampling_distribution_equals_transformers_warpers(temperature, top_k, top_p):
+    from quantkit.generate import Sampling
+
+    logits = torch.randn(5, 997, generator=torch.Generator().manual_seed(3)) * 3
+    want = _hf_filtered_probs(logits, temperature, top_k, top_p)
+    got = Sampling.of(temperature, top_k, top_p).probabilities(logits)
+    assert torch.equal(got > 0, want > 0), "the kept tokens differ from transformers' warpers"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(None, None), (4, None), (None, 0.7)])
+def test_inverse_cdf_picks_each_token_with_its_probability(top_k, top_p):
+    from quantkit.generate import Sampling
+
+    sampling = Sampling.of(1.0, top_k, top_p)
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(4)) * 2
+    probs = sampling.probabilities(logits).double()
+    n = 20000
+    grid = (torch.arange(n, dtype=torch.float64) + 0.5) / n  # evenly spread uniforms: counts are exact
+    for row in range(3):
+        chosen = sampling.choose(logits[row:row + 1].expand(n, -1), grid)
+        counts = torch.bincount(chosen, minlength=11).double() / n
+        assert bool((counts[probs[row] == 0] == 0).all()), "a filtered-out token was chosen"
+        assert float((counts - probs[row]).abs().max()) <= 1.0 / n + 1e-9
+
+
+def test_sampled_generation_is_reproducible_and_follows_the_filter():
+    model = make_tiny("llama")
+    ids = _prompt(model.config.vocab_size, batch=2, length=7, seed=5)
+
+    def sample(seed, **kwargs):
+        return generate(model, ids, 10, eos_token_id=None, do_sample=True,
+                        generator=torch.Generator().manual_seed(seed), **kwargs)
+
+    first = sample(0, temperature=3.0)
+    assert torch.equal(first, sample(0, temperature=3.0))
+    assert not torch.equal(first, sample(1, temperature=3.0))
+    assert torch.equal(first[:, :7], ids)
+    # top_k=1 leaves one token: sampling is greedy decoding.
+    assert torch.equal(sample(2, top_k=1), generate(model, ids, 10, eos_token_id=None))
+    # Every sampled token is among the 3 most likely of the model's own logits for its prefix
+    # (teacher-forced through HF's forward, without the static cache).
+    tokens = sample(3, temperature=2.0, top_k=3)
+    with torch.no_grad():
+        logits = model(tokens).logits[:, 6:-1]
+    top3 = logits.topk(3, dim=-1).indices
+    assert bool((top3 == tokens[:, 7:, None]).any(dim=-1).all())
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_sampled_fast_path_equals_plain(scheme):
+    plain = quantkit.quantize(make_tiny("gemma3"), QuantConfig.preset(scheme), progress=False)
+    fast = optimize(copy.deepcopy(plain), exact=True)
+    ids = _prompt(plain.config.vocab_size, seed=6)
+    kwargs = dict(eos_token_id=None, do_sample=True, temperature=1.5, top_p=0.9)
+    want = generate(plain, ids, 12, generator=torch.Generator().manual_seed(7), **kwargs)
+    assert torch.equal(generate(fast, ids, 12, generator=torch.Generator().manual_seed(7), **kwargs), want)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(temperature=0.7), ValueError, r"temperature=0.7 only applies when sampling; pass do_sample=True"),
+    (dict(top_p=0.9, top_k=5), ValueError, r"top_k=5, top_p=0.9 only applies when sampling"),
+    (dict(generator=torch.Generator()), ValueError, r"generator=.* only applies when sampling"),
+    (dict(do_sample=True, temperature=0), ValueError, r"temperature=0.0 must be a finite number > 0"),
+    (dict(do_sample=True, temperature=float("inf")), ValueError, r"temperature=inf must be a finite number"),
+    (dict(do_sample=True, top_k=0), ValueError, r"top_k=0 must be >= 1"),
+    (dict(do_sample=True, top_k=2.5), TypeError, r"top_k=2.5 must be an int"),
+    (dict(do_sample=True, top_p=1.2), ValueError, r"top_p=1.2 must lie in \(0, 1\]"),
+    (dict(do_sample=True, top_p=0.0), ValueError, r"top_p=0.0 must lie in \(0, 1\]"),
+    (dict(do_sample=True, generator=7), TypeError, r"generator=7 must be a torch.Generator"),
+    (dict(do_sample="yes"), TypeError, r"do_sample='yes' must be True or False"),
+])
+def test_bad_sampling_arguments_are_refused(kwargs, error, match):
+    model = make_tiny("llama")
+    with pytest.raises(error, match=match):
+        generate(model, _prompt(model.config.vocab_size, batch=1), 2, **kwargs)
+
+
+def test_sampling_takes_numpy_and_tensor_numbers():
+    model = make_tiny("llama")
+    ids = _prompt(model.config.vocab_size, batch=1)
+    want = generate(model, ids, 4, do_sample=True, temperature=0.5, top_k=7, top_p=0.8,
+                    generator=torch.Generator().manual_seed(0))
+    got = generate(model, ids, 4, do_sample=True, temperature=np.float32(0.5), top_k=np.int64(7),
+                   top_p=torch.tensor(0.8, dtype=torch.float64), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(got, want)
