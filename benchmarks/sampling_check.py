@@ -41,10 +41,9 @@ def gemma3_270m_shaped() -> torch.nn.Module:
         num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
         query_pre_attn_scalar=256, max_position_embeddings=32768,
         layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)])
-    model = Gemma3ForCausalLM(config).to("cuda", torch.bfloat16).eval()
-    with torch.no_grad():  # spread the random logits so that the filters keep a few hundred tokens, not all
-        model.lm_head.weight.mul_(30.0)
-    return model
+    # Random weights give nearly flat logits (top-p 0.95 keeps ~220k tokens), so sampled tokens differ
+    # from the greedy ones, which the checks require: a misaligned uniform would then show.
+    return Gemma3ForCausalLM(config).to("cuda", torch.bfloat16).eval()
 
 
 def distribution_checks() -> None:
@@ -52,8 +51,13 @@ def distribution_checks() -> None:
     for temperature, top_k, top_p in ((1.0, None, None), (0.8, 50, None), (0.7, None, 0.95), (1.2, 64, 0.9)):
         sampling = Sampling.of(temperature, top_k, top_p)
         cpu, gpu = sampling.probabilities(logits), sampling.probabilities(logits.cuda()).cpu()
-        record("probabilities_cuda_equal_cpu", torch.equal(cpu > 0, gpu > 0) and torch.allclose(cpu, gpu, atol=1e-6),
-               temperature=temperature, top_k=top_k, top_p=top_p, kept=int((cpu > 0).sum()))
+        # fp32 sums over 262k tokens differ by ~1e-5 between the two devices, so a token whose top-p
+        # mass lies that close to the cut may be kept on one and not the other (at most one per row).
+        mismatched = (cpu > 0) != (gpu > 0)
+        error = float((cpu - gpu).abs().max())
+        record("probabilities_cuda_equal_cpu", int(mismatched.sum(dim=1).max()) <= 1 and error <= 2e-4,
+               temperature=temperature, top_k=top_k, top_p=top_p, kept=int((cpu > 0).sum()),
+               support_mismatches=int(mismatched.sum()), max_abs_error=error)
     small = torch.randn(2, 13, generator=torch.Generator().manual_seed(2)).cuda() * 2
     sampling = Sampling.of(1.0, 8, 0.9)
     n = 50000
@@ -75,8 +79,9 @@ def generation_checks(model, scheme: str) -> None:
                 runs = [quantkit.generate_tokens(model, ids, 24, eos_token_id=None, do_sample=True, cuda_graph=graph,
                                                  generator=torch.Generator(device).manual_seed(5), **kwargs)
                         for graph in (True, False)]
-                record("graph_equals_eager_sampled", torch.equal(runs[0], runs[1]), scheme=scheme, batch=batch,
-                       generator=device, differs_from_greedy=not torch.equal(runs[0], greedy), **kwargs)
+                differs = float((runs[0] != greedy)[:, 32:].float().mean())
+                record("graph_equals_eager_sampled", torch.equal(runs[0], runs[1]) and differs > 0.5, scheme=scheme,
+                       batch=batch, generator=device, tokens_differing_from_greedy=differs, **kwargs)
         top1 = quantkit.generate_tokens(model, ids, 24, eos_token_id=None, do_sample=True, top_k=1,
                                         generator=torch.Generator("cuda").manual_seed(0))
         record("top_k_1_equals_greedy", torch.equal(top1, greedy), scheme=scheme, batch=batch)

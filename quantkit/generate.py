@@ -71,25 +71,45 @@ class Sampling:
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, V) logits -> (B, V) float32 probabilities of the filtered distribution."""
+        scores = self._scaled_top_k(logits)
+        if not self._top_p_active:
+            return scores.softmax(dim=-1)
+        ranked, order = torch.sort(scores, dim=-1, descending=True)
+        kept = self._top_p(ranked.softmax(dim=-1))
+        return torch.zeros_like(kept).scatter_(1, order, kept / kept.sum(dim=-1, keepdim=True))
+
+    def choose(self, logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        """One token per row: the first whose cumulative probability exceeds ``uniform`` (B,) in [0, 1).
+        A token of probability 0 is never chosen. With top-p the tokens are walked in the order of
+        the sort that top-p needs anyway, which spares a scatter and a second softmax."""
+        scores = self._scaled_top_k(logits)
+        order = None
+        if self._top_p_active:
+            scores, order = torch.sort(scores, dim=-1, descending=True)
+            probs = self._top_p(scores.softmax(dim=-1))
+        else:
+            probs = scores.softmax(dim=-1)
+        cdf = probs.double().cumsum(dim=-1)
+        target = (uniform.double() * cdf[:, -1])[:, None]
+        index = torch.searchsorted(cdf, target, right=True).clamp_max(cdf.shape[-1] - 1)
+        return (index if order is None else order.gather(1, index))[:, 0]
+
+    @property
+    def _top_p_active(self) -> bool:
+        return self.top_p is not None and self.top_p < 1
+
+    def _scaled_top_k(self, logits: torch.Tensor) -> torch.Tensor:
         scores = logits.float() / self.temperature
         if self.top_k is not None and self.top_k < scores.shape[-1]:
             kth = torch.topk(scores, self.top_k, dim=-1).values[:, -1:]
             scores = scores.masked_fill(scores < kth, -math.inf)
-        if self.top_p is not None and self.top_p < 1:
-            ranked, order = torch.sort(scores, dim=-1, descending=True)
-            probs = ranked.softmax(dim=-1)
-            # A token stays while the tokens ranked above it hold less than top_p; the first always does.
-            above = probs.cumsum(dim=-1) - probs
-            drop = torch.empty_like(above, dtype=torch.bool).scatter_(1, order, above >= self.top_p)
-            scores = scores.masked_fill(drop, -math.inf)
-        return scores.softmax(dim=-1)
+        return scores
 
-    def choose(self, logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-        """One token per row: the first whose cumulative probability exceeds ``uniform`` (B,) in [0, 1).
-        A token of probability 0 is never chosen."""
-        cdf = self.probabilities(logits).double().cumsum(dim=-1)
-        target = (uniform.double() * cdf[:, -1])[:, None]
-        return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_max(cdf.shape[-1] - 1)
+    def _top_p(self, ranked_probs: torch.Tensor) -> torch.Tensor:
+        """Probabilities in descending order with those past the top-p cut set to 0: a token stays
+        while the tokens ranked above it hold less than top_p (so the first always does)."""
+        above = ranked_probs.cumsum(dim=-1) - ranked_probs
+        return ranked_probs.masked_fill(above >= self.top_p, 0.0)
 
 
 class StaticKVCache:
