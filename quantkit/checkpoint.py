@@ -66,7 +66,8 @@ def _shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
 def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False, source: str | None = None) -> None:
     """Raise CheckpointError unless ``save`` may write ``out_dir``: not a file, not the working
     directory or one of its parents, not holding ``source`` (the model's own directory), and new
-    unless ``overwrite``. ``save`` checks this itself; call it to fail before a long quantization."""
+    unless ``overwrite``, which replaces only an empty directory or a quantized checkpoint (never
+    other files). ``save`` checks this itself; call it to fail before a long quantization."""
     out_dir = Path(out_dir)
     resolved = out_dir.resolve()
     if out_dir.exists() and not out_dir.is_dir():
@@ -79,6 +80,9 @@ def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False, source
                               "choose another directory")
     if out_dir.exists() and not overwrite:
         raise CheckpointError(f"output directory {str(out_dir)!r} already exists; pass --overwrite to replace it")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not is_quantized_checkpoint(out_dir):
+        raise CheckpointError(f"output directory {str(out_dir)!r} is not empty and holds no quantized checkpoint; "
+                              "--overwrite replaces only a checkpoint: choose a new directory")
 
 
 def _swap_in(staging: Path, out_dir: Path) -> None:
@@ -114,7 +118,9 @@ def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     config_dict = model.config.to_dict()
     # Every Linear still in 16 bits by name: quantkit's ignore globs mean nothing to other loaders.
-    kept = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+    # Subclasses too (routers of some MoE models): compressed-tensors' "Linear" target matches the
+    # class hierarchy, so an unlisted one would be read as quantized and given random scales.
+    kept = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     config_dict["quantization_config"] = config.to_quantization_config(ignore=kept)
     staging = staging_dir(out_dir.parent, f".{out_dir.name}.staging-")
     try:
@@ -179,7 +185,7 @@ def read_quant_config(ckpt_dir: str | os.PathLike) -> QuantConfig:
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{config_file} is not valid JSON ({exc})") from exc
-    if "quantization_config" not in raw:
+    if not isinstance(raw, dict) or not raw.get("quantization_config"):
         raise CheckpointError(f"{str(ckpt_dir)!r} has no quantization_config; it is not a quantized checkpoint")
     return QuantConfig.from_quantization_config(raw["quantization_config"])
 
@@ -188,9 +194,10 @@ def is_quantized_checkpoint(ckpt_dir: str | os.PathLike) -> bool:
     """Whether a model directory's config.json carries a quantization_config."""
     config_file = Path(ckpt_dir) / "config.json"
     try:
-        return "quantization_config" in json.loads(config_file.read_text())
+        raw = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError):
         return False
+    return isinstance(raw, dict) and bool(raw.get("quantization_config"))
 
 
 def load_tokenizer(ckpt_dir: str | os.PathLike):

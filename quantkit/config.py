@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,12 @@ RECIPES: dict[str, dict[str, dict[str, Any]]] = {
 
 class UnknownSchemeError(ValueError):
     """A scheme name or a checkpoint's quantization_config that this version cannot handle."""
+
+
+# Parts of a compressed-tensors quantization_config that change the model's arithmetic beyond
+# W8A8 Linears (rotations, KV-cache quantization): a checkpoint that sets one is refused, not run
+# without it. (A group's output_activations is checked with the group.)
+_UNSUPPORTED_PARTS = ("transform_config", "kv_cache_scheme")
 
 
 @dataclass(frozen=True)
@@ -182,6 +189,9 @@ class QuantConfig:
     @classmethod
     def from_quantization_config(cls, qc: dict[str, Any]) -> "QuantConfig":
         """Read a checkpoint's ``quantization_config``; refuse anything this version cannot run."""
+        if not isinstance(qc, dict):
+            raise UnknownSchemeError(f"quantization_config is {type(qc).__name__}, not a mapping; the config.json "
+                                     "is not a compressed-tensors checkpoint's")
         if qc.get("quant_method") != "compressed-tensors":
             raise UnknownSchemeError(
                 f"quant_method={qc.get('quant_method')!r} is not supported; quantkit loads 'compressed-tensors'"
@@ -190,22 +200,35 @@ class QuantConfig:
             raise UnknownSchemeError(
                 f"quantization_status={qc.get('quantization_status')!r} is not supported; expected 'compressed'"
             )
+        for part in _UNSUPPORTED_PARTS:
+            if qc.get(part):
+                raise UnknownSchemeError(f"quantization_config.{part} is set ({qc[part]!r:.80}); quantkit runs "
+                                         "weight and input-activation quantization only, without it")
         groups = qc.get("config_groups") or {}
+        if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
+            raise UnknownSchemeError(f"config_groups={groups!r:.80} is not a mapping of groups")
         if len(groups) != 1:
             raise UnknownSchemeError(f"{len(groups)} config_groups found; quantkit supports exactly one")
         group = next(iter(groups.values()))
         if group.get("targets", ["Linear"]) != ["Linear"]:
             raise UnknownSchemeError(f"config_groups targets={group.get('targets')!r} is not supported; "
                                      "quantkit quantizes every Linear (targets=['Linear'])")
+        if group.get("output_activations"):
+            raise UnknownSchemeError(f"config_groups output_activations={group['output_activations']!r:.80} is "
+                                     "set; quantkit quantizes weights and input activations only")
         weights, acts = group.get("weights") or {}, group.get("input_activations") or {}
+        if not isinstance(weights, dict) or not isinstance(acts, dict):
+            raise UnknownSchemeError(f"config_groups weights={weights!r:.80} / input_activations={acts!r:.80} "
+                                     "are not mappings")
         kind = weights.get("type")
-        expected_format = {"int": "int-quantized", "float": "float-quantized"}.get(kind)
+        # naive-quantized stores the same int8 / float8 tensors (the other two formats derive from it).
+        formats = {"int": ("int-quantized", "naive-quantized"), "float": ("float-quantized", "naive-quantized")}
         if (
-            expected_format is None
-            or qc.get("format") != expected_format
+            kind not in formats
+            or qc.get("format", formats[kind][0]) not in formats[kind]
             or weights.get("num_bits") != 8
             or weights.get("strategy") != "channel"
-            or not weights.get("symmetric", False)
+            or not weights.get("symmetric", True)
             or weights.get("dynamic", False)
             or acts.get("num_bits") != 8
             or not acts.get("symmetric", True)
@@ -223,12 +246,20 @@ class QuantConfig:
         else:
             raise UnknownSchemeError(f"input_activations={acts} is not supported; use per-token dynamic or per-tensor static")
         extra = qc.get("quantkit") or {}
+        if not isinstance(extra, dict):
+            extra = {}
         fields = {f.name for f in dataclasses.fields(cls)}
         recipe = {k: v for k, v in extra.items() if k in fields and k != "scheme"}
-        return cls(
-            weight_type="int8" if kind == "int" else "fp8",
-            activations=activations,
-            ignore=tuple(qc.get("ignore") or ()),
-            name=extra.get("scheme", "custom"),
-            **recipe,
-        )
+        ignore = qc.get("ignore") or ()
+        if isinstance(ignore, str) or not all(isinstance(name, str) for name in ignore):
+            raise UnknownSchemeError(f"ignore={ignore!r:.80} is not a list of module names")
+        scheme = dict(weight_type="int8" if kind == "int" else "fp8", activations=activations, ignore=tuple(ignore),
+                      name=str(extra.get("scheme", "custom")))
+        try:
+            return cls(**scheme, **recipe)
+        except (TypeError, ValueError) as exc:
+            # The "quantkit" section only records how the checkpoint was calibrated; running it
+            # does not need it, so a damaged record is dropped, not fatal.
+            warnings.warn(f"quantization_config.quantkit holds an invalid recipe record ({exc}); ignoring it",
+                          stacklevel=2)
+            return cls(**scheme)

@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
 ROUTER_MAX_OUTPUTS = 512
 
+# Sibling projections that read one input and that serving engines (vLLM) run as one fused GEMM
+# (qkv_proj, gate_up_proj): all must share one scheme, or the engine refuses the checkpoint.
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
 
 @dataclass
 class ConversionReport:
@@ -161,6 +165,10 @@ def convert_model(
     if not report.converted:
         raise ValueError("every nn.Linear layer is kept in 16 bits; nothing to quantize")
     untie_quantized_head(model)
+    for kept, quantized_siblings in split_fused_groups(model):
+        logger.warning("%s stay in 16 bits but %s are quantized: they read one input, and vLLM runs them as one "
+                       "fused GEMM and refuses such a checkpoint; ignore all of them or none", ", ".join(kept),
+                       ", ".join(quantized_siblings))
     report.other_weights = weights_outside_linears(model)
     other = sum(report.other_weights.values())
     quantized = sum(model.get_submodule(name).weight.numel() for name in report.converted)
@@ -170,6 +178,21 @@ def convert_model(
                        ", ".join(sorted(report.other_weights)))
     logger.info("%s", report)
     return report
+
+
+def split_fused_groups(model: nn.Module) -> list[tuple[list[str], list[str]]]:
+    """(kept, quantized) layer names of each FUSED_SIBLINGS group that is part quantized, part not."""
+    split = []
+    for parent_name, parent in model.named_modules():
+        for siblings in FUSED_SIBLINGS:
+            members = {name: getattr(parent, name, None) for name in siblings}
+            if not all(isinstance(m, (nn.Linear, QuantLinear)) for m in members.values()):
+                continue
+            prefix = f"{parent_name}." if parent_name else ""
+            kept = [prefix + n for n, m in members.items() if not isinstance(m, QuantLinear)]
+            if kept and len(kept) < len(siblings):
+                split.append((kept, [prefix + n for n, m in members.items() if isinstance(m, QuantLinear)]))
+    return split
 
 
 def build_empty_quantized(model: nn.Module, config: QuantConfig, backend: str, dtype: torch.dtype) -> list[str]:

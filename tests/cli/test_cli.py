@@ -102,6 +102,22 @@ def test_overwrite_replaces(llama_dir, tmp_path, text_dir):
     assert_nothing_written(tmp_path)
 
 
+def test_overwrite_refuses_a_directory_that_is_not_a_checkpoint(llama_dir, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--overwrite", "--scheme", "fp8")
+    assert_user_error(result, "not empty and holds no quantized checkpoint", "choose a new directory")
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+    # Nor is a 16-bit model's directory.
+    import shutil
+
+    other_model = tmp_path / "other_model"
+    shutil.copytree(llama_dir, other_model)
+    result = invoke("quantize", llama_dir, "-o", other_model, "--overwrite", "--scheme", "fp8")
+    assert_user_error(result, "holds no quantized checkpoint")
+    assert sorted(p.name for p in other_model.iterdir()) == sorted(p.name for p in llama_dir.iterdir())
+
+
 def test_dataset_without_text(llama_dir, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()

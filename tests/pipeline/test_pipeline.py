@@ -486,3 +486,84 @@ def test_quantize_calibrates_in_eval_mode_and_restores_the_mode(llama_dir, text_
         assert qmodel.training is training
         scales[training] = qmodel.model.layers[0].self_attn.o_proj.input_scale.item()
     assert scales[True] == scales[False]
+
+
+def test_linear_subclasses_are_listed_as_kept(llama_dir, tmp_path):
+    """compressed-tensors' "Linear" target matches subclasses (some MoE routers): a subclass that
+    quantkit leaves in 16 bits must be in the ignore list, or transformers gives it random scales."""
+    model, tokenizer = quantkit.load_model(llama_dir)
+    router = model.get_submodule("model.layers.0.mlp.down_proj")
+    router.__class__ = type("RouterLinear", (torch.nn.Linear,), {})
+    qmodel = quantkit.quantize(model, "int8")
+    assert not isinstance(qmodel.get_submodule("model.layers.0.mlp.down_proj"), QuantLinear)
+    out = quantkit.save(qmodel, tmp_path / "ckpt", tokenizer=tokenizer)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.mlp.down_proj" in qc["ignore"]
+    loaded = quantkit.load(out, device="cpu")
+    ids = _input_ids(len(tokenizer))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, qmodel(input_ids=ids).logits)
+
+
+def test_ignore_that_splits_a_fused_group_is_named_in_a_warning(llama_dir, caplog):
+    model, _ = quantkit.load_model(llama_dir)
+    with caplog.at_level("WARNING", logger="quantkit.convert"):
+        quantkit.quantize(model, quantkit.QuantConfig.preset("int8", ignore=("lm_head", "*.0.self_attn.q_proj",
+                                                                            "*up_proj")))
+    split = [r.getMessage() for r in caplog.records if "fused GEMM" in r.getMessage()]
+    assert len(split) == 3, split  # layer 0's q/k/v, and gate/up of both layers
+    assert any(m.startswith("model.layers.0.self_attn.q_proj stay in 16 bits but model.layers.0.self_attn.k_proj, "
+                            "model.layers.0.self_attn.v_proj are quantized") for m in split)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="quantkit.convert"):
+        quantkit.quantize(quantkit.load_model(llama_dir)[0],
+                          quantkit.QuantConfig.preset("int8", ignore=("lm_head", "*gate_proj", "*up_proj")))
+    assert not [r for r in caplog.records if "fused GEMM" in r.getMessage()]
+
+
+def _edit_quantization_config(checkpoint, tmp_path, edit):
+    import shutil
+
+    target = tmp_path / "edited"
+    shutil.copytree(checkpoint, target)
+    raw = json.loads((target / "config.json").read_text())
+    edit(raw["quantization_config"])
+    (target / "config.json").write_text(json.dumps(raw))
+    return target
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda qc: qc.update(transform_config={"config_groups": {"u": {"type": "hadamard"}}}),
+     "quantization_config.transform_config is set"),
+    (lambda qc: qc.update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "quantization_config.kv_cache_scheme"),
+    (lambda qc: qc["config_groups"]["group_0"].update(output_activations={"num_bits": 8}), "output_activations"),
+    (lambda qc: qc.update(config_groups=[1]), "is not a mapping of groups"),
+    (lambda qc: qc.update(ignore="lm_head"), "is not a list of module names"),
+])
+def test_load_refuses_quantization_configs_it_cannot_run(int8_checkpoint, tmp_path, edit, match):
+    with pytest.raises(ValueError, match=match):
+        quantkit.load(_edit_quantization_config(int8_checkpoint, tmp_path, edit), device="cpu")
+
+
+def test_load_takes_naive_quantized_and_a_damaged_recipe_record(int8_checkpoint, tmp_path, llama_dir):
+    def edit(qc):
+        qc["format"] = "naive-quantized"
+        del qc["config_groups"]["group_0"]["weights"]["symmetric"]  # compressed-tensors' default is True
+        qc["quantkit"]["percentile"] = "high"
+
+    with pytest.warns(UserWarning, match="invalid recipe record"):
+        loaded = quantkit.load(_edit_quantization_config(int8_checkpoint, tmp_path, edit), device="cpu")
+    reference = quantkit.load(int8_checkpoint, device="cpu")
+    ids = _input_ids(loaded.config.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_a_null_quantization_config_is_not_a_checkpoint(int8_checkpoint, tmp_path):
+    target = _edit_quantization_config(int8_checkpoint, tmp_path, lambda qc: None)
+    raw = json.loads((target / "config.json").read_text())
+    raw["quantization_config"] = None
+    (target / "config.json").write_text(json.dumps(raw))
+    assert not quantkit.is_quantized_checkpoint(target)
+    with pytest.raises(ValueError, match="has no quantization_config"):
+        quantkit.load(target, device="cpu")
