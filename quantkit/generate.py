@@ -99,7 +99,10 @@ class Sampling:
         return self.top_p is not None and self.top_p < 1
 
     def _scaled_top_k(self, logits: torch.Tensor) -> torch.Tensor:
-        scores = logits.float() / self.temperature
+        # Shifted so the largest score is 0 before the division: a tiny temperature then sends the
+        # others to -inf (greedy among ties), not every score to +-inf and the softmax to NaN.
+        scores = logits.float()
+        scores = (scores - scores.amax(dim=-1, keepdim=True)) / self.temperature
         if self.top_k is not None and self.top_k < scores.shape[-1]:
             kth = torch.topk(scores, self.top_k, dim=-1).values[:, -1:]
             scores = scores.masked_fill(scores < kth, -math.inf)

@@ -4,11 +4,11 @@ A dataset is split by document into a calibration part and an evaluation part th
 a document. A document's split follows from its own text: it is held out for evaluation when a
 hash of the text, whitespace collapsed, falls in one bucket of four. So a document lands in the
 same split whatever else the dataset holds (files added, removed or reordered, another folder
-that shares some files), and copies of it, line endings or spacing aside, land with it:
-`quantkit quantize --dataset X` and `quantkit eval --dataset Y` never share a document's text.
-Two exceptions: a dataset with fewer than four distinct documents holds none out (a single
-text file calibrates), and one whose hashes leave a side empty moves one document across
-(``_hash_split``). The bundled Wikipedia excerpt is a fixed file; it holds out every fourth
+that shares some files), and copies of it, line endings, spacing, a byte-order mark or Unicode
+normalization aside, land with it: `quantkit quantize --dataset X` and `quantkit eval --dataset Y`
+share no document's text. Two exceptions, each named in a warning when it applies: a dataset with
+fewer than four distinct documents holds none out (a single text file calibrates), and one whose
+hashes leave a side empty moves one document across (``_hash_split``). The bundled Wikipedia excerpt is a fixed file; it holds out every fourth
 article by position, as it always has, so that published perplexities stay comparable (it is
 not split like other datasets, so evaluate it only against itself).
 """
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import bz2
 import hashlib
+import unicodedata
+import warnings
 from pathlib import Path
 
 import torch
@@ -76,7 +78,7 @@ def _dataset_from_dict(columns: dict):
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
         raise DatasetError(f"{str(path)!r} is not UTF-8 text (byte {exc.start}: {exc.reason}); "
                            "convert it to UTF-8 or leave it out") from exc
@@ -85,7 +87,13 @@ def _read_text(path: Path) -> str:
 def _load_documents(source: str):
     if source == BUNDLED_DATASET:
         return _bundled_wikipedia()
+    if not source.strip():
+        raise DatasetError(f"dataset {source!r} is empty; pass a .txt file, a folder of them, a Hugging Face "
+                           f"dataset name, or {BUNDLED_DATASET!r}")
     path = Path(source).expanduser()
+    if path.is_file() and path.suffix.lower() != ".txt":
+        raise DatasetError(f"dataset file {source!r} is not a .txt file; quantkit reads plain-text files (one "
+                           "document each) or folders of them, not .jsonl/.csv/.parquet: convert it to .txt files")
     if path.exists():
         # Hidden folders (.git, .ipynb_checkpoints, ...) hold copies, not documents.
         files = (sorted(str(p) for p in path.rglob("*.txt")
@@ -95,7 +103,7 @@ def _load_documents(source: str):
             raise DatasetError(f"directory {source!r} has no .txt files")
         # One document per file, so the calibration/evaluation split never cuts a file in two.
         return _dataset_from_dict({"text": [_read_text(Path(f)) for f in files]})
-    if source.startswith((".", "/", "~")) or source.endswith(".txt"):
+    if source.startswith((".", "/", "~")) or source.endswith((".txt", "/")) or source.count("/") > 1:
         raise DatasetError(f"dataset path {source!r} does not exist; pass a text file, a folder of .txt files, "
                            f"a Hugging Face dataset name, or {BUNDLED_DATASET!r}")
     name, _, config = source.partition(":")
@@ -126,6 +134,13 @@ def load_texts(source: str, split: str) -> list[str]:
         held_out = [out or document_key(text) in held_out_keys for text, out in zip(docs, held_out)]
     else:
         held_out = _hash_split(docs)
+        moved = sum(out == (split == "evaluation") and out != is_held_out(text) for text, out in zip(docs, held_out))
+        if moved:
+            warnings.warn(
+                f"dataset {source!r} has too few documents for the hash split alone: {moved} of its {split} "
+                f"documents would be on the other side in a larger dataset, so another dataset that shares them "
+                f"can use them the other way (calibration vs evaluation); add documents to separate them",
+                stacklevel=2)
     texts = [text for text, out in zip(docs, held_out) if out == (split == "evaluation")]
     if not texts:
         distinct = len({document_key(text) for text in docs})
@@ -157,8 +172,9 @@ def _hash_split(docs: list[str]) -> list[bool]:
 
 
 def document_key(text: str) -> str:
-    """A document's text with whitespace collapsed: copies that differ in line endings or spacing agree."""
-    return " ".join(text.split())
+    """A document's text in Unicode NFC, without byte-order marks, whitespace collapsed: copies that
+    differ in line endings, spacing, a BOM or normalization (an accent typed as one character or two) agree."""
+    return " ".join(unicodedata.normalize("NFC", text).replace("\ufeff", "").split())
 
 
 def _hash_value(key: str) -> int:

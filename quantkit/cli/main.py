@@ -87,13 +87,33 @@ def _write_json(path: Path, payload: dict) -> None:
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
         tmp = Path(handle.name)
     try:
-        tmp.write_text(json.dumps(payload, indent=2))
+        tmp.write_text(json.dumps(_finite(payload), indent=2, allow_nan=False))
         mask = os.umask(0)
         os.umask(mask)
         os.chmod(tmp, 0o666 & ~mask)  # NamedTemporaryFile's 0600 would hide the report from other users
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _finite(value):
+    """``value`` with NaN and infinities as None: strict JSON readers refuse them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
+def _refuse_inside(path: Path, option: str, directories: dict[str, Optional[str]]) -> None:
+    """Fail if the file ``path`` would land inside a model or checkpoint directory (or be one of its
+    files): a report must not replace config.json or a shard."""
+    for role, directory in directories.items():
+        if directory and Path(directory).expanduser().is_dir() and \
+                path.expanduser().resolve().is_relative_to(Path(directory).expanduser().resolve()):
+            fail(f"{option} {str(path)!r} is inside the {role} directory {directory!r}; write the report elsewhere")
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -155,6 +175,9 @@ def quantize(
         if output.resolve().is_relative_to(report.resolve()):
             fail(f"--report {str(report)!r} is the --output directory or one above it; give the report a file "
                  "path of its own")
+        if report.expanduser().resolve().is_relative_to(output.expanduser().resolve()):
+            fail(f"--report {str(report)!r} is inside the --output directory; write the report elsewhere")
+        _refuse_inside(report, "--report", {"source model": model})
     if dataset is not None and not config.needs_calibration:
         typer.echo(f"note: --dataset is not used: --scheme {scheme} scales activations per token at run time "
                    "and runs no calibration", err=True)
@@ -202,9 +225,13 @@ def evaluate(
     """Perplexity of CHECKPOINT against its 16-bit BASELINE on the same held-out tokens."""
     import quantkit
 
+    checkpoint = checkpoint.expanduser()
     scheme = quantkit.read_quant_config(checkpoint).name
+    if stride is not None and stride > window:
+        fail(f"--stride {stride} is larger than --window {window}; use a stride of at most the window")
     if json_path:
         _check_writable(json_path, "--json", directory=False)
+        _refuse_inside(json_path, "--json", {"checkpoint": str(checkpoint), "baseline": baseline})
     device = _device(device)
     base_model, tokenizer = quantkit.load_model(baseline, device=device)
     tokens = quantkit.prepare_evaluation_tokens(tokenizer, dataset, max_tokens)
@@ -213,7 +240,9 @@ def evaluate(
     row = _row(scheme, result)
     _print_table([row])
     if json_path:
-        _write_json(json_path, {"model": baseline, "checkpoint": str(checkpoint), "dataset": dataset, "results": [row]})
+        _write_json(json_path, {"model": baseline, "checkpoint": str(checkpoint), "dataset": dataset,
+                                "window": window, "stride": stride or window, "max_tokens": max_tokens,
+                                "device": device, "results": [row]})
 
 
 def _row(scheme: str, result, layers: int | None = None, seconds: float | None = None) -> dict:
@@ -317,7 +346,7 @@ def generate(
              "(or run `quantkit quantize` first and pass its checkpoint)")
     sampling = _sampling_options(temperature, top_k, top_p, seed)
     device = _device(device)
-    path = Path(model)
+    path = Path(model).expanduser()
     if (path / "config.json").is_file() and quantkit.is_quantized_checkpoint(path):
         if config is not None:
             fail(f"{model!r} is already a quantized checkpoint ({quantkit.read_quant_config(path).name}); "
@@ -359,6 +388,8 @@ def _sampling_options(temperature: float, top_k: Optional[int], top_p: Optional[
         fail(f"--top-k {top_k} must be >= 1")
     if top_p is not None and not 0 < top_p <= 1:
         fail(f"--top-p {top_p} must lie in (0, 1]")
+    if seed is not None and not 0 <= seed < 2**63:
+        fail(f"--seed {seed} must lie in [0, 2**63)")
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
     return dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from sys import float_info
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +92,7 @@ def evaluate_perplexity(
     if bos_token_id is not None:
         if tokens.numel() and tokens[0].item() == bos_token_id:
             tokens = tokens[1:]
-        prefix = torch.tensor([bos_token_id], dtype=tokens.dtype)
+        prefix = torch.tensor([bos_token_id], dtype=tokens.dtype, device=tokens.device)
         # With BOS in front, a window's first token can be scored: it is conditioned on BOS. BOS
         # takes one of the window's slots, so a window scores min(stride, window - 1) new tokens.
         spans = window_spans(tokens.numel(), window - 1, max(0, min(window - 1 - stride, window - 2)), 0)
@@ -99,6 +100,20 @@ def evaluate_perplexity(
         spans = window_spans(tokens.numel(), window, max(window - stride, 1), 1)
     device = next(model.parameters()).device
     forward = graphed(model, max_graphs=2, clone_outputs=False) if cuda_graph else model
+    was_training = model.training
+    model.eval()  # scored without dropout; the caller's mode comes back afterwards
+    try:
+        total_nll, total = _score(forward, tokens, spans, prefix, device, desc, progress)
+    finally:
+        model.train(was_training)
+    nll = total_nll / total
+    # exp overflows past ~709 nats per token (a broken model): its perplexity is infinite.
+    perplexity = math.exp(nll) if nll < math.log(float_info.max) else math.inf
+    return PerplexityResult(perplexity=perplexity, nll=nll, tokens=total, window=window, stride=stride)
+
+
+def _score(forward, tokens, spans, prefix, device, desc: str, progress: bool) -> tuple[float, int]:
+    """Summed NLL and count of the scored tokens over ``spans``."""
     total_nll, total = 0.0, 0
     for begin, end, first_scored in tqdm(spans, desc=desc, unit="window", disable=not progress, leave=False):
         ids = tokens[begin:end]
@@ -111,5 +126,4 @@ def evaluate_perplexity(
         # logits at position p predict the token at p + 1
         total_nll += F.cross_entropy(logits[first - 1 : -1], ids[0, first:], reduction="sum").item()
         total += ids.shape[1] - first
-    nll = total_nll / total
-    return PerplexityResult(perplexity=math.exp(nll), nll=nll, tokens=total, window=window, stride=stride)
+    return total_nll, total

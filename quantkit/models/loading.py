@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import transformers
 from packaging.version import Version
+from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -194,8 +195,16 @@ def load_model(
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{source!r} has no config.json; pass a Hugging Face model directory")
         config = _refuse_quantized(AutoConfig.from_pretrained(str(path)), source)
-        model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype)
+        except SafetensorError as exc:
+            raise ModelLoadError(f"the weights of {source!r} are truncated or corrupt ({str(exc).splitlines()[0]}); "
+                                 "copy or download the model again") from exc
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"{source!r} has no usable tokenizer ({str(exc).splitlines()[0]}); add the "
+                                 "model's tokenizer files to the directory") from exc
     elif (path.exists() or source.startswith((".", "/", "~")) or source.endswith("/") or source.count("/") > 1
           or source.endswith(".gguf")):  # a path, not a hub id ("org/name")
         raise ModelLoadError(

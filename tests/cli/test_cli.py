@@ -246,6 +246,7 @@ def test_generate_samples_reproducibly_with_a_seed(checkpoint_hd64):
     (("--temperature", -1), ("--temperature -1.0 must be >= 0",)),
     (("--temperature", 1, "--top-k", 0), ("--top-k 0 must be >= 1",)),
     (("--temperature", 1, "--top-p", 1.5), ("--top-p 1.5 must lie in (0, 1]",)),
+    (("--temperature", 1, "--seed", 2**70), ("--seed 1180591620717411303424 must lie in [0, 2**63)",)),
 ])
 def test_generate_sampling_options_are_checked(checkpoint_hd64, options, fragments):
     assert_user_error(invoke("generate", checkpoint_hd64, "--prompt", "a", "--device", "cpu", *options), *fragments)
@@ -521,3 +522,54 @@ def test_written_files_follow_the_umask(checkpoint, llama_dir, text_dir, tmp_pat
     assert result.exit_code == 0, result.output
     assert report.stat().st_mode & 0o777 == 0o666 & ~mask
     assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
+
+
+def test_a_truncated_source_model_is_one_line(llama_dir, tmp_path):
+    import shutil
+
+    broken = tmp_path / "trunc"
+    shutil.copytree(llama_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    result = invoke("quantize", broken, "-o", tmp_path / "o", "--scheme", "fp8")
+    assert_user_error(result, "truncated or corrupt", "copy or download the model again")
+    (broken / "tokenizer.json").unlink()
+    shutil.copy(llama_dir / "model.safetensors", weights)
+    result = invoke("quantize", broken, "-o", tmp_path / "o", "--scheme", "fp8")
+    assert_user_error(result, "has no usable tokenizer")
+    assert not (tmp_path / "o").exists()
+
+
+def test_reports_may_not_land_in_a_model_directory(checkpoint, llama_dir, tmp_path):
+    ckpt = copy_checkpoint(checkpoint, tmp_path)
+    config_before = (ckpt / "config.json").read_text()
+    result = invoke("eval", ckpt, "--baseline", llama_dir, "--json", ckpt / "config.json")
+    assert_user_error(result, "--json", "is inside the checkpoint directory")
+    result = invoke("eval", ckpt, "--baseline", llama_dir, "--json", llama_dir / "report.json")
+    assert_user_error(result, "is inside the baseline directory")
+    assert (ckpt / "config.json").read_text() == config_before
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--scheme", "fp8", "--report",
+                    tmp_path / "out" / "config.json")
+    assert_user_error(result, "--report", "is inside the --output directory")
+
+
+def test_eval_checks_the_stride_before_loading(checkpoint, llama_dir):
+    result = invoke("eval", checkpoint, "--baseline", "/nonexistent/model", "--window", 64, "--stride", 100)
+    assert_user_error(result, "--stride 100 is larger than --window 64")
+
+
+def test_eval_json_is_strict_and_records_the_windows(checkpoint, llama_dir, text_dir, tmp_path):
+    out = tmp_path / "eval.json"
+    result = invoke("eval", checkpoint, "--baseline", llama_dir, "--dataset", text_dir, "--window", 32, "--stride", 16,
+                    "--max-tokens", 200, "--json", out)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert (report["window"], report["stride"], report["max_tokens"]) == (32, 16, 200)
+
+
+def test_home_relative_checkpoint_paths(checkpoint, llama_dir, tmp_path, monkeypatch):
+    ckpt = copy_checkpoint(checkpoint, tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    result = invoke("generate", "~/copy", "--prompt", "The river", "--max-new-tokens", 2, "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert ckpt.name == "copy"

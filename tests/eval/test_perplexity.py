@@ -83,3 +83,25 @@ def test_sliding_windows_score_each_token_once_with_its_context():
     expected = torch.cat(nll)
     assert result.tokens == expected.numel() == 19
     assert result.nll == pytest.approx(expected.mean().item(), rel=1e-6)
+
+
+def test_scores_in_eval_mode_and_restores_the_callers_mode():
+    model = make_tiny("llama")
+    model.config.attention_dropout = 0.5
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.5
+    tokens = torch.randint(3, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    want = evaluate_perplexity(model.eval(), tokens, window=16, bos_token_id=1, progress=False)
+    model.train()
+    got = evaluate_perplexity(model, tokens, window=16, bos_token_id=1, progress=False)
+    assert model.training and got.nll == want.nll
+
+
+def test_a_broken_model_has_infinite_perplexity_not_an_overflow():
+    model = make_tiny("llama").eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e4)
+    tokens = torch.randint(3, model.config.vocab_size, (30,), generator=torch.Generator().manual_seed(4))
+    result = evaluate_perplexity(model, tokens, window=16, progress=False)
+    assert result.nll > 710 and result.perplexity == math.inf

@@ -317,3 +317,13 @@ def test_sampling_takes_numpy_and_tensor_numbers():
     got = generate(model, ids, 4, do_sample=True, temperature=np.float32(0.5), top_k=np.int64(7),
                    top_p=torch.tensor(0.8, dtype=torch.float64), generator=torch.Generator().manual_seed(0))
     assert torch.equal(got, want)
+
+
+def test_a_tiny_temperature_samples_the_argmax():
+    from quantkit.generate import Sampling
+
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(8)) * 5
+    for temperature in (1e-30, 1e-45):
+        probs = Sampling.of(temperature).probabilities(logits)
+        assert bool(torch.isfinite(probs).all())
+        assert torch.equal(probs.argmax(dim=-1), logits.argmax(dim=-1)) and bool((probs.max(dim=-1).values == 1).all())

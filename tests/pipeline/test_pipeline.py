@@ -3,6 +3,7 @@
 import copy
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -217,16 +218,60 @@ def test_small_datasets_still_split_or_calibrate(tmp_path):
     kept = [doc for doc in docs if not is_held_out(doc)]
     single = tmp_path / "single.txt"
     single.write_text(held[0])
-    assert load_texts(str(single), "calibration") == [held[0]]
+    with pytest.warns(UserWarning, match="1 of its calibration documents would be on the other side"):
+        assert load_texts(str(single), "calibration") == [held[0]]
     with pytest.raises(DatasetError, match="needs at least 4; add documents"):
         load_texts(str(single), "evaluation")
-    for name, group in (("calibration_only", kept[:5]), ("held_out_only", held[:5])):
+    for name, group, moved_split in (("calibration_only", kept[:5], "evaluation"),
+                                     ("held_out_only", held[:5], "calibration")):
         folder = tmp_path / name
         folder.mkdir()
         for i, doc in enumerate(group):
             (folder / f"doc{i}.txt").write_text(doc)
-        calibration, evaluation = load_texts(str(folder), "calibration"), load_texts(str(folder), "evaluation")
-        assert calibration and evaluation and sorted(calibration + evaluation) == sorted(group)
+        texts = {}
+        for split in ("calibration", "evaluation"):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                texts[split] = load_texts(str(folder), split)
+            # Only the split that received the moved document warns.
+            messages = [str(w.message) for w in caught if "too few documents" in str(w.message)]
+            if split == moved_split:
+                assert len(messages) == 1 and f"1 of its {split} documents" in messages[0], messages
+            else:
+                assert not messages, messages
+        assert texts["calibration"] and texts["evaluation"]
+        assert sorted(texts["calibration"] + texts["evaluation"]) == sorted(group)
+
+
+def test_copies_with_a_byte_order_mark_or_other_normalization_share_a_split(tmp_path):
+    from quantkit.calibration.data import document_key, load_texts
+
+    docs = make_documents(40, 8, seed=2)
+    docs[0] = docs[0] + " caf\u00e9"
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i, doc in enumerate(docs):
+        (folder / f"d{i}.txt").write_text(doc, encoding="utf-8")
+    (folder / "bom_copy.txt").write_bytes(b"\xef\xbb\xbf" + docs[0].encode("utf-8"))
+    (folder / "nfd_copy.txt").write_text(docs[0].replace("\u00e9", "e\u0301"), encoding="utf-8")
+    assert document_key("\ufeff" + docs[0]) == document_key(docs[0].replace("\u00e9", "e\u0301")) == document_key(docs[0])
+    calibration = {document_key(t) for t in load_texts(str(folder), "calibration")}
+    evaluation = {document_key(t) for t in load_texts(str(folder), "evaluation")}
+    assert calibration and evaluation and not calibration & evaluation
+
+
+@pytest.mark.parametrize("source, match", [
+    ("", "is empty"),
+    ("data.jsonl", "is not a .txt file"),
+    ("missing/folder/", "does not exist"),
+])
+def test_dataset_arguments_that_are_not_text_are_refused(tmp_path, monkeypatch, source, match):
+    from quantkit.calibration.data import DatasetError, load_texts
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.jsonl").write_text('{"text": "a"}\n')
+    with pytest.raises(DatasetError, match=match):
+        load_texts(source, "calibration")
 
 
 def test_static_scheme_requires_calibration_data(llama_dir):
