@@ -5,9 +5,11 @@
 A random model of the bundled Gemma-3-270M's shape (18 layers, hidden 640, vocabulary 262,144; no
 weights need to travel), bf16, FP8 and INT8, through ``optimize(exact=True)``:
 - checks: the same generator seed gives the same tokens with the CUDA graph as without (CUDA and
-  CPU generators, batch 1 and 4, top-p and top-k); top_k=1 gives the greedy tokens; the filtered
-  distribution on CUDA equals the CPU's; the inverse CDF on CUDA picks each token of a small
-  vocabulary with its probability (an evenly spread grid of uniforms).
+  CPU generators, batch 1 and 4, top-p and top-k), and they differ from the greedy tokens; the
+  filtered distribution on CUDA equals the CPU's; the inverse CDF on CUDA picks each token of a
+  small vocabulary with its probability (an evenly spread grid of uniforms). (top_k=1 against greedy
+  is a CPU test: on these flat bf16 logits the maximum is often tied, and top-k keeps ties, as
+  transformers' warper does.)
 - timing: decode ms/token (median of 3 runs, graph replay) of greedy, temperature-only, top-k 50
   and top-p 0.95 sampling at batch 1 and 8, 128 new tokens after a 32-token prompt.
 """
@@ -52,10 +54,14 @@ def distribution_checks() -> None:
         sampling = Sampling.of(temperature, top_k, top_p)
         cpu, gpu = sampling.probabilities(logits), sampling.probabilities(logits.cuda()).cpu()
         # fp32 sums over 262k tokens differ by ~1e-5 between the two devices, so a token whose top-p
-        # mass lies that close to the cut may be kept on one and not the other (at most one per row).
+        # mass lies that close to the cut may be kept on one and not the other (at most one per row);
+        # the rest are compared renormalized over the tokens both keep.
         mismatched = (cpu > 0) != (gpu > 0)
-        error = float((cpu - gpu).abs().max())
-        record("probabilities_cuda_equal_cpu", int(mismatched.sum(dim=1).max()) <= 1 and error <= 2e-4,
+        common = (cpu > 0) & (gpu > 0)
+        cpu_c, gpu_c = cpu * common, gpu * common
+        cpu_c, gpu_c = cpu_c / cpu_c.sum(-1, keepdim=True), gpu_c / gpu_c.sum(-1, keepdim=True)
+        error = float((cpu_c - gpu_c).abs().max())
+        record("probabilities_cuda_equal_cpu", int(mismatched.sum(dim=1).max()) <= 1 and error <= 2e-5,
                temperature=temperature, top_k=top_k, top_p=top_p, kept=int((cpu > 0).sum()),
                support_mismatches=int(mismatched.sum()), max_abs_error=error)
     small = torch.randn(2, 13, generator=torch.Generator().manual_seed(2)).cuda() * 2
@@ -82,9 +88,6 @@ def generation_checks(model, scheme: str) -> None:
                 differs = float((runs[0] != greedy)[:, 32:].float().mean())
                 record("graph_equals_eager_sampled", torch.equal(runs[0], runs[1]) and differs > 0.5, scheme=scheme,
                        batch=batch, generator=device, tokens_differing_from_greedy=differs, **kwargs)
-        top1 = quantkit.generate_tokens(model, ids, 24, eos_token_id=None, do_sample=True, top_k=1,
-                                        generator=torch.Generator("cuda").manual_seed(0))
-        record("top_k_1_equals_greedy", torch.equal(top1, greedy), scheme=scheme, batch=batch)
 
 
 def timing(model, scheme: str) -> None:
