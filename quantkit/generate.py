@@ -278,8 +278,8 @@ def generate(
         by ``temperature`` (default 1.0), ``top_k`` and ``top_p`` (default: no filter). These come
         from the arguments only, never from the generation config, and are refused without do_sample.
     generator: a torch.Generator (on the CPU or the model's device) that makes the samples
-        reproducible; default: torch's global generator of the model's device. The same generator
-        state gives the same tokens with or without the CUDA graph.
+        reproducible; default: torch's global generator of the model's device. The captured and
+        the eager decode step consume the same uniform numbers.
     """
     ids = _as_batch(input_ids, getattr(model.config, "vocab_size", None))
     batch, prompt_len = ids.shape
