@@ -1,4 +1,11 @@
-import copy, json, sys, torch
+"""Session 29's one-off diagnostic of sampled decoding, graph against eager (result:
+results/sampling_diag_s29_h200.json). ``choose`` on fixed tie-dense logits eager twice and replayed
+in a graph; int8 decoding at batch 1 with top-p and temperature only, graph/graph, eager/eager and
+graph/eager (index of the first differing token, None when equal); greedy graph against eager.
+
+    PYTHONPATH=. python benchmarks/sampling_diag.py OUT.json
+"""
+import json, sys, torch
 sys.path.insert(0, ".")
 import quantkit
 from quantkit.generate import Sampling

@@ -19,7 +19,7 @@ valid lengths read from a device tensor. The output equals ``model.generate(do_s
 
 Sampling draws every step's uniform number before the loop (one per row and step, from the
 caller's generator) and picks a token by the inverse CDF of the filtered distribution, so the
-captured step holds no random-number state and replays the same tokens as eager decoding.
+captured step holds no random-number state and consumes the same numbers as eager decoding.
 Temperature, top-k and top-p filter the logits as transformers' warpers of the same names do.
 """
 

@@ -8,8 +8,8 @@ that shares some files), and copies of it, line endings, spacing, a byte-order m
 normalization aside, land with it: `quantkit quantize --dataset X` and `quantkit eval --dataset Y`
 share no document's text. Two exceptions, each named in a warning when it applies: a dataset with
 fewer than four distinct documents holds none out (a single text file calibrates), and one whose
-hashes leave a side empty moves one document across (``_hash_split``). The bundled Wikipedia excerpt is a fixed file; it holds out every fourth
-article by position, as it always has, so that published perplexities stay comparable (it is
+hashes leave a side empty moves one document across (``_hash_split``). The bundled Wikipedia
+excerpt is a fixed file; it holds out every fourth article by position, as it always has, so that published perplexities stay comparable (it is
 not split like other datasets, so evaluate it only against itself).
 """
 
@@ -133,8 +133,8 @@ def load_texts(source: str, split: str) -> list[str]:
         held_out_keys = {document_key(text) for text, out in zip(docs, held_out) if out}
         held_out = [out or document_key(text) in held_out_keys for text, out in zip(docs, held_out)]
     else:
-        held_out = _hash_split(docs)
-        moved = sum(out == (split == "evaluation") and out != is_held_out(text) for text, out in zip(docs, held_out))
+        held_out, in_bucket = _hash_split(docs)
+        moved = sum(out == (split == "evaluation") and out != bucket for out, bucket in zip(held_out, in_bucket))
         if moved:
             warnings.warn(
                 f"dataset {source!r} has too few documents for the hash split alone: {moved} of its {split} "
@@ -152,23 +152,24 @@ def load_texts(source: str, split: str) -> list[str]:
     return texts
 
 
-def _hash_split(docs: list[str]) -> list[bool]:
-    """Held out or not, per document, by its hash bucket. Datasets with fewer than ``EVAL_EVERY``
-    distinct documents hold nothing out. Where the buckets leave a side empty (a few
-    documents), the document with the largest hash is held out, or the one with the smallest
-    calibrated on: in those datasets alone a split depends on the other documents."""
+def _hash_split(docs: list[str]) -> tuple[list[bool], list[bool]]:
+    """Held out or not, per document, and whether its hash bucket alone holds it out. Datasets with
+    fewer than ``EVAL_EVERY`` distinct documents hold nothing out. Where the buckets leave a side
+    empty (a few documents), the document with the largest hash is held out, or the one with the
+    smallest calibrated on: in those datasets alone a split depends on the other documents."""
     keys = [document_key(text) for text in docs]
     values = {key: _hash_value(key) for key in keys}
+    in_bucket = [_in_eval_bucket(values[key]) for key in keys]
     if len(values) < EVAL_EVERY:
-        return [False] * len(docs)
-    held_out = [_in_eval_bucket(values[key]) for key in keys]
+        return [False] * len(docs), in_bucket
+    held_out = in_bucket
     if not any(held_out):
         chosen = max(values, key=values.get)
         held_out = [key == chosen for key in keys]
     elif all(held_out):
         chosen = min(values, key=values.get)
         held_out = [key != chosen for key in keys]
-    return held_out
+    return held_out, in_bucket
 
 
 def document_key(text: str) -> str:
