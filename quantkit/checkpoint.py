@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -164,16 +165,39 @@ def _shard_files(ckpt: Path) -> list[Path]:
     return files
 
 
-def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    tensors = {}
+def _checkpoint_keys(files: list[Path]) -> dict[str, Path]:
+    """Each tensor name in the shards' headers and the shard that holds it (no tensor is read)."""
+    keys = {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as handle:
-                for key in handle.keys():
-                    tensors[key] = handle.get_tensor(key)
+                keys.update(dict.fromkeys(handle.keys(), file))
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"checkpoint shard {str(file)!r} is truncated or corrupt ({exc})") from exc
-    return tensors
+    return keys
+
+
+def _empty_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
+    """name -> (owning module, attribute, tensor) for each persistent parameter and buffer, each
+    once: a tied head is the embedding's own Parameter (identity, not data_ptr, tells them apart
+    on the meta device, where every tensor's address is 0)."""
+    seen: set[int] = set()
+    entries = {}
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        persistent = [(n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set]
+        for attr, tensor in [*module._parameters.items(), *persistent]:
+            if tensor is not None and id(tensor) not in seen:
+                seen.add(id(tensor))
+                entries[prefix + attr] = (module, attr, tensor)
+    return entries
+
+
+def _place(module: nn.Module, attr: str, target: torch.Tensor, value: torch.Tensor) -> None:
+    if isinstance(target, nn.Parameter):
+        module._parameters[attr] = nn.Parameter(value, requires_grad=target.requires_grad)
+    else:
+        module._buffers[attr] = value
 
 
 def read_quant_config(ckpt_dir: str | os.PathLike) -> QuantConfig:
@@ -211,6 +235,21 @@ def load_tokenizer(ckpt_dir: str | os.PathLike):
                               "save the checkpoint with its tokenizer (quantkit.save(..., tokenizer=...))") from exc
 
 
+def _checked(name: str, tensor: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A checkpoint tensor checked against the model's (meta) tensor and cast to its dtype; the
+    quantized weights and their fp32 scales must already be in the scheme's dtypes."""
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise CheckpointError(
+            f"{name} has shape {tuple(tensor.shape)} in the checkpoint but the model needs {tuple(target.shape)}"
+        )
+    quantized = target.dtype in (torch.int8, torch.float8_e4m3fn)
+    if quantized and tensor.dtype != target.dtype:
+        raise CheckpointError(f"{name} is {tensor.dtype} in the checkpoint but the scheme needs {target.dtype}")
+    if name.endswith(("weight_scale", "input_scale")) and not bool((torch.isfinite(tensor) & (tensor > 0)).all()):
+        raise CheckpointError(f"{name} holds a non-finite or non-positive scale; the checkpoint is corrupt")
+    return tensor.to(target.dtype)
+
+
 @torch.no_grad()
 def load(
     ckpt_dir: str | os.PathLike,
@@ -221,8 +260,9 @@ def load(
     """Rebuild a quantized model from a checkpoint written by ``save`` (or any compatible writer).
 
     device: default CUDA when available, else CPU. backend: "auto" picks the Triton kernels on
-    CUDA and the torch reference elsewhere. Every tensor is checked against the model's shapes
-    and dtypes before anything is copied.
+    CUDA and the torch reference elsewhere. The model is built without weights (on the meta
+    device) and each checkpoint tensor is read straight onto ``device`` and checked against the
+    model's shape and dtype there: the host never holds a second copy of the model.
     """
     ckpt = Path(ckpt_dir)
     config = read_quant_config(ckpt)
@@ -233,29 +273,37 @@ def load(
     hf_config = AutoConfig.from_pretrained(str(ckpt))
     if hasattr(hf_config, "quantization_config"):
         del hf_config.quantization_config  # quantkit builds the quantized modules itself
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    # Parameters on the meta device (no memory, no random init); buffers computed in __init__
+    # (RoPE's inv_freq, Gemma's embedding scale) are real. Each checkpoint tensor then becomes its
+    # parameter, read straight onto ``device``: one copy of the model, never two.
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     build_empty_quantized(model, config, backend, dtype)
-    tensors = _read_tensors(files)
-    state = _unique_state(model)
-    missing = sorted(set(state) - set(tensors))
-    unexpected = sorted(set(tensors) - set(state))
+    tied = not untie_quantized_head(model)
+    if tied:
+        model.tie_weights()  # a tied head is then the embedding's Parameter, not a tensor to read
+    keys = _checkpoint_keys(files)
+    state = _empty_tensors(model)
+    missing = sorted(set(state) - set(keys))
+    unexpected = sorted(set(keys) - set(state))
     if missing or unexpected:
         detail = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
         raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match its config: {detail}")
-    for name, tensor in tensors.items():
-        target = state[name]
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise CheckpointError(
-                f"{name} has shape {tuple(tensor.shape)} in the checkpoint but the model needs {tuple(target.shape)}"
-            )
-        quantized = target.dtype in (torch.int8, torch.float8_e4m3fn)
-        if quantized and tensor.dtype != target.dtype:
-            raise CheckpointError(f"{name} is {tensor.dtype} in the checkpoint but the scheme needs {target.dtype}")
-        if name.endswith(("weight_scale", "input_scale")) and not bool((torch.isfinite(tensor) & (tensor > 0)).all()):
-            raise CheckpointError(f"{name} holds a non-finite or non-positive scale; the checkpoint is corrupt")
-        target.copy_(tensor)
-    if not untie_quantized_head(model):
-        model.tie_weights()
+    read_device = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}" \
+        if device.type == "cuda" else "cpu"
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device=read_device) as handle:
+                for name in handle.keys():
+                    module, attr, target = state[name]
+                    _place(module, attr, target, _checked(name, handle.get_tensor(name), target))
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"checkpoint shard {str(file)!r} is truncated or corrupt ({exc})") from exc
+    if tied:
+        model.tie_weights()  # again: reading replaced the embedding's Parameter
+    left = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
+    if left:
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} does not fill {left[:3]}; it does not match its config")
     if (ckpt / "generation_config.json").is_file():
         # from_config rebuilds the generation config from config.json alone: extra eos ids (an
         # instruct model's end-of-turn token), the pad id and sampling defaults live only here.

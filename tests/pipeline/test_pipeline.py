@@ -612,3 +612,47 @@ def test_a_null_quantization_config_is_not_a_checkpoint(int8_checkpoint, tmp_pat
     assert not quantkit.is_quantized_checkpoint(target)
     with pytest.raises(ValueError, match="has no quantization_config"):
         quantkit.load(target, device="cpu")
+
+
+def _edit_tensors(checkpoint, tmp_path, edit):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target = tmp_path / "edited"
+    shutil.copytree(checkpoint, target)
+    tensors = load_file(target / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
+
+_DOWN = "model.layers.1.mlp.down_proj"
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda t: t.pop(f"{_DOWN}.weight_scale"), rf"missing \['{_DOWN}.weight_scale'\]"),
+    (lambda t: t.update(extra=torch.randn(3)), r"unexpected \['extra'\]"),
+    (lambda t: t.update({f"{_DOWN}.weight": t[f"{_DOWN}.weight"][:, :-1].contiguous()}), "has shape"),
+    (lambda t: t.update({f"{_DOWN}.weight": t[f"{_DOWN}.weight"].float()}), "scheme needs torch.int8"),
+    (lambda t: t[f"{_DOWN}.weight_scale"].__setitem__(2, 0.0), "non-finite or non-positive scale"),
+    (lambda t: t[f"{_DOWN}.weight_scale"].__setitem__(1, float("nan")), "non-finite or non-positive scale"),
+])
+def test_load_checks_every_tensor(int8_checkpoint, tmp_path, edit, match):
+    with pytest.raises(quantkit.CheckpointError, match=match):
+        quantkit.load(_edit_tensors(int8_checkpoint, tmp_path, edit), device="cpu")
+
+
+def test_load_builds_no_random_weights(int8_checkpoint, monkeypatch):
+    """The model is built on the meta device and filled from the checkpoint: no initializer runs on
+    a real tensor (a random init of an 8B model took minutes and a second copy of its memory)."""
+    real_normal = torch.nn.init.normal_
+
+    def normal_(tensor, *args, **kwargs):
+        if not tensor.is_meta:
+            raise AssertionError(f"random init of a real {tuple(tensor.shape)} tensor while loading")
+        return real_normal(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.init, "normal_", normal_)
+    loaded = quantkit.load(int8_checkpoint, device="cpu")
+    assert not any(t.is_meta for t in [*loaded.parameters(), *loaded.buffers()])
