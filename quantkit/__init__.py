@@ -2,6 +2,7 @@
 
 from quantkit.api import (
     Comparison,
+    check_dataset,
     compare_perplexity,
     prepare_calibration_data,
     prepare_evaluation_tokens,
@@ -43,6 +44,7 @@ __all__ = [
     "PerplexityResult",
     "QuantConfig",
     "UnknownSchemeError",
+    "check_dataset",
     "check_output_dir",
     "compare_perplexity",
     "evaluate_perplexity",

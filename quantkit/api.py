@@ -18,7 +18,7 @@ from quantkit.calibration.smoothquant import smooth_model
 from quantkit.calibration.weights import weight_amax as observed_weight_amax
 from quantkit.calibration.data import calibration_blocks, load_texts, tokenize_stream
 from quantkit.config import QuantConfig
-from quantkit.convert import ConversionReport, convert_model, require_targets, target_linears
+from quantkit.convert import ConversionReport, convert_model, require_targets, round_to_storage, target_linears
 from quantkit.eval.perplexity import PerplexityResult, evaluate_perplexity
 from quantkit.kernels.ops import resolve_backend
 from quantkit.nn import QuantLinear
@@ -28,6 +28,15 @@ logger = logging.getLogger(__name__)
 
 def _model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+def storage_dtype(model: nn.Module) -> torch.dtype | None:
+    """The 16-bit dtype a float32 model's unquantized tensors are kept to and saved in: the one its
+    source checkpoint stored them in (``load_model`` records it; a CPU computes in float32), so a
+    checkpoint made on a CPU is the size of one made on a GPU. None: they are saved as they are."""
+    source = getattr(model, "quantkit_source_dtype", None)
+    compute = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return source if compute == torch.float32 and source in (torch.float16, torch.bfloat16) else None
 
 
 def context_length(model: nn.Module) -> int | None:
@@ -47,6 +56,15 @@ def prepare_calibration_data(tokenizer, dataset: str, num_samples: int = 64, seq
         warnings.warn(f"the calibration split of {dataset!r} holds {len(blocks)} blocks of {seq_len} tokens, fewer "
                       f"than num_samples={num_samples}; calibrating on {len(blocks)}", stacklevel=2)
     return blocks
+
+
+def check_dataset(dataset: str, split: str = "calibration") -> None:
+    """Raise DatasetError unless ``dataset`` yields text for ``split``: a check to run before a
+    model loads (minutes for a large one) rather than after. Warnings about the text are left to
+    the call that uses it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_texts(dataset, split)
 
 
 def prepare_evaluation_tokens(tokenizer, dataset: str, max_tokens: int | None = None) -> torch.Tensor:
@@ -71,6 +89,10 @@ def quantize(
     offload_device: calibrate a model kept in host memory on this device, one decoder block at a
     time (``calibration.offload`` states the memory bound); the quantized model stays in host
     memory (save it, or move it with ``.to``), with the backend chosen for the host.
+
+    A float32 model loaded by ``load_model`` from a 16-bit checkpoint (the CPU default) keeps its
+    unquantized tensors to that dtype's values (SmoothQuant's norm gains included), and ``save``
+    stores them in it: the checkpoint holds exactly the model quantized (``storage_dtype``).
     """
     if isinstance(config, str):
         config = QuantConfig.preset(config)
@@ -107,21 +129,22 @@ def _quantize_eval(model: nn.Module, config: QuantConfig, calibration_data: torc
                    backend: str, per_block: bool) -> nn.Module:
     require_targets(model, config)  # before any calibration work
     dtype = config.torch_dtype
+    storage = storage_dtype(model)
+    quantizable = target_linears(model, config)
+    candidates = len(quantizable)
+    if config.keep_sensitive >= candidates:  # before SmoothQuant's statistics, not after
+        raise ValueError(f"keep_sensitive={config.keep_sensitive} would keep all {candidates} quantizable "
+                         f"Linear layers in 16 bits; use a value below {candidates}")
     smoothquant_report = None
     if config.smoothquant_alpha is not None:
         # Folded into the preceding norms / Linears: the float model is unchanged, its activations
         # lose their outlier channels, and the weights absorb them.
         smoothquant_report = smooth_model(
             model, calibration_data, alpha=config.smoothquant_alpha, exclude=config.ignore, progress=progress,
-            quant_dtype=dtype, static_activations=config.is_static,
+            quant_dtype=dtype, static_activations=config.is_static, storage_dtype=storage,
         )
     ranking, kept = None, ()
     if config.keep_sensitive:
-        quantizable = target_linears(model, config)
-        candidates = len(quantizable)
-        if config.keep_sensitive >= candidates:
-            raise ValueError(f"keep_sensitive={config.keep_sensitive} would keep all {candidates} quantizable "
-                             f"Linear layers in 16 bits; use a value below {candidates}")
         # One forward per layer: short blocks keep a 100-layer model in minutes on a CPU.
         ranking = rank_layers(model, calibration_data, config, progress=progress, max_seq_len=128)
         # Whole groups of layers that read one input (q/k/v, gate/up): engines fuse each into one
@@ -152,6 +175,8 @@ def _quantize_eval(model: nn.Module, config: QuantConfig, calibration_data: torc
         quantized_weights=quantized_weights, extra_ignore=kept,
     )
     logger.info("%s (backend=%s)", report, backend)
+    round_to_storage(model, storage)
+    model.quantkit_storage_dtype = storage
     model.quantkit_config = config
     model.quantkit_report = report
     model.quantkit_kept = kept

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -22,10 +23,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from accelerate import init_empty_weights
 from torch import nn
+from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from quantkit.config import QuantConfig
-from quantkit.convert import build_empty_quantized, untie_quantized_head
+from quantkit.convert import build_empty_quantized, storage_tensors, untie_quantized_head
 from quantkit.kernels.ops import resolve_backend
 from quantkit.models.loading import publish_files, resolve_device, resolve_dtype, staging_dir
 from quantkit.nn import QuantLinear
@@ -116,6 +118,11 @@ def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite
                               "save it before optimize(), or save the model quantkit.load returned")
     out_dir = Path(out_dir)
     check_output_dir(out_dir, overwrite, getattr(model.config, "_name_or_path", None))
+    get_head = getattr(model, "get_output_embeddings", None)
+    if isinstance(get_head() if get_head else None, QuantLinear):
+        warnings.warn("the output head (lm_head) is quantized: quantkit.load and transformers load it, but vLLM "
+                      "does not load a quantized lm_head for most models (llm-compressor issue #1820); keep it in "
+                      "16 bits (the default ignore) for vLLM", stacklevel=2)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     config_dict = model.config.to_dict()
     # Every Linear still in 16 bits by name: quantkit's ignore globs mean nothing to other loaders.
@@ -123,9 +130,16 @@ def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite
     # class hierarchy, so an unlisted one would be read as quantized and given random scales.
     kept = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     config_dict["quantization_config"] = config.to_quantization_config(ignore=kept)
+    # A float32 model quantized from a 16-bit source (on a CPU) is stored in that dtype; quantize()
+    # already rounded those tensors to it, so the cast is exact.
+    storage = getattr(model, "quantkit_storage_dtype", None)
+    narrowed = storage_tensors(model, storage)
+    if storage is not None:
+        config_dict["dtype"] = str(storage).removeprefix("torch.")
     staging = staging_dir(out_dir.parent, f".{out_dir.name}.staging-")
     try:
-        shards = _shards({name: t.detach().contiguous().cpu() for name, t in _unique_state(model).items()})
+        shards = _shards({name: (t.to(storage) if name in narrowed else t).detach().contiguous().cpu()
+                          for name, t in _unique_state(model).items()})
         if len(shards) == 1:
             save_file(shards[0], str(staging / SAFE_WEIGHTS), metadata={"format": "pt"})
         else:
@@ -256,13 +270,15 @@ def load(
     device: torch.device | str | None = None,
     backend: str = "auto",
     dtype: torch.dtype | None = None,
+    progress: bool = True,
 ) -> nn.Module:
     """Rebuild a quantized model from a checkpoint written by ``save`` (or any compatible writer).
 
     device: default CUDA when available, else CPU. backend: "auto" picks the Triton kernels on
     CUDA and the torch reference elsewhere. The model is built without weights (on the meta
     device) and each checkpoint tensor is read straight onto ``device`` and checked against the
-    model's shape and dtype there: the host never holds a second copy of the model.
+    model's shape and dtype there: the host never holds a second copy of the model. progress: a
+    progress bar over the tensors.
     """
     ckpt = Path(ckpt_dir)
     config = read_quant_config(ckpt)
@@ -291,14 +307,16 @@ def load(
         raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match its config: {detail}")
     read_device = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}" \
         if device.type == "cuda" else "cpu"
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt", device=read_device) as handle:
-                for name in handle.keys():
-                    module, attr, target = state[name]
-                    _place(module, attr, target, _checked(name, handle.get_tensor(name), target))
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"checkpoint shard {str(file)!r} is truncated or corrupt ({exc})") from exc
+    with tqdm(total=len(keys), desc="loading checkpoint", unit="tensor", disable=not progress, leave=False) as bar:
+        for file in files:
+            try:
+                with safe_open(str(file), framework="pt", device=read_device) as handle:
+                    for name in handle.keys():
+                        module, attr, target = state[name]
+                        _place(module, attr, target, _checked(name, handle.get_tensor(name), target))
+                        bar.update()
+            except (SafetensorError, OSError) as exc:
+                raise CheckpointError(f"checkpoint shard {str(file)!r} is truncated or corrupt ({exc})") from exc
     if tied:
         model.tie_weights()  # again: reading replaced the embedding's Parameter
     left = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]

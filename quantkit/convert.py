@@ -13,7 +13,7 @@ from torch import nn
 
 from quantkit.config import QuantConfig
 from quantkit.nn import QuantLinear
-from quantkit.nn.linear import layer_backend
+from quantkit.nn.linear import QuantizedBuffers, layer_backend
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,32 @@ def require_targets(model: nn.Module, config: QuantConfig) -> None:
         raise ValueError(f"{type(model).__name__} has no nn.Linear layer to quantize: its weights are in {kinds}, "
                          "which quantkit does not quantize (it rewrites nn.Linear layers only)")
     raise ValueError(f"no nn.Linear layer matched; check the ignore patterns of the QuantConfig ({list(config.ignore)})")
+
+
+def format_tensor_names(model: nn.Module) -> set[str]:
+    """State-dict names of the tensors whose dtype is the quantized format (weight, weight_scale,
+    input_scale of each quantized module): never cast, whatever dtype the rest is stored in."""
+    return {f"{name}.{buffer}" if name else buffer
+            for name, module in model.named_modules() if isinstance(module, QuantizedBuffers)
+            for buffer in QuantizedBuffers._FORMAT_BUFFERS if module._buffers.get(buffer) is not None}
+
+
+def storage_tensors(model: nn.Module, storage_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The float32 parameters and persistent buffers stored in ``storage_dtype`` (all but the
+    quantized formats), by state-dict name; empty for None."""
+    if storage_dtype is None:
+        return {}
+    formats = format_tensor_names(model)
+    return {name: tensor for name, tensor in model.state_dict(keep_vars=True).items()
+            if tensor.dtype == torch.float32 and name not in formats}
+
+
+@torch.no_grad()
+def round_to_storage(model: nn.Module, storage_dtype: torch.dtype | None) -> None:
+    """Round the tensors ``storage_tensors`` names to ``storage_dtype``'s values, in place (they stay
+    float32): the model then computes with exactly the values its checkpoint will hold."""
+    for tensor in storage_tensors(model, storage_dtype).values():
+        tensor.data.copy_(tensor.data.to(storage_dtype))
 
 
 def untie_quantized_head(model: nn.Module) -> bool:

@@ -213,6 +213,7 @@ def smooth_model(
     quant_dtype: torch.dtype = torch.int8,
     static_activations: bool = False,
     search_tokens: int = 1024,
+    storage_dtype: torch.dtype | None = None,
 ) -> dict:
     """Apply SmoothQuant in place (an exact identity in floating point) and return a JSON-able report.
 
@@ -224,6 +225,9 @@ def smooth_model(
     alpha_grid: if given, ``alpha`` is ignored and each group takes the strength of the grid (or
     no smoothing at all) that minimizes its consumers' W8A8 output error on ``search_tokens``
     sampled calibration tokens, quantized as ``quant_dtype`` / ``static_activations`` say.
+    storage_dtype: the 16-bit dtype a float32 model's weights will be saved in (``quantize`` passes
+    the source checkpoint's); norm gains are rounded to it as they are folded, so the saved model
+    is the one smoothed.
 
     Memory: see the module docstring — O(sum of in_features) floats of statistics, probe inputs of
     ``probe_tokens`` tokens, and a transient float32 copy of 16-bit models.
@@ -240,6 +244,9 @@ def smooth_model(
     # Only 16-bit parameters are upcast, and each returns to its own dtype afterwards: buffers
     # (RoPE's float32 inv_freq) and parameters a model keeps in float32 are left alone.
     upcast = {p: p.dtype for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)}
+    stored = dict(upcast)
+    if storage_dtype is not None:
+        stored.update({p: storage_dtype for p in model.parameters() if p.dtype == torch.float32})
     was_training = model.training
     model.eval()
     for param in upcast:
@@ -285,7 +292,7 @@ def smooth_model(
                 **({"norm_offset": group.offset} if group.kind == "norm" else {}),
             })
         for group, scales in plans:
-            _fold(group, modules, scales, stored_dtypes=upcast)
+            _fold(group, modules, scales, stored_dtypes=stored)
         change = _relative_change(before, prober.run()) if groups else 0.0
     finally:
         for param, dtype in upcast.items():

@@ -183,6 +183,8 @@ def quantize(
                    "and runs no calibration", err=True)
     dataset = dataset or DEFAULT_DATASET
     device = _device(device)
+    if config.needs_calibration:
+        quantkit.check_dataset(dataset, "calibration")  # before the model loads, not after
     start = time.perf_counter()
     if offload:
         import torch
@@ -233,6 +235,7 @@ def evaluate(
         _check_writable(json_path, "--json", directory=False)
         _refuse_inside(json_path, "--json", {"checkpoint": str(checkpoint), "baseline": baseline})
     device = _device(device)
+    quantkit.check_dataset(dataset, "evaluation")  # before the models load, not after
     base_model, tokenizer = quantkit.load_model(baseline, device=device)
     tokens = quantkit.prepare_evaluation_tokens(tokenizer, dataset, max_tokens)
     qmodel = quantkit.load(checkpoint, device=device)
@@ -395,6 +398,12 @@ def _sampling_options(temperature: float, top_k: Optional[int], top_p: Optional[
     return dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
 
+# Not benchmarks/results: run from a checkout, the default would overwrite the committed reference runs.
+BENCH_OUT = Path("out/bench")
+_BENCH_OUT_OPTION = typer.Option(BENCH_OUT, help="Where CSV/JSON/PNG go (the committed reference runs live in "
+                                                 "benchmarks/results).")
+
+
 def _benchmark(run, out_dir: Path) -> None:
     """Run a benchmark on the GPU; a kernel failing its output check ends it in one line."""
     import torch
@@ -411,7 +420,7 @@ def _benchmark(run, out_dir: Path) -> None:
 
 @bench_app.command("gemm")
 @user_errors
-def bench_gemm(out_dir: Path = typer.Option(Path("benchmarks/results"), help="Where CSV/JSON/PNG go.")) -> None:
+def bench_gemm(out_dir: Path = _BENCH_OUT_OPTION) -> None:
     """GPU checks, then the quantization kernels and the INT8/FP8 GEMMs vs cuBLAS bf16, _scaled_mm and _int_mm
     (Llama-3-8B shapes)."""
     from quantkit.bench.gemm import run_all
@@ -421,7 +430,7 @@ def bench_gemm(out_dir: Path = typer.Option(Path("benchmarks/results"), help="Wh
 
 @bench_app.command("attention")
 @user_errors
-def bench_attention(out_dir: Path = typer.Option(Path("benchmarks/results"), help="Where CSV/JSON/PNG go.")) -> None:
+def bench_attention(out_dir: Path = _BENCH_OUT_OPTION) -> None:
     """GPU checks, then flash prefill and split-KV decode attention vs SDPA."""
     from quantkit.bench.attention import run_attention_benchmark
 
@@ -430,7 +439,7 @@ def bench_attention(out_dir: Path = typer.Option(Path("benchmarks/results"), hel
 
 @bench_app.command("model")
 @user_errors
-def bench_model(out_dir: Path = typer.Option(Path("benchmarks/results"), help="Where CSV/JSON/PNG go.")) -> None:
+def bench_model(out_dir: Path = _BENCH_OUT_OPTION) -> None:
     """Fast-path checks, then end to end on a Llama-3-8B-shaped model: HF bf16 vs quantkit fp8/int8 prefill,
     decode, memory."""
     from quantkit.bench.e2e import run_e2e_benchmark

@@ -159,6 +159,13 @@ def _umask() -> int:
     return mask
 
 
+def stored_dtype(config) -> torch.dtype | None:
+    """The float dtype a checkpoint's config.json says its weights are stored in; None if it names none."""
+    value = getattr(config, "dtype", None)
+    value = MODEL_DTYPES.get(value) if isinstance(value, str) else value
+    return value if value in MODEL_DTYPES.values() else None
+
+
 def _refuse_quantized(config, source: str):
     """``config`` if it describes a 16-bit model; ModelLoadError if it is already quantized."""
     quantization = getattr(config, "quantization_config", None)
@@ -178,6 +185,9 @@ def load_model(
 
     ``source`` is a local HF directory, a hub id (when online), a ``.gguf`` file (dequantized by
     transformers' GGUF loader), or ``"gemma3-270m"``, the bundled Gemma-3-270M base model.
+
+    The dtype the source stores its weights in is kept as ``model.quantkit_source_dtype`` (None for
+    a .gguf file): a model computed in float32 on a CPU is saved in it (see ``quantkit.quantize``).
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
@@ -189,12 +199,14 @@ def load_model(
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {source!r} does not exist")
         model, tokenizer = _load_gguf(path, dtype)
+        source_dtype = None  # dequantized from GGUF blocks: no 16-bit dtype of its own
     elif path.is_file():
         raise ModelLoadError(f"{source!r} is a file; pass the model's directory (or a .gguf file)")
     elif path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{source!r} has no config.json; pass a Hugging Face model directory")
         config = _refuse_quantized(AutoConfig.from_pretrained(str(path)), source)
+        source_dtype = stored_dtype(config)  # before from_pretrained sets config.dtype to the dtype loaded
         try:
             model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype)
         except SafetensorError as exc:
@@ -214,6 +226,7 @@ def load_model(
     else:
         try:
             config = _refuse_quantized(AutoConfig.from_pretrained(source), source)
+            source_dtype = stored_dtype(config)
             model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(source)
         except OSError as exc:
@@ -221,4 +234,5 @@ def load_model(
                 f"cannot load {source!r} from the hub ({str(exc).splitlines()[0]}); pass a local directory, "
                 f"a .gguf file, or {BUNDLED_MODEL!r}"
             ) from exc
+    model.quantkit_source_dtype = source_dtype
     return model.to(device).eval(), tokenizer

@@ -250,6 +250,31 @@ def test_norm_fold_rounds_the_gain_first_and_compensates_the_consumers():
                                rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("storage_dtype", [torch.bfloat16, torch.float16])
+def test_a_float32_model_stored_in_16_bits_folds_gains_it_can_store(storage_dtype):
+    """A model computed in float32 but saved in 16 bits (quantize on a CPU): the folded norm gains
+    are that dtype's values and the consumers compensate for their rounding, so the logits stay
+    exact; folded in float32 and rounded when saved, they would not be."""
+    torch.manual_seed(3)
+    model = _gemma3()
+    blocks = _blocks()
+    with torch.no_grad():
+        before = model(input_ids=blocks).logits
+    smooth_model(model, blocks, alpha=0.8, progress=False, linear_pairs=False, storage_dtype=storage_dtype)
+    with torch.no_grad():
+        after = model(input_ids=blocks).logits
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5 * float(before.abs().max()))
+    norms = [m.weight for n, m in model.named_modules() if n.endswith(("input_layernorm", "pre_feedforward_layernorm"))]
+    assert len(norms) == 4 and all(w.dtype == torch.float32 for w in norms)
+    assert all(torch.equal(w, w.to(storage_dtype).float()) for w in norms)
+
+    torch.manual_seed(3)
+    plain = _gemma3()
+    smooth_model(plain, blocks, alpha=0.8, progress=False, linear_pairs=False)
+    assert not all(torch.equal(m.weight, m.weight.to(storage_dtype).float())
+                   for n, m in plain.named_modules() if n.endswith("input_layernorm"))
+
+
 def _relu_llama(gate_bias):
     torch.manual_seed(5)
     config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,

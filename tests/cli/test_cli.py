@@ -146,6 +146,22 @@ def test_missing_dataset_path(llama_dir, tmp_path):
     assert_user_error(result, "does not exist")
 
 
+def test_a_bad_dataset_is_named_before_the_model_loads(checkpoint, llama_dir, tmp_path, monkeypatch):
+    """A typo in --dataset fails in a second, not after minutes of loading a large model."""
+    import quantkit
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the dataset was checked")
+
+    monkeypatch.setattr(quantkit, "load_model", no_load)
+    monkeypatch.setattr(quantkit, "load", no_load)
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--dataset", tmp_path / "nope.txt",
+                    "--scheme", "int8-static")
+    assert_user_error(result, "nope.txt", "does not exist")
+    result = invoke("eval", checkpoint, "--baseline", llama_dir, "--dataset", tmp_path / "nope")
+    assert_user_error(result, "nope", "does not exist")
+
+
 def test_seq_len_beyond_context(llama_dir, tmp_path, text_dir):
     result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--dataset", text_dir, "--seq-len", 1000,
                     "--scheme", "fp8-static")

@@ -393,7 +393,8 @@ def test_quantized_head_of_a_tied_model_round_trips(tiny_model_dir, text_dir, tm
     model, tokenizer = quantkit.load_model(tiny_model_dir)
     qmodel = quantkit.quantize(model, quantkit.QuantConfig.preset("fp8", ignore=()), _blocks(tokenizer, text_dir))
     assert isinstance(qmodel.lm_head, QuantLinear)
-    out = quantkit.save(qmodel, tmp_path / "ckpt", tokenizer=tokenizer)
+    with pytest.warns(UserWarning, match="vLLM does not load a quantized lm_head"):
+        out = quantkit.save(qmodel, tmp_path / "ckpt", tokenizer=tokenizer)
     assert json.loads((out / "config.json").read_text()).get("tie_word_embeddings") is not True
     loaded = quantkit.load(out, device="cpu")
     assert isinstance(loaded.lm_head, QuantLinear)
@@ -656,3 +657,38 @@ def test_load_builds_no_random_weights(int8_checkpoint, monkeypatch):
     monkeypatch.setattr(torch.nn.init, "normal_", normal_)
     loaded = quantkit.load(int8_checkpoint, device="cpu")
     assert not any(t.is_meta for t in [*loaded.parameters(), *loaded.buffers()])
+
+
+@pytest.mark.parametrize("scheme, smoothquant", [("int8", None), ("fp8-static", 0.8)])
+def test_a_cpu_checkpoint_is_stored_in_the_source_dtype(tmp_path, text_dir, scheme, smoothquant):
+    """A bf16 model quantized on a CPU (computed in float32) is saved in bf16, and the checkpoint
+    holds exactly the model quantized: SmoothQuant's folded Gemma norm gains, (1 + w) / s - 1 near
+    -1 where bf16 keeps few bits, are rounded as they are folded, not afterwards."""
+    from safetensors import safe_open
+
+    from tests.tiny import make_model, make_tokenizer
+
+    source = tmp_path / "bf16"
+    tokenizer = make_tokenizer()
+    make_model("gemma3", len(tokenizer)).to(torch.bfloat16).save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    model, tokenizer = quantkit.load_model(source, device="cpu")
+    assert model.dtype == torch.float32 and model.quantkit_source_dtype == torch.bfloat16
+    config = quantkit.QuantConfig.preset(scheme, smoothquant_alpha=smoothquant)
+    qmodel = quantkit.quantize(model, config, _blocks(tokenizer, text_dir), progress=False)
+    assert qmodel.quantkit_storage_dtype == torch.bfloat16
+    out = quantkit.save(qmodel, tmp_path / "ckpt", tokenizer=tokenizer)
+
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(out / "model.safetensors"), framework="pt") as handle:
+        dtypes = {name: handle.get_slice(name).get_dtype() for name in handle.keys()}
+    quant = "I8" if scheme.startswith("int8") else "F8_E4M3"
+    for name, stored in dtypes.items():
+        expected = quant if name.endswith("proj.weight") else "F32" if name.endswith("_scale") else "BF16"
+        assert stored == expected, (name, stored)
+    loaded = quantkit.load(out, device="cpu", dtype=torch.float32)
+    ids = _input_ids(len(tokenizer))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, qmodel(input_ids=ids).logits)
+    if smoothquant:
+        assert qmodel.quantkit_calibration_report["smoothquant"]["n_smoothed"] > 0
