@@ -11,6 +11,8 @@ renamed into place only when complete.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import os
 import shutil
@@ -25,6 +27,9 @@ from accelerate import init_empty_weights
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (WeightConverter, WeightRenaming, apply_converters, apply_renamings,
+                                             revert_weight_conversion)
 
 from quantkit.config import QuantConfig
 from quantkit.convert import build_empty_quantized, storage_tensors, untie_quantized_head
@@ -129,7 +134,7 @@ def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite
     # Subclasses too (routers of some MoE models): compressed-tensors' "Linear" target matches the
     # class hierarchy, so an unlisted one would be read as quantized and given random scales.
     kept = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    config_dict["quantization_config"] = config.to_quantization_config(ignore=kept)
+    config_dict["quantization_config"] = config.to_quantization_config(ignore=_checkpoint_module_names(model, kept))
     # A float32 model quantized from a 16-bit source (on a CPU) is stored in that dtype; quantize()
     # already rounded those tensors to it, so the cast is exact.
     storage = getattr(model, "quantkit_storage_dtype", None)
@@ -138,8 +143,13 @@ def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite
         config_dict["dtype"] = str(storage).removeprefix("torch.")
     staging = staging_dir(out_dir.parent, f".{out_dir.name}.staging-")
     try:
-        shards = _shards({name: (t.to(storage) if name in narrowed else t).detach().contiguous().cpu()
-                          for name, t in _unique_state(model).items()})
+        state = {name: (t.to(storage) if name in narrowed else t).detach().cpu()
+                 for name, t in _unique_state(model).items()}
+        # In the source checkpoint's layout, as save_pretrained writes it: transformers 5 fuses some
+        # weights when it loads (a mixture of experts' per-expert matrices into one 3-D tensor), and
+        # vLLM reads the per-expert names. quantkit's own tensors are renamed, never converted.
+        state = revert_weight_conversion(model, state)
+        shards = _shards({name: t.contiguous() for name, t in state.items()})
         if len(shards) == 1:
             save_file(shards[0], str(staging / SAFE_WEIGHTS), metadata={"format": "pt"})
         else:
@@ -179,6 +189,46 @@ def _shard_files(ckpt: Path) -> list[Path]:
     return files
 
 
+def _checkpoint_module_names(model: nn.Module, names: list[str]) -> list[str]:
+    """Module names as the checkpoint's tensor names spell them (transformers' renamings reverted)."""
+    weights = {f"{name}.weight": model.get_submodule(name).weight for name in names}
+    return sorted(key.removesuffix(".weight") for key in revert_weight_conversion(model, weights))
+
+
+def _conversions(model: nn.Module):
+    """transformers' load-time transforms for this model: (renamings, converters that fuse tensors)."""
+    transforms = get_model_conversion_mapping(model)
+    return ([t for t in transforms if isinstance(t, WeightRenaming)],
+            [t for t in transforms if isinstance(t, WeightConverter)])
+
+
+def _read_plan(model: nn.Module, keys: dict[str, Path]) -> tuple[dict[str, str], dict[str, list[tuple[str, str]]]]:
+    """How each checkpoint tensor reaches the model, as ``from_pretrained`` would take it: renamed
+    (model name -> checkpoint key), or gathered with others by a converter (the converter's first
+    model name -> [(checkpoint key, pattern)]), e.g. per-expert matrices stacked into one tensor."""
+    renamings, converters = _conversions(model)
+    renamed, gathered = {}, {}
+    for key in keys:
+        target, pattern = apply_converters(key, converters) if converters else (key, None)
+        if pattern is None:
+            renamed[apply_renamings(key, renamings) if renamings else key] = key
+        else:
+            gathered.setdefault(target, []).append((key, pattern))
+    return renamed, gathered
+
+
+def _gather(model: nn.Module, target: str, sources: list[tuple[str, str]], read) -> dict[str, torch.Tensor]:
+    """Run the converter that makes ``target`` on its checkpoint tensors: model name -> tensor."""
+    renamings, converters = _conversions(model)
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+    converter = copy.deepcopy(by_pattern[sources[0][1]])
+    for key, pattern in sources:
+        converter.add_tensor(target, key, pattern, read(key))
+    converted = converter.convert(target, model=model, config=model.config)
+    return {apply_renamings(name, renamings) if renamings else name: value[0] if isinstance(value, list) else value
+            for name, value in converted.items()}
+
+
 def _checkpoint_keys(files: list[Path]) -> dict[str, Path]:
     """Each tensor name in the shards' headers and the shard that holds it (no tensor is read)."""
     keys = {}
@@ -189,6 +239,30 @@ def _checkpoint_keys(files: list[Path]) -> dict[str, Path]:
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"checkpoint shard {str(file)!r} is truncated or corrupt ({exc})") from exc
     return keys
+
+
+class _ShardReader:
+    """``read(key)``: one checkpoint tensor, read onto ``device`` from the shard that holds it (each
+    shard opened once); a damaged shard is a CheckpointError naming it."""
+
+    def __init__(self, keys: dict[str, Path], device: str):
+        self.keys, self.device, self.handles = keys, device, {}
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.stack.close()
+
+    def __call__(self, key: str) -> torch.Tensor:
+        file = self.keys[key]
+        try:
+            if file not in self.handles:
+                self.handles[file] = self.stack.enter_context(safe_open(str(file), framework="pt", device=self.device))
+            return self.handles[file].get_tensor(key)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"checkpoint shard {str(file)!r} is truncated or corrupt ({exc})") from exc
 
 
 def _empty_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
@@ -300,28 +374,38 @@ def load(
         model.tie_weights()  # a tied head is then the embedding's Parameter, not a tensor to read
     keys = _checkpoint_keys(files)
     state = _empty_tensors(model)
-    missing = sorted(set(state) - set(keys))
-    unexpected = sorted(set(keys) - set(state))
-    if missing or unexpected:
-        detail = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
-        raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match its config: {detail}")
+    renamed, gathered = _read_plan(model, keys)
+    unexpected = sorted(set(renamed) - set(state))
+    if unexpected:
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match its config: unexpected "
+                              f"{[renamed[name] for name in unexpected[:3]]}")
+    missing = sorted(set(state) - set(renamed) - set(gathered))
+    if missing and not gathered:  # a converter may make more than its first name: checked after reading
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match its config: missing {missing[:3]}")
     read_device = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}" \
         if device.type == "cuda" else "cpu"
-    with tqdm(total=len(keys), desc="loading checkpoint", unit="tensor", disable=not progress, leave=False) as bar:
-        for file in files:
-            try:
-                with safe_open(str(file), framework="pt", device=read_device) as handle:
-                    for name in handle.keys():
-                        module, attr, target = state[name]
-                        _place(module, attr, target, _checked(name, handle.get_tensor(name), target))
-                        bar.update()
-            except (SafetensorError, OSError) as exc:
-                raise CheckpointError(f"checkpoint shard {str(file)!r} is truncated or corrupt ({exc})") from exc
+    filled = set()
+    with tqdm(total=len(keys), desc="loading checkpoint", unit="tensor", disable=not progress, leave=False) as bar, \
+            _ShardReader(keys, read_device) as read:
+        for name, key in renamed.items():
+            module, attr, target = state[name]
+            _place(module, attr, target, _checked(name, read(key), target))
+            filled.add(name)
+            bar.update()
+        for first, sources in gathered.items():
+            for name, tensor in _gather(model, first, sources, read).items():
+                if name not in state:
+                    raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match its config: its "
+                                          f"{sources[0][0]} and others make {name}, which the model does not have")
+                module, attr, target = state[name]
+                _place(module, attr, target, _checked(name, tensor, target))
+                filled.add(name)
+            bar.update(len(sources))
+    missing = sorted(set(state) - filled)
+    if missing:
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match its config: missing {missing[:3]}")
     if tied:
         model.tie_weights()  # again: reading replaced the embedding's Parameter
-    left = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
-    if left:
-        raise CheckpointError(f"checkpoint {str(ckpt)!r} does not fill {left[:3]}; it does not match its config")
     if (ckpt / "generation_config.json").is_file():
         # from_config rebuilds the generation config from config.json alone: extra eos ids (an
         # instruct model's end-of-turn token), the pad id and sampling defaults live only here.

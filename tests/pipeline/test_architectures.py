@@ -90,3 +90,53 @@ def test_checkpoints_with_a_quantized_routing_gate_still_load(tmp_path, monkeypa
 def test_ignoring_every_linear_names_the_ignore_patterns():
     with pytest.raises(ValueError, match="check the ignore patterns"):
         quantkit.quantize(_qwen2_moe(), quantkit.QuantConfig.preset("int8", ignore=("lm_head", "model.*")))
+
+
+def test_moe_checkpoint_keeps_the_source_layout(tmp_path):
+    """transformers 5 stacks a mixture of experts' per-expert matrices into 3-D tensors when it
+    loads; a checkpoint carries them per expert, as save_pretrained writes them and vLLM reads them
+    (before, quantkit wrote the stacked `mlp.experts.gate_up_proj`). quantkit.load stacks them back,
+    and transformers (compressed-tensors) loads the checkpoint with the experts' values."""
+    pytest.importorskip("compressed_tensors")
+    from safetensors import safe_open
+
+    source = tmp_path / "source"
+    _qwen2_moe().save_pretrained(source)
+    make_tokenizer().save_pretrained(source)
+    model, tokenizer = quantkit.load_model(source)
+    qmodel = quantkit.quantize(model, "fp8", progress=False)
+    out = quantkit.save(qmodel, tmp_path / "ckpt", tokenizer=tokenizer)
+
+    def names(directory):
+        with safe_open(str(directory / "model.safetensors"), framework="pt") as handle:
+            return set(handle.keys())
+
+    saved, original = names(out), names(source)
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in saved and not any("gate_up_proj" in n for n in saved)
+    assert original <= saved and all(n.endswith("_scale") for n in saved - original)
+    ids = torch.randint(1, 300, (2, 13), generator=torch.Generator().manual_seed(3))
+    loaded = quantkit.load(out, device="cpu", progress=False)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    experts = "model.layers.1.mlp.experts.gate_up_proj"
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, qmodel(input_ids=ids).logits)
+        assert torch.equal(hf_model.get_parameter(experts).float(), qmodel.get_parameter(experts).float())
+        ours, theirs = qmodel(input_ids=ids).logits, hf_model(input_ids=ids).logits
+        original = quantkit.load_model(source)[0](input_ids=ids).logits
+    # Float noise between the two stacks moves the odd activation across an 8-bit rounding step
+    # (README): far less than quantization itself moves the logits.
+    assert (ours - theirs).norm() < 0.5 * (ours - original).norm()
+
+
+def test_a_checkpoint_with_stacked_experts_still_loads(tmp_path, monkeypatch):
+    """Checkpoints quantkit wrote before it kept the source layout hold the stacked 3-D tensors."""
+    from quantkit import checkpoint
+
+    qmodel = quantkit.quantize(_qwen2_moe(), "int8", progress=False)
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint, "revert_weight_conversion", lambda model, state: state)
+        out = quantkit.save(qmodel, tmp_path / "stacked", tokenizer=make_tokenizer())
+    loaded = quantkit.load(out, device="cpu", progress=False)
+    ids = torch.randint(1, 300, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, qmodel(input_ids=ids).logits)
