@@ -34,7 +34,7 @@ from transformers.core_model_loading import (WeightConverter, WeightRenaming, ap
 from quantkit.config import QuantConfig
 from quantkit.convert import build_empty_quantized, storage_tensors, untie_quantized_head
 from quantkit.kernels.ops import resolve_backend
-from quantkit.models.loading import publish_files, resolve_device, resolve_dtype, staging_dir
+from quantkit.models.loading import publish_files, resolve_device, resolve_dtype, staging_dir, sync_dir
 from quantkit.nn import QuantLinear
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -107,6 +107,7 @@ def _swap_in(staging: Path, out_dir: Path) -> None:
             os.replace(backup / out_dir.name, out_dir)
             shutil.rmtree(backup, ignore_errors=True)
         raise
+    sync_dir(out_dir.parent)
     if backup is not None:
         shutil.rmtree(backup, ignore_errors=True)
 

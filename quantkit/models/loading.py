@@ -132,6 +132,7 @@ def bundled_model_dir() -> Path:
         tokenizer.save_pretrained(staging)
         publish_files(staging)
         os.replace(staging, target)
+        sync_dir(target.parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
@@ -146,15 +147,46 @@ def staging_dir(parent: Path, prefix: str) -> Path:
 
 
 def publish_files(directory: Path) -> None:
-    """Give the files in ``directory`` the permissions the umask gives (safetensors writes 0600)."""
+    """Give the files in ``directory`` the permissions the umask gives (safetensors writes 0600) and
+    flush them to disk: the directory is renamed into place next, and a crash after that rename must
+    not leave a complete-looking checkpoint whose shards were never written out."""
     mode = 0o666 & ~_umask()
     for path in directory.rglob("*"):
         if path.is_file():
             os.chmod(path, mode)
+            _fsync(path)
+    for path in [directory, *(p for p in directory.rglob("*") if p.is_dir())]:
+        _fsync(path)
+
+
+def sync_dir(directory: Path) -> None:
+    """Flush a directory's entries (a rename into it) to disk."""
+    _fsync(directory)
+
+
+def _fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # not openable here (a directory on some platforms): nothing to flush
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # file systems that cannot sync a directory
+    finally:
+        os.close(fd)
 
 
 def _umask() -> int:
-    mask = os.umask(0)
+    """The process's umask, read without changing it where Linux shows it (os.umask can only read it
+    by setting it, and a thread creating a file meanwhile would get mode 0666)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)  # the fallback's window is private, not world-writable
     os.umask(mask)
     return mask
 

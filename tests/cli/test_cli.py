@@ -1,6 +1,7 @@
 """The command line: the happy path, and every bad input as one line, exit code 1, nothing written."""
 
 import json
+from pathlib import Path
 import re
 import subprocess
 import sys
@@ -523,6 +524,22 @@ def test_dataset_file_that_is_not_utf8(llama_dir, tmp_path):
                     "--seq-len", 32)
     assert_user_error(result, "latin1.txt", "is not UTF-8 text", "convert it to UTF-8")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads the umask from /proc")
+def test_the_umask_is_read_without_changing_it(monkeypatch):
+    """os.umask reads the mask only by setting it: a thread creating a file in between got 0666."""
+    import os
+
+    from quantkit.models import loading
+
+    previous = os.umask(0o027)
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "umask", lambda mask: pytest.fail("os.umask was called"))
+            assert loading._umask() == 0o027
+    finally:
+        os.umask(previous)
 
 
 def test_written_files_follow_the_umask(checkpoint, llama_dir, text_dir, tmp_path):
