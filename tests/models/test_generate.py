@@ -327,3 +327,17 @@ def test_a_tiny_temperature_samples_the_argmax():
         probs = Sampling.of(temperature).probabilities(logits)
         assert bool(torch.isfinite(probs).all())
         assert torch.equal(probs.argmax(dim=-1), logits.argmax(dim=-1)) and bool((probs.max(dim=-1).values == 1).all())
+
+
+@pytest.mark.parametrize("length", [1, 7, 1024, 1025, 3000])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_row_cumsum_is_a_cumsum(length, dtype, tolerance):
+    """The two-level scan that sampling uses on a GPU (block sums, then one block) gives torch's
+    cumsum up to rounding, for lengths below, at and past a block and a partial last block."""
+    from quantkit.generate import row_cumsum
+
+    x = torch.rand(3, length, generator=torch.Generator().manual_seed(length), dtype=torch.float64)
+    x = (x / x.sum(dim=-1, keepdim=True)).to(dtype)  # probabilities, as sampling scans
+    result = row_cumsum(x)
+    assert result.shape == x.shape and result.dtype == dtype
+    torch.testing.assert_close(result, x.double().cumsum(dim=-1).to(dtype), rtol=0, atol=tolerance)
