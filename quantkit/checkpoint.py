@@ -27,15 +27,22 @@ from accelerate import init_empty_weights
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import (WeightConverter, WeightRenaming, apply_converters, apply_renamings,
-                                             revert_weight_conversion)
 
 from quantkit.config import QuantConfig
 from quantkit.convert import build_empty_quantized, storage_tensors, untie_quantized_head
 from quantkit.kernels.ops import resolve_backend
 from quantkit.models.loading import publish_files, resolve_device, resolve_dtype, staging_dir, sync_dir
 from quantkit.nn import QuantLinear
+
+try:  # transformers' load-time weight conversions (5.23 has them; the package needs >= 5.23)
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (WeightConverter, WeightRenaming, apply_converters, apply_renamings,
+                                                 revert_weight_conversion)
+except ImportError:  # an older transformers (a GPU image's): tensors keep the model's own names
+    get_model_conversion_mapping = None
+
+    def revert_weight_conversion(model, state):
+        return state
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -198,7 +205,7 @@ def _checkpoint_module_names(model: nn.Module, names: list[str]) -> list[str]:
 
 def _conversions(model: nn.Module):
     """transformers' load-time transforms for this model: (renamings, converters that fuse tensors)."""
-    transforms = get_model_conversion_mapping(model)
+    transforms = get_model_conversion_mapping(model) if get_model_conversion_mapping is not None else []
     return ([t for t in transforms if isinstance(t, WeightRenaming)],
             [t for t in transforms if isinstance(t, WeightConverter)])
 
