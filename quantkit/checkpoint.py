@@ -273,27 +273,33 @@ class _ShardReader:
             raise CheckpointError(f"checkpoint shard {str(file)!r} is truncated or corrupt ({exc})") from exc
 
 
-def _empty_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
-    """name -> (owning module, attribute, tensor) for each persistent parameter and buffer, each
-    once: a tied head is the embedding's own Parameter (identity, not data_ptr, tells them apart
-    on the meta device, where every tensor's address is 0)."""
-    seen: set[int] = set()
+def _empty_tensors(model: nn.Module) -> dict[str, tuple[list[tuple[nn.Module, str]], torch.Tensor]]:
+    """name -> (every (module, attribute) that holds it, tensor) for each persistent parameter and
+    buffer, named once, as the state dict first names it (``save`` writes that name). A tied head
+    is the embedding's own Parameter: identity, not data_ptr, tells tensors apart on the meta
+    device, where every address is 0, and the value read goes to every holder, whichever of them
+    the model registers first."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
     entries = {}
-    for module_name, module in model.named_modules():
+    for module_name, module in model.named_modules(remove_duplicate=False):
         prefix = f"{module_name}." if module_name else ""
         persistent = [(n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set]
         for attr, tensor in [*module._parameters.items(), *persistent]:
-            if tensor is not None and id(tensor) not in seen:
-                seen.add(id(tensor))
-                entries[prefix + attr] = (module, attr, tensor)
+            if tensor is None:
+                continue
+            if id(tensor) not in holders:
+                holders[id(tensor)] = []
+                entries[prefix + attr] = (holders[id(tensor)], tensor)
+            if not any(m is module and a == attr for m, a in holders[id(tensor)]):
+                holders[id(tensor)].append((module, attr))
     return entries
 
 
-def _place(module: nn.Module, attr: str, target: torch.Tensor, value: torch.Tensor) -> None:
+def _place(holders: list[tuple[nn.Module, str]], target: torch.Tensor, value: torch.Tensor) -> None:
     if isinstance(target, nn.Parameter):
-        module._parameters[attr] = nn.Parameter(value, requires_grad=target.requires_grad)
-    else:
-        module._buffers[attr] = value
+        value = nn.Parameter(value, requires_grad=target.requires_grad)
+    for module, attr in holders:
+        (module._parameters if isinstance(target, nn.Parameter) else module._buffers)[attr] = value
 
 
 def read_quant_config(ckpt_dir: str | os.PathLike) -> QuantConfig:
@@ -377,8 +383,7 @@ def load(
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     build_empty_quantized(model, config, backend, dtype)
-    tied = not untie_quantized_head(model)
-    if tied:
+    if not untie_quantized_head(model):
         model.tie_weights()  # a tied head is then the embedding's Parameter, not a tensor to read
     keys = _checkpoint_keys(files)
     state = _empty_tensors(model)
@@ -396,8 +401,8 @@ def load(
     with tqdm(total=len(keys), desc="loading checkpoint", unit="tensor", disable=not progress, leave=False) as bar, \
             _ShardReader(keys, read_device) as read:
         for name, key in renamed.items():
-            module, attr, target = state[name]
-            _place(module, attr, target, _checked(name, read(key), target))
+            holders, target = state[name]
+            _place(holders, target, _checked(name, read(key), target))
             filled.add(name)
             bar.update()
         for first, sources in gathered.items():
@@ -405,15 +410,16 @@ def load(
                 if name not in state:
                     raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match its config: its "
                                           f"{sources[0][0]} and others make {name}, which the model does not have")
-                module, attr, target = state[name]
-                _place(module, attr, target, _checked(name, tensor, target))
+                holders, target = state[name]
+                _place(holders, target, _checked(name, tensor, target))
                 filled.add(name)
             bar.update(len(sources))
     missing = sorted(set(state) - filled)
     if missing:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match its config: missing {missing[:3]}")
-    if tied:
-        model.tie_weights()  # again: reading replaced the embedding's Parameter
+    left = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
+    if left:
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match its config: missing {left[:3]}")
     if (ckpt / "generation_config.json").is_file():
         # from_config rebuilds the generation config from config.json alone: extra eos ids (an
         # instruct model's end-of-turn token), the pad id and sampling defaults live only here.

@@ -692,3 +692,28 @@ def test_a_cpu_checkpoint_is_stored_in_the_source_dtype(tmp_path, text_dir, sche
         assert torch.equal(loaded(input_ids=ids).logits, qmodel(input_ids=ids).logits)
     if smoothquant:
         assert qmodel.quantkit_calibration_report["smoothquant"]["n_smoothed"] > 0
+
+
+def test_a_tied_head_registered_before_the_embedding_loads(tmp_path):
+    """XLM-RoBERTa-style models register lm_head before the encoder: the tied weight's first name
+    is the head's, and the value read must reach the embedding too (it was left on the meta device)."""
+    from transformers import XLMRobertaConfig, XLMRobertaForCausalLM
+
+    from tests.tiny import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    config = XLMRobertaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=2, is_decoder=True, max_position_embeddings=128, pad_token_id=0,
+                              bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = XLMRobertaForCausalLM(config)
+    assert [name for name, _ in model.named_modules()][1] == "lm_head"
+    model.save_pretrained(tmp_path / "source")
+    tokenizer.save_pretrained(tmp_path / "source")
+    source, tokenizer = quantkit.load_model(tmp_path / "source", device="cpu")
+    qmodel = quantkit.quantize(source, quantkit.QuantConfig.preset("int8", ignore=("lm_head*",)), progress=False)
+    loaded = quantkit.load(quantkit.save(qmodel, tmp_path / "ckpt", tokenizer=tokenizer), device="cpu", progress=False)
+    assert loaded.lm_head.decoder.weight is loaded.get_input_embeddings().weight
+    ids = _input_ids(len(tokenizer))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, qmodel(input_ids=ids).logits)
