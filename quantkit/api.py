@@ -16,7 +16,7 @@ from quantkit.calibration.report import build_report
 from quantkit.calibration.sensitivity import most_sensitive, rank_layers, shared_input_groups
 from quantkit.calibration.smoothquant import smooth_model
 from quantkit.calibration.weights import weight_amax as observed_weight_amax
-from quantkit.calibration.data import calibration_blocks, load_texts, tokenize_stream
+from quantkit.calibration.data import calibration_blocks, check_source, load_texts, tokenize_stream
 from quantkit.config import QuantConfig
 from quantkit.convert import ConversionReport, convert_model, require_targets, round_to_storage, target_linears
 from quantkit.eval.perplexity import PerplexityResult, evaluate_perplexity
@@ -58,13 +58,11 @@ def prepare_calibration_data(tokenizer, dataset: str, num_samples: int = 64, seq
     return blocks
 
 
-def check_dataset(dataset: str, split: str = "calibration") -> None:
-    """Raise DatasetError unless ``dataset`` yields text for ``split``: a check to run before a
-    model loads (minutes for a large one) rather than after. Warnings about the text are left to
-    the call that uses it."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        load_texts(dataset, split)
+def check_dataset(dataset: str) -> None:
+    """Raise DatasetError unless ``dataset`` can be read: a check to run before a model loads
+    (minutes for a large one) rather than after. The split is made, and checked, when the text is
+    used."""
+    check_source(dataset)
 
 
 def prepare_evaluation_tokens(tokenizer, dataset: str, max_tokens: int | None = None) -> torch.Tensor:

@@ -29,9 +29,10 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from quantkit.config import QuantConfig
-from quantkit.convert import build_empty_quantized, storage_tensors, untie_quantized_head
+from quantkit.convert import build_empty_quantized, format_tensor_names, storage_tensors, untie_quantized_head
 from quantkit.kernels.ops import resolve_backend
-from quantkit.models.loading import publish_files, resolve_device, resolve_dtype, staging_dir, sync_dir
+from quantkit.models.loading import (publish_files, resolve_device, resolve_dtype, staging_dir, stored_dtype,
+                                     sync_dir)
 from quantkit.nn import QuantLinear
 
 try:  # transformers' load-time weight conversions (5.23 has them; the package needs >= 5.23)
@@ -147,12 +148,11 @@ def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite
     # already rounded those tensors to it, so the cast is exact.
     storage = getattr(model, "quantkit_storage_dtype", None)
     narrowed = storage_tensors(model, storage)
-    if storage is not None:
-        config_dict["dtype"] = str(storage).removeprefix("torch.")
     staging = staging_dir(out_dir.parent, f".{out_dir.name}.staging-")
     try:
         state = {name: (t.to(storage) if name in narrowed else t).detach().cpu()
                  for name, t in _unique_state(model).items()}
+        _record_dtype(config_dict, state, format_tensor_names(model))
         # In the source checkpoint's layout, as save_pretrained writes it: transformers 5 fuses some
         # weights when it loads (a mixture of experts' per-expert matrices into one 3-D tensor), and
         # vLLM reads the per-expert names. quantkit's own tensors are renamed, never converted.
@@ -179,6 +179,22 @@ def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+def _record_dtype(config_dict: dict, state: dict[str, torch.Tensor], formats: set[str]) -> None:
+    """config.json's dtype (and its sub-configs'): that of most of the float tensors written outside
+    the quantized formats, which loaders given dtype="auto" (transformers, vLLM) compute in."""
+    sizes: dict[torch.dtype, int] = {}
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and name not in formats:
+            sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + tensor.numel()
+    if not sizes:
+        return
+    name = str(max(sizes, key=sizes.get)).removeprefix("torch.")
+    config_dict["dtype"] = name
+    for value in config_dict.values():
+        if isinstance(value, dict) and "dtype" in value:
+            value["dtype"] = name
 
 
 def _shard_files(ckpt: Path) -> list[Path]:
@@ -377,6 +393,7 @@ def load(
     hf_config = AutoConfig.from_pretrained(str(ckpt))
     if hasattr(hf_config, "quantization_config"):
         del hf_config.quantization_config  # quantkit builds the quantized modules itself
+    checkpoint_dtype = stored_dtype(hf_config)  # before from_config sets the dtype asked for
     # Parameters on the meta device (no memory, no random init); buffers computed in __init__
     # (RoPE's inv_freq, Gemma's embedding scale) are real. Each checkpoint tensor then becomes its
     # parameter, read straight onto ``device``: one copy of the model, never two.
@@ -425,4 +442,7 @@ def load(
         # instruct model's end-of-turn token), the pad id and sampling defaults live only here.
         model.generation_config = GenerationConfig.from_pretrained(str(ckpt))
     model.quantkit_config = config
+    # Loaded in float32 from 16-bit tensors (a CPU's default): saved again, it keeps their dtype.
+    model.quantkit_storage_dtype = checkpoint_dtype if dtype == torch.float32 and checkpoint_dtype in (
+        torch.float16, torch.bfloat16) else None
     return model.to(device).eval()

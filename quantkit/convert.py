@@ -6,6 +6,7 @@ Knows models and modules, not kernels: the numerics live in QuantLinear and belo
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -100,13 +101,16 @@ def format_tensor_names(model: nn.Module) -> set[str]:
 
 
 def storage_tensors(model: nn.Module, storage_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """The float32 parameters and persistent buffers stored in ``storage_dtype`` (all but the
-    quantized formats), by state-dict name; empty for None."""
+    """The float32 parameters and persistent buffers stored in ``storage_dtype``, by state-dict name:
+    all but the quantized formats and what transformers keeps in float32 at that dtype (a router's
+    weight, a correction bias: ``_keep_in_fp32_modules(_strict)``). Empty for None."""
     if storage_dtype is None:
         return {}
     formats = format_tensor_names(model)
+    dtype_plan = getattr(model, "_get_dtype_plan", None)
+    float32 = [re.compile(re.escape(p).replace(r"\*", ".*")) for p in (dtype_plan(storage_dtype) if dtype_plan else ())]
     return {name: tensor for name, tensor in model.state_dict(keep_vars=True).items()
-            if tensor.dtype == torch.float32 and name not in formats}
+            if tensor.dtype == torch.float32 and name not in formats and not any(p.search(name) for p in float32)}
 
 
 @torch.no_grad()

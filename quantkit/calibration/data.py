@@ -16,6 +16,7 @@ not split like other datasets, so evaluate it only against itself).
 from __future__ import annotations
 
 import bz2
+import functools
 import hashlib
 import unicodedata
 import warnings
@@ -36,6 +37,7 @@ class DatasetError(ValueError):
     """The dataset cannot provide what was asked; the message names the fix."""
 
 
+@functools.lru_cache(maxsize=1)  # the same text every time; parsing it takes seconds
 def _bundled_wikipedia():
     try:
         from gensim.corpora.wikicorpus import extract_pages, filter_wiki
@@ -116,6 +118,12 @@ def _load_documents(source: str):
     if "text" not in loaded.column_names:
         raise DatasetError(f"dataset {source!r} has no 'text' column (columns: {loaded.column_names})")
     return loaded
+
+
+def check_source(source: str) -> None:
+    """Raise DatasetError unless ``source`` can be read (a missing path, a non-.txt file, a folder
+    without .txt files, a dataset that does not load, gensim missing for the bundled text)."""
+    _load_documents(source)
 
 
 def load_texts(source: str, split: str) -> list[str]:

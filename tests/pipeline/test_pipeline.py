@@ -717,3 +717,38 @@ def test_a_tied_head_registered_before_the_embedding_loads(tmp_path):
     ids = _input_ids(len(tokenizer))
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, qmodel(input_ids=ids).logits)
+
+
+def test_storage_dtype_follows_the_tensors(tmp_path, text_dir):
+    """What transformers keeps in float32 stays float32; a model loaded in float32 from a bf16
+    checkpoint is saved in bf16 again; config.json names the dtype of the tensors written."""
+    from safetensors import safe_open
+
+    from tests.tiny import make_model, make_tokenizer
+
+    def dtypes(directory):
+        with safe_open(str(directory / "model.safetensors"), framework="pt") as handle:
+            return {name: handle.get_slice(name).get_dtype() for name in handle.keys()}
+
+    def config_dtype(directory):
+        return json.loads((directory / "config.json").read_text())["dtype"]
+
+    tokenizer = make_tokenizer()
+    make_model("llama", len(tokenizer)).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    tokenizer.save_pretrained(tmp_path / "bf16")
+    model, tokenizer = quantkit.load_model(tmp_path / "bf16", device="cpu")
+    model._keep_in_fp32_modules_strict = {"input_layernorm"}  # as a router's weight is in some MoE models
+    qmodel = quantkit.quantize(model, "int8", progress=False)
+    first = quantkit.save(qmodel, tmp_path / "first", tokenizer=tokenizer)
+    stored = dtypes(first)
+    assert stored["model.layers.0.input_layernorm.weight"] == "F32"
+    assert stored["model.layers.0.post_attention_layernorm.weight"] == "BF16" and config_dtype(first) == "bfloat16"
+
+    loaded = quantkit.load(first, device="cpu", dtype=torch.float32, progress=False)
+    again = quantkit.save(loaded, tmp_path / "again", tokenizer=tokenizer)
+    assert {n: d for n, d in dtypes(again).items() if "input_layernorm" not in n} == \
+        {n: d for n, d in stored.items() if "input_layernorm" not in n}
+    assert config_dtype(again) == "bfloat16"
+
+    half = quantkit.save(quantkit.load(first, device="cpu", progress=False).half(), tmp_path / "half")
+    assert config_dtype(half) == "float16" and dtypes(half)["model.norm.weight"] == "F16"
