@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -34,11 +35,12 @@ from quantkit.kernels.ops import resolve_backend
 from quantkit.models.loading import (publish_files, resolve_device, resolve_dtype, staging_dir, stored_dtype,
                                      sync_dir)
 from quantkit.nn import QuantLinear
+from quantkit.nn.linear import QuantizedBuffers
 
 try:  # transformers' load-time weight conversions (5.23 has them; the package needs >= 5.23)
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (WeightConverter, WeightRenaming, apply_converters, apply_renamings,
-                                                 revert_weight_conversion)
+                                                 dot_natural_key, revert_weight_conversion)
 except ImportError:  # an older transformers (a GPU image's): tensors keep the model's own names
     get_model_conversion_mapping = None
 
@@ -143,7 +145,7 @@ def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite
     # Subclasses too (routers of some MoE models): compressed-tensors' "Linear" target matches the
     # class hierarchy, so an unlisted one would be read as quantized and given random scales.
     kept = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    config_dict["quantization_config"] = config.to_quantization_config(ignore=_checkpoint_module_names(model, kept))
+    config_dict["quantization_config"] = config.to_quantization_config(ignore=kept)
     # A float32 model quantized from a 16-bit source (on a CPU) is stored in that dtype; quantize()
     # already rounded those tensors to it, so the cast is exact.
     storage = getattr(model, "quantkit_storage_dtype", None)
@@ -155,8 +157,11 @@ def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite
         _record_dtype(config_dict, state, format_tensor_names(model))
         # In the source checkpoint's layout, as save_pretrained writes it: transformers 5 fuses some
         # weights when it loads (a mixture of experts' per-expert matrices into one 3-D tensor), and
-        # vLLM reads the per-expert names. quantkit's own tensors are renamed, never converted.
-        state = revert_weight_conversion(model, state)
+        # vLLM reads the per-expert names.
+        reverted = _source_layout(model, state)
+        if reverted is not None:
+            state = reverted
+            config_dict["quantization_config"]["ignore"] = _checkpoint_module_names(model, kept)
         shards = _shards({name: t.contiguous() for name, t in state.items()})
         if len(shards) == 1:
             save_file(shards[0], str(staging / SAFE_WEIGHTS), metadata={"format": "pt"})
@@ -213,6 +218,34 @@ def _shard_files(ckpt: Path) -> list[Path]:
     return files
 
 
+def _source_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """``state`` with transformers' load-time conversions reverted (the source checkpoint's names and
+    layout), or None where reverting would convert a quantized module's tensors: some models split
+    a fused projection when they load (HRM's gate_up_proj), and joining int8 codes of one half with
+    the other half, or without their scales, would make a checkpoint no loader reads right. Such a
+    model is saved with the names it has in transformers (quantkit and transformers load it)."""
+    converters = _reverse_converters(model)
+    quantized = {f"{name}." for name, module in model.named_modules() if isinstance(module, QuantizedBuffers)}
+    touched = [key for key in state if converters and apply_converters(key, converters)[1] is not None]
+    if any(key.startswith(prefix) for key in touched for prefix in quantized):
+        warnings.warn(f"{type(model).__name__} converts weights when transformers loads it ({touched[0]} among "
+                      "them) and quantized layers take part: the checkpoint keeps transformers' module names, "
+                      "not the original checkpoint's layout", stacklevel=3)
+        return None
+    return revert_weight_conversion(model, state)
+
+
+def _reverse_converters(model: nn.Module) -> list:
+    """The converters ``revert_weight_conversion`` runs for this model (reversed), as it picks them."""
+    if get_model_conversion_mapping is None:
+        return []
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:
+        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if type(c).__name__ != "PrefixChange"]
+    reversed_ = [c.reverse_transform() for c in conversions[::-1]]
+    return [c for c in reversed_ if isinstance(c, WeightConverter)]
+
+
 def _checkpoint_module_names(model: nn.Module, names: list[str]) -> list[str]:
     """Module names as the checkpoint's tensor names spell them (transformers' renamings reverted)."""
     weights = {f"{name}.weight": model.get_submodule(name).weight for name in names}
@@ -231,14 +264,37 @@ def _read_plan(model: nn.Module, keys: dict[str, Path]) -> tuple[dict[str, str],
     (model name -> checkpoint key), or gathered with others by a converter (the converter's first
     model name -> [(checkpoint key, pattern)]), e.g. per-expert matrices stacked into one tensor."""
     renamings, converters = _conversions(model)
+    names = set(_empty_tensors(model))
     renamed, gathered = {}, {}
     for key in keys:
         target, pattern = apply_converters(key, converters) if converters else (key, None)
         if pattern is None:
-            renamed[apply_renamings(key, renamings) if renamings else key] = key
+            target = apply_renamings(key, renamings) if renamings else key
+            # As from_pretrained does: a renaming that leads nowhere while the key names a tensor
+            # (a renaming meant for another spelling of it, DeepSeek-V4's `.norm.`) is not applied.
+            renamed[key if target not in names and key in names else target] = key
         else:
             gathered.setdefault(target, []).append((key, pattern))
-    return renamed, gathered
+    # Stacked in the experts' order (experts.2 before experts.10), not the header's sorted order.
+    return renamed, {target: sorted(sources, key=lambda source: dot_natural_key(source[0]))
+                     for target, sources in gathered.items()}
+
+
+def _model_ignore(model: nn.Module, config: QuantConfig) -> QuantConfig:
+    """``config`` with its ignore names as the model spells them: a checkpoint lists them under the
+    source checkpoint's names (``_checkpoint_module_names``), which transformers renames on loading."""
+    renamings, _ = _conversions(model)
+    if not renamings:
+        return config
+    modules = {name for name, _ in model.named_modules()}
+
+    def model_name(pattern: str) -> str:
+        if pattern in modules or pattern.startswith("re:") or any(c in pattern for c in "*?["):
+            return pattern
+        renamed = apply_renamings(f"{pattern}.weight", renamings).removesuffix(".weight")
+        return renamed if renamed in modules else pattern
+
+    return dataclasses.replace(config, ignore=tuple(model_name(pattern) for pattern in config.ignore))
 
 
 def _gather(model: nn.Module, target: str, sources: list[tuple[str, str]], read) -> dict[str, torch.Tensor]:
@@ -399,7 +455,7 @@ def load(
     # parameter, read straight onto ``device``: one copy of the model, never two.
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    build_empty_quantized(model, config, backend, dtype)
+    build_empty_quantized(model, _model_ignore(model, config), backend, dtype)
     if not untie_quantized_head(model):
         model.tie_weights()  # a tied head is then the embedding's Parameter, not a tensor to read
     keys = _checkpoint_keys(files)

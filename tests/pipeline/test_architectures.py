@@ -140,3 +140,51 @@ def test_a_checkpoint_with_stacked_experts_still_loads(tmp_path, monkeypatch):
     ids = torch.randint(1, 300, (1, 9))
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, qmodel(input_ids=ids).logits)
+
+
+def _round_trip(model, tmp_path, config="int8"):
+    qmodel = quantkit.quantize(model, config, progress=False)
+    out = quantkit.save(qmodel, tmp_path / "ckpt", tokenizer=make_tokenizer())
+    loaded = quantkit.load(out, device="cpu", progress=False)
+    ids = torch.randint(3, 300, (1, 9), generator=torch.Generator().manual_seed(1))
+    ours, theirs = qmodel.state_dict(), loaded.state_dict()
+    assert set(ours) == set(theirs) and all(torch.equal(ours[n].float(), theirs[n].float()) for n in ours)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, qmodel(input_ids=ids).logits)
+    return out
+
+
+def test_more_than_ten_experts_are_stacked_in_their_order(tmp_path, monkeypatch):
+    """The checkpoint's headers list experts.10 before experts.2: stacked in that order, expert 2's
+    weights went to expert 10's place (shapes match, so only the values tell), in one shard or many."""
+    from quantkit import checkpoint
+
+    config = transformers.MixtralConfig(intermediate_size=64, num_local_experts=12, num_experts_per_tok=2, **COMMON)
+    _round_trip(_model(config), tmp_path / "one")
+    monkeypatch.setattr(checkpoint, "MAX_SHARD_BYTES", 20000)
+    out = _round_trip(_model(config), tmp_path / "many")
+    assert len(list(out.glob("*.safetensors"))) > 10
+
+
+def test_a_renaming_that_misses_is_not_applied(tmp_path):
+    """DeepSeek-V4's loader renames `.norm.` to `.kv_norm.` (its source checkpoints' spelling of the
+    attention norm); the final `model.norm.weight` keeps its name, as from_pretrained keeps it."""
+    config = transformers.AutoConfig.for_model(
+        "deepseek_v4", vocab_size=300, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, head_dim=32, q_lora_rank=32, n_routed_experts=4, num_experts_per_tok=2, o_groups=2,
+        o_lora_rank=32, index_n_heads=2, index_head_dim=32, index_topk=8, max_position_embeddings=256,
+        sliding_window=16, num_nextn_predict_layers=0, qk_rope_head_dim=8, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)
+    _round_trip(_model(config), tmp_path)
+
+
+def test_a_conversion_over_quantized_layers_keeps_the_model_names(tmp_path):
+    """HRM splits a stored gate_up_proj into gate_proj and up_proj when it loads: reverting that
+    would join int8 codes with a 16-bit half (or drop their scales), so the checkpoint keeps the
+    model's names, with a warning, and loads back."""
+    config = transformers.HrmTextConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                                        head_dim=32, num_hidden_layers=4, num_layers_per_stack=2, H_cycles=1, L_cycles=1,
+                                        max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    with pytest.warns(UserWarning, match="keeps transformers' module names"):
+        _round_trip(_model(config), tmp_path / "partial",
+                    quantkit.QuantConfig.preset("int8", ignore=("lm_head", "*.mlp.gate_proj")))
