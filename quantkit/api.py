@@ -58,11 +58,11 @@ def prepare_calibration_data(tokenizer, dataset: str, num_samples: int = 64, seq
     return blocks
 
 
-def check_dataset(dataset: str) -> None:
-    """Raise DatasetError unless ``dataset`` can be read: a check to run before a model loads
-    (minutes for a large one) rather than after. The split is made, and checked, when the text is
-    used."""
-    check_source(dataset)
+def check_dataset(dataset: str, split: str = "calibration") -> None:
+    """Raise DatasetError unless ``dataset`` can be read and holds documents for ``split``: a check
+    to run before a model loads (minutes for a large one) rather than after. The split itself is
+    made when the text is used."""
+    check_source(dataset, split)
 
 
 def prepare_evaluation_tokens(tokenizer, dataset: str, max_tokens: int | None = None) -> torch.Tensor:

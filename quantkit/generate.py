@@ -89,9 +89,13 @@ class Sampling:
             probs = self._top_p(scores.softmax(dim=-1))
         else:
             probs = scores.softmax(dim=-1)
-        cdf = row_cumsum(probs.double())
+        cdf = row_cumsum(probs.double()).contiguous()  # a view past a partial last block otherwise
         target = (uniform.double() * cdf[:, -1])[:, None]
         index = torch.searchsorted(cdf, target, right=True).clamp_max(cdf.shape[-1] - 1)
+        # A parallel scan's rounding can leave a step where a zero-probability token sits (about
+        # 1e-16 of the mass): landing there takes the most likely token instead.
+        likeliest = torch.zeros_like(index) if order is not None else probs.argmax(dim=-1, keepdim=True)
+        index = torch.where(probs.gather(1, index) > 0, index, likeliest)
         return (index if order is None else order.gather(1, index))[:, 0]
 
     @property
@@ -129,8 +133,11 @@ def row_cumsum(x: torch.Tensor) -> torch.Tensor:
         return x.cumsum(dim=-1)
     padded = torch.nn.functional.pad(x, (0, -length % _SCAN_BLOCK)).view(rows, -1, _SCAN_BLOCK)
     inner = padded.cumsum(dim=-1)
-    totals = inner[..., -1]
-    return (inner + (totals.cumsum(dim=-1) - totals)[..., None]).view(rows, -1)[:, :length]
+    # Each block starts from the running total through the block before (0 for the first), not
+    # from total - own block: that difference can land an ulp above where the last block ended.
+    ends = inner[..., -1].cumsum(dim=-1)
+    starts = torch.nn.functional.pad(ends[:, :-1], (1, 0))
+    return (inner + starts[..., None]).view(rows, -1)[:, :length]
 
 
 class StaticKVCache:

@@ -120,10 +120,22 @@ def _load_documents(source: str):
     return loaded
 
 
-def check_source(source: str) -> None:
+def check_source(source: str, split: str = "calibration") -> None:
     """Raise DatasetError unless ``source`` can be read (a missing path, a non-.txt file, a folder
-    without .txt files, a dataset that does not load, gensim missing for the bundled text)."""
-    _load_documents(source)
+    without .txt files, a dataset that does not load, gensim missing for the bundled text) and has
+    documents enough for ``split``: any for calibration, ``EVAL_EVERY`` distinct ones for evaluation.
+    The split itself is left to ``load_texts``; only a small dataset's documents are compared."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not one of {SPLITS}")
+    docs = [text for text in _load_documents(source)["text"] if text and text.strip()]
+    needed = EVAL_EVERY if split == "evaluation" else 1
+    distinct = len({document_key(text) for text in docs}) if len(docs) < 2 * EVAL_EVERY else len(docs)
+    if distinct < needed:
+        raise DatasetError(
+            f"dataset {source!r} yields no text for the {split} split: it holds {distinct} distinct non-empty "
+            f"documents (a text file is one, a dataset row is one)"
+            + (f", and holding one in {EVAL_EVERY} out for evaluation needs at least {EVAL_EVERY}; add documents or "
+               "split the text into files" if split == "evaluation" else "; add text"))
 
 
 def load_texts(source: str, split: str) -> list[str]:

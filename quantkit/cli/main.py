@@ -184,7 +184,7 @@ def quantize(
     dataset = dataset or DEFAULT_DATASET
     device = _device(device)
     if config.needs_calibration:
-        quantkit.check_dataset(dataset)  # before the model loads, not after
+        quantkit.check_dataset(dataset, "calibration")  # before the model loads, not after
     start = time.perf_counter()
     if offload:
         import torch
@@ -235,7 +235,7 @@ def evaluate(
         _check_writable(json_path, "--json", directory=False)
         _refuse_inside(json_path, "--json", {"checkpoint": str(checkpoint), "baseline": baseline})
     device = _device(device)
-    quantkit.check_dataset(dataset)  # before the models load, not after
+    quantkit.check_dataset(dataset, "evaluation")  # before the models load, not after
     base_model, tokenizer = quantkit.load_model(baseline, device=device)
     tokens = quantkit.prepare_evaluation_tokens(tokenizer, dataset, max_tokens)
     qmodel = quantkit.load(checkpoint, device=device)

@@ -161,6 +161,17 @@ def test_a_bad_dataset_is_named_before_the_model_loads(checkpoint, llama_dir, tm
     assert_user_error(result, "nope.txt", "does not exist")
     result = invoke("eval", checkpoint, "--baseline", llama_dir, "--dataset", tmp_path / "nope")
     assert_user_error(result, "nope", "does not exist")
+    few = tmp_path / "few"
+    few.mkdir()
+    for i in range(3):  # three documents: none can be held out for evaluation
+        (few / f"doc{i}.txt").write_text(f"Document number {i} has a sentence or two of its own text.")
+    result = invoke("eval", checkpoint, "--baseline", llama_dir, "--dataset", few)
+    assert_user_error(result, "yields no text for the evaluation split", "3 distinct")
+    (few / "blank.txt").write_text("  \n\t\n")
+    for doc in few.glob("doc*.txt"):
+        doc.write_text("\n \n")
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--dataset", few, "--scheme", "int8-static")
+    assert_user_error(result, "yields no text for the calibration split", "0 distinct")
 
 
 def test_seq_len_beyond_context(llama_dir, tmp_path, text_dir):

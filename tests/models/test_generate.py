@@ -342,3 +342,26 @@ def test_row_cumsum_is_a_cumsum(length, dtype, tolerance):
     result = row_cumsum(x)
     assert result.shape == x.shape and result.dtype == dtype
     torch.testing.assert_close(result, x.double().cumsum(dim=-1).to(dtype), rtol=0, atol=tolerance)
+
+
+def test_a_zero_probability_token_is_never_chosen_at_a_block_edge():
+    """The two-level scan's blocks start where the previous one ended (not an ulp past it), and a
+    uniform that still lands on a zero-probability token's step takes the likeliest token."""
+    import math
+
+    from quantkit.generate import Sampling, row_cumsum
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        x = torch.rand(4, 5000, generator=g, dtype=torch.float64)
+        x = x / x.sum(dim=-1, keepdim=True)
+        cdf = row_cumsum(x)
+        assert bool((cdf[:, 1:] >= cdf[:, :-1]).all())  # monotone
+    logits = torch.randn(2, 3000, generator=g)
+    logits[:, 1024] = -math.inf  # first token of the second block
+    sampling = Sampling.of(1.0)
+    probs = sampling.probabilities(logits)
+    edge = row_cumsum(probs.double())[:, 1023] / row_cumsum(probs.double())[:, -1]
+    for uniform in (edge, torch.nextafter(edge, torch.ones_like(edge))):
+        chosen = sampling.choose(logits, uniform.float())
+        assert bool((probs.gather(1, chosen[:, None]) > 0).all())
