@@ -160,8 +160,8 @@ def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite
         # vLLM reads the per-expert names.
         reverted = _source_layout(model, state)
         if reverted is not None:
-            state = reverted
-            config_dict["quantization_config"]["ignore"] = _checkpoint_module_names(model, kept)
+            state, experts = reverted
+            config_dict["quantization_config"]["ignore"] = _checkpoint_module_names(model, kept) + experts
         shards = _shards({name: t.contiguous() for name, t in state.items()})
         if len(shards) == 1:
             save_file(shards[0], str(staging / SAFE_WEIGHTS), metadata={"format": "pt"})
@@ -218,12 +218,16 @@ def _shard_files(ckpt: Path) -> list[Path]:
     return files
 
 
-def _source_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+def _source_layout(model: nn.Module, state: dict[str, torch.Tensor]
+                   ) -> tuple[dict[str, torch.Tensor], list[str]] | None:
     """``state`` with transformers' load-time conversions reverted (the source checkpoint's names and
-    layout), or None where reverting would convert a quantized module's tensors: some models split
-    a fused projection when they load (HRM's gate_up_proj), and joining int8 codes of one half with
-    the other half, or without their scales, would make a checkpoint no loader reads right. Such a
-    model is saved with the names it has in transformers (quantkit and transformers load it)."""
+    layout), and the source names of the 2-D weights the converters had stacked (a mixture of
+    experts' per-expert matrices, which stay in 16 bits: vLLM takes an expert layer the ignore list
+    does not name for quantized). None where reverting would convert a quantized module's tensors:
+    some models split a fused projection when they load (HRM's gate_up_proj), and joining int8 codes
+    of one half with the other half, or without their scales, would make a checkpoint no loader
+    reads right. Such a model is saved with the names it has in transformers (quantkit and
+    transformers load it)."""
     converters = _reverse_converters(model)
     quantized = {f"{name}." for name, module in model.named_modules() if isinstance(module, QuantizedBuffers)}
     touched = [key for key in state if converters and apply_converters(key, converters)[1] is not None]
@@ -232,7 +236,11 @@ def _source_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str
                       "them) and quantized layers take part: the checkpoint keeps transformers' module names, "
                       "not the original checkpoint's layout", stacklevel=3)
         return None
-    return revert_weight_conversion(model, state)
+    # Names only: the converters run on meta tensors of the same shapes.
+    unstacked = revert_weight_conversion(model, {key: torch.empty_like(state[key], device="meta") for key in touched})
+    linears = [key.removesuffix(".weight") for key, tensor in unstacked.items()
+               if key.endswith(".weight") and tensor.dim() == 2]
+    return revert_weight_conversion(model, state), sorted(linears, key=dot_natural_key)
 
 
 def _reverse_converters(model: nn.Module) -> list:

@@ -114,6 +114,13 @@ def test_moe_checkpoint_keeps_the_source_layout(tmp_path):
     saved, original = names(out), names(source)
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in saved and not any("gate_up_proj" in n for n in saved)
     assert original <= saved and all(n.endswith("_scale") for n in saved - original)
+    # The experts stay in 16 bits, and the ignore list names each, as vLLM matches an expert layer
+    # (it takes one the list does not name for quantized).
+    import json
+
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    experts = {n.removesuffix(".weight") for n in original if ".experts." in n}
+    assert len(experts) == 2 * 4 * 3 and experts <= set(ignore)
     ids = torch.randint(1, 300, (2, 13), generator=torch.Generator().manual_seed(3))
     loaded = quantkit.load(out, device="cpu", progress=False)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
