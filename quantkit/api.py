@@ -18,7 +18,8 @@ from quantkit.calibration.smoothquant import smooth_model
 from quantkit.calibration.weights import weight_amax as observed_weight_amax
 from quantkit.calibration.data import calibration_blocks, check_source, load_texts, tokenize_stream
 from quantkit.config import QuantConfig
-from quantkit.convert import ConversionReport, convert_model, require_targets, round_to_storage, target_linears
+from quantkit.convert import (ConversionReport, convert_model, require_targets, round_to_storage, storage_dtype,
+                              target_linears)
 from quantkit.eval.perplexity import PerplexityResult, evaluate_perplexity
 from quantkit.kernels.ops import resolve_backend
 from quantkit.nn import QuantLinear
@@ -28,15 +29,6 @@ logger = logging.getLogger(__name__)
 
 def _model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-def storage_dtype(model: nn.Module) -> torch.dtype | None:
-    """The 16-bit dtype a float32 model's unquantized tensors are kept to and saved in: the one its
-    source checkpoint stored them in (``load_model`` records it; a CPU computes in float32), so a
-    checkpoint made on a CPU is the size of one made on a GPU. None: they are saved as they are."""
-    source = getattr(model, "quantkit_source_dtype", None)
-    compute = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    return source if compute == torch.float32 and source in (torch.float16, torch.bfloat16) else None
 
 
 def context_length(model: nn.Module) -> int | None:

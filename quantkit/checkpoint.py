@@ -30,7 +30,8 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from quantkit.config import QuantConfig
-from quantkit.convert import build_empty_quantized, format_tensor_names, storage_tensors, untie_quantized_head
+from quantkit.convert import (build_empty_quantized, format_tensor_names, storage_dtype, storage_tensors,
+                              untie_quantized_head)
 from quantkit.kernels.ops import resolve_backend
 from quantkit.models.loading import (publish_files, resolve_device, resolve_dtype, staging_dir, stored_dtype,
                                      sync_dir)
@@ -260,24 +261,35 @@ def _checkpoint_module_names(model: nn.Module, names: list[str]) -> list[str]:
     return sorted(key.removesuffix(".weight") for key in revert_weight_conversion(model, weights))
 
 
-def _conversions(model: nn.Module):
-    """transformers' load-time transforms for this model: (renamings, converters that fuse tensors)."""
-    transforms = get_model_conversion_mapping(model) if get_model_conversion_mapping is not None else []
-    return ([t for t in transforms if isinstance(t, WeightRenaming)],
-            [t for t in transforms if isinstance(t, WeightConverter)])
+@dataclasses.dataclass(frozen=True)
+class _Conversions:
+    """transformers' load-time transforms for one model: renamings, and converters that fuse
+    tensors (none where the installed transformers has no conversion API)."""
+
+    renamings: list
+    converters: list
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "_Conversions":
+        transforms = get_model_conversion_mapping(model) if get_model_conversion_mapping is not None else []
+        return cls([t for t in transforms if isinstance(t, WeightRenaming)],
+                   [t for t in transforms if isinstance(t, WeightConverter)])
+
+    def rename(self, key: str) -> str:
+        return apply_renamings(key, self.renamings) if self.renamings else key
 
 
-def _read_plan(model: nn.Module, keys: dict[str, Path]) -> tuple[dict[str, str], dict[str, list[tuple[str, str]]]]:
-    """How each checkpoint tensor reaches the model, as ``from_pretrained`` would take it: renamed
-    (model name -> checkpoint key), or gathered with others by a converter (the converter's first
-    model name -> [(checkpoint key, pattern)]), e.g. per-expert matrices stacked into one tensor."""
-    renamings, converters = _conversions(model)
-    names = set(_empty_tensors(model))
+def _read_plan(conversions: _Conversions, keys: dict[str, Path], names: set[str]
+               ) -> tuple[dict[str, str], dict[str, list[tuple[str, str]]]]:
+    """How each checkpoint tensor reaches the model (whose tensors are ``names``), as
+    ``from_pretrained`` would take it: renamed (model name -> checkpoint key), or gathered with
+    others by a converter (the converter's first model name -> [(checkpoint key, pattern)]), e.g.
+    per-expert matrices stacked into one tensor."""
     renamed, gathered = {}, {}
     for key in keys:
-        target, pattern = apply_converters(key, converters) if converters else (key, None)
+        target, pattern = apply_converters(key, conversions.converters) if conversions.converters else (key, None)
         if pattern is None:
-            target = apply_renamings(key, renamings) if renamings else key
+            target = conversions.rename(key)
             # As from_pretrained does: a renaming that leads nowhere while the key names a tensor
             # (a renaming meant for another spelling of it, DeepSeek-V4's `.norm.`) is not applied.
             renamed[key if target not in names and key in names else target] = key
@@ -288,32 +300,31 @@ def _read_plan(model: nn.Module, keys: dict[str, Path]) -> tuple[dict[str, str],
                      for target, sources in gathered.items()}
 
 
-def _model_ignore(model: nn.Module, config: QuantConfig) -> QuantConfig:
+def _model_ignore(conversions: _Conversions, model: nn.Module, config: QuantConfig) -> QuantConfig:
     """``config`` with its ignore names as the model spells them: a checkpoint lists them under the
     source checkpoint's names (``_checkpoint_module_names``), which transformers renames on loading."""
-    renamings, _ = _conversions(model)
-    if not renamings:
+    if not conversions.renamings:
         return config
     modules = {name for name, _ in model.named_modules()}
 
     def model_name(pattern: str) -> str:
         if pattern in modules or pattern.startswith("re:") or any(c in pattern for c in "*?["):
             return pattern
-        renamed = apply_renamings(f"{pattern}.weight", renamings).removesuffix(".weight")
+        renamed = conversions.rename(f"{pattern}.weight").removesuffix(".weight")
         return renamed if renamed in modules else pattern
 
     return dataclasses.replace(config, ignore=tuple(model_name(pattern) for pattern in config.ignore))
 
 
-def _gather(model: nn.Module, target: str, sources: list[tuple[str, str]], read) -> dict[str, torch.Tensor]:
+def _gather(conversions: _Conversions, model: nn.Module, target: str, sources: list[tuple[str, str]],
+            read) -> dict[str, torch.Tensor]:
     """Run the converter that makes ``target`` on its checkpoint tensors: model name -> tensor."""
-    renamings, converters = _conversions(model)
-    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
-    converter = copy.deepcopy(by_pattern[sources[0][1]])
+    pattern = sources[0][1]
+    converter = copy.deepcopy(next(c for c in conversions.converters if pattern in c.source_patterns))
     for key, pattern in sources:
         converter.add_tensor(target, key, pattern, read(key))
     converted = converter.convert(target, model=model, config=model.config)
-    return {apply_renamings(name, renamings) if renamings else name: value[0] if isinstance(value, list) else value
+    return {conversions.rename(name): value[0] if isinstance(value, list) else value
             for name, value in converted.items()}
 
 
@@ -463,12 +474,13 @@ def load(
     # parameter, read straight onto ``device``: one copy of the model, never two.
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    build_empty_quantized(model, _model_ignore(model, config), backend, dtype)
+    conversions = _Conversions.of(model)
+    build_empty_quantized(model, _model_ignore(conversions, model, config), backend, dtype)
     if not untie_quantized_head(model):
         model.tie_weights()  # a tied head is then the embedding's Parameter, not a tensor to read
     keys = _checkpoint_keys(files)
     state = _empty_tensors(model)
-    renamed, gathered = _read_plan(model, keys)
+    renamed, gathered = _read_plan(conversions, keys, set(state))
     unexpected = sorted(set(renamed) - set(state))
     if unexpected:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match its config: unexpected "
@@ -487,7 +499,7 @@ def load(
             filled.add(name)
             bar.update()
         for first, sources in gathered.items():
-            for name, tensor in _gather(model, first, sources, read).items():
+            for name, tensor in _gather(conversions, model, first, sources, read).items():
                 if name not in state:
                     raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match its config: its "
                                           f"{sources[0][0]} and others make {name}, which the model does not have")
@@ -498,15 +510,12 @@ def load(
     missing = sorted(set(state) - filled)
     if missing:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match its config: missing {missing[:3]}")
-    left = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
-    if left:
-        raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match its config: missing {left[:3]}")
     if (ckpt / "generation_config.json").is_file():
         # from_config rebuilds the generation config from config.json alone: extra eos ids (an
         # instruct model's end-of-turn token), the pad id and sampling defaults live only here.
         model.generation_config = GenerationConfig.from_pretrained(str(ckpt))
     model.quantkit_config = config
     # Loaded in float32 from 16-bit tensors (a CPU's default): saved again, it keeps their dtype.
-    model.quantkit_storage_dtype = checkpoint_dtype if dtype == torch.float32 and checkpoint_dtype in (
-        torch.float16, torch.bfloat16) else None
+    model.quantkit_source_dtype = checkpoint_dtype
+    model.quantkit_storage_dtype = storage_dtype(model)
     return model.to(device).eval()

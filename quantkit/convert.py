@@ -100,25 +100,35 @@ def format_tensor_names(model: nn.Module) -> set[str]:
             for buffer in QuantizedBuffers._FORMAT_BUFFERS if module._buffers.get(buffer) is not None}
 
 
-def storage_tensors(model: nn.Module, storage_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """The float32 parameters and persistent buffers stored in ``storage_dtype``, by state-dict name:
+def storage_dtype(model: nn.Module) -> torch.dtype | None:
+    """The 16-bit dtype a float32 model's unquantized tensors are kept to and saved in: the one its
+    source checkpoint stored them in (``load_model`` and ``quantkit.load`` record it as
+    ``quantkit_source_dtype``; a CPU computes in float32), so a checkpoint made on a CPU is the size
+    of one made on a GPU. None: they are saved as they are."""
+    source = getattr(model, "quantkit_source_dtype", None)
+    compute = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return source if compute == torch.float32 and source in (torch.float16, torch.bfloat16) else None
+
+
+def storage_tensors(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The float32 parameters and persistent buffers stored in ``dtype``, by state-dict name:
     all but the quantized formats and what transformers keeps in float32 at that dtype (a router's
     weight, a correction bias: ``_keep_in_fp32_modules(_strict)``). Empty for None."""
-    if storage_dtype is None:
+    if dtype is None:
         return {}
     formats = format_tensor_names(model)
     dtype_plan = getattr(model, "_get_dtype_plan", None)
-    float32 = [re.compile(re.escape(p).replace(r"\*", ".*")) for p in (dtype_plan(storage_dtype) if dtype_plan else ())]
+    float32 = [re.compile(re.escape(p).replace(r"\*", ".*")) for p in (dtype_plan(dtype) if dtype_plan else ())]
     return {name: tensor for name, tensor in model.state_dict(keep_vars=True).items()
             if tensor.dtype == torch.float32 and name not in formats and not any(p.search(name) for p in float32)}
 
 
 @torch.no_grad()
-def round_to_storage(model: nn.Module, storage_dtype: torch.dtype | None) -> None:
-    """Round the tensors ``storage_tensors`` names to ``storage_dtype``'s values, in place (they stay
+def round_to_storage(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """Round the tensors ``storage_tensors`` names to ``dtype``'s values, in place (they stay
     float32): the model then computes with exactly the values its checkpoint will hold."""
-    for tensor in storage_tensors(model, storage_dtype).values():
-        tensor.data.copy_(tensor.data.to(storage_dtype))
+    for tensor in storage_tensors(model, dtype).values():
+        tensor.data.copy_(tensor.data.to(dtype))
 
 
 def untie_quantized_head(model: nn.Module) -> bool:

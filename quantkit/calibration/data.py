@@ -127,15 +127,11 @@ def check_source(source: str, split: str = "calibration") -> None:
     The split itself is left to ``load_texts``; only a small dataset's documents are compared."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not one of {SPLITS}")
-    docs = [text for text in _load_documents(source)["text"] if text and text.strip()]
+    docs = _documents(source)
     needed = EVAL_EVERY if split == "evaluation" else 1
     distinct = len({document_key(text) for text in docs}) if len(docs) < 2 * EVAL_EVERY else len(docs)
     if distinct < needed:
-        raise DatasetError(
-            f"dataset {source!r} yields no text for the {split} split: it holds {distinct} distinct non-empty "
-            f"documents (a text file is one, a dataset row is one)"
-            + (f", and holding one in {EVAL_EVERY} out for evaluation needs at least {EVAL_EVERY}; add documents or "
-               "split the text into files" if split == "evaluation" else "; add text"))
+        raise _no_text(source, split, distinct)
 
 
 def load_texts(source: str, split: str) -> list[str]:
@@ -146,7 +142,7 @@ def load_texts(source: str, split: str) -> list[str]:
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not one of {SPLITS}")
-    docs = [text for text in _load_documents(source)["text"] if text and text.strip()]
+    docs = _documents(source)
     if source == BUNDLED_DATASET:
         held_out = [index % EVAL_EVERY == EVAL_EVERY - 1 for index in range(len(docs))]
         # A copy of a held-out article elsewhere in the file is not calibrated on.
@@ -163,13 +159,20 @@ def load_texts(source: str, split: str) -> list[str]:
                 stacklevel=2)
     texts = [text for text, out in zip(docs, held_out) if out == (split == "evaluation")]
     if not texts:
-        distinct = len({document_key(text) for text in docs})
-        raise DatasetError(
-            f"dataset {source!r} yields no text for the {split} split: it holds {distinct} distinct non-empty "
-            f"documents (a text file is one, a dataset row is one), and holding one in {EVAL_EVERY} out for "
-            f"evaluation needs at least {EVAL_EVERY}; add documents or split the text into files"
-        )
+        raise _no_text(source, split, len({document_key(text) for text in docs}))
     return texts
+
+
+def _documents(source: str) -> list[str]:
+    """The non-empty documents of ``source``, in its order."""
+    return [text for text in _load_documents(source)["text"] if text and text.strip()]
+
+
+def _no_text(source: str, split: str, distinct: int) -> DatasetError:
+    reason = (f", and holding one in {EVAL_EVERY} out for evaluation needs at least {EVAL_EVERY}; add documents or "
+              "split the text into files") if split == "evaluation" else "; add text"
+    return DatasetError(f"dataset {source!r} yields no text for the {split} split: it holds {distinct} distinct "
+                        f"non-empty documents (a text file is one, a dataset row is one){reason}")
 
 
 def _hash_split(docs: list[str]) -> tuple[list[bool], list[bool]]:
