@@ -22,6 +22,7 @@ from quantkit.convert import (ConversionReport, convert_model, require_targets, 
                               target_linears)
 from quantkit.eval.perplexity import PerplexityResult, evaluate_perplexity
 from quantkit.kernels.ops import resolve_backend
+from quantkit.models.experts import expert_linears, input_scale_groups, unstack_experts
 from quantkit.nn import QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,9 @@ def quantize(
     if calibration_data is not None:
         check_blocks(calibration_data, model)
     check_offload(model)
+    # A mixture of experts' stacked matrices become one Linear per expert and projection (their
+    # checkpoint layout), unless the config keeps every one of them in 16 bits.
+    unstack_experts(model, keep=config.is_ignored)
     backend = resolve_backend(config.backend, _model_device(model))
     if offload_device is None:
         return _quantize(model, config, calibration_data, progress, backend, per_block=False)
@@ -136,7 +140,11 @@ def _quantize_eval(model: nn.Module, config: QuantConfig, calibration_data: torc
     ranking, kept = None, ()
     if config.keep_sensitive:
         # One forward per layer: short blocks keep a 100-layer model in minutes on a CPU.
-        ranking = rank_layers(model, calibration_data, config, progress=progress, max_seq_len=128)
+        # Experts are not ranked: one forward per expert would cost hundreds per layer, and an
+        # engine runs a layer's experts as one fused GEMM of one scheme, so one could not stay alone.
+        experts = expert_linears(model)
+        ranking = rank_layers(model, calibration_data, config, progress=progress, max_seq_len=128,
+                              layer_names=[name for name in quantizable if name not in experts])
         # Whole groups of layers that read one input (q/k/v, gate/up): engines fuse each into one
         # GEMM of one scheme, so a group is kept whole or not at all.
         groups = shared_input_groups(model, calibration_data, quantizable)
@@ -151,6 +159,11 @@ def _quantize_eval(model: nn.Module, config: QuantConfig, calibration_data: torc
             model, targets, calibration_data, config.activation_observer, config.percentile, dtype=dtype,
             progress=progress,
         )
+        for group in input_scale_groups(model):
+            measured = [input_amax[name] for name in group if name in input_amax]
+            if measured:
+                shared = torch.stack([amax.reshape(()) for amax in measured]).amax()
+                input_amax.update({name: shared.clone() for name in group if name in input_amax})
     quantized_weights, weight_amax = None, None
     if config.gptq:
         quantized_weights = gptq_quantize_weights(

@@ -35,6 +35,7 @@ from quantkit.convert import (build_empty_quantized, format_tensor_names, storag
 from quantkit.kernels.ops import resolve_backend
 from quantkit.models.loading import (publish_files, resolve_device, resolve_dtype, staging_dir, stored_dtype,
                                      sync_dir)
+from quantkit.models.experts import expert_linear_names, expert_modules, stacked_experts, unstack_experts
 from quantkit.nn import QuantLinear
 from quantkit.nn.linear import QuantizedBuffers
 
@@ -140,6 +141,11 @@ def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite
         warnings.warn("the output head (lm_head) is quantized: quantkit.load and transformers load it, but vLLM "
                       "does not load a quantized lm_head for most models (llm-compressor issue #1820); keep it in "
                       "16 bits (the default ignore) for vLLM", stacklevel=2)
+    if config.is_static and config.torch_dtype == torch.int8 and any(
+            isinstance(m, QuantLinear) for experts in expert_modules(model).values() for m in experts.modules()):
+        warnings.warn("the experts are INT8 with static input scales: quantkit.load runs them, but vLLM runs INT8 "
+                      "experts only with dynamic per-token activations and refuses this checkpoint; for vLLM use "
+                      "int8, fp8-static or fp8, or keep the experts in 16 bits (ignore=['*.experts.*'])", stacklevel=2)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     config_dict = model.config.to_dict()
     # Every Linear still in 16 bits by name: quantkit's ignore globs mean nothing to other loaders.
@@ -288,6 +294,8 @@ def _read_plan(conversions: _Conversions, keys: dict[str, Path], names: set[str]
     renamed, gathered = {}, {}
     for key in keys:
         target, pattern = apply_converters(key, conversions.converters) if conversions.converters else (key, None)
+        if pattern is not None and conversions.rename(key) in names:
+            pattern = None  # an expert's own Linear (unstacked): read as it is, not stacked
         if pattern is None:
             target = conversions.rename(key)
             # As from_pretrained does: a renaming that leads nowhere while the key names a tensor
@@ -300,12 +308,14 @@ def _read_plan(conversions: _Conversions, keys: dict[str, Path], names: set[str]
                      for target, sources in gathered.items()}
 
 
-def _model_ignore(conversions: _Conversions, model: nn.Module, config: QuantConfig) -> QuantConfig:
+def _model_ignore(conversions: _Conversions, model: nn.Module, config: QuantConfig,
+                  extra_modules: set[str] = frozenset()) -> QuantConfig:
     """``config`` with its ignore names as the model spells them: a checkpoint lists them under the
-    source checkpoint's names (``_checkpoint_module_names``), which transformers renames on loading."""
+    source checkpoint's names (``_checkpoint_module_names``), which transformers renames on loading.
+    ``extra_modules``: names the model will have (its experts' Linears, before they are unstacked)."""
     if not conversions.renamings:
         return config
-    modules = {name for name, _ in model.named_modules()}
+    modules = {name for name, _ in model.named_modules()} | set(extra_modules)
 
     def model_name(pattern: str) -> str:
         if pattern in modules or pattern.startswith("re:") or any(c in pattern for c in "*?["):
@@ -475,10 +485,22 @@ def load(
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     conversions = _Conversions.of(model)
-    build_empty_quantized(model, _model_ignore(conversions, model, config), backend, dtype)
+    keys = _checkpoint_keys(files)
+    # A mixture of experts is unstacked into one Linear per expert (as quantize() did) where the
+    # checkpoint quantized its experts; one that keeps them all in 16 bits, or holds them stacked
+    # (quantkit before 0.1), stays as transformers builds it.
+    experts = {name: names for name, module in stacked_experts(model).items()
+               if (names := expert_linear_names(model, name, module)) is not None}
+    config = _model_ignore(conversions, model, config, extra_modules={
+        f"{name}.{index}.{child}" for name, names in experts.items() for index, parts in enumerate(names)
+        for _, child in parts})
+    checkpoint_names = {conversions.rename(key) for key in keys}
+    stacked = tuple(f"{name}." for name in experts
+                    if any(f"{name}.{param}" in checkpoint_names for param in ("gate_up_proj", "up_proj")))
+    unstack_experts(model, keep=lambda linear: config.is_ignored(linear) or linear.startswith(stacked))
+    build_empty_quantized(model, config, backend, dtype)
     if not untie_quantized_head(model):
         model.tie_weights()  # a tied head is then the embedding's Parameter, not a tensor to read
-    keys = _checkpoint_keys(files)
     state = _empty_tensors(model)
     renamed, gathered = _read_plan(conversions, keys, set(state))
     unexpected = sorted(set(renamed) - set(state))

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from quantkit.config import QuantConfig
+from quantkit.models.experts import expert_modules
 from quantkit.nn import QuantLinear
 from quantkit.nn.linear import QuantizedBuffers, layer_backend
 
@@ -209,6 +210,13 @@ def convert_model(
         logger.warning("%s stay in 16 bits but %s are quantized: they read one input, and vLLM runs them as one "
                        "fused GEMM and refuses such a checkpoint; ignore all of them or none", ", ".join(kept),
                        ", ".join(quantized_siblings))
+    for name, experts in expert_modules(model).items():
+        layers = [m for m in experts.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+        kept = sum(type(m) is nn.Linear for m in layers)
+        if 0 < kept < len(layers):
+            logger.warning("%s: %d of its %d expert layers stay in 16 bits and the rest are quantized; vLLM runs a "
+                           "layer's experts as one fused GEMM of one scheme and refuses such a checkpoint; ignore all "
+                           "of them (%s.*) or none", name, kept, len(layers), name)
     report.other_weights = weights_outside_linears(model)
     other = sum(report.other_weights.values())
     quantized = sum(model.get_submodule(name).weight.numel() for name in report.converted)

@@ -1,5 +1,6 @@
 """Architectures whose weights are not all in nn.Linear: mixture-of-experts blocks (transformers 5
-keeps the experts as stacked 3-D tensors and the router as its own module) and GPT-2's Conv1D."""
+keeps the experts as stacked 3-D tensors, which quantkit unstacks into one Linear per expert, and
+the router as its own module) and GPT-2's Conv1D."""
 
 import logging
 
@@ -27,13 +28,35 @@ def _qwen2_moe():
                                               num_experts_per_tok=2, **COMMON))
 
 
-def test_qwen2_moe_keeps_its_routing_gates_and_reports_the_experts(caplog):
+def test_qwen2_moe_quantizes_its_experts_and_keeps_its_routing_gates(caplog):
     model = _qwen2_moe()
     ids = torch.randint(1, 300, (2, 11))
     with torch.no_grad():
         reference = model(input_ids=ids).logits
     with caplog.at_level(logging.WARNING, logger="quantkit.convert"):
         qmodel = quantkit.quantize(model, "int8")
+    report = qmodel.quantkit_report
+    # Every routed expert's three projections, one QuantLinear each, as the source checkpoint names them.
+    experts = [f"model.layers.{i}.mlp.experts.{e}.{p}" for i in range(2) for e in range(4)
+               for p in ("gate_proj", "up_proj", "down_proj")]
+    assert set(experts) <= set(report.converted)
+    assert all(isinstance(qmodel.get_submodule(name), QuantLinear) for name in experts)
+    gates = [f"model.layers.{i}.mlp.shared_expert_gate" for i in range(2)]
+    assert set(gates) <= set(report.skipped) and not set(gates) & set(report.converted)
+    assert set(report.other_weights) == {"Qwen2MoeTopKRouter"}  # the router's weight, not a Linear
+    assert "of the model's matrix weights were quantized" not in caplog.text
+    with torch.no_grad():
+        logits = qmodel(input_ids=ids).logits
+    assert ((logits - reference).norm() / reference.norm()).item() < 0.05
+
+
+def test_ignored_experts_stay_stacked_and_are_reported(caplog):
+    model = _qwen2_moe()
+    ids = torch.randint(1, 300, (2, 11))
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+    with caplog.at_level(logging.WARNING, logger="quantkit.convert"):
+        qmodel = quantkit.quantize(model, quantkit.QuantConfig.preset("int8", ignore=("lm_head", "*.experts.*")))
     report = qmodel.quantkit_report
     # shared_expert_gate scales the whole shared expert from one output: it stays in 16 bits, like the router.
     gates = [f"model.layers.{i}.mlp.shared_expert_gate" for i in range(2)]
@@ -95,8 +118,9 @@ def test_ignoring_every_linear_names_the_ignore_patterns():
 def test_moe_checkpoint_keeps_the_source_layout(tmp_path):
     """transformers 5 stacks a mixture of experts' per-expert matrices into 3-D tensors when it
     loads; a checkpoint carries them per expert, as save_pretrained writes them and vLLM reads them
-    (before, quantkit wrote the stacked `mlp.experts.gate_up_proj`). quantkit.load stacks them back,
-    and transformers (compressed-tensors) loads the checkpoint with the experts' values."""
+    (before, quantkit wrote the stacked `mlp.experts.gate_up_proj`). With the experts kept in 16
+    bits, quantkit.load stacks them back, and transformers (compressed-tensors) loads the checkpoint
+    with the experts' values."""
     pytest.importorskip("compressed_tensors")
     from safetensors import safe_open
 
@@ -104,7 +128,8 @@ def test_moe_checkpoint_keeps_the_source_layout(tmp_path):
     _qwen2_moe().save_pretrained(source)
     make_tokenizer().save_pretrained(source)
     model, tokenizer = quantkit.load_model(source)
-    qmodel = quantkit.quantize(model, "fp8", progress=False)
+    qmodel = quantkit.quantize(model, quantkit.QuantConfig.preset("fp8", ignore=("lm_head", "*.experts.*")),
+                               progress=False)
     out = quantkit.save(qmodel, tmp_path / "ckpt", tokenizer=tokenizer)
 
     def names(directory):
@@ -139,7 +164,8 @@ def test_a_checkpoint_with_stacked_experts_still_loads(tmp_path, monkeypatch):
     """Checkpoints quantkit wrote before it kept the source layout hold the stacked 3-D tensors."""
     from quantkit import checkpoint
 
-    qmodel = quantkit.quantize(_qwen2_moe(), "int8", progress=False)
+    qmodel = quantkit.quantize(_qwen2_moe(), quantkit.QuantConfig.preset("int8", ignore=("lm_head", "*.experts.*")),
+                               progress=False)
     with monkeypatch.context() as patch:
         patch.setattr(checkpoint, "revert_weight_conversion", lambda model, state: state)
         out = quantkit.save(qmodel, tmp_path / "stacked", tokenizer=make_tokenizer())
@@ -162,14 +188,19 @@ def _round_trip(model, tmp_path, config="int8"):
 
 
 def test_more_than_ten_experts_are_stacked_in_their_order(tmp_path, monkeypatch):
-    """The checkpoint's headers list experts.10 before experts.2: stacked in that order, expert 2's
-    weights went to expert 10's place (shapes match, so only the values tell), in one shard or many."""
+    """The checkpoint's headers list experts.10 before experts.2: 16-bit experts are stacked in that
+    order, expert 2's weights went to expert 10's place (shapes match, so only the values tell), in
+    one shard or many. Quantized ones (Mixtral's w1/w2/w3 under block_sparse_moe) load by name."""
     from quantkit import checkpoint
 
     config = transformers.MixtralConfig(intermediate_size=64, num_local_experts=12, num_experts_per_tok=2, **COMMON)
-    _round_trip(_model(config), tmp_path / "one")
+    kept = quantkit.QuantConfig.preset("int8", ignore=("lm_head", "*.experts.*"))
+    _round_trip(_model(config), tmp_path / "one", kept)
+    _round_trip(_model(config), tmp_path / "quantized", "fp8")
     monkeypatch.setattr(checkpoint, "MAX_SHARD_BYTES", 20000)
-    out = _round_trip(_model(config), tmp_path / "many")
+    out = _round_trip(_model(config), tmp_path / "many", kept)
+    assert len(list(out.glob("*.safetensors"))) > 10
+    out = _round_trip(_model(config), tmp_path / "many-quantized", "int8")
     assert len(list(out.glob("*.safetensors"))) > 10
 
 

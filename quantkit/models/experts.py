@@ -1,0 +1,242 @@
+"""Mixture-of-experts blocks with one ``nn.Linear`` per expert and projection, so that quantkit
+quantizes, calibrates, saves and loads experts as it does every other Linear.
+
+transformers 5 stacks a mixture of experts' matrices when it loads a checkpoint: one expert
+module holds ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I) for all E experts. The
+source checkpoint, and vLLM, keep one matrix per expert and projection
+(``experts.3.gate_proj.weight``, Mixtral's ``experts.3.w1.weight``), and that is the layout a
+quantized checkpoint needs: one ``weight_scale`` per expert matrix.
+
+``unstack_experts`` rewrites a stacked experts module into ``UnstackedExperts``: children ``0`` ..
+``E-1``, each an ``ExpertMLP`` whose Linears are named as the source checkpoint names them and hold
+exactly the rows of the stacked tensors that transformers had joined. The names and rows come from
+transformers' own reverse conversion (what ``save_pretrained`` runs), traced on tensors of indices,
+so quantkit does not restate any model's layout. The routing is transformers' eager loop: each
+expert runs on the tokens routed to it, and its output, times the routing weight, is added to the
+token's row.
+
+Taken: gated experts in the concatenated [gate; up] layout with the default gate (``act(gate) *
+up``), and ungated ones (``act(up)``), without biases, transposition, a post-expert norm or expert
+parallelism, whose checkpoint keeps one matrix per expert: Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek and
+the like. Others stay stacked, in 16 bits, as the conversion report says.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+try:  # transformers' load-time weight conversions (5.23 has them; a GPU image's older one may not)
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.integrations.moe import _default_apply_gate
+except ImportError:
+    revert_weight_conversion = _default_apply_gate = None
+
+logger = logging.getLogger(__name__)
+
+# The stacked parameters of transformers' experts modules (``use_experts_implementation``).
+_GATE_UP, _UP, _DOWN = "gate_up_proj", "up_proj", "down_proj"
+
+
+class ExpertMLP(nn.Module):
+    """One expert: ``down(act(gate(x)) * up(x))``, or ``down(act(up(x)))`` without a gate. Its
+    Linears carry the source checkpoint's names (``gate_proj``, or Mixtral's ``w1``), and answer to
+    ``gate_proj`` / ``up_proj`` / ``down_proj`` as well, the names quantkit's gated-MLP fusion
+    (``optimize``) and fused-group checks look for."""
+
+    def __init__(self, linears: dict[str, nn.Linear], roles: dict[str, str], act_fn: nn.Module) -> None:
+        super().__init__()
+        for name, linear in linears.items():
+            self.add_module(name, linear)
+        self.act_fn = act_fn
+        self._roles = dict(roles)  # role (gate_proj, up_proj, down_proj) -> child name
+
+    def __getattr__(self, name: str):
+        roles = self.__dict__.get("_roles", {})
+        if name in roles:
+            return self._modules[roles[name]]
+        return super().__getattr__(name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up = self.up_proj(x)
+        hidden = self.act_fn(self.gate_proj(x)) * up if "gate_proj" in self._roles else self.act_fn(up)
+        return self.down_proj(hidden)
+
+
+class UnstackedExperts(nn.Module):
+    """transformers' experts module, one ``ExpertMLP`` per expert (children ``0`` .. ``E-1``), called
+    as the stacked one is: ``(hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k))``."""
+
+    def __init__(self, experts: list[ExpertMLP], stacked_type: str) -> None:
+        super().__init__()
+        self.num_experts = len(experts)
+        self.stacked_type = stacked_type
+        for index, expert in enumerate(experts):
+            self.add_module(str(index), expert)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return self._modules[str(index)]
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                ) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        # Indices past the last expert (expert parallelism's sentinel) select nothing, as in eager.
+        hit = torch.bincount(top_k_index.flatten(), minlength=self.num_experts)[: self.num_experts]
+        for index in hit.nonzero().flatten().tolist():
+            tokens, slot = torch.where(top_k_index == index)
+            routed = self[index](hidden_states[tokens]) * top_k_weights[tokens, slot, None]
+            out.index_add_(0, tokens, routed.to(out.dtype))
+        return out
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, from {self.stacked_type}"
+
+
+def stacked_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """Name -> module for each stacked experts module of ``model`` that ``unstack_experts`` takes."""
+    if revert_weight_conversion is None:
+        return {}
+    return {name: module for name, module in model.named_modules() if _layout_supported(module)}
+
+
+def _layout_supported(module: nn.Module) -> bool:
+    has_gate = getattr(module, "has_gate", None)
+    stacked = (_GATE_UP if has_gate else _UP, _DOWN)
+    return (has_gate is not None and all(isinstance(module._parameters.get(p), nn.Parameter) and
+                                         module._parameters[p].dim() == 3 for p in stacked)
+            and not getattr(module, "has_bias", True) and not getattr(module, "is_transposed", True)
+            and not getattr(module, "has_post_expert_norm", False) and not getattr(module, "_is_expert_parallel", False)
+            and getattr(module, "is_concatenated", True) and isinstance(getattr(module, "act_fn", None), nn.Module)
+            and (not has_gate or getattr(type(module), "_apply_gate", None) is _default_apply_gate))
+
+
+def expert_linear_names(model: nn.Module, name: str, module: nn.Module) -> list[list[tuple[str, str]]] | None:
+    """Per expert, [(role, Linear name relative to the expert)] as the source checkpoint names them,
+    or None where transformers' reverse conversion does not give one matrix per expert and
+    projection in the plain layout (the module then stays stacked)."""
+    has_gate = module.has_gate
+    stacked = [_GATE_UP, _DOWN] if has_gate else [_UP, _DOWN]
+    experts = module._parameters[stacked[0]].shape[0]
+    # Each stacked row tagged with a unique value (parameter, expert, row), one column wide: the
+    # reverse conversion's output names say where each row went.
+    offsets, tags, start = {}, {}, 0
+    for param in stacked:
+        rows = module._parameters[param].shape[1]
+        offsets[param] = (start, rows)
+        tags[f"{name}.{param}"] = torch.arange(start, start + experts * rows, dtype=torch.float64).view(experts, rows, 1)
+        start += experts * rows
+    try:
+        unstacked = revert_weight_conversion(model, tags)
+    except Exception as exc:  # a converter that needs real shapes: keep the module stacked
+        logger.info("%s: transformers' reverse conversion failed on traced indices (%s); experts stay stacked", name, exc)
+        return None
+    per_expert: list[list[tuple[str, str]]] = [[] for _ in range(experts)]
+    sources = {}
+    for key, tensor in unstacked.items():
+        if tensor.dim() != 2 or tensor.shape[1] != 1 or not key.endswith(".weight"):
+            return None
+        first = int(tensor[0, 0])
+        param = next(p for p, (begin, rows) in offsets.items() if begin <= first < begin + experts * rows)
+        begin, rows = offsets[param]
+        expert, row = divmod(first - begin, rows)
+        parts = key.removesuffix(".weight").split(".")
+        if str(expert) not in parts:
+            return None
+        at = len(parts) - 1 - parts[::-1].index(str(expert))
+        linear = ".".join(parts[at + 1:])
+        expected = torch.arange(first, first + tensor.shape[0], dtype=torch.float64)
+        if not linear or not torch.equal(tensor[:, 0], expected):
+            return None  # rows not contiguous in order (an interleaved layout): not the plain one
+        if param == _DOWN:
+            role = "down_proj" if row == 0 and tensor.shape[0] == rows else None
+        elif param == _UP:
+            role = "up_proj" if row == 0 and tensor.shape[0] == rows else None
+        else:
+            half = rows // 2
+            role = {0: "gate_proj", half: "up_proj"}.get(row) if tensor.shape[0] == half and rows % 2 == 0 else None
+        if role is None:
+            return None
+        per_expert[expert].append((role, linear))
+        sources[f"{name}.{expert}.{linear}.weight"] = key
+    wanted = {"gate_proj", "up_proj", "down_proj"} if has_gate else {"up_proj", "down_proj"}
+    if any(sorted(role for role, _ in parts) != sorted(wanted) or len({n for _, n in parts}) != len(parts)
+           for parts in per_expert):
+        return None
+    # The Linears' own names, reverted as save() reverts them, must give the source names back.
+    reverted = revert_weight_conversion(model, {key: torch.empty(1, 1, device="meta") for key in sources})
+    if sorted(reverted) != sorted(sources.values()):
+        return None
+    return per_expert
+
+
+def unstack(module: nn.Module, names: list[list[tuple[str, str]]]) -> UnstackedExperts:
+    """The ``UnstackedExperts`` of a stacked experts module, holding copies of its rows (on its
+    device, meta included)."""
+    def linear(matrix: torch.Tensor) -> nn.Linear:
+        layer = nn.Linear(matrix.shape[1], matrix.shape[0], bias=False, device="meta", dtype=matrix.dtype)
+        layer.weight = nn.Parameter(matrix.detach().clone(), requires_grad=matrix.requires_grad)
+        return layer
+
+    first = module._parameters[_GATE_UP if module.has_gate else _UP]
+    down = module._parameters[_DOWN]
+    half = first.shape[1] // 2
+    experts = []
+    order = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
+    for index, parts in enumerate(names):
+        parts = sorted(parts, key=lambda part: order[part[0]])
+        rows = {"gate_proj": first[index, :half], "up_proj": first[index, half:] if module.has_gate else first[index],
+                "down_proj": down[index]}
+        experts.append(ExpertMLP({child: linear(rows[role]) for role, child in parts},
+                                 {role: child for role, child in parts}, module.act_fn))
+    return UnstackedExperts(experts, type(module).__name__)
+
+
+def unstack_experts(model: nn.Module, keep=None) -> list[str]:
+    """Rewrite, in place, each stacked experts module that ``stacked_experts`` finds into an
+    ``UnstackedExperts`` with the same weights; ``keep(name) -> bool`` given a per-expert Linear's
+    full name, leaves a module stacked when it would keep all of them (nothing of it to quantize).
+    Returns the names of the modules rewritten."""
+    done = []
+    for name, module in stacked_experts(model).items():
+        names = expert_linear_names(model, name, module)
+        if names is None:
+            logger.info("%s (%s): its checkpoint layout is not one matrix per expert; experts stay stacked",
+                        name, type(module).__name__)
+            continue
+        full = [f"{name}.{index}.{child}" for index, parts in enumerate(names) for _, child in parts]
+        if keep is not None and all(keep(n) for n in full):
+            continue
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, unstack(module, names))
+        done.append(name)
+    return done
+
+
+def expert_modules(model: nn.Module) -> dict[str, UnstackedExperts]:
+    """Name -> UnstackedExperts module of ``model``."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, UnstackedExperts)}
+
+
+def expert_linears(model: nn.Module) -> set[str]:
+    """Full names of the experts' Linears (or QuantLinears) of ``model``."""
+    return {f"{name}.{index}.{child}" for name, module in expert_modules(model).items()
+            for index in range(module.num_experts) for child, _ in module[index].named_children()
+            if child != "act_fn"}
+
+
+def input_scale_groups(model: nn.Module) -> list[list[str]]:
+    """Per experts module, the Linears that read the experts' input (gate and up of every expert),
+    and those that read their hidden state (down): vLLM runs each set as one fused GEMM with one
+    static input scale, the largest of the set's (it warns when they differ), so quantkit
+    calibrates one per set. An expert that no calibration token reached gets it too."""
+    groups = []
+    for name, module in expert_modules(model).items():
+        first, second = [], []
+        for index in range(module.num_experts):
+            roles = module[index]._roles
+            first += [f"{name}.{index}.{roles[r]}" for r in ("gate_proj", "up_proj") if r in roles]
+            second.append(f"{name}.{index}.{roles['down_proj']}")
+        groups += [first, second]
+    return groups
