@@ -38,6 +38,7 @@ from torch import nn
 from quantkit.kernels.launch import side_stream
 from quantkit.kernels.ops import resolve_backend
 from quantkit.models.fast_attention import padded_head_dim, register_static_cache_attention
+from quantkit.models.experts import routes_on_host
 from quantkit.nn import QuantLinear
 
 _FROM_MODEL = object()
@@ -296,7 +297,8 @@ def generate(
         pad id that is not an eos id, or (batch > 1) rows that start with the pad id or not all end
         with it.
     cache_capacity: slots of the static KV cache (default: S + max_new_tokens).
-    cuda_graph: capture the decode step (default: on when the model is on CUDA).
+    cuda_graph: capture the decode step (default: on when the model is on CUDA, unless its mixture of
+        experts routes on the host: quantized experts decode eagerly).
     stats: if a dict is given, it receives prefill_s, decode_s, decode_steps, capture_s
         (host clocks around device-synchronized regions).
     do_sample: draw each token from the model's distribution instead of taking the argmax, filtered
@@ -321,7 +323,10 @@ def generate(
     _warn_unapplied_rules(generation_config)
     sampling = _sampling(do_sample, temperature, top_k, top_p, generator)
     device = next(model.parameters()).device
-    use_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
+    use_graph = device.type == "cuda" and not routes_on_host(model) if cuda_graph is None else cuda_graph
+    if use_graph and routes_on_host(model):
+        raise ValueError("cuda_graph=True cannot capture this model's mixture of experts (its routing runs on the "
+                         "host); decode with cuda_graph=False")
     if use_graph and device.type != "cuda":
         raise ValueError(f"cuda_graph=True needs a model on CUDA (it is on {device})")
 

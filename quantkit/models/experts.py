@@ -240,3 +240,9 @@ def input_scale_groups(model: nn.Module) -> list[list[str]]:
             second.append(f"{name}.{index}.{roles['down_proj']}")
         groups += [first, second]
     return groups
+
+
+def routes_on_host(model: nn.Module) -> bool:
+    """True if ``model`` has unstacked experts: their routing picks the experts to run on the host
+    (as transformers' eager loop does), which a CUDA graph cannot capture."""
+    return any(isinstance(module, UnstackedExperts) for module in model.modules())

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
 from transformers.cache_utils import Cache
 
 from quantkit.kernels.launch import side_stream
+from quantkit.models.experts import routes_on_host
 from quantkit.models.fast_norm import NormOutput, plain_tensor
 
 
@@ -60,6 +61,9 @@ class GraphedForward:
         device = _model_device(model)
         if _graphs is None and device.type != "cuda":
             raise ValueError(f"graphed() needs a model on a CUDA device (it is on {device}); move it with model.cuda()")
+        if routes_on_host(model):
+            raise ValueError("graphed() cannot capture this model's mixture of experts (its routing runs on the host); "
+                             "call the model itself")
         self.model = model
         self.device = device
         self.max_graphs = max_graphs

@@ -191,3 +191,19 @@ def test_transformers_loads_fp8_experts_dequantized(tmp_path):
         expert = qmodel.get_submodule(f"model.layers.1.mlp.experts.{e}")
         ours = torch.cat([expert.gate_proj.dequantized_weight(), expert.up_proj.dequantized_weight()])
         torch.testing.assert_close(stacked[e], ours, rtol=1e-6, atol=0)
+
+
+def test_experts_routed_on_the_host_are_not_captured():
+    """The unstacked experts pick their experts on the host (as transformers' eager loop does): a
+    CUDA graph cannot hold that, so graphed() and generate(cuda_graph=True) refuse in one line."""
+    from quantkit.models.experts import routes_on_host
+    from quantkit.models.graphed import GraphedForward
+
+    qmodel = quantkit.quantize(_model("olmoe"), "fp8", progress=False)
+    assert routes_on_host(qmodel)
+    with pytest.raises(ValueError, match="cannot capture this model's mixture of experts"):
+        GraphedForward(qmodel, _graphs=object())
+    with pytest.raises(ValueError, match="cuda_graph=True cannot capture this model's mixture of experts"):
+        quantkit.generate_tokens(qmodel, _ids(6, (1, 5)), 3, cuda_graph=True)
+    tokens = quantkit.generate_tokens(qmodel, _ids(6, (1, 5)), 3)
+    assert tokens.shape == (1, 8)
