@@ -81,14 +81,22 @@ class UnstackedExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                 ) -> torch.Tensor:
-        out = torch.zeros_like(hidden_states)
-        # Indices past the last expert (expert parallelism's sentinel) select nothing, as in eager.
-        hit = torch.bincount(top_k_index.flatten(), minlength=self.num_experts)[: self.num_experts]
-        for index in hit.nonzero().flatten().tolist():
-            tokens, slot = torch.where(top_k_index == index)
-            routed = self[index](hidden_states[tokens]) * top_k_weights[tokens, slot, None]
-            out.index_add_(0, tokens, routed.to(out.dtype))
-        return out
+        # The (token, slot) pairs sorted by expert: each expert's tokens are one slice, and one
+        # host sync (the counts) serves the whole layer. Indices past the last expert (expert
+        # parallelism's sentinel) sort last and run nowhere, as in transformers' eager loop.
+        experts = top_k_index.flatten()
+        order = torch.argsort(experts, stable=True)
+        tokens = order // top_k_index.shape[-1]
+        weights = top_k_weights.flatten()[order, None]
+        counts = torch.bincount(experts, minlength=self.num_experts)[: self.num_experts].tolist()
+        routed = hidden_states.new_empty(sum(counts), hidden_states.shape[-1])
+        start = 0
+        for index, count in enumerate(counts):
+            if count:
+                rows = slice(start, start + count)
+                routed[rows] = self[index](hidden_states[tokens[rows]]) * weights[rows]
+                start += count
+        return torch.zeros_like(hidden_states).index_add_(0, tokens[:start], routed)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, from {self.stacked_type}"

@@ -1,0 +1,116 @@
+"""GPU check of quantized mixture-of-experts models (run through the device tool).
+
+A Qwen3-MoE-shaped model with random weights (hidden 2048, 64 experts of 768, top-8, 4 layers,
+vocab 32000; 1.3B parameters, 1.2B of them experts) in bf16 on CUDA. For fp8 and int8 (dynamic):
+quantize on the Triton backend and on the torch reference, compare the logits (and with bf16),
+save and reload (the logits must be bit-identical), then time a 1 x 2048 prefill and eager
+greedy decoding against the bf16 model as transformers runs it (its default experts
+implementation, and its eager loop), all in this process. Writes JSON to the path given.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import tempfile
+import time
+
+import torch
+import transformers
+
+import quantkit
+from quantkit.bench.common import environment_metadata
+from quantkit.kernels.reference import sqnr_db
+from quantkit.models.experts import expert_modules
+
+
+def build(seed: int = 0) -> torch.nn.Module:
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=32000, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=64,
+        num_experts_per_tok=8, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def timed_ms(fn, reps: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append(1e3 * (time.perf_counter() - start))
+    return sorted(samples)[len(samples) // 2]
+
+
+def decode_ms_per_token(model, prompt, new_tokens=64) -> float:
+    stats = {}
+    quantkit.generate_tokens(model, prompt, new_tokens, cuda_graph=False, stats=stats)
+    return 1e3 * stats["decode_s"] / stats["decode_steps"]
+
+
+def main(out_path: str) -> None:
+    report = {**environment_metadata(), "transformers": transformers.__version__, "schemes": {}}
+    model = build()
+    report["experts_implementation"] = model.config._experts_implementation
+    report["parameters"] = sum(p.numel() for p in model.parameters())
+    ids = torch.randint(3, 32000, (1, 2048), generator=torch.Generator().manual_seed(1)).cuda()
+    prompt = ids[:, :128]
+    with torch.no_grad():
+        base = model(input_ids=ids).logits.float()
+        report["bf16"] = {"prefill_ms_1x2048": timed_ms(lambda: model(input_ids=ids)),
+                          "decode_ms_per_token": decode_ms_per_token(model, prompt)}
+        eager = copy.deepcopy(model)
+        eager.config._experts_implementation = "eager"
+        report["bf16_eager_experts"] = {"prefill_ms_1x2048": timed_ms(lambda: eager(input_ids=ids)),
+                                        "decode_ms_per_token": decode_ms_per_token(eager, prompt)}
+        del eager
+    print(json.dumps(report, indent=1), flush=True)
+    for scheme in ("fp8", "int8"):
+        config = quantkit.QuantConfig.preset(scheme)
+        qmodel = quantkit.quantize(copy.deepcopy(model), config.replace(backend="triton"), progress=False)
+        reference = quantkit.quantize(copy.deepcopy(model), config.replace(backend="torch"), progress=False)
+        row = {"experts_modules": len(expert_modules(qmodel)), "report": str(qmodel.quantkit_report)}
+        with torch.no_grad():
+            logits = qmodel(input_ids=ids).logits.float()
+            ref = reference(input_ids=ids).logits.float()
+        del reference
+        row["triton_vs_torch_rel"] = ((logits - ref).norm() / ref.norm()).item()
+        row["vs_bf16_sqnr_db"] = sqnr_db(base, logits)
+        row["nan"] = bool(torch.isnan(logits).any())
+        with tempfile.TemporaryDirectory() as tmp:
+            quantkit.save(qmodel, f"{tmp}/ckpt")
+            loaded = quantkit.load(f"{tmp}/ckpt", device="cuda", progress=False)
+            with torch.no_grad():
+                row["reload_bit_identical"] = bool(torch.equal(loaded(input_ids=ids).logits.float(), logits))
+            del loaded
+        with torch.no_grad():
+            row["prefill_ms_1x2048"] = timed_ms(lambda: qmodel(input_ids=ids))
+            row["decode_ms_per_token"] = decode_ms_per_token(qmodel, prompt)
+            tokens = quantkit.generate_tokens(qmodel, prompt, 16, cuda_graph=False)
+            quantkit.optimize(qmodel)
+            row["optimized"] = str(qmodel.quantkit_fast_path)
+            fused = qmodel(input_ids=ids).logits.float()
+            row["optimized_vs_plain_rel"] = ((fused - logits).norm() / logits.norm()).item()
+            row["optimized_prefill_ms_1x2048"] = timed_ms(lambda: qmodel(input_ids=ids))
+            row["optimized_decode_ms_per_token"] = decode_ms_per_token(qmodel, prompt)
+            row["optimized_same_tokens"] = bool(torch.equal(
+                quantkit.generate_tokens(qmodel, prompt, 16, cuda_graph=False), tokens))
+        for key in ("prefill_ms_1x2048", "decode_ms_per_token"):
+            row[f"{key}_ratio_bf16_over_ours"] = report["bf16"][key] / row[key]
+            row[f"optimized_{key}_ratio_bf16_over_ours"] = report["bf16"][key] / row[f"optimized_{key}"]
+        report["schemes"][scheme] = row
+        print(json.dumps(row, indent=1), flush=True)
+        del qmodel
+        torch.cuda.empty_cache()
+    with open(out_path, "w") as handle:
+        json.dump(report, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
