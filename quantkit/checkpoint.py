@@ -235,6 +235,8 @@ def _source_layout(model: nn.Module, state: dict[str, torch.Tensor]
     of one half with the other half, or without their scales, would make a checkpoint no loader
     reads right. Such a model is saved with the names it has in transformers (quantkit and
     transformers load it)."""
+    if get_model_conversion_mapping is None:
+        return None  # no conversion API (an older transformers): the model's names are the checkpoint's
     converters = _reverse_converters(model)
     quantized = {f"{name}." for name, module in model.named_modules() if isinstance(module, QuantizedBuffers)}
     touched = [key for key in state if converters and apply_converters(key, converters)[1] is not None]

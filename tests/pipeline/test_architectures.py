@@ -226,3 +226,20 @@ def test_a_conversion_over_quantized_layers_keeps_the_model_names(tmp_path):
     with pytest.warns(UserWarning, match="keeps transformers' module names"):
         _round_trip(_model(config), tmp_path / "partial",
                     quantkit.QuantConfig.preset("int8", ignore=("lm_head", "*.mlp.gate_proj")))
+
+
+def test_without_transformers_conversion_api_models_keep_their_names(tmp_path, monkeypatch):
+    """An older transformers (a GPU image's 5.17) has no conversion API: experts then stay stacked
+    in 16 bits, and a checkpoint keeps the model's names and loads back (saving raised NameError)."""
+    from quantkit import checkpoint
+    from quantkit.models import experts
+
+    monkeypatch.setattr(checkpoint, "get_model_conversion_mapping", None)
+    monkeypatch.setattr(experts, "revert_weight_conversion", None)
+    qmodel = quantkit.quantize(_qwen2_moe(), "int8", progress=False)
+    assert "Qwen2MoeExperts" in qmodel.quantkit_report.other_weights
+    out = quantkit.save(qmodel, tmp_path / "ckpt", tokenizer=make_tokenizer())
+    loaded = quantkit.load(out, device="cpu", progress=False)
+    ids = torch.randint(1, 300, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, qmodel(input_ids=ids).logits)
