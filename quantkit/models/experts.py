@@ -84,19 +84,21 @@ class UnstackedExperts(nn.Module):
         # The (token, slot) pairs sorted by expert: each expert's tokens are one slice, and one
         # host sync (the counts) serves the whole layer. Indices past the last expert (expert
         # parallelism's sentinel) sort last and run nowhere, as in transformers' eager loop.
+        # Each pair's weighted output lands in its own row, and a token's k rows are summed in
+        # float32: deterministic, where index_add_ on CUDA adds a token's rows in any order.
+        tokens, slots = top_k_index.shape
         experts = top_k_index.flatten()
         order = torch.argsort(experts, stable=True)
-        tokens = order // top_k_index.shape[-1]
-        weights = top_k_weights.flatten()[order, None]
+        weights = top_k_weights.flatten()[order, None].float()
         counts = torch.bincount(experts, minlength=self.num_experts)[: self.num_experts].tolist()
-        routed = hidden_states.new_empty(sum(counts), hidden_states.shape[-1])
+        routed = hidden_states.new_zeros(tokens * slots, hidden_states.shape[-1], dtype=torch.float32)
         start = 0
         for index, count in enumerate(counts):
             if count:
-                rows = slice(start, start + count)
-                routed[rows] = self[index](hidden_states[tokens[rows]]) * weights[rows]
+                pairs = order[start:start + count]
+                routed[pairs] = self[index](hidden_states[pairs // slots]) * weights[start:start + count]
                 start += count
-        return torch.zeros_like(hidden_states).index_add_(0, tokens[:start], routed)
+        return routed.view(tokens, slots, -1).sum(dim=1).to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, from {self.stacked_type}"
