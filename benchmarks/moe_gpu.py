@@ -3,8 +3,9 @@
 A Qwen3-MoE-shaped model with random weights (hidden 2048, 64 experts of 768, top-8, 4 layers,
 vocab 32000; 1.3B parameters, 1.2B of them experts) in bf16 on CUDA. For fp8 and int8 (dynamic):
 quantize on the Triton backend and on the torch reference, compare the logits (and with bf16),
-save and reload (the logits must be bit-identical), then time a 1 x 2048 prefill and eager
-greedy decoding against the bf16 model as transformers runs it (its default experts
+run twice and save and reload (the logits must be bit-identical), then time a 1 x 2048 prefill
+and greedy decoding, plain (experts one by one, eager) and after optimize() (grouped experts,
+eager and as a CUDA graph), against the bf16 model as transformers runs it (its default experts
 implementation, and its eager loop), all in this process. Writes JSON to the path given.
 """
 
@@ -48,9 +49,9 @@ def timed_ms(fn, reps: int = 10) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
-def decode_ms_per_token(model, prompt, new_tokens=64) -> float:
+def decode_ms_per_token(model, prompt, new_tokens=64, cuda_graph=False) -> float:
     stats = {}
-    quantkit.generate_tokens(model, prompt, new_tokens, cuda_graph=False, stats=stats)
+    quantkit.generate_tokens(model, prompt, new_tokens, cuda_graph=cuda_graph, stats=stats)
     return 1e3 * stats["decode_s"] / stats["decode_steps"]
 
 
@@ -78,6 +79,7 @@ def main(out_path: str) -> None:
         row = {"experts_modules": len(expert_modules(qmodel)), "report": str(qmodel.quantkit_report)}
         with torch.no_grad():
             logits = qmodel(input_ids=ids).logits.float()
+            row["deterministic"] = bool(torch.equal(qmodel(input_ids=ids).logits.float(), logits))
             ref = reference(input_ids=ids).logits.float()
         del reference
         row["triton_vs_torch_rel"] = ((logits - ref).norm() / ref.norm()).item()
@@ -99,11 +101,16 @@ def main(out_path: str) -> None:
             row["optimized_vs_plain_rel"] = ((fused - logits).norm() / logits.norm()).item()
             row["optimized_prefill_ms_1x2048"] = timed_ms(lambda: qmodel(input_ids=ids))
             row["optimized_decode_ms_per_token"] = decode_ms_per_token(qmodel, prompt)
-            row["optimized_same_tokens"] = bool(torch.equal(
-                quantkit.generate_tokens(qmodel, prompt, 16, cuda_graph=False), tokens))
+            row["optimized_graph_decode_ms_per_token"] = decode_ms_per_token(qmodel, prompt, cuda_graph=True)
+            eager_tokens = quantkit.generate_tokens(qmodel, prompt, 16, cuda_graph=False)
+            row["optimized_graph_same_tokens_as_eager"] = bool(torch.equal(
+                quantkit.generate_tokens(qmodel, prompt, 16, cuda_graph=True), eager_tokens))
+            row["optimized_same_tokens_as_plain"] = bool(torch.equal(eager_tokens, tokens))
         for key in ("prefill_ms_1x2048", "decode_ms_per_token"):
             row[f"{key}_ratio_bf16_over_ours"] = report["bf16"][key] / row[key]
             row[f"optimized_{key}_ratio_bf16_over_ours"] = report["bf16"][key] / row[f"optimized_{key}"]
+        row["optimized_graph_decode_ratio_bf16_over_ours"] = (report["bf16"]["decode_ms_per_token"]
+                                                              / row["optimized_graph_decode_ms_per_token"])
         report["schemes"][scheme] = row
         print(json.dumps(row, indent=1), flush=True)
         del qmodel

@@ -104,3 +104,30 @@ def check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype, ga
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype={out_dtype} is not supported; use torch.bfloat16, torch.float16 or torch.float32")
     return M, N, K
+
+
+def check_grouped_args(a, w, a_scale, w_scale, experts, row_div, activation, out_dtype, gated=False, layout=True):
+    """The grouped (mixture-of-experts) GEMM's checks: ``a`` (R, K) rows, ``w`` (E, N, K) one
+    matrix per expert, ``w_scale`` (E, N), ``experts`` (P,) with P = R * row_div. Returns
+    (P, N_out, K); each expert's GEMM is then checked as ``check_scaled_mm_args`` checks one."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 3:
+        raise ValueError(f"w must be a 3-D (experts, N, K) tensor, got {getattr(w, 'shape', type(w).__name__)}")
+    if not isinstance(w_scale, torch.Tensor) or tuple(w_scale.shape) != tuple(w.shape[:2]):
+        raise ValueError(f"w_scale has shape {tuple(getattr(w_scale, 'shape', ()))}; expected {tuple(w.shape[:2])} "
+                         "(one per expert and output channel)")
+    if layout and (not w.is_contiguous() or not w_scale.is_contiguous()):
+        raise ValueError("w and w_scale must be contiguous: pass w.contiguous() and w_scale.contiguous()")
+    if not isinstance(row_div, int) or row_div < 1:
+        raise ValueError(f"row_div={row_div!r} must be an int >= 1 (pairs per row of a)")
+    if not isinstance(experts, torch.Tensor) or experts.dim() != 1 or experts.is_floating_point() \
+            or experts.dtype == torch.bool:
+        raise ValueError(f"experts must be a 1-D integer tensor (the expert of each pair), got "
+                         f"{getattr(experts, 'dtype', type(experts).__name__)} {tuple(getattr(experts, 'shape', ()))}")
+    if experts.device != getattr(a, "device", None):
+        raise ValueError(f"experts is on {experts.device} but a is on {getattr(a, 'device', None)}")
+    _, n_out, K = check_scaled_mm_args(a, w[0], a_scale, w_scale[0], None, activation, out_dtype, gated=gated,
+                                       layout=layout)
+    if experts.numel() != a.shape[0] * row_div:
+        raise ValueError(f"experts has {experts.numel()} pairs but a has {a.shape[0]} rows x row_div={row_div}; "
+                         "pass one expert per (row, slot) pair")
+    return experts.numel(), n_out, K

@@ -13,7 +13,7 @@ import importlib
 import torch
 
 from quantkit.kernels import reference
-from quantkit.kernels.gemm_checks import check_scaled_mm_args
+from quantkit.kernels.gemm_checks import check_grouped_args, check_scaled_mm_args
 from quantkit.kernels.quant_checks import (check_activation_input, check_per_tensor_scale, check_quant_dtype,
                                            check_rms_norm_args)
 
@@ -82,6 +82,16 @@ def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype
         return _triton_ops().gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation, out_dtype)
     check_scaled_mm_args(a, w_gate_up, a_scale, w_scale, None, activation, out_dtype, gated=True, layout=False)
     return reference.gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation, out_dtype)
+
+
+def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="none", gated=False,
+                      out_dtype=torch.bfloat16, backend="torch"):
+    """A mixture of experts' GEMMs in one call, one row per (token, slot) pair; see
+    ``reference.grouped_scaled_mm``. The Triton kernel routes on the GPU (no host sync)."""
+    if is_triton(backend):
+        return _triton_ops().grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype)
+    check_grouped_args(a, w, a_scale, w_scale, experts, row_div, activation, out_dtype, gated, layout=False)
+    return reference.grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype)
 
 
 def quantize_per_token(x, dtype, backend="torch"):

@@ -186,6 +186,41 @@ def gated_scaled_mm(
     return (apply_activation(gate, activation) * up).to(out_dtype)
 
 
+def grouped_scaled_mm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    experts: torch.Tensor,
+    row_div: int = 1,
+    activation: str = "none",
+    gated: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """A mixture of experts' GEMMs, one (token, slot) pair per output row, in pair order.
+
+    a: (R, K) quantized rows; pair p reads row ``p // row_div`` (the first GEMM of an MLP reads a
+    token once for its k slots: row_div = k; the second reads its own row: 1). w: (E, N, K), one
+    weight per expert; w_scale: (E, N); a_scale: (R,) or a single element; experts: (P,), the
+    expert of each pair, P = R * row_div (values >= E: no expert, a row of zeros). Row p is
+    ``scaled_mm(a[p // row_div], w[experts[p]])`` with ``activation``, or with ``gated`` the
+    ``gated_scaled_mm`` of the expert's [gate; up] rows: (P, N) or (P, N / 2).
+    """
+    n_out = w.shape[1] // 2 if gated else w.shape[1]
+    out = torch.zeros(experts.numel(), n_out, dtype=out_dtype, device=a.device)
+    per_row = a_scale.numel() > 1
+    for expert in range(w.shape[0]):
+        pairs = (experts == expert).nonzero().flatten()
+        if pairs.numel():
+            rows = pairs // row_div
+            scale = a_scale.reshape(-1)[rows] if per_row else a_scale
+            if gated:
+                out[pairs] = gated_scaled_mm(a[rows], w[expert], scale, w_scale[expert], activation, out_dtype)
+            else:
+                out[pairs] = scaled_mm(a[rows], w[expert], scale, w_scale[expert], None, activation, out_dtype)
+    return out
+
+
 def rms_norm_fp32(
     x: torch.Tensor,
     weight: torch.Tensor,

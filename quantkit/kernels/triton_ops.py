@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.kernels import gemm, quant
+from quantkit.kernels import gemm, moe, quant
+from quantkit.kernels.gemm_checks import check_grouped_args
 
 
 # ---------------------------------------------------------------------------------------------- GEMMs
@@ -61,6 +62,27 @@ def _gated_scaled_mm_op(
 def _(a, w_gate_up, a_scale, w_scale, activation, out_dtype):
     M, N, _ = gemm.check_scaled_mm_args(a, w_gate_up, a_scale, w_scale, None, activation, out_dtype, gated=True)
     return a.new_empty((M, N), dtype=out_dtype)
+
+
+@torch.library.custom_op("quantkit::grouped_scaled_mm", mutates_args=())
+def _grouped_scaled_mm_op(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    experts: torch.Tensor,
+    row_div: int,
+    activation: str,
+    gated: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return moe.grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype)
+
+
+@_grouped_scaled_mm_op.register_fake
+def _(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype):
+    pairs, n_out, _ = check_grouped_args(a, w, a_scale, w_scale, experts, row_div, activation, out_dtype, gated)
+    return a.new_empty((pairs, n_out), dtype=out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------- quantization
@@ -154,6 +176,13 @@ def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype
     if direct_launch(a, "a"):
         return gemm.gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation, out_dtype)
     return _gated_scaled_mm_op(a, w_gate_up, a_scale, w_scale, activation, out_dtype)
+
+
+def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="none", gated=False,
+                      out_dtype=torch.bfloat16):
+    if direct_launch(a, "a"):
+        return moe.grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype)
+    return _grouped_scaled_mm_op(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype)
 
 
 def quantize_per_token(x, dtype):

@@ -24,9 +24,14 @@ the like. Others stay stacked, in 16 bits, as the conversion report says.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from quantkit.kernels import ops
+from quantkit.nn import QuantLinear
+from quantkit.nn.linear import inference_only
 
 try:  # transformers' load-time weight conversions (5.23 has them; a GPU image's older one may not)
     from transformers.core_model_loading import revert_weight_conversion
@@ -65,9 +70,30 @@ class ExpertMLP(nn.Module):
         return self.down_proj(hidden)
 
 
+@dataclass
+class _Grouped:
+    """The experts' quantized weights stacked for the grouped kernel: ``w13`` (E, 2I, H) [gate; up]
+    and ``w2`` (E, H, I), their scales (E, 2I) / (E, H), the static input scales (or None)."""
+
+    w13: torch.Tensor
+    s13: torch.Tensor
+    w2: torch.Tensor
+    s2: torch.Tensor
+    in13: torch.Tensor | None
+    in2: torch.Tensor | None
+    activation: str
+    quant_dtype: torch.dtype
+    backend: str
+
+
 class UnstackedExperts(nn.Module):
     """transformers' experts module, one ``ExpertMLP`` per expert (children ``0`` .. ``E-1``), called
-    as the stacked one is: ``(hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k))``."""
+    as the stacked one is: ``(hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k))``.
+
+    Quantized experts run one after another, each on the tokens routed to it, with one host sync
+    per layer; after ``stack(activation)`` (``optimize`` calls it) they run as two grouped GEMMs
+    routed on the GPU (``ops.grouped_scaled_mm``), the experts' buffers then being views of the
+    stacked weights (no second copy)."""
 
     def __init__(self, experts: list[ExpertMLP], stacked_type: str) -> None:
         super().__init__()
@@ -75,12 +101,84 @@ class UnstackedExperts(nn.Module):
         self.stacked_type = stacked_type
         for index, expert in enumerate(experts):
             self.add_module(str(index), expert)
+        self.__dict__["_grouped"] = None  # not a submodule or buffer: the experts' buffers are its views
 
     def __getitem__(self, index: int) -> nn.Module:
         return self._modules[str(index)]
 
+    @torch.no_grad()
+    def stack(self, activation: str) -> str | None:
+        """Stack the quantized experts for the grouped kernel, running ``activation`` (a kernel
+        activation equal to the experts' ``act_fn``); None when done, else why not."""
+        experts = [self[index] for index in range(self.num_experts)]
+        if not all(isinstance(e, ExpertMLP) and "gate_proj" in e._roles for e in experts):
+            return "the experts are not all gated MLPs"
+        layers = [(e.gate_proj, e.up_proj, e.down_proj) for e in experts]
+        first = layers[0][0]
+        same = ("quant_dtype", "static_input", "backend")
+        if not all(isinstance(m, QuantLinear) and m.bias is None and m.activation == "none"
+                   and all(getattr(m, a) == getattr(first, a) for a in same) for trio in layers for m in trio):
+            return "the experts are not all quantized alike (one dtype, input mode and backend, no bias)"
+        in13 = in2 = None
+        if first.static_input:
+            in13, in2 = first.input_scale, layers[0][2].input_scale
+            if not all(torch.equal(g.input_scale, in13) and torch.equal(u.input_scale, in13)
+                       and torch.equal(d.input_scale, in2) for g, u, d in layers):
+                return "the experts' static input scales differ (one GEMM takes one)"
+        inter, hidden = first.out_features, first.in_features
+        device = first.weight.device
+        w13 = torch.empty(self.num_experts, 2 * inter, hidden, dtype=first.quant_dtype, device=device)
+        w2 = torch.empty(self.num_experts, hidden, inter, dtype=first.quant_dtype, device=device)
+        s13 = torch.empty(self.num_experts, 2 * inter, dtype=torch.float32, device=device)
+        s2 = torch.empty(self.num_experts, hidden, dtype=torch.float32, device=device)
+        for index, (gate, up, down) in enumerate(layers):
+            views = ((gate, w13[index, :inter], s13[index, :inter]), (up, w13[index, inter:], s13[index, inter:]),
+                     (down, w2[index], s2[index]))
+            for layer, weight, scale in views:
+                weight.copy_(layer.weight)
+                scale.copy_(layer.weight_scale.view(-1))
+                layer._buffers["weight"] = weight
+                layer._buffers["weight_scale"] = scale.unsqueeze(1)
+        self.__dict__["_grouped"] = _Grouped(w13, s13, w2, s2, in13, in2, activation, first.quant_dtype,
+                                             first.backend)
+        return None
+
+    def _stacked(self) -> _Grouped | None:
+        """The stacked weights, restacked if the experts' buffers moved (``.to(device)``, a load)."""
+        grouped = self.__dict__["_grouped"]
+        if grouped is None:
+            return None
+        last = self[self.num_experts - 1]
+        if (self[0].gate_proj._buffers["weight"].data_ptr() != grouped.w13.data_ptr()
+                or last.down_proj._buffers["weight"].data_ptr() != grouped.w2[-1].data_ptr()):
+            self.stack(grouped.activation)
+            grouped = self.__dict__["_grouped"]
+        return grouped
+
+    def _grouped_forward(self, grouped: _Grouped, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, slots = top_k_index.shape
+        experts = top_k_index.reshape(-1)
+
+        def quantize(x, static_scale):
+            if static_scale is None:
+                return ops.quantize_per_token(x, grouped.quant_dtype, backend=grouped.backend)
+            return ops.quantize_per_tensor(x, static_scale, grouped.quant_dtype, backend=grouped.backend), static_scale
+
+        q, scale = quantize(hidden_states.contiguous(), grouped.in13)
+        hidden = ops.grouped_scaled_mm(q, grouped.w13, scale, grouped.s13, experts, slots, grouped.activation,
+                                       True, hidden_states.dtype, backend=grouped.backend)
+        q, scale = quantize(hidden, grouped.in2)
+        out = ops.grouped_scaled_mm(q, grouped.w2, scale, grouped.s2, experts, 1, "none", False,
+                                    hidden_states.dtype, backend=grouped.backend)
+        combined = (out.float().view(tokens, slots, -1) * top_k_weights.float()[..., None]).sum(dim=1)
+        return inference_only(hidden_states, combined.to(hidden_states.dtype))
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                 ) -> torch.Tensor:
+        grouped = self._stacked()
+        if grouped is not None:
+            return self._grouped_forward(grouped, hidden_states, top_k_index, top_k_weights)
         # The (token, slot) pairs sorted by expert: each expert's tokens are one slice, and one
         # host sync (the counts) serves the whole layer. Indices past the last expert (expert
         # parallelism's sentinel) sort last and run nowhere, as in transformers' eager loop.
@@ -253,6 +351,8 @@ def input_scale_groups(model: nn.Module) -> list[list[str]]:
 
 
 def routes_on_host(model: nn.Module) -> bool:
-    """True if ``model`` has unstacked experts: their routing picks the experts to run on the host
-    (as transformers' eager loop does), which a CUDA graph cannot capture."""
-    return any(isinstance(module, UnstackedExperts) for module in model.modules())
+    """True if ``model`` has unstacked experts that run one by one: their routing picks the experts
+    on the host (as transformers' eager loop does), which a CUDA graph cannot capture. Stacked ones
+    (``optimize``) route on the GPU."""
+    return any(isinstance(module, UnstackedExperts) and module.__dict__["_grouped"] is None
+               for module in model.modules())

@@ -17,6 +17,10 @@ structure, never by architecture name:
   gets the plain 16-bit output, computed on first use (and the norm stops deferring).
 - Residual adds (with deferred norms): pre-norm decoder layers, recognised by their forward's
   syntax tree (``fast_layer``), add inside the fused norm + quantization kernel.
+- Mixture-of-experts layers (``models/experts.UnstackedExperts``) stack their quantized experts
+  and run as two grouped GEMMs routed on the GPU (``ops.grouped_scaled_mm``): no host sync, so
+  their decode step can be a CUDA graph. Not bit-identical to the per-expert plain path (the
+  gated product is taken in float32 before one rounding), exact=True or not.
 - Attention runs through the "quantkit" function registered with transformers'
   ``AttentionInterface`` (flash prefill, split-KV decode).
 - RoPE (CUDA, 16-bit): the modeling file's ``apply_rotary_pos_emb`` is routed to one launch
@@ -57,6 +61,7 @@ from quantkit.kernels.reference import ACTIVATIONS
 from quantkit.models.fast_attention import register_quantkit_attention
 from quantkit.models.fast_layer import fuse_residual_adds
 from quantkit.models.fast_norm import ORIGINAL_NORM, FastRMSNorm, NormOutput, plain_tensor
+from quantkit.models.experts import UnstackedExperts
 from quantkit.models.fast_rope import enable_fused_rope
 from quantkit.nn import QuantLinear
 from quantkit.nn.linear import QuantizedBuffers, inference_only, quantize_input
@@ -81,6 +86,7 @@ class OptimizeReport:
     deferred_norms: list[str] = field(default_factory=list)
     fused_residual_layers: list[str] = field(default_factory=list)
     fused_rope: list[str] = field(default_factory=list)
+    grouped_experts: list[str] = field(default_factory=list)
     attention: str | None = None
 
     def __str__(self) -> str:
@@ -90,7 +96,8 @@ class OptimizeReport:
             f"swapped {len(self.swapped_norms)} RMSNorms (kept {len(self.kept_norms)}; "
             f"{len(self.deferred_norms)} defer their output to a fused norm + quantization), "
             f"residual adds fused into the norms of {len(self.fused_residual_layers)} decoder layers, "
-            f"one-launch RoPE in {len(self.fused_rope)} attention modules, attention={self.attention}"
+            f"one-launch RoPE in {len(self.fused_rope)} attention modules, "
+            f"grouped experts in {len(self.grouped_experts)} MoE layers, attention={self.attention}"
         )
 
 
@@ -444,7 +451,16 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
             module.exact = exact
             report.fused_mlps.append(name)
     for name, module in list(model.named_modules()):
-        if not _is_gated_mlp(module):
+        if isinstance(module, UnstackedExperts):
+            act = kernel_activation_of(module[0].act_fn)
+            reason = module.stack(act[0]) if act is not None else f"activation {type(module[0].act_fn).__name__}"
+            if reason is None:
+                report.grouped_experts.append(name)
+            else:
+                logger.info("experts %s not grouped: %s", name, reason)
+    grouped = tuple(f"{name}." for name in report.grouped_experts)
+    for name, module in list(model.named_modules()):
+        if not _is_gated_mlp(module) or name.startswith(grouped):
             continue
         reason = _fusable(module.gate_proj, module.up_proj)
         act = kernel_activation_of(module.act_fn)
@@ -522,7 +538,7 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
         name = register_quantkit_attention(backend=backend, device=device, model=model)
         model.set_attn_implementation(name)
         report.attention = name
-    if not report.fused_mlps:
+    if not report.fused_mlps and not report.grouped_experts:
         logger.warning("optimize(): no gated MLP was fused")
     model.quantkit_fast_path = report
     logger.info("%s", report)

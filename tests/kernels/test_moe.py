@@ -1,0 +1,112 @@
+"""The grouped mixture-of-experts GEMM (kernels/moe.py, under TRITON_INTERPRET=1 on CPU) against
+its torch twin (reference.grouped_scaled_mm) and a float64 computation, and its routing plan."""
+
+import pytest
+import torch
+
+from quantkit.kernels import moe, ops, reference
+
+# The interpreter evaluates sigmoid's exp(-x) for large |x| before it saturates to 0 or 1.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+QDTYPES = [pytest.param(torch.int8, id="int8"), pytest.param(torch.float8_e4m3fn, id="fp8")]
+# (tokens, slots, experts, K, N): odd token counts, K not a multiple of the 64-wide K tile, N not
+# of the N tile; the last has ~70 pairs per expert (64-row blocks), the first one pair in all.
+SHAPES = [(1, 1, 3, 64, 48), (13, 3, 5, 80, 70), (37, 2, 9, 208, 40), (140, 4, 8, 64, 24)]
+EPILOGUES = [(False, "none"), (False, "gelu_tanh"), (True, "silu"), (True, "gelu")]
+
+
+def _operands(tokens, slots, experts, K, N, dtype, gated, seed, per_token=True):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, K, generator=gen) * 2
+    a, a_scale = reference.quantize_per_token(x, dtype)
+    if not per_token:
+        a_scale = a_scale.amax().reshape(1)
+        a = reference.quantize_per_tensor(x, a_scale, dtype)
+    rows = 2 * N if gated else N
+    w_float = torch.randn(experts, rows, K, generator=gen)
+    w = torch.empty(experts, rows, K, dtype=dtype)
+    w_scale = torch.empty(experts, rows)
+    for e in range(experts):
+        q, scale = reference.quantize_per_channel(w_float[e], dtype)
+        w[e], w_scale[e] = q, scale.view(-1)
+    # Every expert and the "no expert" sentinel (= experts) among the pairs.
+    routed = torch.randint(0, experts + 1, (tokens * slots,), generator=gen)
+    routed[0] = experts - 1
+    routed[-1] = experts if routed.numel() > 1 else routed[-1]
+    return a, a_scale, w, w_scale, routed
+
+
+def _float64(a, a_scale, w, w_scale, routed, slots, activation, gated):
+    n_out = w.shape[1] // 2 if gated else w.shape[1]
+    out = torch.zeros(routed.numel(), n_out, dtype=torch.float64)
+    scale = a_scale.double().reshape(-1)
+    for p, e in enumerate(routed.tolist()):
+        if e >= w.shape[0]:
+            continue
+        row = p // slots
+        full = (a[row].double() @ w[e].double().t()) * scale[row if scale.numel() > 1 else 0] * w_scale[e].double()
+        if gated:
+            gate, up = full.chunk(2)
+            out[p] = reference.apply_activation(gate, activation) * up
+        else:
+            out[p] = reference.apply_activation(full, activation)
+    return out
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("gated,activation", EPILOGUES)
+def test_grouped_gemm_matches_reference_and_float64(dtype, shape, gated, activation):
+    tokens, slots, experts, K, N = shape
+    a, a_scale, w, w_scale, routed = _operands(*shape, dtype, gated, seed=sum(shape))
+    out = moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, slots, activation, gated, torch.bfloat16)
+    ref = reference.grouped_scaled_mm(a, w, a_scale, w_scale, routed, slots, activation, gated, torch.bfloat16)
+    assert out.shape == ref.shape == (tokens * slots, N)
+    unrouted = routed >= experts
+    assert torch.equal(out[unrouted], torch.zeros_like(out[unrouted]))
+    if dtype == torch.int8 and activation == "none":
+        assert torch.equal(out, ref)  # exact int32 accumulators, the same fp32 epilogue and one cast
+    else:  # two bf16 roundings apart at most (fp32 summation order, the kernel's erf/sigmoid)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=1e-3 * ref.float().abs().max().item())
+    exact = _float64(a, a_scale, w, w_scale, routed, slots, activation, gated)
+    assert ((out.double() - exact).norm() / exact.norm()).item() < 2 ** -8
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_grouped_gemm_with_a_static_input_scale(dtype):
+    a, a_scale, w, w_scale, routed = _operands(11, 2, 4, 96, 36, dtype, True, seed=5, per_token=False)
+    out = moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 2, "silu", True, torch.float16)
+    ref = reference.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 2, "silu", True, torch.float16)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -9, atol=1e-3 * ref.float().abs().max().item())
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_route_plan_puts_each_pair_once_in_a_block_of_its_expert(block_m):
+    experts = 7
+    routed = torch.randint(0, experts + 1, (301,), generator=torch.Generator().manual_seed(block_m))
+    plan = moe.route_plan(routed, experts, block_m)
+    rows, used = plan.rows, int(plan.used)
+    assert rows.numel() % block_m == 0 and used % block_m == 0 and used <= rows.numel()
+    filled = rows[:used][rows[:used] >= 0]
+    assert sorted(filled.tolist()) == (routed < experts).nonzero().flatten().tolist()
+    assert (rows[used:] == -1).all()
+    block_of_row = torch.arange(used) // block_m
+    pairs = rows[:used] >= 0
+    assert torch.equal(plan.block_expert.long()[block_of_row[pairs]], routed[rows[:used][pairs].long()])
+
+
+def test_grouped_gemm_refuses_bad_input_in_one_line():
+    a, a_scale, w, w_scale, routed = _operands(5, 2, 3, 64, 16, torch.int8, False, seed=1)
+    cases = [
+        ((a, w[0], a_scale, w_scale, routed, 2), "3-D"),
+        ((a, w, a_scale, w_scale[:, :4], routed, 2), "w_scale has shape"),
+        ((a, w, a_scale, w_scale, routed.float(), 2), "1-D integer tensor"),
+        ((a, w, a_scale, w_scale, routed[:-1], 2), "pairs but a has 5 rows"),
+        ((a, w, a_scale, w_scale, routed, 0), "row_div=0"),
+        ((a, w.to(torch.float8_e4m3fn), a_scale, w_scale, routed, 2), "w.dtype"),
+    ]
+    for args, message in cases:
+        for backend in ("triton", "torch"):
+            with pytest.raises(ValueError, match=message):
+                ops.grouped_scaled_mm(*args, backend=backend)
