@@ -90,6 +90,10 @@ def main(out_path: str) -> None:
             loaded = quantkit.load(f"{tmp}/ckpt", device="cuda", progress=False)
             with torch.no_grad():
                 row["reload_bit_identical"] = bool(torch.equal(loaded(input_ids=ids).logits.float(), logits))
+                ours = dict(qmodel.named_buffers()) | dict(qmodel.named_parameters())
+                theirs = dict(loaded.named_buffers()) | dict(loaded.named_parameters())
+                row["reload_differs"] = sorted(n for n in ours if n not in theirs or ours[n].dtype != theirs[n].dtype
+                                               or not torch.equal(ours[n], theirs[n]))[:8]
             del loaded
         with torch.no_grad():
             row["prefill_ms_1x2048"] = timed_ms(lambda: qmodel(input_ids=ids))

@@ -134,21 +134,30 @@ def _grouped_kernel(
     tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
+def default_config(pairs: int, experts: int, K: int) -> dict:
+    """Tile sizes and launch shape for ``pairs`` routed over ``experts`` (K: the reduction)."""
+    block_m = block_m_for(pairs, experts)
+    if INTERPRETED:  # large blocks under the interpreter: each program is Python
+        return dict(block_m=block_m, block_n=64, block_k=64, num_warps=4, num_stages=1)
+    return dict(block_m=block_m, block_n=128, block_k=128 if K >= 128 else 64,
+                num_warps=4 if block_m <= 32 else 8, num_stages=3)
+
+
 def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="none", gated=False,
-                      out_dtype=torch.bfloat16):
+                      out_dtype=torch.bfloat16, config: dict | None = None):
     """(P, N) rows in pair order: ``act(a[p // row_div] @ w[experts[p]].T * scales)`` (gated: the
     [gate; up] halves of w's rows, ``act(gate) * up``); 0 for a pair of no expert. See
-    ``reference.grouped_scaled_mm`` for the shapes."""
+    ``reference.grouped_scaled_mm`` for the shapes. ``config``: ``default_config``'s keys, to
+    override (benchmarks)."""
     pairs, n_out, K = check_grouped_args(a, w, a_scale, w_scale, experts, row_div, activation, out_dtype, gated)
     check_runnable(a, "a")
     num_experts = w.shape[0]
     out = torch.zeros(pairs, n_out, dtype=out_dtype, device=a.device)
     if pairs == 0:
         return out
-    plan = route_plan(experts, num_experts, block_m_for(pairs, num_experts))
-    # Large blocks under the interpreter (each program is Python); wgmma-sized tiles on the GPU.
-    block_n, block_k = (64, 64) if INTERPRETED else (128, 128 if K >= 128 else 64)
-    warps = 4 if plan.block_m <= 32 else 8
+    config = {**default_config(pairs, num_experts, K), **(config or {})}
+    plan = route_plan(experts, num_experts, config["block_m"])
+    block_n, block_k = config["block_n"], config["block_k"]
     grid = (plan.rows.numel() // plan.block_m, cdiv(n_out, block_n))
     _grouped_kernel[grid](
         a, w, out, a_scale, w_scale, plan.rows, plan.block_expert, plan.used,
@@ -156,6 +165,7 @@ def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="no
         a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), out.stride(0),
         IS_INT8=a.dtype == torch.int8, A_PER_TOKEN=a_scale.numel() > 1, ACTIVATION=ACTIVATION_CODES[activation],
         GATED=gated, EVEN_K=K % block_k == 0, INTERPRETED=INTERPRETED,
-        BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3,
+        BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
     )
     return out

@@ -1,0 +1,115 @@
+"""Grouped MoE GEMM on the GPU: tile sweep, and one MoE layer against transformers' bf16 experts.
+
+Qwen3-30B-A3B's expert shapes (hidden 2048, 128 experts of 768, top-8), random weights and
+routing. For each token count T: the grouped kernel's gate/up (gated) and down GEMMs over a tile
+sweep (FP8; INT8 with the default and the FP8 sweep's best), and the whole experts layer, routing
+and quantization included: transformers' bf16 module (its default ``grouped_mm`` implementation)
+against quantkit's stacked FP8 / INT8 experts, eager (do_bench) and as a CUDA graph
+(do_bench_cudagraph), same process. Writes JSON to the path given.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import time
+
+import torch
+import transformers
+import triton.testing
+
+import quantkit
+from quantkit.bench.common import environment_metadata
+from quantkit.kernels import moe, ops
+
+TOKENS = (1, 8, 64, 512, 2048, 8192)
+SWEEP = [dict(block_m=bm, block_n=bn, block_k=128, num_warps=w, num_stages=s)
+         for bm, bn, w, s in itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (3, 4))]
+
+
+def layer(scheme: str | None):
+    """One Qwen3-MoE decoder layer's experts module: bf16 (transformers') or quantized and stacked."""
+    config = transformers.Qwen3MoeConfig(vocab_size=1024, hidden_size=2048, intermediate_size=6144,
+                                         moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                         num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=4,
+                                         head_dim=128)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    if scheme is not None:
+        quantkit.optimize(quantkit.quantize(model, scheme, progress=False), attention=False, rope=False)
+    return model.model.layers[0].mlp.experts
+
+
+def routing(tokens: int, experts: int = 128, k: int = 8):
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    hidden = torch.randn(tokens, 2048, device="cuda", generator=gen, dtype=torch.bfloat16)
+    probs = torch.randn(tokens, experts, device="cuda", generator=gen).softmax(-1)
+    weights, index = probs.topk(k, dim=-1)
+    return hidden, index, (weights / weights.sum(-1, keepdim=True)).to(torch.bfloat16)
+
+
+def times(fn) -> dict:
+    row = {"eager_us": 1e3 * triton.testing.do_bench(fn, warmup=10, rep=50)}
+    try:
+        row["graph_us"] = 1e3 * triton.testing.do_bench_cudagraph(fn, rep=50)
+    except Exception as exc:  # not capturable: say why
+        row["graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        torch.cuda.synchronize()
+    return row
+
+
+def main(out_path: str, deadline_s: float = 500.0) -> None:
+    start = time.time()
+    report = {**environment_metadata(), "transformers": transformers.__version__, "tokens": {}}
+    modules = {"bf16": layer(None), "fp8": layer("fp8"), "int8": layer("int8")}
+    for tokens in TOKENS:
+        hidden, index, weights = routing(tokens)
+        row = {name: times(lambda m=m: m(hidden, index, weights)) for name, m in modules.items()}
+        with torch.no_grad():
+            base = modules["bf16"](hidden, index, weights).float()
+            for name in ("fp8", "int8"):
+                out = modules[name](hidden, index, weights).float()
+                row[name]["rel_err_vs_bf16"] = ((out - base).norm() / base.norm()).item()
+                for mode in ("eager", "graph"):
+                    if f"{mode}_us" in row["bf16"] and f"{mode}_us" in row[name]:
+                        row[name][f"{mode}_speedup_vs_bf16"] = row["bf16"][f"{mode}_us"] / row[name][f"{mode}_us"]
+        # The two GEMMs alone over the tile sweep.
+        experts = index.reshape(-1)
+        for name in ("fp8", "int8"):
+            grouped = modules[name].__dict__["_grouped"]
+            q, scale = ops.quantize_per_token(hidden, grouped.quant_dtype, backend="triton")
+            h = moe.grouped_scaled_mm(q, grouped.w13, scale, grouped.s13, experts, 8, "silu", True)
+            hq, hs = ops.quantize_per_token(h, grouped.quant_dtype, backend="triton")
+            gemms = {"gate_up": lambda c: moe.grouped_scaled_mm(q, grouped.w13, scale, grouped.s13, experts, 8,
+                                                               "silu", True, config=c),
+                     "down": lambda c: moe.grouped_scaled_mm(hq, grouped.w2, hs, grouped.s2, experts, 1,
+                                                            config=c)}
+            default = moe.default_config(experts.numel(), 128, 2048)
+            for gemm, fn in gemms.items():
+                sweep = SWEEP if name == "fp8" else [None, row["fp8"].get(f"{gemm}_best_config")]
+                results = []
+                for config in sweep:
+                    if time.time() - start > deadline_s:
+                        break
+                    try:
+                        results.append((1e3 * triton.testing.do_bench_cudagraph(lambda: fn(config), rep=30),
+                                        config or default))
+                    except Exception as exc:
+                        results.append((float("inf"), {**(config or {}), "error": str(exc).splitlines()[0][:80]}))
+                finite = [r for r in results if r[0] < float("inf")]
+                if finite:
+                    best = min(finite, key=lambda r: r[0])
+                    row[name][f"{gemm}_best_us"], row[name][f"{gemm}_best_config"] = best
+                    row[name][f"{gemm}_default_us"] = 1e3 * triton.testing.do_bench_cudagraph(lambda: fn(None), rep=30)
+                row[name][f"{gemm}_sweep"] = [[round(t, 2), c] for t, c in results]
+        report["tokens"][str(tokens)] = row
+        print(tokens, json.dumps({n: {k: v for k, v in r.items() if not k.endswith("sweep")} for n, r in row.items()}),
+              flush=True)
+        with open(out_path, "w") as handle:
+            json.dump(report, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
