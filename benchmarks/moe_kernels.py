@@ -24,8 +24,10 @@ from quantkit.bench.common import environment_metadata
 from quantkit.kernels import moe, ops
 
 TOKENS = (1, 8, 64, 512, 2048, 8192)
-SWEEP = [dict(block_m=bm, block_n=bn, block_k=128, num_warps=w, num_stages=s)
-         for bm, bn, w, s in itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (3, 4))]
+SWEEP = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+         for bm, bn, bk, w, s in itertools.product((16, 64), (32, 64, 128), (64, 128), (4, 8), (3, 4))
+         if not (bm == 64 and bn == 32)] + [dict(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),
+                                            dict(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3)]
 
 
 def layer(scheme: str | None):
@@ -82,11 +84,16 @@ def main(out_path: str, deadline_s: float = 500.0) -> None:
             q, scale = ops.quantize_per_token(hidden, grouped.quant_dtype, backend="triton")
             h = moe.grouped_scaled_mm(q, grouped.w13, scale, grouped.s13, experts, 8, "silu", True)
             hq, hs = ops.quantize_per_token(h, grouped.quant_dtype, backend="triton")
+            # The same ``experts`` tensor in every call: the plan is computed once and reused, as
+            # in a layer's second GEMM, so these time the GEMMs themselves.
             gemms = {"gate_up": lambda c: moe.grouped_scaled_mm(q, grouped.w13, scale, grouped.s13, experts, 8,
                                                                "silu", True, config=c),
                      "down": lambda c: moe.grouped_scaled_mm(hq, grouped.w2, hs, grouped.s2, experts, 1,
                                                             config=c)}
             default = moe.default_config(experts.numel(), 128, 2048)
+            block_m = default["block_m"]
+            row[name]["route_plan_us"] = 1e3 * triton.testing.do_bench_cudagraph(
+                lambda: moe.route_plan(experts, 128, block_m), rep=30)
             for gemm, fn in gemms.items():
                 sweep = SWEEP if name == "fp8" else [None, row["fp8"].get(f"{gemm}_best_config")]
                 results = []

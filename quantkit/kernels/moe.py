@@ -16,6 +16,7 @@ needs no unsort.
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -134,13 +135,33 @@ def _grouped_kernel(
     tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
-def default_config(pairs: int, experts: int, K: int) -> dict:
-    """Tile sizes and launch shape for ``pairs`` routed over ``experts`` (K: the reduction)."""
+def default_config(pairs: int, experts: int, K: int, gated: bool = False) -> dict:
+    """Tile sizes and launch shape for ``pairs`` routed over ``experts`` (K: the reduction). From
+    the sweep in benchmarks/moe_kernels.py (H200, Qwen3-30B-A3B's shapes): 16-row blocks while an
+    expert gets a few dozen pairs, 64-row blocks of 128 columns above, the gated form with 8 warps
+    and 4 stages."""
     block_m = block_m_for(pairs, experts)
     if INTERPRETED:  # large blocks under the interpreter: each program is Python
         return dict(block_m=block_m, block_n=64, block_k=64, num_warps=4, num_stages=1)
+    large = block_m == 64
     return dict(block_m=block_m, block_n=128, block_k=128 if K >= 128 else 64,
-                num_warps=4 if block_m <= 32 else 8, num_stages=3)
+                num_warps=8 if large and gated else 4, num_stages=4 if large and gated else 3)
+
+
+# The plan of the last routing seen: an MoE layer's two GEMMs route the same pairs (one tensor),
+# so the second reuses the first's plan. Held by a weak reference and the tensor's version
+# counter: another tensor, or the same one written since, plans again.
+_LAST_PLAN: list = [None]
+
+
+def _plan(experts: torch.Tensor, num_experts: int, block_m: int) -> RoutePlan:
+    last = _LAST_PLAN[0]
+    key = (experts._version, num_experts, block_m, experts.device)
+    if last is not None and last[0]() is experts and last[1] == key:
+        return last[2]
+    plan = route_plan(experts, num_experts, block_m)
+    _LAST_PLAN[0] = (weakref.ref(experts), key, plan)
+    return plan
 
 
 def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="none", gated=False,
@@ -155,8 +176,8 @@ def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="no
     out = torch.zeros(pairs, n_out, dtype=out_dtype, device=a.device)
     if pairs == 0:
         return out
-    config = {**default_config(pairs, num_experts, K), **(config or {})}
-    plan = route_plan(experts, num_experts, config["block_m"])
+    config = {**default_config(pairs, num_experts, K, gated), **(config or {})}
+    plan = _plan(experts, num_experts, config["block_m"])
     block_n, block_k = config["block_n"], config["block_k"]
     grid = (plan.rows.numel() // plan.block_m, cdiv(n_out, block_n))
     _grouped_kernel[grid](

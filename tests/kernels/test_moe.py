@@ -110,3 +110,13 @@ def test_grouped_gemm_refuses_bad_input_in_one_line():
         for backend in ("triton", "torch"):
             with pytest.raises(ValueError, match=message):
                 ops.grouped_scaled_mm(*args, backend=backend)
+
+
+def test_an_moe_layers_second_gemm_reuses_the_routing_plan():
+    routed = torch.randint(0, 5, (24,), generator=torch.Generator().manual_seed(3))
+    first = moe._plan(routed, 5, 16)
+    assert moe._plan(routed, 5, 16) is first  # the same pairs: planned once
+    assert moe._plan(routed.clone(), 5, 16) is not first  # another tensor
+    routed[0] = (routed[0] + 1) % 5  # written since: planned again, and right
+    again = moe._plan(routed, 5, 16)
+    assert again is not first and torch.equal(again.rows, moe.route_plan(routed, 5, 16).rows)
