@@ -5,7 +5,7 @@ routing. For each token count T: the grouped kernel's gate/up (gated) and down G
 sweep (FP8; INT8 with the default and the FP8 sweep's best), and the whole experts layer, routing
 and quantization included: transformers' bf16 module (its default ``grouped_mm`` implementation)
 against quantkit's stacked FP8 / INT8 experts, eager (do_bench) and as a CUDA graph
-(do_bench_cudagraph), same process. Writes JSON to the path given.
+(do_bench_cudagraph), same process. Writes JSON to the path given; ``--sweep`` adds the tile sweep.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def times(fn) -> dict:
     return row
 
 
-def main(out_path: str, deadline_s: float = 500.0) -> None:
+def main(out_path: str, sweep: bool, deadline_s: float = 500.0) -> None:
     start = time.time()
     report = {**environment_metadata(), "transformers": transformers.__version__, "tokens": {}}
     modules = {"bf16": layer(None), "fp8": layer("fp8"), "int8": layer("int8")}
@@ -95,9 +95,11 @@ def main(out_path: str, deadline_s: float = 500.0) -> None:
             row[name]["route_plan_us"] = 1e3 * triton.testing.do_bench_cudagraph(
                 lambda: moe.route_plan(experts, 128, block_m), rep=30)
             for gemm, fn in gemms.items():
-                sweep = SWEEP if name == "fp8" else [None, row["fp8"].get(f"{gemm}_best_config")]
+                configs = [None]
+                if sweep:
+                    configs = SWEEP if name == "fp8" else [None, row["fp8"].get(f"{gemm}_best_config")]
                 results = []
-                for config in sweep:
+                for config in configs:
                     if time.time() - start > deadline_s:
                         break
                     try:
@@ -119,4 +121,4 @@ def main(out_path: str, deadline_s: float = 500.0) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sweep="--sweep" in sys.argv[2:])

@@ -106,9 +106,11 @@ def check_scaled_mm_args(a, w, a_scale, w_scale, bias, activation, out_dtype, ga
     return M, N, K
 
 
-def check_grouped_args(a, w, a_scale, w_scale, experts, row_div, activation, out_dtype, gated=False, layout=True):
+def check_grouped_args(a, w, a_scale, w_scale, experts, row_div, activation, out_dtype, gated=False, layout=True,
+                       row_scale=None):
     """The grouped (mixture-of-experts) GEMM's checks: ``a`` (R, K) rows, ``w`` (E, N, K) one
-    matrix per expert, ``w_scale`` (E, N), ``experts`` (P,) with P = R * row_div. Returns
+    matrix per expert, ``w_scale`` (E, N), ``experts`` (P,) with P = R * row_div, ``row_scale``
+    None or (P,) float32. Returns
     (P, N_out, K); each expert's GEMM is then checked as ``check_scaled_mm_args`` checks one."""
     if not isinstance(w, torch.Tensor) or w.dim() != 3:
         raise ValueError(f"w must be a 3-D (experts, N, K) tensor, got {getattr(w, 'shape', type(w).__name__)}")
@@ -130,4 +132,10 @@ def check_grouped_args(a, w, a_scale, w_scale, experts, row_div, activation, out
     if experts.numel() != a.shape[0] * row_div:
         raise ValueError(f"experts has {experts.numel()} pairs but a has {a.shape[0]} rows x row_div={row_div}; "
                          "pass one expert per (row, slot) pair")
+    if row_scale is not None and (not isinstance(row_scale, torch.Tensor) or row_scale.dtype != torch.float32
+                                  or tuple(row_scale.shape) != (experts.numel(),) or row_scale.stride(0) != 1
+                                  or row_scale.device != a.device):
+        raise ValueError(f"row_scale must be a contiguous float32 ({experts.numel()},) tensor on {a.device} (one per "
+                         f"pair), got {getattr(row_scale, 'dtype', type(row_scale).__name__)} "
+                         f"{tuple(getattr(row_scale, 'shape', ()))}")
     return experts.numel(), n_out, K

@@ -31,7 +31,9 @@ from quantkit.kernels.quant import cast_for_store
 
 class RoutePlan(NamedTuple):
     rows: torch.Tensor  # (capacity,) int32: the pair each padded slot computes, -1 for padding
-    block_expert: torch.Tensor  # (capacity / block_m,) int32: each block's expert
+    # (capacity / block_m,) int32: each block's expert; num_experts for the run of the pairs that
+    # no expert takes (their rows are written as zeros).
+    block_expert: torch.Tensor
     used: torch.Tensor  # (1,) int32: the slots the routing fills (blocks past it return)
     block_m: int
 
@@ -44,36 +46,94 @@ def block_m_for(pairs: int, experts: int) -> int:
 
 
 def route_plan(experts: torch.Tensor, num_experts: int, block_m: int) -> RoutePlan:
-    """The padded, expert-sorted slot layout of ``experts`` (P,) (values >= num_experts: no
-    expert, as expert parallelism's sentinel), in device ops of fixed shapes (no host sync)."""
+    """The padded, expert-grouped slot layout of ``experts`` (P,) (values >= num_experts: no
+    expert, as expert parallelism's sentinel), in four launches of fixed shapes (no host sync).
+
+    Each pair takes the next free place in its expert's run (an atomic counter), so the order of
+    the pairs within a run varies from call to call; no result does: a pair's output row depends
+    on its own input row and its expert's weight only."""
     pairs = experts.numel()
     device = experts.device
-    expert = experts.reshape(-1).long().clamp(0, num_experts)
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(
-        0, expert, torch.ones_like(expert))
-    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    order = torch.argsort(expert, stable=True)
-    sorted_expert = expert[order]
-    first = counts.cumsum(0) - counts  # each expert's first position in the sorted order
-    rank = torch.arange(pairs, device=device) - first[sorted_expert]
-    capacity = cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
-    routed = sorted_expert < num_experts
-    slot = torch.where(routed, (ends - padded)[sorted_expert.clamp_max(num_experts - 1)] + rank, capacity)
-    rows = torch.full((capacity + 1,), -1, dtype=torch.int32, device=device)
-    rows.scatter_(0, slot, order.int())  # unrouted pairs all land in the spare last slot
-    starts = torch.arange(0, capacity, block_m, device=device)
-    block_expert = torch.searchsorted(ends, starts, right=True).clamp_max(num_experts - 1).int()
-    return RoutePlan(rows[:capacity], block_expert, ends[-1:].int(), block_m)
+    experts = experts.reshape(-1)
+    runs = num_experts + 1  # the experts', and one of the pairs routed to none
+    capacity = cdiv(pairs + runs * (block_m - 1), block_m) * block_m
+    counts = torch.zeros(runs, dtype=torch.int32, device=device)
+    rank = torch.empty(pairs, dtype=torch.int32, device=device)
+    rows = torch.full((capacity,), -1, dtype=torch.int32, device=device)
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    used = torch.empty(1, dtype=torch.int32, device=device)
+    ends = torch.empty(runs, dtype=torch.int32, device=device)
+    chunk = 1024
+    _rank_kernel[(cdiv(pairs, chunk),)](experts, counts, rank, pairs, num_experts, BLOCK=chunk)
+    experts_block = triton.next_power_of_2(runs)
+    _place_kernel[(cdiv(max(pairs, capacity // block_m), chunk),)](
+        experts, counts, rank, ends, rows, block_expert, used, pairs, num_experts, capacity // block_m,
+        BLOCK_M=block_m, BLOCK=chunk, EXPERTS=experts_block, SEARCH_STEPS=experts_block.bit_length())
+    return RoutePlan(rows, block_expert, used, block_m)
+
+
+@triton.jit
+def _rank_kernel(experts_ptr, counts_ptr, rank_ptr, pairs, num_experts, BLOCK: tl.constexpr):
+    """Each pair's place in its run (its expert's, or the last for no expert): the run's counter
+    before the pair took it."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < pairs
+    run = _run_of(tl.load(experts_ptr + offs, mask=mask, other=0), num_experts)
+    rank = tl.atomic_add(counts_ptr + run, 1, mask=mask)
+    tl.store(rank_ptr + offs, rank, mask=mask)
+
+
+@triton.jit
+def _run_of(expert, num_experts):
+    expert = expert.to(tl.int32)
+    return tl.where((expert >= 0) & (expert < num_experts), expert, num_experts)
+
+
+@triton.jit
+def _place_kernel(experts_ptr, counts_ptr, rank_ptr, ends_ptr, rows_ptr, block_expert_ptr, used_ptr,
+                  pairs, num_experts, num_blocks, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+                  EXPERTS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """From the counts: each expert's run end (runs padded to BLOCK_M), each pair's slot, each
+    block's expert and the slots used. Every program takes its chunk of pairs and of blocks."""
+    runs = num_experts + 1
+    e = tl.arange(0, EXPERTS)
+    counts = tl.load(counts_ptr + e, mask=e < runs, other=0)
+    ends = tl.cumsum((counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    # Every program stores the same ends, then reads them back by index (its own stores are
+    # visible to its threads after the barrier).
+    tl.store(ends_ptr + e, ends, mask=e < runs)
+    tl.debug_barrier()
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < pairs
+    run = _run_of(tl.load(experts_ptr + offs, mask=mask, other=0), num_experts)
+    count = tl.load(counts_ptr + run, mask=mask, other=0)
+    start = tl.load(ends_ptr + run, mask=mask, other=0) - (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    rank = tl.load(rank_ptr + offs, mask=mask, other=0)
+    tl.store(rows_ptr + start + rank, offs, mask=mask)
+    # This program's chunk of blocks: each block's expert is the number of runs that end at or
+    # before its first slot (a binary search over the ends).
+    block_start = offs * BLOCK_M
+    lo = tl.zeros((BLOCK,), dtype=tl.int32)
+    hi = tl.zeros((BLOCK,), dtype=tl.int32) + runs
+    for _ in tl.static_range(SEARCH_STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        end = tl.load(ends_ptr + mid, mask=active, other=0)
+        lo = tl.where(active & (end <= block_start), mid + 1, lo)
+        hi = tl.where(active & (end > block_start), mid, hi)
+    tl.store(block_expert_ptr + offs, tl.minimum(lo, num_experts), mask=offs < num_blocks)
+    if tl.program_id(0) == 0:
+        tl.store(used_ptr, tl.max(ends, 0))
 
 
 @triton.jit
 def _grouped_kernel(
-    a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, rows_ptr, block_expert_ptr, used_ptr,
-    N, K, ROW_DIV,
+    a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, row_scale_ptr, rows_ptr, block_expert_ptr, used_ptr,
+    N, K, ROW_DIV, num_experts,
     stride_am, stride_we, stride_wn, stride_se, stride_om,
     IS_INT8: tl.constexpr,
     A_PER_TOKEN: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -89,9 +149,14 @@ def _grouped_kernel(
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     out_rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = out_rows >= 0
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ptrs = out_ptr + tl.where(valid, out_rows, 0).to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    mask = valid[:, None] & (offs_n < N)[None, :]
+    if expert == num_experts:  # the pairs routed to no expert: rows of zeros
+        tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=mask)
+        return
     # Padding rows read row 0 (unmasked, vectorized loads) and are not stored.
     a_rows = tl.where(valid, out_rows // ROW_DIV, 0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_w = offs_n % N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
@@ -130,8 +195,8 @@ def _grouped_kernel(
     out = apply_activation(acc.to(tl.float32) * a_scale * tl.load(scales + rows_w)[None, :], ACTIVATION)
     if GATED:
         out = out * (acc_up.to(tl.float32) * a_scale * tl.load(scales + N + rows_w)[None, :])
-    out_ptrs = out_ptr + tl.where(valid, out_rows, 0).to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    mask = valid[:, None] & (offs_n < N)[None, :]
+    if ROW_SCALE:  # the routing weight of each pair
+        out = out * tl.load(row_scale_ptr + tl.where(valid, out_rows, 0))[:, None]
     tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
@@ -165,15 +230,16 @@ def _plan(experts: torch.Tensor, num_experts: int, block_m: int) -> RoutePlan:
 
 
 def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="none", gated=False,
-                      out_dtype=torch.bfloat16, config: dict | None = None):
+                      out_dtype=torch.bfloat16, row_scale=None, config: dict | None = None):
     """(P, N) rows in pair order: ``act(a[p // row_div] @ w[experts[p]].T * scales)`` (gated: the
-    [gate; up] halves of w's rows, ``act(gate) * up``); 0 for a pair of no expert. See
-    ``reference.grouped_scaled_mm`` for the shapes. ``config``: ``default_config``'s keys, to
-    override (benchmarks)."""
-    pairs, n_out, K = check_grouped_args(a, w, a_scale, w_scale, experts, row_div, activation, out_dtype, gated)
+    [gate; up] halves of w's rows, ``act(gate) * up``), times ``row_scale[p]`` if given; 0 for a
+    pair of no expert. See ``reference.grouped_scaled_mm`` for the shapes. ``config``:
+    ``default_config``'s keys, to override (benchmarks)."""
+    pairs, n_out, K = check_grouped_args(a, w, a_scale, w_scale, experts, row_div, activation, out_dtype, gated,
+                                         row_scale=row_scale)
     check_runnable(a, "a")
     num_experts = w.shape[0]
-    out = torch.zeros(pairs, n_out, dtype=out_dtype, device=a.device)
+    out = torch.empty(pairs, n_out, dtype=out_dtype, device=a.device)  # every row is written
     if pairs == 0:
         return out
     config = {**default_config(pairs, num_experts, K, gated), **(config or {})}
@@ -181,10 +247,11 @@ def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="no
     block_n, block_k = config["block_n"], config["block_k"]
     grid = (plan.rows.numel() // plan.block_m, cdiv(n_out, block_n))
     _grouped_kernel[grid](
-        a, w, out, a_scale, w_scale, plan.rows, plan.block_expert, plan.used,
-        n_out, K, row_div,
+        a, w, out, a_scale, w_scale, row_scale if row_scale is not None else a_scale, plan.rows, plan.block_expert,
+        plan.used, n_out, K, row_div, num_experts,
         a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), out.stride(0),
-        IS_INT8=a.dtype == torch.int8, A_PER_TOKEN=a_scale.numel() > 1, ACTIVATION=ACTIVATION_CODES[activation],
+        IS_INT8=a.dtype == torch.int8, A_PER_TOKEN=a_scale.numel() > 1, ROW_SCALE=row_scale is not None,
+        ACTIVATION=ACTIVATION_CODES[activation],
         GATED=gated, EVEN_K=K % block_k == 0, INTERPRETED=INTERPRETED,
         BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=config["num_warps"],
         num_stages=config["num_stages"],

@@ -85,13 +85,16 @@ def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype
 
 
 def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="none", gated=False,
-                      out_dtype=torch.bfloat16, backend="torch"):
+                      out_dtype=torch.bfloat16, row_scale=None, backend="torch"):
     """A mixture of experts' GEMMs in one call, one row per (token, slot) pair; see
     ``reference.grouped_scaled_mm``. The Triton kernel routes on the GPU (no host sync)."""
     if is_triton(backend):
-        return _triton_ops().grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype)
-    check_grouped_args(a, w, a_scale, w_scale, experts, row_div, activation, out_dtype, gated, layout=False)
-    return reference.grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype)
+        return _triton_ops().grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype,
+                                               row_scale)
+    check_grouped_args(a, w, a_scale, w_scale, experts, row_div, activation, out_dtype, gated, layout=False,
+                       row_scale=row_scale)
+    return reference.grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype,
+                                       row_scale)
 
 
 def quantize_per_token(x, dtype, backend="torch"):

@@ -196,6 +196,7 @@ def grouped_scaled_mm(
     activation: str = "none",
     gated: bool = False,
     out_dtype: torch.dtype = torch.bfloat16,
+    row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A mixture of experts' GEMMs, one (token, slot) pair per output row, in pair order.
 
@@ -204,7 +205,8 @@ def grouped_scaled_mm(
     weight per expert; w_scale: (E, N); a_scale: (R,) or a single element; experts: (P,), the
     expert of each pair, P = R * row_div (values >= E: no expert, a row of zeros). Row p is
     ``scaled_mm(a[p // row_div], w[experts[p]])`` with ``activation``, or with ``gated`` the
-    ``gated_scaled_mm`` of the expert's [gate; up] rows: (P, N) or (P, N / 2).
+    ``gated_scaled_mm`` of the expert's [gate; up] rows: (P, N) or (P, N / 2); with ``row_scale``
+    (P,) each row times its entry (a routing weight) in float32 before the one cast.
     """
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     out = torch.zeros(experts.numel(), n_out, dtype=out_dtype, device=a.device)
@@ -215,9 +217,12 @@ def grouped_scaled_mm(
             rows = pairs // row_div
             scale = a_scale.reshape(-1)[rows] if per_row else a_scale
             if gated:
-                out[pairs] = gated_scaled_mm(a[rows], w[expert], scale, w_scale[expert], activation, out_dtype)
+                rows_out = gated_scaled_mm(a[rows], w[expert], scale, w_scale[expert], activation, torch.float32)
             else:
-                out[pairs] = scaled_mm(a[rows], w[expert], scale, w_scale[expert], None, activation, out_dtype)
+                rows_out = scaled_mm(a[rows], w[expert], scale, w_scale[expert], None, activation, torch.float32)
+            if row_scale is not None:
+                rows_out = rows_out * row_scale[pairs, None]
+            out[pairs] = rows_out.to(out_dtype)
     return out
 
 

@@ -75,13 +75,15 @@ def _grouped_scaled_mm_op(
     activation: str,
     gated: bool,
     out_dtype: torch.dtype,
+    row_scale: torch.Tensor | None,
 ) -> torch.Tensor:
-    return moe.grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype)
+    return moe.grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype, row_scale)
 
 
 @_grouped_scaled_mm_op.register_fake
-def _(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype):
-    pairs, n_out, _ = check_grouped_args(a, w, a_scale, w_scale, experts, row_div, activation, out_dtype, gated)
+def _(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype, row_scale):
+    pairs, n_out, _ = check_grouped_args(a, w, a_scale, w_scale, experts, row_div, activation, out_dtype, gated,
+                                         row_scale=row_scale)
     return a.new_empty((pairs, n_out), dtype=out_dtype)
 
 
@@ -179,10 +181,11 @@ def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype
 
 
 def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="none", gated=False,
-                      out_dtype=torch.bfloat16):
+                      out_dtype=torch.bfloat16, row_scale=None):
     if direct_launch(a, "a"):
-        return moe.grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype)
-    return _grouped_scaled_mm_op(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype)
+        return moe.grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype,
+                                     row_scale)
+    return _grouped_scaled_mm_op(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype, row_scale)
 
 
 def quantize_per_token(x, dtype):

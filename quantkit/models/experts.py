@@ -169,10 +169,12 @@ class UnstackedExperts(nn.Module):
         hidden = ops.grouped_scaled_mm(q, grouped.w13, scale, grouped.s13, experts, slots, grouped.activation,
                                        True, hidden_states.dtype, backend=grouped.backend)
         q, scale = quantize(hidden, grouped.in2)
+        # Each pair's output times its routing weight in the epilogue; a token's k rows summed
+        # (in float32, one rounding) by torch.
         out = ops.grouped_scaled_mm(q, grouped.w2, scale, grouped.s2, experts, 1, "none", False,
-                                    hidden_states.dtype, backend=grouped.backend)
-        combined = (out.float().view(tokens, slots, -1) * top_k_weights.float()[..., None]).sum(dim=1)
-        return inference_only(hidden_states, combined.to(hidden_states.dtype))
+                                    hidden_states.dtype, top_k_weights.reshape(-1).float().contiguous(),
+                                    backend=grouped.backend)
+        return inference_only(hidden_states, out.view(tokens, slots, -1).sum(dim=1))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                 ) -> torch.Tensor:

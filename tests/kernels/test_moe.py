@@ -83,17 +83,33 @@ def test_grouped_gemm_with_a_static_input_scale(dtype):
 
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 def test_route_plan_puts_each_pair_once_in_a_block_of_its_expert(block_m):
+    """Every pair in exactly one slot, each block within one run: an expert's, or the last run for
+    the pairs of no expert (their rows are written as zeros); slots past the runs are padding."""
     experts = 7
-    routed = torch.randint(0, experts + 1, (301,), generator=torch.Generator().manual_seed(block_m))
+    routed = torch.randint(0, experts + 3, (301,), generator=torch.Generator().manual_seed(block_m))
     plan = moe.route_plan(routed, experts, block_m)
     rows, used = plan.rows, int(plan.used)
     assert rows.numel() % block_m == 0 and used % block_m == 0 and used <= rows.numel()
-    filled = rows[:used][rows[:used] >= 0]
-    assert sorted(filled.tolist()) == (routed < experts).nonzero().flatten().tolist()
+    assert sorted(rows[:used][rows[:used] >= 0].tolist()) == list(range(301))
     assert (rows[used:] == -1).all()
-    block_of_row = torch.arange(used) // block_m
-    pairs = rows[:used] >= 0
-    assert torch.equal(plan.block_expert.long()[block_of_row[pairs]], routed[rows[:used][pairs].long()])
+    block_of_slot = torch.arange(used) // block_m
+    filled = rows[:used] >= 0
+    runs = routed.clamp_max(experts)
+    assert torch.equal(plan.block_expert.long()[block_of_slot[filled]], runs[rows[:used][filled].long()])
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_routing_weights_scale_the_rows_in_the_epilogue(dtype):
+    a, a_scale, w, w_scale, routed = _operands(9, 4, 6, 64, 40, dtype, False, seed=8)
+    weights = torch.rand(routed.numel(), generator=torch.Generator().manual_seed(9))
+    out = moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 4, out_dtype=torch.float32, row_scale=weights)
+    ref = reference.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 4, out_dtype=torch.float32, row_scale=weights)
+    plain = reference.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 4, out_dtype=torch.float32)
+    if dtype == torch.int8:
+        assert torch.equal(out, ref)
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
+    torch.testing.assert_close(ref, plain * weights[:, None], rtol=1e-6, atol=0)
 
 
 def test_grouped_gemm_refuses_bad_input_in_one_line():
@@ -105,6 +121,7 @@ def test_grouped_gemm_refuses_bad_input_in_one_line():
         ((a, w, a_scale, w_scale, routed[:-1], 2), "pairs but a has 5 rows"),
         ((a, w, a_scale, w_scale, routed, 0), "row_div=0"),
         ((a, w.to(torch.float8_e4m3fn), a_scale, w_scale, routed, 2), "w.dtype"),
+        ((a, w, a_scale, w_scale, routed, 2, "none", False, torch.bfloat16, torch.ones(3)), "row_scale must be"),
     ]
     for args, message in cases:
         for backend in ("triton", "torch"):
