@@ -159,11 +159,13 @@ def _quantize_eval(model: nn.Module, config: QuantConfig, calibration_data: torc
             model, targets, calibration_data, config.activation_observer, config.percentile, dtype=dtype,
             progress=progress,
         )
+        # One scale per experts layer's gate/up inputs and one per its down inputs, the largest
+        # seen: vLLM's, and an expert no calibration token reached gets it too.
         for group in input_scale_groups(model):
             measured = [input_amax[name] for name in group if name in input_amax]
             if measured:
                 shared = torch.stack([amax.reshape(()) for amax in measured]).amax()
-                input_amax.update({name: shared.clone() for name in group if name in input_amax})
+                input_amax.update({name: shared.clone() for name in group if name in targets})
     quantized_weights, weight_amax = None, None
     if config.gptq:
         quantized_weights = gptq_quantize_weights(

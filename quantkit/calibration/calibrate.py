@@ -93,13 +93,20 @@ def collect_input_ranges(
     batch_size: int = 4,
     progress: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Per-tensor clipping value (0-d fp32) of the input of every layer in ``layers``.
+    """Per-tensor clipping value (0-d fp32) of the input of every layer in ``layers`` that ran (a
+    mixture of experts' expert may get no calibration token: it has no entry).
 
     dtype: the activations' quantized dtype (the MSE observer searches the clip for that grid).
     """
     observers: dict[str, Observer] = {name: make_observer(observer, percentile, dtype) for name in layers}
+    ran: set[str] = set()
+
+    def record(name, x):
+        ran.add(name)
+        observers[name].update(x)
+
     handles = [
-        module.register_forward_pre_hook(lambda _m, args, name=name: observers[name].update(args[0]))
+        module.register_forward_pre_hook(lambda _m, args, name=name: record(name, args[0]))
         for name, module in layers.items()
     ]
     try:
@@ -107,4 +114,4 @@ def collect_input_ranges(
     finally:
         for handle in handles:
             handle.remove()
-    return {name: obs.amax() for name, obs in observers.items()}
+    return {name: obs.amax() for name, obs in observers.items() if name in ran}

@@ -14,13 +14,18 @@ read the same input tensor, e.g. q/k/v, share one), plus one calibration batch i
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from quantkit.calibration.calibrate import check_blocks, forward_backbone, storage_key
 from quantkit.calibration.weights import WEIGHT_OBSERVERS, weight_amax
-from quantkit.kernels.reference import MIN_SCALE, cast_to_quantized, qmax_of, scale_from_amax
+from quantkit.kernels.reference import MIN_SCALE, cast_to_quantized, qmax_of, quantize_per_channel, scale_from_amax
+from quantkit.models.experts import expert_linears
+
+logger = logging.getLogger(__name__)
 
 
 class HessianAccumulator:
@@ -108,9 +113,15 @@ def collect_hessians(
     finally:
         for h in handles:
             h.remove()
-    not_run = [n for n in layer_names if n not in leader_of]
+    # A mixture of experts' expert may get no calibration token: an empty Hessian (n_tokens == 0).
+    experts = expert_linears(model)
+    not_run = [n for n in layer_names if n not in leader_of and n not in experts]
     if not_run:
         raise RuntimeError(f"layers never ran during calibration (not in the backbone?): {not_run[:5]}")
+    for name in layer_names:
+        if name not in leader_of:
+            leader_of[name] = name
+            accumulators[name] = HessianAccumulator(modules[name].in_features, modules[name].weight.device)
     return {n: accumulators[leader_of[n]] for n in layer_names}
 
 
@@ -228,8 +239,17 @@ def gptq_quantize_weights(
             hessians = collect_hessians(model, blocks, names, batch_size, progress and not per_block, stop_after,
                                         first_token_weight)
             for name in names:
-                result[name] = _gptq_layer(modules[name].weight.detach(), hessians[name].hessian, dtype, block_size,
-                                           damp, act_order, weight_observer, percentile)
+                if hessians[name].n_tokens == 0:
+                    # No calibration token reached it (a rarely routed expert): GPTQ would zero every
+                    # column it never saw, i.e. the whole weight. Round to nearest instead.
+                    logger.info("%s saw no calibration token; its weight is rounded to nearest, not by GPTQ", name)
+                    weight = modules[name].weight.detach()
+                    q, scale = quantize_per_channel(
+                        weight, dtype, weight_amax(weight, dtype, weight_observer, percentile))
+                    result[name] = (q, scale.reshape(-1))
+                else:
+                    result[name] = _gptq_layer(modules[name].weight.detach(), hessians[name].hessian, dtype,
+                                               block_size, damp, act_order, weight_observer, percentile)
                 bar.update()
             del hessians
     return result

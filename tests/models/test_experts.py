@@ -226,3 +226,43 @@ def test_experts_routed_on_the_host_are_not_captured():
         quantkit.generate_tokens(qmodel, _ids(6, (1, 5)), 3, cuda_graph=True)
     tokens = quantkit.generate_tokens(qmodel, _ids(6, (1, 5)), 3)
     assert tokens.shape == (1, 8)
+
+
+def test_gptq_rounds_an_expert_no_token_reached_to_nearest():
+    """GPTQ zeroes the columns a layer never saw: for an expert no calibration token was routed
+    to, that was its whole weight. It is rounded to nearest instead."""
+    model = _model("mixtral")
+
+    def never_five(_module, _args, out):  # layer 0's router sends expert 5's pairs to expert 4
+        logits, scores, index = out
+        return logits, scores, torch.where(index == 5, 4, index)
+
+    model.model.layers[0].mlp.gate.register_forward_hook(never_five)
+    qmodel = quantkit.quantize(model, quantkit.QuantConfig.preset("int8", gptq=True), _ids(9, (2, 24)),
+                               progress=False)
+    unseen = qmodel.get_submodule("model.layers.0.mlp.experts.5.w1")
+    assert unseen.weight.abs().amax() > 0
+    reference = quantkit.quantize(_model("mixtral"), "int8", progress=False).get_submodule(
+        "model.layers.0.mlp.experts.5.w1")
+    assert torch.equal(unseen.weight, reference.weight)
+    assert qmodel.get_submodule("model.layers.0.mlp.experts.4.w1").weight.abs().amax() > 0
+
+
+@pytest.mark.parametrize("scheme", ["int8-static", "fp8-static"])
+def test_every_recipe_takes_an_expert_no_token_reached(scheme):
+    """Static scales (the layer's shared one), SmoothQuant, GPTQ and sensitivity with an expert
+    that no calibration token reaches: it is quantized, with finite scales, and the model runs."""
+    model = _model("mixtral")
+    model.model.layers[1].mlp.gate.register_forward_hook(
+        lambda _m, _a, out: (out[0], out[1], torch.where(out[2] == 7, 6, out[2])))
+    qmodel = quantkit.quantize(model, quantkit.QuantConfig.preset(scheme, "accurate"), _ids(10, (2, 24)),
+                               progress=False)
+    unseen = qmodel.get_submodule("model.layers.1.mlp.experts.7")
+    seen = qmodel.get_submodule("model.layers.1.mlp.experts.6")
+    for role in ("gate_proj", "up_proj", "down_proj"):
+        layer = getattr(unseen, role)
+        assert isinstance(layer, QuantLinear) and layer.weight.float().abs().amax() > 0
+        assert torch.equal(layer.input_scale, getattr(seen, role).input_scale)
+        assert bool(torch.isfinite(layer.weight_scale).all())
+    with torch.no_grad():
+        assert bool(torch.isfinite(qmodel(input_ids=_ids(11)).logits).all())
