@@ -62,7 +62,7 @@ from quantkit.kernels.gemm_checks import (  # noqa: F401 - re-exported: gemm's A
 from quantkit.kernels.gemm_configs import (  # noqa: F401 - the config sets are part of gemm's API
     ALL_CONFIGS, HEURISTICS, INTERPRETER_CONFIG, LARGE_M_CONFIGS, MEDIUM_M_CONFIGS, SMALL_M_CONFIGS,
     SMALL_M_SPLIT_K_CONFIGS, _prune_configs, m_bucket, split_k_plan, split_k_programs)
-from quantkit.kernels.gemm_epilogue import dot_accumulate, grouped_tile, split_arrive, split_sum, store_tile
+from quantkit.kernels.gemm_epilogue import grouped_tile, split_arrive, split_sum, store_tile, tile_mainloop
 from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, config_dict
 
 # M is not specialized (divisibility by 16, == 1): rows are wrapped, not aligned, so it would only
@@ -119,34 +119,8 @@ def _scaled_mm_kernel(
         k_end = (split_id + 1) * k_tiles // SPLIT_K * BLOCK_K
         a_ptrs += k_begin
         w_ptrs += k_begin
-    if GATED:
-        w_up_ptrs = w_ptrs + N * stride_wn
-
-    if IS_INT8:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # The up accumulator of the gated form; otherwise an unused stand-in (compiled away).
-    acc_up = acc
-
-    for k_start in range(k_begin, k_end, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_mask = offs_k < K - k_start
-            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-        acc = dot_accumulate(a, w, acc, IS_INT8, FP8_FAST_ACCUM, FP8_PROMOTE_K)
-        if GATED:
-            if EVEN_K:
-                w_up = tl.load(w_up_ptrs)
-            else:
-                w_up = tl.load(w_up_ptrs, mask=k_mask[:, None], other=0.0)
-            acc_up = dot_accumulate(a, w_up, acc_up, IS_INT8, FP8_FAST_ACCUM, FP8_PROMOTE_K)
-            w_up_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc, acc_up = tile_mainloop(a_ptrs, w_ptrs, N * stride_wn, offs_k, K, k_begin, k_end, BLOCK_M, BLOCK_N, BLOCK_K,
+                                IS_INT8, GATED, EVEN_K, FP8_FAST_ACCUM, FP8_PROMOTE_K)
 
     if SPLIT_K == 1:
         store_tile(acc, acc_up, offs_m, offs_n, M, N, out_ptr, stride_om, a_scale_ptr, w_scale_ptr, bias_ptr,

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.gemm_checks import ACTIVATION_CODES, check_grouped_args
-from quantkit.kernels.gemm_epilogue import apply_activation, dot_accumulate
+from quantkit.kernels.gemm_epilogue import apply_activation, tile_mainloop
 from quantkit.kernels.launch import INTERPRETED, cdiv, check_runnable
 from quantkit.kernels.quant import cast_for_store
 
@@ -161,31 +161,8 @@ def _grouped_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + rows_w.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
-    if GATED:
-        w_up_ptrs = w_ptrs + N * stride_wn
-    if IS_INT8:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = acc
-    for k_start in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_mask = offs_k < K - k_start
-            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-        acc = dot_accumulate(a, w, acc, IS_INT8, True, 0)
-        if GATED:
-            if EVEN_K:
-                w_up = tl.load(w_up_ptrs)
-            else:
-                w_up = tl.load(w_up_ptrs, mask=k_mask[:, None], other=0.0)
-            acc_up = dot_accumulate(a, w_up, acc_up, IS_INT8, True, 0)
-            w_up_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc, acc_up = tile_mainloop(a_ptrs, w_ptrs, N * stride_wn, offs_k, K, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                IS_INT8, GATED, EVEN_K, True, 0)
     # The epilogue in the reference's order: dequantize, activate; gated, times the up half.
     if A_PER_TOKEN:
         a_scale = tl.load(a_scale_ptr + a_rows)[:, None]
