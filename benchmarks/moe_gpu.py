@@ -43,6 +43,18 @@ def timed_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=200)
 
 
+def profile(fn, steps: int = 3) -> list[str]:
+    """The GPU kernels that take the most time over ``steps`` calls (torch.profiler), as lines."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+    return table.splitlines()
+
+
 def decode_ms_per_token(model, prompt, new_tokens=64, cuda_graph=False) -> float:
     stats = {}
     quantkit.generate_tokens(model, prompt, new_tokens, cuda_graph=cuda_graph, stats=stats)
@@ -99,6 +111,9 @@ def main(out_path: str) -> None:
             fused = qmodel(input_ids=ids).logits.float()
             row["optimized_vs_plain_rel"] = ((fused - logits).norm() / logits.norm()).item()
             row["optimized_prefill_ms_1x2048"] = timed_ms(lambda: qmodel(input_ids=ids))
+            row["optimized_prefill_profile"] = profile(lambda: qmodel(input_ids=ids))
+            if scheme == "fp8":
+                report["bf16"]["prefill_profile"] = profile(lambda: model(input_ids=ids))
             row["optimized_decode_ms_per_token"] = decode_ms_per_token(qmodel, prompt)
             row["optimized_graph_decode_ms_per_token"] = decode_ms_per_token(qmodel, prompt, cuda_graph=True)
             eager_tokens = quantkit.generate_tokens(qmodel, prompt, 16, cuda_graph=False)
