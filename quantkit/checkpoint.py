@@ -507,8 +507,11 @@ def load(
     renamed, gathered = _read_plan(conversions, keys, set(state))
     unexpected = sorted(set(renamed) - set(state))
     if unexpected:
+        hint = "" if get_model_conversion_mapping is not None else (
+            " (this transformers has no weight-conversion API: a checkpoint in the source layout, such as per-expert "
+            "MoE tensors, needs transformers >= 5.23)")
         raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match its config: unexpected "
-                              f"{[renamed[name] for name in unexpected[:3]]}")
+                              f"{[renamed[name] for name in unexpected[:3]]}{hint}")
     missing = sorted(set(state) - set(renamed) - set(gathered))
     if missing and not gathered:  # a converter may make more than its first name: checked after reading
         raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match its config: missing {missing[:3]}")

@@ -9,6 +9,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from quantkit.calibration.observers import Observer, make_observer
+from quantkit.models.experts import expert_linears
 
 
 def backbone(model: nn.Module) -> nn.Module:
@@ -114,4 +115,9 @@ def collect_input_ranges(
     finally:
         for handle in handles:
             handle.remove()
+    experts = expert_linears(model)
+    never = [name for name in layers if name not in ran and name not in experts]
+    if never:
+        raise ValueError(f"{never[0]} (and {len(never) - 1} more) never ran on the calibration data, so it has no input "
+                         f"range; keep it in 16 bits (ignore=[{never[0]!r}])")
     return {name: obs.amax() for name, obs in observers.items() if name in ran}

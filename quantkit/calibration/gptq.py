@@ -234,15 +234,19 @@ def gptq_quantize_weights(
         if -1 in by_block:  # outside the blocks (an lm_head): one full pass
             groups.append((by_block[-1], None))
     result = {}
+    experts = expert_linears(model)
     with tqdm(total=len(layer_names), desc="gptq", unit="layer", disable=not progress, leave=False) as bar:
         for names, stop_after in groups:
             hessians = collect_hessians(model, blocks, names, batch_size, progress and not per_block, stop_after,
                                         first_token_weight)
             for name in names:
-                if hessians[name].n_tokens == 0:
-                    # No calibration token reached it (a rarely routed expert): GPTQ would zero every
-                    # column it never saw, i.e. the whole weight. Round to nearest instead.
-                    logger.info("%s saw no calibration token; its weight is rounded to nearest, not by GPTQ", name)
+                tokens = hessians[name].n_tokens
+                if tokens == 0 or (name in experts and tokens < modules[name].in_features):
+                    # An expert that few calibration tokens reached: on fewer tokens than inputs the
+                    # Hessian is singular and GPTQ fits those tokens (worse than rounding on others),
+                    # and with none it would zero every column it never saw, the whole weight.
+                    logger.info("%s saw %d calibration tokens for %d inputs; its weight is rounded to nearest, not by "
+                                "GPTQ", name, tokens, modules[name].in_features)
                     weight = modules[name].weight.detach()
                     q, scale = quantize_per_channel(
                         weight, dtype, weight_amax(weight, dtype, weight_observer, percentile))

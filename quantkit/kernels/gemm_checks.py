@@ -126,7 +126,13 @@ def check_grouped_args(a, w, a_scale, w_scale, experts, row_div, activation, out
         raise ValueError(f"experts must be a 1-D integer tensor (the expert of each pair), got "
                          f"{getattr(experts, 'dtype', type(experts).__name__)} {tuple(getattr(experts, 'shape', ()))}")
     if experts.device != getattr(a, "device", None):
-        raise ValueError(f"experts is on {experts.device} but a is on {getattr(a, 'device', None)}")
+        raise ValueError(f"experts is on {experts.device} but a is on {getattr(a, 'device', None)}; move it with "
+                         "experts.to(a.device)")
+    if experts.numel() > 1 and experts.stride(0) != 1:
+        raise ValueError(f"experts has stride {experts.stride(0)}; the kernel reads it as one contiguous row: pass "
+                         "experts.contiguous()")
+    if w.shape[0] < 1:
+        raise ValueError("w holds no expert (shape (0, N, K)); pass at least one expert's weight")
     _, n_out, K = check_scaled_mm_args(a, w[0], a_scale, w_scale[0], None, activation, out_dtype, gated=gated,
                                        layout=layout)
     if experts.numel() != a.shape[0] * row_div:

@@ -16,7 +16,6 @@ needs no unsort.
 
 from __future__ import annotations
 
-import weakref
 from typing import NamedTuple
 
 import torch
@@ -45,6 +44,11 @@ def block_m_for(pairs: int, experts: int) -> int:
     return 16 if average <= 16 else 32 if average <= 32 else 64
 
 
+def plan_capacity(pairs: int, num_experts: int, block_m: int) -> int:
+    """Slots a plan holds: every pair, and a partial block for each expert's run and the unrouted run."""
+    return cdiv(pairs + (num_experts + 1) * (block_m - 1), block_m) * block_m
+
+
 def route_plan(experts: torch.Tensor, num_experts: int, block_m: int) -> RoutePlan:
     """The padded, expert-grouped slot layout of ``experts`` (P,) (values >= num_experts: no
     expert, as expert parallelism's sentinel), in four launches of fixed shapes (no host sync).
@@ -56,7 +60,7 @@ def route_plan(experts: torch.Tensor, num_experts: int, block_m: int) -> RoutePl
     device = experts.device
     experts = experts.reshape(-1)
     runs = num_experts + 1  # the experts', and one of the pairs routed to none
-    capacity = cdiv(pairs + runs * (block_m - 1), block_m) * block_m
+    capacity = plan_capacity(pairs, num_experts, block_m)
     counts = torch.zeros(runs, dtype=torch.int32, device=device)
     rank = torch.empty(pairs, dtype=torch.int32, device=device)
     rows = torch.full((capacity,), -1, dtype=torch.int32, device=device)
@@ -190,27 +194,19 @@ def default_config(pairs: int, experts: int, K: int, gated: bool = False) -> dic
                 num_warps=8 if large and gated else 4, num_stages=4 if large and gated else 3)
 
 
-# The plan of the last routing seen: an MoE layer's two GEMMs route the same pairs (one tensor),
-# so the second reuses the first's plan. Held by a weak reference and the tensor's version
-# counter: another tensor, or the same one written since, plans again.
-_LAST_PLAN: list = [None]
-
-
-def _plan(experts: torch.Tensor, num_experts: int, block_m: int) -> RoutePlan:
-    last = _LAST_PLAN[0]
-    key = (experts._version, num_experts, block_m, experts.device)
-    if last is not None and last[0]() is experts and last[1] == key:
-        return last[2]
-    plan = route_plan(experts, num_experts, block_m)
-    _LAST_PLAN[0] = (weakref.ref(experts), key, plan)
-    return plan
+def plan_for(experts: torch.Tensor, num_experts: int) -> RoutePlan:
+    """The routing plan the grouped GEMMs' default tiles use for ``experts``: an MoE layer makes it
+    once and passes it to both of its GEMMs."""
+    return route_plan(experts, num_experts, block_m_for(experts.numel(), num_experts))
 
 
 def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="none", gated=False,
-                      out_dtype=torch.bfloat16, row_scale=None, config: dict | None = None):
+                      out_dtype=torch.bfloat16, row_scale=None, plan: RoutePlan | None = None,
+                      config: dict | None = None):
     """(P, N) rows in pair order: ``act(a[p // row_div] @ w[experts[p]].T * scales)`` (gated: the
     [gate; up] halves of w's rows, ``act(gate) * up``), times ``row_scale[p]`` if given; 0 for a
-    pair of no expert. See ``reference.grouped_scaled_mm`` for the shapes. ``config``:
+    pair of no expert. See ``reference.grouped_scaled_mm`` for the shapes. ``plan``: the routing
+    plan of ``experts`` (``plan_for``), made here if None or planned for other blocks. ``config``:
     ``default_config``'s keys, to override (benchmarks)."""
     pairs, n_out, K = check_grouped_args(a, w, a_scale, w_scale, experts, row_div, activation, out_dtype, gated,
                                          row_scale=row_scale)
@@ -220,7 +216,8 @@ def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="no
     if pairs == 0:
         return out
     config = {**default_config(pairs, num_experts, K, gated), **(config or {})}
-    plan = _plan(experts, num_experts, config["block_m"])
+    if plan is None or plan.block_m != config["block_m"]:
+        plan = route_plan(experts, num_experts, config["block_m"])
     block_n, block_k = config["block_n"], config["block_k"]
     grid = (plan.rows.numel() // plan.block_m, cdiv(n_out, block_n))
     _grouped_kernel[grid](

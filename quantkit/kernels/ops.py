@@ -85,16 +85,25 @@ def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype
 
 
 def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="none", gated=False,
-                      out_dtype=torch.bfloat16, row_scale=None, backend="torch"):
+                      out_dtype=torch.bfloat16, row_scale=None, plan=None, backend="torch"):
     """A mixture of experts' GEMMs in one call, one row per (token, slot) pair; see
-    ``reference.grouped_scaled_mm``. The Triton kernel routes on the GPU (no host sync)."""
+    ``reference.grouped_scaled_mm``. The Triton kernel routes on the GPU (no host sync) by
+    ``plan`` (``moe_route_plan``; made here if None)."""
     if is_triton(backend):
         return _triton_ops().grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype,
-                                               row_scale)
+                                               row_scale, plan)
     check_grouped_args(a, w, a_scale, w_scale, experts, row_div, activation, out_dtype, gated, layout=False,
                        row_scale=row_scale)
     return reference.grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype,
                                        row_scale)
+
+
+def moe_route_plan(experts, num_experts, backend="torch"):
+    """The routing plan of a mixture of experts' (token, slot) pairs for ``grouped_scaled_mm``
+    (made once per layer, passed to both of its GEMMs); None on the torch backend, which needs none."""
+    if is_triton(backend):
+        return _triton_ops().moe_route_plan(experts, num_experts)
+    return None
 
 
 def quantize_per_token(x, dtype, backend="torch"):

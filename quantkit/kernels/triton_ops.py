@@ -76,15 +76,35 @@ def _grouped_scaled_mm_op(
     gated: bool,
     out_dtype: torch.dtype,
     row_scale: torch.Tensor | None,
+    plan_rows: torch.Tensor | None,
+    plan_block_expert: torch.Tensor | None,
+    plan_used: torch.Tensor | None,
+    plan_block_m: int,
 ) -> torch.Tensor:
-    return moe.grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype, row_scale)
+    plan = None if plan_rows is None else moe.RoutePlan(plan_rows, plan_block_expert, plan_used, plan_block_m)
+    return moe.grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype, row_scale,
+                                 plan)
 
 
 @_grouped_scaled_mm_op.register_fake
-def _(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype, row_scale):
+def _(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype, row_scale, *plan):
     pairs, n_out, _ = check_grouped_args(a, w, a_scale, w_scale, experts, row_div, activation, out_dtype, gated,
                                          row_scale=row_scale)
     return a.new_empty((pairs, n_out), dtype=out_dtype)
+
+
+@torch.library.custom_op("quantkit::moe_route_plan", mutates_args=())
+def _moe_route_plan_op(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    plan = moe.plan_for(experts, num_experts)
+    return plan.rows, plan.block_expert, plan.used
+
+
+@_moe_route_plan_op.register_fake
+def _(experts, num_experts):
+    block_m = moe.block_m_for(experts.numel(), num_experts)
+    capacity = moe.plan_capacity(experts.numel(), num_experts, block_m)
+    return (experts.new_empty((capacity,), dtype=torch.int32), experts.new_empty((capacity // block_m,), dtype=torch.int32),
+            experts.new_empty((1,), dtype=torch.int32))
 
 
 # ---------------------------------------------------------------------------------------------- quantization
@@ -181,11 +201,20 @@ def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype
 
 
 def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="none", gated=False,
-                      out_dtype=torch.bfloat16, row_scale=None):
+                      out_dtype=torch.bfloat16, row_scale=None, plan=None):
     if direct_launch(a, "a"):
         return moe.grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype,
-                                     row_scale)
-    return _grouped_scaled_mm_op(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype, row_scale)
+                                     row_scale, plan)
+    rows, blocks, used, block_m = plan if plan is not None else (None, None, None, 0)
+    return _grouped_scaled_mm_op(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype, row_scale,
+                                 rows, blocks, used, block_m)
+
+
+def moe_route_plan(experts, num_experts):
+    if direct_launch(experts, "experts"):
+        return moe.plan_for(experts, num_experts)
+    rows, blocks, used = _moe_route_plan_op(experts, num_experts)
+    return moe.RoutePlan(rows, blocks, used, moe.block_m_for(experts.numel(), num_experts))
 
 
 def quantize_per_token(x, dtype):

@@ -144,35 +144,51 @@ class UnstackedExperts(nn.Module):
         return None
 
     def _stacked(self) -> _Grouped | None:
-        """The stacked weights, restacked if the experts' buffers moved (``.to(device)``, a load)."""
+        """The stacked weights, restacked if the experts' buffers were replaced (``.to(device)``, a
+        load): the first and last experts' weights and scales must still be views of the stack.
+        Not checked while torch.compile traces (pointers are not traceable)."""
         grouped = self.__dict__["_grouped"]
-        if grouped is None:
-            return None
-        last = self[self.num_experts - 1]
-        if (self[0].gate_proj._buffers["weight"].data_ptr() != grouped.w13.data_ptr()
-                or last.down_proj._buffers["weight"].data_ptr() != grouped.w2[-1].data_ptr()):
+        if grouped is None or torch.compiler.is_compiling():
+            return grouped
+        if not self._views_of(grouped):
             self.stack(grouped.activation)
             grouped = self.__dict__["_grouped"]
         return grouped
 
+    def _views_of(self, grouped: _Grouped) -> bool:
+        inter = grouped.w13.shape[1] // 2
+        for index in (0, self.num_experts - 1):
+            expert = self[index]
+            expected = ((expert.gate_proj, grouped.w13[index], grouped.s13[index], grouped.in13),
+                        (expert.up_proj, grouped.w13[index, inter:], grouped.s13[index, inter:], grouped.in13),
+                        (expert.down_proj, grouped.w2[index], grouped.s2[index], grouped.in2))
+            for layer, weight, scale, input_scale in expected:
+                buffers = layer._buffers
+                if (buffers["weight"].data_ptr() != weight.data_ptr()
+                        or buffers["weight_scale"].data_ptr() != scale.data_ptr()
+                        or (input_scale is not None and buffers["input_scale"] is not input_scale)):
+                    return False
+        return True
+
     def _grouped_forward(self, grouped: _Grouped, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor) -> torch.Tensor:
         tokens, slots = top_k_index.shape
-        experts = top_k_index.reshape(-1)
+        experts = top_k_index.reshape(-1).contiguous()
 
         def quantize(x, static_scale):
             if static_scale is None:
                 return ops.quantize_per_token(x, grouped.quant_dtype, backend=grouped.backend)
             return ops.quantize_per_tensor(x, static_scale, grouped.quant_dtype, backend=grouped.backend), static_scale
 
+        plan = ops.moe_route_plan(experts, self.num_experts, backend=grouped.backend)  # for both GEMMs
         q, scale = quantize(hidden_states.contiguous(), grouped.in13)
         hidden = ops.grouped_scaled_mm(q, grouped.w13, scale, grouped.s13, experts, slots, grouped.activation,
-                                       True, hidden_states.dtype, backend=grouped.backend)
+                                       True, hidden_states.dtype, plan=plan, backend=grouped.backend)
         q, scale = quantize(hidden, grouped.in2)
-        # Each pair's output times its routing weight in the epilogue; a token's k rows summed
-        # (in float32, one rounding) by torch.
+        # Each pair's output times its routing weight in the epilogue (rounded to the model's
+        # dtype), then a token's k rows summed by torch (accumulating in float32).
         out = ops.grouped_scaled_mm(q, grouped.w2, scale, grouped.s2, experts, 1, "none", False,
-                                    hidden_states.dtype, top_k_weights.reshape(-1).float().contiguous(),
+                                    hidden_states.dtype, top_k_weights.reshape(-1).float().contiguous(), plan=plan,
                                     backend=grouped.backend)
         return inference_only(hidden_states, out.view(tokens, slots, -1).sum(dim=1))
 
@@ -309,7 +325,10 @@ def unstack_experts(model: nn.Module, keep=None) -> list[str]:
     full name, leaves a module stacked when it would keep all of them (nothing of it to quantize).
     Returns the names of the modules rewritten."""
     done = []
-    for name, module in stacked_experts(model).items():
+    # By name, one module at a time: holding them all would keep every original alive until the
+    # last is unstacked, twice the experts' memory.
+    for name in list(stacked_experts(model)):
+        module = model.get_submodule(name)
         names = expert_linear_names(model, name, module)
         if names is None:
             logger.info("%s (%s): its checkpoint layout is not one matrix per expert; experts stay stacked",
@@ -320,6 +339,7 @@ def unstack_experts(model: nn.Module, keep=None) -> list[str]:
             continue
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, unstack(module, names))
+        del module
         done.append(name)
     return done
 
@@ -355,6 +375,7 @@ def input_scale_groups(model: nn.Module) -> list[list[str]]:
 def routes_on_host(model: nn.Module) -> bool:
     """True if ``model`` has unstacked experts that run one by one: their routing picks the experts
     on the host (as transformers' eager loop does), which a CUDA graph cannot capture. Stacked ones
-    (``optimize``) route on the GPU."""
-    return any(isinstance(module, UnstackedExperts) and module.__dict__["_grouped"] is None
+    (``optimize``) on the Triton backend route on the GPU; the torch reference syncs per expert."""
+    return any(isinstance(module, UnstackedExperts)
+               and (module.__dict__["_grouped"] is None or module.__dict__["_grouped"].backend != "triton")
                for module in model.modules())

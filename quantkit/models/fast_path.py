@@ -420,7 +420,8 @@ def optimize(model: nn.Module, exact: bool = True, attention: bool = True, norms
     """Rewrite a quantized model in place for end-to-end inference and return it.
 
     exact: keep greedy outputs bit-identical to the plain QuantLinear model running quantkit's
-    attention (see module docs; against the same model on SDPA, attention's own rounding differs).
+    attention (see module docs; against the same model on SDPA, attention's own rounding differs),
+    except a mixture of experts' grouped experts, which round ``act(gate) * up`` once.
     Bit-equality is verified in the model's dtype at this call: after a cast, call optimize() again.
     attention / norms: switch attention to the "quantkit" function / swap RMSNorm modules.
     qkv: stack q/k/v projections into a ``FusedQKV`` (one quantization + one GEMM when exact=False).

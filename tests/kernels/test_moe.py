@@ -122,6 +122,7 @@ def test_grouped_gemm_refuses_bad_input_in_one_line():
         ((a, w, a_scale, w_scale, routed, 0), "row_div=0"),
         ((a, w.to(torch.float8_e4m3fn), a_scale, w_scale, routed, 2), "w.dtype"),
         ((a, w, a_scale, w_scale, routed, 2, "none", False, torch.bfloat16, torch.ones(3)), "row_scale must be"),
+        ((a, w, a_scale, w_scale, torch.stack([routed, routed], 1)[:, 0], 2), "experts.contiguous()"),
     ]
     for args, message in cases:
         for backend in ("triton", "torch"):
@@ -129,11 +130,16 @@ def test_grouped_gemm_refuses_bad_input_in_one_line():
                 ops.grouped_scaled_mm(*args, backend=backend)
 
 
-def test_an_moe_layers_second_gemm_reuses_the_routing_plan():
-    routed = torch.randint(0, 5, (24,), generator=torch.Generator().manual_seed(3))
-    first = moe._plan(routed, 5, 16)
-    assert moe._plan(routed, 5, 16) is first  # the same pairs: planned once
-    assert moe._plan(routed.clone(), 5, 16) is not first  # another tensor
-    routed[0] = (routed[0] + 1) % 5  # written since: planned again, and right
-    again = moe._plan(routed, 5, 16)
-    assert again is not first and torch.equal(again.rows, moe.route_plan(routed, 5, 16).rows)
+def test_a_plan_made_once_serves_both_gemms_and_other_blocks_replan(monkeypatch):
+    a, a_scale, w, w_scale, routed = _operands(21, 2, 5, 64, 32, torch.int8, False, seed=4)
+    plan = moe.plan_for(routed, 5)
+    made = []
+    monkeypatch.setattr(moe, "route_plan", lambda *args: made.append(args) or moe.RoutePlan(*plan))
+    ref = reference.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 2, out_dtype=torch.float32)
+    out = moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 2, out_dtype=torch.float32, plan=plan)
+    assert torch.equal(out, ref)  # exact int32 accumulators, the same fp32 epilogue
+    assert not made  # the plan given was used
+    other = 64 if plan.block_m != 64 else 16
+    moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 2, out_dtype=torch.float32, plan=plan,
+                          config={"block_m": other})
+    assert len(made) == 1 and made[0][2] == other  # planned again for the other block height

@@ -148,7 +148,7 @@ def test_optimize_runs_the_experts_as_two_grouped_gemms(backend, scheme):
     report = quantkit.optimize(qmodel).quantkit_fast_path
     assert report.grouped_experts == [f"model.layers.{i}.mlp.experts" for i in range(2)]
     assert not any(".experts." in name for name in report.fused_mlps)
-    assert not routes_on_host(qmodel)
+    assert routes_on_host(qmodel) == (backend == "torch")  # the torch twin syncs per expert
     experts = qmodel.get_submodule("model.layers.1.mlp.experts")
     grouped = experts.__dict__["_grouped"]
     assert experts[10].w3.weight.data_ptr() == grouped.w13[10, 48:].data_ptr()  # a view, not a copy
@@ -159,6 +159,13 @@ def test_optimize_runs_the_experts_as_two_grouped_gemms(backend, scheme):
         experts._apply(lambda t: t.clone())
         assert torch.equal(qmodel(input_ids=ids).logits, logits)
         assert experts.__dict__["_grouped"] is not grouped
+        # A scale replaced alone (weights untouched) is picked up too.
+        down = experts[0].down_proj
+        down._buffers["weight_scale"] = down.weight_scale * 2
+        changed = qmodel(input_ids=ids).logits
+        assert not torch.equal(changed, logits)
+        down._buffers["weight_scale"] = down.weight_scale / 2
+        assert torch.equal(qmodel(input_ids=ids).logits, logits)
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "int8-static"])
@@ -266,3 +273,11 @@ def test_every_recipe_takes_an_expert_no_token_reached(scheme):
         assert bool(torch.isfinite(layer.weight_scale).all())
     with torch.no_grad():
         assert bool(torch.isfinite(qmodel(input_ids=_ids(11)).logits).all())
+
+
+def test_a_layer_outside_the_experts_that_never_runs_is_named():
+    """Only experts may see no calibration token; another Linear that never runs is named, with the fix."""
+    model = _model("qwen3_moe")
+    model.model.unused = torch.nn.Linear(64, 64)
+    with pytest.raises(ValueError, match=r"model.unused \(and 0 more\) never ran on the calibration data.*ignore="):
+        quantkit.quantize(model, "int8-static", _ids(12, (2, 16)), progress=False)
