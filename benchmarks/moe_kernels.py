@@ -84,12 +84,16 @@ def main(out_path: str, sweep: bool, deadline_s: float = 500.0) -> None:
             q, scale = ops.quantize_per_token(hidden, grouped.quant_dtype, backend="triton")
             h = moe.grouped_scaled_mm(q, grouped.w13, scale, grouped.s13, experts, 8, "silu", True)
             hq, hs = ops.quantize_per_token(h, grouped.quant_dtype, backend="triton")
-            # The same ``experts`` tensor in every call: the plan is computed once and reused, as
-            # in a layer's second GEMM, so these time the GEMMs themselves.
+            # Plans made beforehand, as a layer makes one for both GEMMs: these time the GEMMs themselves.
+            plans = {bm: moe.route_plan(experts, 128, bm) for bm in (16, 32, 64, 128)}
+
+            def plan(c):
+                return plans[(c or default)["block_m"]]
+
             gemms = {"gate_up": lambda c: moe.grouped_scaled_mm(q, grouped.w13, scale, grouped.s13, experts, 8,
-                                                               "silu", True, config=c),
+                                                               "silu", True, plan=plan(c), config=c),
                      "down": lambda c: moe.grouped_scaled_mm(hq, grouped.w2, hs, grouped.s2, experts, 1,
-                                                            config=c)}
+                                                            plan=plan(c), config=c)}
             default = moe.default_config(experts.numel(), 128, 2048)
             block_m = default["block_m"]
             row[name]["route_plan_us"] = 1e3 * triton.testing.do_bench_cudagraph(
