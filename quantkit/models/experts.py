@@ -121,7 +121,7 @@ class UnstackedExperts(nn.Module):
             return "the experts are not all quantized alike (one dtype, input mode and backend, no bias)"
         in13 = in2 = None
         if first.static_input:
-            in13, in2 = first.input_scale, layers[0][2].input_scale
+            in13, in2 = first.input_scale.clone(), layers[0][2].input_scale.clone()
             if not all(torch.equal(g.input_scale, in13) and torch.equal(u.input_scale, in13)
                        and torch.equal(d.input_scale, in2) for g, u, d in layers):
                 return "the experts' static input scales differ (one GEMM takes one)"
@@ -139,6 +139,9 @@ class UnstackedExperts(nn.Module):
                 scale.copy_(layer.weight_scale.view(-1))
                 layer._buffers["weight"] = weight
                 layer._buffers["weight_scale"] = scale.unsqueeze(1)
+            if in13 is not None:  # equal values: one tensor each, so that _views_of can check identity
+                gate._buffers["input_scale"] = up._buffers["input_scale"] = in13
+                down._buffers["input_scale"] = in2
         self.__dict__["_grouped"] = _Grouped(w13, s13, w2, s2, in13, in2, activation, first.quant_dtype,
                                              first.backend)
         return None

@@ -154,6 +154,7 @@ def test_optimize_runs_the_experts_as_two_grouped_gemms(backend, scheme):
     assert experts[10].w3.weight.data_ptr() == grouped.w13[10, 48:].data_ptr()  # a view, not a copy
     with torch.no_grad():
         logits = qmodel(input_ids=ids).logits
+        assert experts.__dict__["_grouped"] is grouped  # not restacked by a forward
         assert ((logits - reference).norm() / reference.norm()).item() < 2e-3
         # Buffers replaced behind its back (a device move, a load): restacked from them on the next call.
         experts._apply(lambda t: t.clone())
