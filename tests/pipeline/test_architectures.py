@@ -28,13 +28,20 @@ def _qwen2_moe():
                                               num_experts_per_tok=2, **COMMON))
 
 
-def test_qwen2_moe_quantizes_its_experts_and_keeps_its_routing_gates(caplog):
+def _quantized_qwen2_moe(config, caplog):
+    """(quantized tiny Qwen2-MoE, its logits, the 16-bit model's logits) on the same random ids."""
     model = _qwen2_moe()
     ids = torch.randint(1, 300, (2, 11))
     with torch.no_grad():
         reference = model(input_ids=ids).logits
     with caplog.at_level(logging.WARNING, logger="quantkit.convert"):
-        qmodel = quantkit.quantize(model, "int8")
+        qmodel = quantkit.quantize(model, config)
+    with torch.no_grad():
+        return qmodel, qmodel(input_ids=ids).logits, reference
+
+
+def test_qwen2_moe_quantizes_its_experts_and_keeps_its_routing_gates(caplog):
+    qmodel, logits, reference = _quantized_qwen2_moe("int8", caplog)
     report = qmodel.quantkit_report
     # Every routed expert's three projections, one QuantLinear each, as the source checkpoint names them.
     experts = [f"model.layers.{i}.mlp.experts.{e}.{p}" for i in range(2) for e in range(4)
@@ -45,18 +52,12 @@ def test_qwen2_moe_quantizes_its_experts_and_keeps_its_routing_gates(caplog):
     assert set(gates) <= set(report.skipped) and not set(gates) & set(report.converted)
     assert set(report.other_weights) == {"Qwen2MoeTopKRouter"}  # the router's weight, not a Linear
     assert "of the model's matrix weights were quantized" not in caplog.text
-    with torch.no_grad():
-        logits = qmodel(input_ids=ids).logits
     assert ((logits - reference).norm() / reference.norm()).item() < 0.05
 
 
 def test_ignored_experts_stay_stacked_and_are_reported(caplog):
-    model = _qwen2_moe()
-    ids = torch.randint(1, 300, (2, 11))
-    with torch.no_grad():
-        reference = model(input_ids=ids).logits
-    with caplog.at_level(logging.WARNING, logger="quantkit.convert"):
-        qmodel = quantkit.quantize(model, quantkit.QuantConfig.preset("int8", ignore=("lm_head", "*.experts.*")))
+    config = quantkit.QuantConfig.preset("int8", ignore=("lm_head", "*.experts.*"))
+    qmodel, logits, reference = _quantized_qwen2_moe(config, caplog)
     report = qmodel.quantkit_report
     # shared_expert_gate scales the whole shared expert from one output: it stays in 16 bits, like the router.
     gates = [f"model.layers.{i}.mlp.shared_expert_gate" for i in range(2)]
@@ -68,8 +69,6 @@ def test_ignored_experts_stay_stacked_and_are_reported(caplog):
     assert report.other_weights["Qwen2MoeExperts"] == 2 * 4 * 3 * 64 * 64
     assert "Qwen2MoeExperts" in str(report)
     assert "of the model's matrix weights were quantized" in caplog.text
-    with torch.no_grad():
-        logits = qmodel(input_ids=ids).logits
     assert ((logits - reference).norm() / reference.norm()).item() < 0.05
 
 
