@@ -19,7 +19,7 @@ from quantkit.checkpoint import (
 )
 from quantkit.config import QuantConfig, UnknownSchemeError
 from quantkit.eval import PerplexityResult, evaluate_perplexity
-from quantkit.models.loading import BUNDLED_MODEL, ModelLoadError, load_model, resolve_device
+from quantkit.models.loading import BUNDLED_MODEL, ModelLoadError, load_model, resolve_device, write_json
 from quantkit.calibration.data import BUNDLED_DATASET, DatasetError
 from quantkit.generate import generate as generate_tokens
 from quantkit.models.fast_path import optimize
@@ -62,4 +62,5 @@ __all__ = [
     "read_quant_config",
     "resolve_device",
     "save",
+    "write_json",
 ]

@@ -7,13 +7,13 @@ names to scale tensors; ``sensitivity`` is ``rank_layers``'s ranking.
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from quantkit.models.loading import write_json
 
 
 def _summary(values: torch.Tensor) -> dict[str, float]:
@@ -48,16 +48,5 @@ def build_report(
 
 
 def write_report(report: dict[str, Any], path: str | os.PathLike) -> Path:
-    """Write ``report`` as indented JSON atomically (temp file in the same folder, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(report, indent=1, sort_keys=False)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text + "\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    """Write ``report`` as indented JSON, atomically, with the umask's permissions (``write_json``)."""
+    return write_json(path, report)

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import math
 import os
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -82,29 +80,10 @@ def _check_writable(path: Path, option: str, directory: bool) -> None:
 
 
 def _write_json(path: Path, payload: dict) -> None:
-    """Write JSON atomically (a reader never sees half a report), with the permissions the umask gives."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
-        tmp = Path(handle.name)
-    try:
-        tmp.write_text(json.dumps(_finite(payload), indent=2, allow_nan=False))
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # NamedTemporaryFile's 0600 would hide the report from other users
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write a report atomically, with the permissions the umask gives (``quantkit.write_json``)."""
+    import quantkit
 
-
-def _finite(value):
-    """``value`` with NaN and infinities as None: strict JSON readers refuse them."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(item) for item in value]
-    return value
+    quantkit.write_json(path, payload)
 
 
 def _refuse_inside(path: Path, option: str, directories: dict[str, Optional[str]]) -> None:

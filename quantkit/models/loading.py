@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -157,6 +159,39 @@ def publish_files(directory: Path) -> None:
             _fsync(path)
     for path in [directory, *(p for p in directory.rglob("*") if p.is_dir())]:
         _fsync(path)
+
+
+def write_json(path: str | os.PathLike, payload) -> Path:
+    """Write ``payload`` as indented JSON, atomically (a temporary file in the same folder, flushed,
+    then renamed: a reader never sees half of it), with the permissions the umask gives (mkstemp's
+    0600 would hide it from other users). NaN and infinities are written as null: strict JSON
+    readers refuse them."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(json.dumps(_finite(payload), indent=2, allow_nan=False) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+        sync_dir(path.parent)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _finite(value):
+    """``value`` with NaN and infinities as None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def sync_dir(directory: Path) -> None:

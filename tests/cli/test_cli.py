@@ -617,3 +617,25 @@ def test_home_relative_checkpoint_paths(checkpoint, llama_dir, tmp_path, monkeyp
     result = invoke("generate", "~/copy", "--prompt", "The river", "--max-new-tokens", 2, "--device", "cpu")
     assert result.exit_code == 0, result.output
     assert ckpt.name == "copy"
+
+
+def test_write_json_is_atomic_readable_and_strict(tmp_path, monkeypatch):
+    """Reports: the umask's permissions (not mkstemp's 0600), NaN/inf as null, no temporary left,
+    and the calibration report goes through the same writer."""
+    import json
+    import math
+    import os
+
+    import quantkit
+    from quantkit.calibration.report import write_report
+
+    old = os.umask(0o022)
+    try:
+        out = quantkit.write_json(tmp_path / "r" / "report.json", {"a": math.nan, "b": [1.5, math.inf], "c": "x"})
+        second = write_report({"d": 2}, tmp_path / "r" / "calibration.json")
+    finally:
+        os.umask(old)
+    assert json.loads(out.read_text()) == {"a": None, "b": [1.5, None], "c": "x"}
+    assert json.loads(second.read_text()) == {"d": 2}
+    assert (out.stat().st_mode & 0o777) == (second.stat().st_mode & 0o777) == 0o644
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["calibration.json", "report.json"]
