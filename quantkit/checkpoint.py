@@ -493,14 +493,15 @@ def load(
     # (quantkit before 0.1), stays as transformers builds it.
     experts = {name: names for name, module in stacked_experts(model).items()
                if (names := expert_linear_names(model, name, module)) is not None}
-    config = _model_ignore(conversions, model, config, extra_modules={
+    # The ignore names as the model spells them (the checkpoint's config keeps the source's).
+    model_config = _model_ignore(conversions, model, config, extra_modules={
         f"{name}.{index}.{child}" for name, names in experts.items() for index, parts in enumerate(names)
         for _, child in parts})
     checkpoint_names = {conversions.rename(key) for key in keys}
     stacked = tuple(f"{name}." for name in experts
                     if any(f"{name}.{param}" in checkpoint_names for param in ("gate_up_proj", "up_proj")))
-    unstack_experts(model, keep=lambda linear: config.is_ignored(linear) or linear.startswith(stacked))
-    build_empty_quantized(model, config, backend, dtype)
+    unstack_experts(model, keep=lambda linear: model_config.is_ignored(linear) or linear.startswith(stacked))
+    build_empty_quantized(model, model_config, backend, dtype)
     if not untie_quantized_head(model):
         model.tie_weights()  # a tied head is then the embedding's Parameter, not a tensor to read
     state = _empty_tensors(model)

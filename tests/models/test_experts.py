@@ -282,3 +282,15 @@ def test_a_layer_outside_the_experts_that_never_runs_is_named():
     model.model.unused = torch.nn.Linear(64, 64)
     with pytest.raises(ValueError, match=r"model.unused \(and 0 more\) never ran on the calibration data.*ignore="):
         quantkit.quantize(model, "int8-static", _ids(12, (2, 16)), progress=False)
+
+
+def test_a_loaded_model_keeps_the_checkpoints_config(tmp_path):
+    """load() matches the ignore list under the model's names but records the checkpoint's own."""
+    config = quantkit.QuantConfig.preset("int8", ignore=("lm_head", "*.experts.3.*"))
+    qmodel = quantkit.quantize(_model("mixtral"), config, progress=False)
+    out = quantkit.save(qmodel, tmp_path / "ckpt", tokenizer=make_tokenizer())
+    loaded = quantkit.load(out, device="cpu", progress=False)
+    assert loaded.quantkit_config == quantkit.read_quant_config(out)
+    assert "model.layers.0.block_sparse_moe.experts.3.w1" in loaded.quantkit_config.ignore
+    assert type(loaded.get_submodule("model.layers.0.mlp.experts.3.w1")) is torch.nn.Linear
+    assert isinstance(loaded.get_submodule("model.layers.0.mlp.experts.2.w1"), QuantLinear)
