@@ -84,6 +84,9 @@ class _Grouped:
     activation: str
     quant_dtype: torch.dtype
     backend: str
+    # (layer, weight pointer, weight_scale pointer, input_scale) of the first and last experts'
+    # layers as stacking left them: a forward that finds one changed restacks.
+    anchors: tuple = ()
 
 
 class UnstackedExperts(nn.Module):
@@ -139,39 +142,28 @@ class UnstackedExperts(nn.Module):
                 scale.copy_(layer.weight_scale.view(-1))
                 layer._buffers["weight"] = weight
                 layer._buffers["weight_scale"] = scale.unsqueeze(1)
-            if in13 is not None:  # equal values: one tensor each, so that _views_of can check identity
+            if in13 is not None:  # equal values: one tensor each, so that the anchors can check identity
                 gate._buffers["input_scale"] = up._buffers["input_scale"] = in13
                 down._buffers["input_scale"] = in2
+        anchors = tuple((layer, layer._buffers["weight"].data_ptr(), layer._buffers["weight_scale"].data_ptr(),
+                         layer._buffers.get("input_scale")) for trio in (layers[0], layers[-1]) for layer in trio)
         self.__dict__["_grouped"] = _Grouped(w13, s13, w2, s2, in13, in2, activation, first.quant_dtype,
-                                             first.backend)
+                                             first.backend, anchors)
         return None
 
     def _stacked(self) -> _Grouped | None:
         """The stacked weights, restacked if the experts' buffers were replaced (``.to(device)``, a
-        load): the first and last experts' weights and scales must still be views of the stack.
-        Not checked while torch.compile traces (pointers are not traceable)."""
+        load): the first and last experts' weights, scales and static input scales must still be
+        the ones stacking bound. Not checked while torch.compile traces (pointers are not traceable)."""
         grouped = self.__dict__["_grouped"]
         if grouped is None or torch.compiler.is_compiling():
             return grouped
-        if not self._views_of(grouped):
+        if not all(layer._buffers["weight"].data_ptr() == weight and layer._buffers["weight_scale"].data_ptr() == scale
+                   and layer._buffers.get("input_scale") is input_scale
+                   for layer, weight, scale, input_scale in grouped.anchors):
             self.stack(grouped.activation)
             grouped = self.__dict__["_grouped"]
         return grouped
-
-    def _views_of(self, grouped: _Grouped) -> bool:
-        inter = grouped.w13.shape[1] // 2
-        for index in (0, self.num_experts - 1):
-            expert = self[index]
-            expected = ((expert.gate_proj, grouped.w13[index], grouped.s13[index], grouped.in13),
-                        (expert.up_proj, grouped.w13[index, inter:], grouped.s13[index, inter:], grouped.in13),
-                        (expert.down_proj, grouped.w2[index], grouped.s2[index], grouped.in2))
-            for layer, weight, scale, input_scale in expected:
-                buffers = layer._buffers
-                if (buffers["weight"].data_ptr() != weight.data_ptr()
-                        or buffers["weight_scale"].data_ptr() != scale.data_ptr()
-                        or (input_scale is not None and buffers["input_scale"] is not input_scale)):
-                    return False
-        return True
 
     def _grouped_forward(self, grouped: _Grouped, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor) -> torch.Tensor:
