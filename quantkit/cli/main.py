@@ -387,7 +387,7 @@ def _benchmark(run, out_dir: Path) -> None:
     """Run a benchmark on the GPU; a kernel failing its output check ends it in one line."""
     import torch
 
-    from quantkit.bench.common import CheckFailed
+    from quantkit.bench import CheckFailed
 
     if not torch.cuda.is_available():
         fail("benchmarks need a CUDA GPU; none is available here")
@@ -402,16 +402,16 @@ def _benchmark(run, out_dir: Path) -> None:
 def bench_gemm(out_dir: Path = _BENCH_OUT_OPTION) -> None:
     """GPU checks, then the quantization kernels and the INT8/FP8 GEMMs vs cuBLAS bf16, _scaled_mm and _int_mm
     (Llama-3-8B shapes)."""
-    from quantkit.bench.gemm import run_all
+    from quantkit.bench import run_gemm_benchmark
 
-    _benchmark(run_all, out_dir)
+    _benchmark(run_gemm_benchmark, out_dir)
 
 
 @bench_app.command("attention")
 @user_errors
 def bench_attention(out_dir: Path = _BENCH_OUT_OPTION) -> None:
     """GPU checks, then flash prefill and split-KV decode attention vs SDPA."""
-    from quantkit.bench.attention import run_attention_benchmark
+    from quantkit.bench import run_attention_benchmark
 
     _benchmark(run_attention_benchmark, out_dir)
 
@@ -421,7 +421,7 @@ def bench_attention(out_dir: Path = _BENCH_OUT_OPTION) -> None:
 def bench_model(out_dir: Path = _BENCH_OUT_OPTION) -> None:
     """Fast-path checks, then end to end on a Llama-3-8B-shaped model: HF bf16 vs quantkit fp8/int8 prefill,
     decode, memory."""
-    from quantkit.bench.e2e import run_e2e_benchmark
+    from quantkit.bench import run_e2e_benchmark
 
     _benchmark(run_e2e_benchmark, out_dir)
 

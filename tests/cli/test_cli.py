@@ -65,7 +65,8 @@ def test_eval_prints_table_and_json(checkpoint, llama_dir, text_dir, tmp_path):
 
 
 def test_help_on_every_command():
-    for command in ([], ["quantize"], ["eval"], ["demo"], ["bench"], ["bench", "gemm"], ["bench", "attention"]):
+    for command in ([], ["quantize"], ["eval"], ["demo"], ["bench"], ["bench", "gemm"], ["bench", "attention"],
+                    ["bench", "model"]):
         result = invoke(*command, "--help")
         assert result.exit_code == 0 and "Usage" in result.output, command
 
@@ -639,3 +640,25 @@ def test_write_json_is_atomic_readable_and_strict(tmp_path, monkeypatch):
     assert json.loads(second.read_text()) == {"d": 2}
     assert (out.stat().st_mode & 0o777) == (second.stat().st_mode & 0o777) == 0o644
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["calibration.json", "report.json"]
+
+
+def test_bench_without_gpu_is_one_line(tmp_path):
+    # This box has no CUDA GPU (CI neither): each runner must stop before any work, writing nothing.
+    for kind in ("gemm", "attention", "model"):
+        result = invoke("bench", kind, "--out-dir", tmp_path / kind)
+        assert_user_error(result, "benchmarks need a CUDA GPU")
+        assert not (tmp_path / kind).exists()
+
+
+def test_bench_check_failure_is_one_line(monkeypatch, tmp_path):
+    import quantkit.bench
+    from quantkit.bench import CheckFailed
+
+    def failing(out_dir):
+        raise CheckFailed("quantkit_fp8 at M=13: relative error 1e-1 exceeds 4e-3\nsecond line")
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(quantkit.bench, "run_gemm_benchmark", failing)
+    result = invoke("bench", "gemm", "--out-dir", tmp_path)
+    assert_user_error(result, "quantkit_fp8 at M=13", "exceeds 4e-3")
+    assert "second line" not in result.stderr
