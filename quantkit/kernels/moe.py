@@ -22,8 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from quantkit.kernels.gemm_checks import ACTIVATION_CODES, check_grouped_args
-from quantkit.kernels.gemm_epilogue import apply_activation, tile_mainloop
+from quantkit.kernels.gemm_epilogue import apply_activation, dot_accumulate, tile_mainloop
 from quantkit.kernels.launch import INTERPRETED, cdiv, check_runnable
 from quantkit.kernels.quant import cast_for_store
 
@@ -181,6 +183,82 @@ def _grouped_kernel(
     tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
+@triton.jit
+def _grouped_tma_kernel(
+    a_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, row_scale_ptr, rows_ptr, block_expert_ptr, used_ptr,
+    N, K, ROW_DIV, num_experts, rows_per_expert, num_blocks_m,
+    stride_am, stride_se, stride_om,
+    IS_INT8: tl.constexpr,
+    A_PER_TOKEN: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    N_FASTEST: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``_grouped_kernel`` with the weight tiles moved by TMA: ``w_desc`` describes the stacked
+    weight as one (E * rows_per_expert, K) matrix, and a tile of expert e starts at row
+    e * rows_per_expert. A tile reaching past an expert's N rows reads the next rows (the up half,
+    or the next expert) or zeros past the end; those columns are never stored. The K tail is
+    zero-filled by the copy engine. The gathered activation rows are still loaded by address."""
+    if N_FASTEST:  # a block's row tile stays, the weight's column tiles walk
+        pid_n = tl.program_id(0) % tl.cdiv(N, BLOCK_N)
+        pid_m = tl.program_id(0) // tl.cdiv(N, BLOCK_N)
+    else:
+        pid_m = tl.program_id(0) % num_blocks_m
+        pid_n = tl.program_id(0) // num_blocks_m
+    if pid_m * BLOCK_M >= tl.load(used_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m)
+    out_rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = out_rows >= 0
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ptrs = out_ptr + tl.where(valid, out_rows, 0).to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    mask = valid[:, None] & (offs_n < N)[None, :]
+    if expert == num_experts:  # the pairs routed to no expert: rows of zeros
+        tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=mask)
+        return
+    a_rows = tl.where(valid, out_rows // ROW_DIV, 0)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    w_row = expert * rows_per_expert + pid_n * BLOCK_N
+    if IS_INT8:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = acc
+    for k_start in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(offs_k < K - k_start)[None, :], other=0.0)
+        acc = dot_accumulate(a, w_desc.load([w_row, k_start]).T, acc, IS_INT8, True, 0)
+        if GATED:
+            acc_up = dot_accumulate(a, w_desc.load([w_row + N, k_start]).T, acc_up, IS_INT8, True, 0)
+        a_ptrs += BLOCK_K
+    rows_w = offs_n % N
+    if A_PER_TOKEN:
+        a_scale = tl.load(a_scale_ptr + a_rows)[:, None]
+    else:
+        a_scale = tl.load(a_scale_ptr)
+    scales = w_scale_ptr + expert.to(tl.int64) * stride_se
+    out = apply_activation(acc.to(tl.float32) * a_scale * tl.load(scales + rows_w)[None, :], ACTIVATION)
+    if GATED:
+        out = out * (acc_up.to(tl.float32) * a_scale * tl.load(scales + N + rows_w)[None, :])
+    if ROW_SCALE:
+        out = out * tl.load(row_scale_ptr + tl.where(valid, out_rows, 0))[:, None]
+    tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+
+
+def tma_eligible(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """The weight can go through a TMA descriptor: 16-byte aligned base and rows (1-byte elements)."""
+    return w.data_ptr() % 16 == 0 and w.shape[-1] % 16 == 0
+
+
 def default_config(pairs: int, experts: int, K: int, gated: bool = False) -> dict:
     """Tile sizes and launch shape for ``pairs`` routed over ``experts`` (K: the reduction). From
     the sweep in benchmarks/moe_kernels.py (H200, Qwen3-30B-A3B's shapes): 16-row blocks while an
@@ -219,15 +297,21 @@ def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="no
     if plan is None or plan.block_m != config["block_m"]:
         plan = route_plan(experts, num_experts, config["block_m"])
     block_n, block_k = config["block_n"], config["block_k"]
-    grid = (plan.rows.numel() // plan.block_m, cdiv(n_out, block_n))
+    common = dict(IS_INT8=a.dtype == torch.int8, A_PER_TOKEN=a_scale.numel() > 1, ROW_SCALE=row_scale is not None,
+                  ACTIVATION=ACTIVATION_CODES[activation], GATED=gated, EVEN_K=K % block_k == 0,
+                  INTERPRETED=INTERPRETED, BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                  num_warps=config["num_warps"], num_stages=config["num_stages"])
+    num_blocks_m = plan.rows.numel() // plan.block_m
+    if config.get("tma") and tma_eligible(a, w):
+        w_desc = TensorDescriptor.from_tensor(w.view(-1, K), [block_n, block_k])
+        _grouped_tma_kernel[(num_blocks_m * cdiv(n_out, block_n),)](
+            a, w_desc, out, a_scale, w_scale, row_scale if row_scale is not None else a_scale, plan.rows,
+            plan.block_expert, plan.used, n_out, K, row_div, num_experts, w.shape[1], num_blocks_m,
+            a.stride(0), w_scale.stride(0), out.stride(0), N_FASTEST=bool(config.get("n_fastest")), **common)
+        return out
+    grid = (num_blocks_m, cdiv(n_out, block_n))
     _grouped_kernel[grid](
         a, w, out, a_scale, w_scale, row_scale if row_scale is not None else a_scale, plan.rows, plan.block_expert,
         plan.used, n_out, K, row_div, num_experts,
-        a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), out.stride(0),
-        IS_INT8=a.dtype == torch.int8, A_PER_TOKEN=a_scale.numel() > 1, ROW_SCALE=row_scale is not None,
-        ACTIVATION=ACTIVATION_CODES[activation],
-        GATED=gated, EVEN_K=K % block_k == 0, INTERPRETED=INTERPRETED,
-        BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=config["num_warps"],
-        num_stages=config["num_stages"],
-    )
+        a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), out.stride(0), **common)
     return out

@@ -1,0 +1,107 @@
+"""Grouped MoE GEMMs at prefill sizes: address-loaded weight tiles against TMA-loaded ones.
+
+Qwen3-30B-A3B's expert shapes (hidden 2048, 128 experts of 768, top-8), random quantized weights
+and a random softmax top-8 routing. For each token count: the gate/up (gated SiLU) and down GEMMs
+of ``kernels/moe.py`` over a tile sweep, the address-loaded kernel (``_grouped_kernel``, the
+default) against the TMA one (``_grouped_tma_kernel``), each output checked against the default
+config's, timed with ``do_bench_cudagraph`` (plans made beforehand, as a layer makes one for both
+GEMMs). Writes JSON to the path given.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import time
+
+import torch
+import triton.testing
+
+from quantkit.bench.common import environment_metadata
+from quantkit.kernels import moe, ops
+
+E, H, I, TOP_K = 128, 2048, 768, 8
+
+
+def configs(gated: bool) -> list[dict]:
+    widths = (64, 128) if gated else (128, 256)
+    out = [dict(tma=True, block_m=bm, block_n=bn, block_k=128, num_warps=w, num_stages=s, n_fastest=nf)
+           for bm, bn, w, s, nf in itertools.product((64, 128), widths, (4, 8), (3, 4), (False, True))]
+    out += [dict(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)]
+    return out
+
+
+def weights(dtype, rows, K, gen):
+    if dtype == torch.int8:
+        w = torch.randint(-127, 128, (E, rows, K), device="cuda", generator=gen, dtype=torch.int8)
+        scale = torch.rand(E, rows, device="cuda", generator=gen) * 2e-4 + 1e-4
+    else:
+        w = (torch.randn(E, rows, K, device="cuda", generator=gen) * 100).clamp(-448, 448).to(dtype)
+        scale = torch.rand(E, rows, device="cuda", generator=gen) * 2e-4 + 1e-4
+    return w, scale
+
+
+def main(out_path: str, deadline_s: float = 520.0) -> None:
+    start = time.time()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    report = {**environment_metadata(), "shapes": dict(experts=E, hidden=H, intermediate=I, top_k=TOP_K),
+              "rows": []}
+    for dtype, tokens_list in ((torch.float8_e4m3fn, (8192, 2048, 512)), (torch.int8, (8192, 2048))):
+        name = "fp8" if dtype != torch.int8 else "int8"
+        w13, s13 = weights(dtype, 2 * I, H, gen)
+        w2, s2 = weights(dtype, H, I, gen)
+        best_of = {}
+        for tokens in tokens_list:
+            hidden = torch.randn(tokens, H, device="cuda", generator=gen, dtype=torch.bfloat16)
+            probs = torch.randn(tokens, E, device="cuda", generator=gen).softmax(-1)
+            experts = probs.topk(TOP_K, dim=-1).indices.reshape(-1).contiguous()
+            pairs = experts.numel()
+            q, scale = ops.quantize_per_token(hidden, dtype, backend="triton")
+            h = moe.grouped_scaled_mm(q, w13, scale, s13, experts, TOP_K, "silu", True)
+            hq, hs = ops.quantize_per_token(h, dtype, backend="triton")
+            plans = {bm: moe.route_plan(experts, E, bm) for bm in (16, 32, 64, 128)}
+            gemms = {
+                "gate_up": (True, 2 * pairs * 2 * I * H,
+                            lambda c: moe.grouped_scaled_mm(q, w13, scale, s13, experts, TOP_K, "silu", True,
+                                                            plan=plans[c["block_m"]], config=c)),
+                "down": (False, 2 * pairs * H * I,
+                         lambda c: moe.grouped_scaled_mm(hq, w2, hs, s2, experts, 1, plan=plans[c["block_m"]],
+                                                         config=c)),
+            }
+            for gemm, (gated, flops, fn) in gemms.items():
+                default = moe.default_config(pairs, E, H if gated else I, gated)
+                ref = fn(default).float()
+                candidates = [default] + (configs(gated) if tokens >= 2048 or (name, gemm) not in best_of
+                                          else best_of[(name, gemm)])
+                results = []
+                for c in candidates:
+                    if time.time() - start > deadline_s:
+                        break
+                    try:
+                        out = fn(c).float()
+                        err = ((out - ref).norm() / ref.norm()).item()
+                        us = 1e3 * triton.testing.do_bench_cudagraph(lambda: fn(c), rep=40)
+                        results.append(dict(config=c, us=round(us, 2), tflops=round(flops / us / 1e6, 1),
+                                            rel_err_vs_default=err))
+                    except Exception as exc:  # out of shared memory or registers: recorded, not fatal
+                        torch.cuda.synchronize()
+                        results.append(dict(config=c, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"))
+                timed = sorted((r for r in results if "us" in r), key=lambda r: r["us"])
+                if tokens == 2048:
+                    best_of[(name, gemm)] = [r["config"] for r in timed[:6] if r["config"] is not default]
+                row = dict(dtype=name, tokens=tokens, gemm=gemm, pairs=pairs, flops=flops,
+                           default=next((r for r in results if r["config"] is default), None),
+                           best=timed[0] if timed else None, results=results)
+                report["rows"].append(row)
+                d, b = row["default"], row["best"]
+                print(f"{name} T={tokens} {gemm}: default {d and d.get('us')} us ({d and d.get('tflops')} TF/s), "
+                      f"best {b and b['us']} us ({b and b['tflops']} TF/s) {b and b['config']}", flush=True)
+                for r in timed[:5]:
+                    print("   ", r["us"], r["tflops"], f"{r['rel_err_vs_default']:.1e}", r["config"], flush=True)
+                with open(out_path, "w") as handle:
+                    json.dump(report, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
