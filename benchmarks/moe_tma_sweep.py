@@ -103,5 +103,62 @@ def main(out_path: str, deadline_s: float = 520.0) -> None:
                     json.dump(report, handle, indent=1)
 
 
+def session31_default(pairs: int, gated: bool) -> dict:
+    """The defaults before the TMA kernel (session 31): address-loaded tiles, 16- to 64-row blocks."""
+    average = pairs / E
+    block_m = 16 if average <= 16 else 32 if average <= 32 else 64
+    large = block_m == 64
+    return dict(tma=False, block_m=block_m, block_n=128, block_k=128, num_warps=8 if large and gated else 4,
+                num_stages=4 if large and gated else 3)
+
+
+def compare(out_path: str) -> None:
+    """Session 31's defaults against the current ones, same process, and 64- against 128-row TMA
+    blocks where the default switches (256 pairs an expert: 4096 tokens)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    report = {**environment_metadata(), "shapes": dict(experts=E, hidden=H, intermediate=I, top_k=TOP_K),
+              "rows": []}
+    for dtype in (torch.float8_e4m3fn, torch.int8):
+        name = "fp8" if dtype != torch.int8 else "int8"
+        w13, s13 = weights(dtype, 2 * I, H, gen)
+        w2, s2 = weights(dtype, H, I, gen)
+        for tokens in (64, 256, 512, 1024, 2048, 4096, 8192):
+            hidden = torch.randn(tokens, H, device="cuda", generator=gen, dtype=torch.bfloat16)
+            probs = torch.randn(tokens, E, device="cuda", generator=gen).softmax(-1)
+            experts = probs.topk(TOP_K, dim=-1).indices.reshape(-1).contiguous()
+            pairs = experts.numel()
+            q, scale = ops.quantize_per_token(hidden, dtype, backend="triton")
+            h = moe.grouped_scaled_mm(q, w13, scale, s13, experts, TOP_K, "silu", True)
+            hq, hs = ops.quantize_per_token(h, dtype, backend="triton")
+            plans = {bm: moe.route_plan(experts, E, bm) for bm in (16, 32, 64, 128)}
+            for gemm, gated in (("gate_up", True), ("down", False)):
+                def fn(c, gated=gated):
+                    if gated:
+                        return moe.grouped_scaled_mm(q, w13, scale, s13, experts, TOP_K, "silu", True,
+                                                     plan=plans[c["block_m"]], config=c)
+                    return moe.grouped_scaled_mm(hq, w2, hs, s2, experts, 1, plan=plans[c["block_m"]], config=c)
+
+                new = moe.default_config(pairs, E, H if gated else I, gated)
+                variants = {"session31": session31_default(pairs, gated), "default": new}
+                if tokens == 4096:
+                    for bm in (64, 128):
+                        variants[f"tma_bm{bm}"] = dict(new, block_m=bm)
+                ref = fn(variants["session31"]).float()
+                row = dict(dtype=name, tokens=tokens, gemm=gemm, pairs=pairs)
+                for label, c in variants.items():
+                    err = ((fn(c).float() - ref).norm() / ref.norm()).item()
+                    us = 1e3 * triton.testing.do_bench_cudagraph(lambda: fn(c), rep=40)
+                    row[label] = dict(config=c, us=round(us, 2), rel_err_vs_session31=err)
+                row["speedup"] = row["session31"]["us"] / row["default"]["us"]
+                report["rows"].append(row)
+                print(name, tokens, gemm, {k: v["us"] for k, v in row.items() if isinstance(v, dict)},
+                      f"speedup {row['speedup']:.3f}", flush=True)
+                with open(out_path, "w") as handle:
+                    json.dump(report, handle, indent=1)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if "--compare" in sys.argv[2:]:
+        compare(sys.argv[1])
+    else:
+        main(sys.argv[1])

@@ -11,6 +11,12 @@ one per expert. Rows are gathered from the activation (row ``pair // row_div``: 
 reads each token once for its k slots) and the output is written in pair order, so the combine
 needs no unsort.
 
+From 32 pairs an expert the weight tiles come by TMA (``_grouped_tma_kernel``: the stacked weight
+described as one (E * rows, K) matrix) in 64- or 128-row blocks and 256-wide plain / 2 x 128-wide
+gated tiles; the gathered activation rows are loaded by address in both kernels (Hopper's TMA
+has no row gather). Measured on an H200 (benchmarks/NOTES-moe.md, session 32): the down GEMM of
+Qwen3-30B-A3B's experts 1.27-1.35x faster than with address-loaded tiles at 2048-8192 tokens.
+
 ``reference.grouped_scaled_mm`` is the torch twin and the test oracle.
 """
 
@@ -41,9 +47,9 @@ class RoutePlan(NamedTuple):
 
 def block_m_for(pairs: int, experts: int) -> int:
     """Rows per block: about the pairs an expert gets on average (a decode step routes a handful
-    of tokens to each of its experts, a prefill hundreds), 16 to 64."""
+    of tokens to each of its experts, a prefill hundreds), 16 to 128."""
     average = pairs / max(experts, 1)
-    return 16 if average <= 16 else 32 if average <= 32 else 64
+    return 16 if average <= 16 else 32 if average < 32 else 64 if average < 256 else 128
 
 
 def plan_capacity(pairs: int, num_experts: int, block_m: int) -> int:
@@ -254,22 +260,33 @@ def _grouped_tma_kernel(
     tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
-def tma_eligible(a: torch.Tensor, w: torch.Tensor) -> bool:
-    """The weight can go through a TMA descriptor: 16-byte aligned base and rows (1-byte elements)."""
+def tma_eligible(w: torch.Tensor) -> bool:
+    """The weight can go through a TMA descriptor: a 16-byte aligned base (its rows are: the checks
+    take K in multiples of 16 one-byte elements)."""
     return w.data_ptr() % 16 == 0 and w.shape[-1] % 16 == 0
 
 
 def default_config(pairs: int, experts: int, K: int, gated: bool = False) -> dict:
     """Tile sizes and launch shape for ``pairs`` routed over ``experts`` (K: the reduction). From
-    the sweep in benchmarks/moe_kernels.py (H200, Qwen3-30B-A3B's shapes): 16-row blocks while an
-    expert gets a few dozen pairs, 64-row blocks of 128 columns above, the gated form with 8 warps
-    and 4 stages."""
+    the sweeps in benchmarks/moe_kernels.py and moe_tma_sweep.py (H200, Qwen3-30B-A3B's shapes):
+    16- and 32-row blocks of address-loaded tiles while an expert gets a few dozen pairs; from 32
+    pairs an expert, 64-row blocks with TMA-loaded weight tiles (256 columns for the plain form,
+    128 of gate and of up for the gated one), and 128-row blocks from 256 pairs an expert. The
+    TMA kernel's programs walk a block's column tiles before the next block's (``n_fastest``)."""
     block_m = block_m_for(pairs, experts)
     if INTERPRETED:  # large blocks under the interpreter: each program is Python
-        return dict(block_m=block_m, block_n=64, block_k=64, num_warps=4, num_stages=1)
-    large = block_m == 64
-    return dict(block_m=block_m, block_n=128, block_k=128 if K >= 128 else 64,
-                num_warps=8 if large and gated else 4, num_stages=4 if large and gated else 3)
+        return dict(block_m=block_m, block_n=64, block_k=64, num_warps=4, num_stages=1, tma=block_m >= 64,
+                    n_fastest=True)
+    if block_m >= 64:
+        return dict(block_m=block_m, block_n=128 if gated else 256, block_k=128, num_warps=8, num_stages=4,
+                    tma=True, n_fastest=True)
+    return dict(block_m=block_m, block_n=128, block_k=128 if K >= 128 else 64, num_warps=4, num_stages=3)
+
+
+def fallback_config(config: dict) -> dict:
+    """The address-loaded kernel's tiles for a TMA config whose weight TMA cannot take."""
+    return {**config, "tma": False, "block_n": 128, "num_warps": 8 if config["block_m"] >= 128 else 4,
+            "num_stages": 3}
 
 
 def plan_for(experts: torch.Tensor, num_experts: int) -> RoutePlan:
@@ -294,6 +311,8 @@ def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="no
     if pairs == 0:
         return out
     config = {**default_config(pairs, num_experts, K, gated), **(config or {})}
+    if config.get("tma") and not tma_eligible(w):
+        config = fallback_config(config)
     if plan is None or plan.block_m != config["block_m"]:
         plan = route_plan(experts, num_experts, config["block_m"])
     block_n, block_k = config["block_n"], config["block_k"]
@@ -302,7 +321,7 @@ def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="no
                   INTERPRETED=INTERPRETED, BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                   num_warps=config["num_warps"], num_stages=config["num_stages"])
     num_blocks_m = plan.rows.numel() // plan.block_m
-    if config.get("tma") and tma_eligible(a, w):
+    if config.get("tma"):
         w_desc = TensorDescriptor.from_tensor(w.view(-1, K), [block_n, block_k])
         _grouped_tma_kernel[(num_blocks_m * cdiv(n_out, block_n),)](
             a, w_desc, out, a_scale, w_scale, row_scale if row_scale is not None else a_scale, plan.rows,

@@ -54,13 +54,21 @@ def _float64(a, a_scale, w, w_scale, routed, slots, activation, gated):
     return out
 
 
+# The weight tiles loaded by address (_grouped_kernel) or by TMA (_grouped_tma_kernel, the
+# default from 32 pairs an expert), the latter walking column tiles first or row blocks first.
+KERNELS = [pytest.param(dict(tma=False), id="address"), pytest.param(dict(tma=True, n_fastest=True), id="tma"),
+           pytest.param(dict(tma=True, n_fastest=False), id="tma-rows-first")]
+
+
 @pytest.mark.parametrize("dtype", QDTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("gated,activation", EPILOGUES)
-def test_grouped_gemm_matches_reference_and_float64(dtype, shape, gated, activation):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_grouped_gemm_matches_reference_and_float64(dtype, shape, gated, activation, kernel):
     tokens, slots, experts, K, N = shape
     a, a_scale, w, w_scale, routed = _operands(*shape, dtype, gated, seed=sum(shape))
-    out = moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, slots, activation, gated, torch.bfloat16)
+    out = moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, slots, activation, gated, torch.bfloat16,
+                                config=kernel)
     ref = reference.grouped_scaled_mm(a, w, a_scale, w_scale, routed, slots, activation, gated, torch.bfloat16)
     assert out.shape == ref.shape == (tokens * slots, N)
     unrouted = routed >= experts
@@ -71,6 +79,38 @@ def test_grouped_gemm_matches_reference_and_float64(dtype, shape, gated, activat
         torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=1e-3 * ref.float().abs().max().item())
     exact = _float64(a, a_scale, w, w_scale, routed, slots, activation, gated)
     assert ((out.double() - exact).norm() / exact.norm()).item() < 2 ** -8
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_a_weight_tma_cannot_take_falls_back_to_address_loads(dtype, monkeypatch):
+    """A weight whose base is not 16-byte aligned (a view one byte into its storage): TMA cannot
+    address it, so the TMA config runs the address-loaded kernel."""
+    a, a_scale, aligned, w_scale, routed = _operands(150, 2, 3, 64, 40, dtype, True, seed=4)
+    storage = torch.empty(aligned.numel() + 1, dtype=dtype)
+    w = storage[1:].view(aligned.shape)
+    w.copy_(aligned)
+    assert w.is_contiguous() and not moe.tma_eligible(w) and moe.tma_eligible(aligned)
+    launched = []
+    for name in ("_grouped_kernel", "_grouped_tma_kernel"):
+        kernel = getattr(moe, name)
+        monkeypatch.setattr(moe, name, _Recording(kernel, name, launched))
+    out = moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 2, "silu", True, config=dict(tma=True))
+    ref = reference.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 2, "silu", True)
+    assert launched == ["_grouped_kernel"]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=1e-3 * ref.float().abs().max().item())
+    moe.grouped_scaled_mm(a, aligned, a_scale, w_scale, routed, 2, "silu", True, config=dict(tma=True))
+    assert launched == ["_grouped_kernel", "_grouped_tma_kernel"]
+
+
+class _Recording:
+    """A jitted kernel that notes its launches."""
+
+    def __init__(self, kernel, name, launched):
+        self.kernel, self.name, self.launched = kernel, name, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(self.name)
+        return self.kernel[grid]
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)
