@@ -11,11 +11,9 @@ one per expert. Rows are gathered from the activation (row ``pair // row_div``: 
 reads each token once for its k slots) and the output is written in pair order, so the combine
 needs no unsort.
 
-From 32 pairs an expert the weight tiles come by TMA (``_grouped_tma_kernel``: the stacked weight
-described as one (E * rows, K) matrix) in 64- or 128-row blocks and 256-wide plain / 2 x 128-wide
-gated tiles; the gathered activation rows are loaded by address in both kernels (Hopper's TMA
-has no row gather). Measured on an H200 (benchmarks/NOTES-moe.md, session 32): the down GEMM of
-Qwen3-30B-A3B's experts 1.27-1.35x faster than with address-loaded tiles at 2048-8192 tokens.
+At prefill sizes the weight tiles come by TMA (``_grouped_tma_kernel``: the stacked weight
+described as one (E * rows, K) matrix; ``default_config`` says when); the gathered activation
+rows are loaded by address in both kernels (Hopper's TMA has no row gather).
 
 ``reference.grouped_scaled_mm`` is the torch twin and the test oracle.
 """
@@ -49,7 +47,7 @@ def block_m_for(pairs: int, experts: int) -> int:
     """Rows per block: about the pairs an expert gets on average (a decode step routes a handful
     of tokens to each of its experts, a prefill hundreds), 16 to 128."""
     average = pairs / max(experts, 1)
-    return 16 if average <= 16 else 32 if average < 32 else 64 if average < 256 else 128
+    return 16 if average <= 16 else 32 if average < 32 else 64 if average < 512 else 128
 
 
 def plan_capacity(pairs: int, num_experts: int, block_m: int) -> int:
@@ -268,19 +266,23 @@ def tma_eligible(w: torch.Tensor) -> bool:
 
 def default_config(pairs: int, experts: int, K: int, gated: bool = False) -> dict:
     """Tile sizes and launch shape for ``pairs`` routed over ``experts`` (K: the reduction). From
-    the sweeps in benchmarks/moe_kernels.py and moe_tma_sweep.py (H200, Qwen3-30B-A3B's shapes):
-    16- and 32-row blocks of address-loaded tiles while an expert gets a few dozen pairs; from 32
-    pairs an expert, 64-row blocks with TMA-loaded weight tiles (256 columns for the plain form,
-    128 of gate and of up for the gated one), and 128-row blocks from 256 pairs an expert. The
-    TMA kernel's programs walk a block's column tiles before the next block's (``n_fastest``)."""
+    the sweeps in benchmarks/moe_kernels.py and moe_tma_sweep.py (H200, Qwen3-30B-A3B's shapes,
+    benchmarks/NOTES-moe.md): 16- and 32-row blocks of address-loaded tiles while an expert gets a
+    few dozen pairs, 64-row blocks from 32 pairs an expert and 128-row ones from 512. The plain
+    form (the down projection) takes its weight tiles by TMA from 64 rows, 256 columns wide (1.2-1.4x
+    the address-loaded 128-wide tiles from 1024 tokens); the gated form keeps address-loaded
+    2 x 128-wide tiles in 64-row blocks (TMA measured 2-5 % slower there) and takes TMA in
+    128-row blocks. The TMA kernel's programs walk a block's column tiles before the next block's."""
     block_m = block_m_for(pairs, experts)
     if INTERPRETED:  # large blocks under the interpreter: each program is Python
         return dict(block_m=block_m, block_n=64, block_k=64, num_warps=4, num_stages=1, tma=block_m >= 64,
                     n_fastest=True)
-    if block_m >= 64:
+    if block_m == 128 or (block_m == 64 and not gated):
         return dict(block_m=block_m, block_n=128 if gated else 256, block_k=128, num_warps=8, num_stages=4,
                     tma=True, n_fastest=True)
-    return dict(block_m=block_m, block_n=128, block_k=128 if K >= 128 else 64, num_warps=4, num_stages=3)
+    large = block_m == 64
+    return dict(block_m=block_m, block_n=128, block_k=128 if K >= 128 else 64,
+                num_warps=8 if large and gated else 4, num_stages=4 if large and gated else 3)
 
 
 def fallback_config(config: dict) -> dict:
