@@ -94,7 +94,10 @@ def main(out_path: str, sweep: bool, deadline_s: float = 500.0) -> None:
                                                                "silu", True, plan=plan(c), config=c),
                      "down": lambda c: moe.grouped_scaled_mm(hq, grouped.w2, hs, grouped.s2, experts, 1,
                                                             plan=plan(c), config=c)}
-            default = moe.default_config(experts.numel(), 128, 2048)
+            # The configs the calls below run with config=None (the block height is the same for both).
+            defaults = {"gate_up": moe.default_config(experts.numel(), 128, 2048, gated=True),
+                        "down": moe.default_config(experts.numel(), 128, 768)}
+            default = defaults["gate_up"]
             block_m = default["block_m"]
             row[name]["route_plan_us"] = 1e3 * triton.testing.do_bench_cudagraph(
                 lambda: moe.route_plan(experts, 128, block_m), rep=30)
@@ -108,7 +111,7 @@ def main(out_path: str, sweep: bool, deadline_s: float = 500.0) -> None:
                         break
                     try:
                         results.append((1e3 * triton.testing.do_bench_cudagraph(lambda: fn(config), rep=30),
-                                        config or default))
+                                        config or defaults[gemm]))
                     except Exception as exc:
                         results.append((float("inf"), {**(config or {}), "error": str(exc).splitlines()[0][:80]}))
                 finite = [r for r in results if r[0] < float("inf")]
