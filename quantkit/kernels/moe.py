@@ -30,7 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from quantkit.kernels.gemm_checks import ACTIVATION_CODES, check_grouped_args
 from quantkit.kernels.gemm_epilogue import apply_activation, dot_accumulate, tile_mainloop
-from quantkit.kernels.launch import INTERPRETED, cdiv, check_runnable
+from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, int_spec, next_power_of_2
 from quantkit.kernels.quant import cast_for_store
 
 
@@ -74,15 +74,25 @@ def route_plan(experts: torch.Tensor, num_experts: int, block_m: int) -> RoutePl
     used = torch.empty(1, dtype=torch.int32, device=device)
     ends = torch.empty(runs, dtype=torch.int32, device=device)
     chunk = 1024
-    _rank_kernel[(cdiv(pairs, chunk),)](experts, counts, rank, pairs, num_experts, BLOCK=chunk)
-    experts_block = triton.next_power_of_2(runs)
-    _place_kernel[(cdiv(max(pairs, capacity // block_m), chunk),)](
-        experts, counts, rank, ends, rows, block_expert, used, pairs, num_experts, capacity // block_m,
-        BLOCK_M=block_m, BLOCK=chunk, EXPERTS=experts_block, SEARCH_STEPS=experts_block.bit_length())
+    ints = (pairs, num_experts)
+    _RANK(("rank", experts.dtype, _spec(ints), aligned(experts, counts, rank)), (cdiv(pairs, chunk),),
+          (experts, counts, rank, *ints), dict(BLOCK=chunk), 4, 3)
+    experts_block = next_power_of_2(runs)
+    ints = (pairs, num_experts, capacity // block_m)
+    constexprs = dict(BLOCK_M=block_m, BLOCK=chunk, EXPERTS=experts_block, SEARCH_STEPS=experts_block.bit_length())
+    pointers = (experts, counts, rank, ends, rows, block_expert, used)
+    _PLACE(("place", experts.dtype, _spec(ints), *constexprs.values(), aligned(*pointers)),
+           (cdiv(max(pairs, capacity // block_m), chunk),), (*pointers, *ints), constexprs, 4, 3)
     return RoutePlan(rows, block_expert, used, block_m)
 
 
-@triton.jit
+def _spec(ints: tuple) -> tuple:
+    """The key part of a launch's integer arguments: what triton specializes each on."""
+    return tuple(int_spec(i) for i in ints)
+
+
+# The pair count and the block count change with every batch: not specialized (one binary).
+@triton.jit(do_not_specialize=["pairs"])
 def _rank_kernel(experts_ptr, counts_ptr, rank_ptr, pairs, num_experts, BLOCK: tl.constexpr):
     """Each pair's place in its run (its expert's, or the last for no expert): the run's counter
     before the pair took it."""
@@ -99,7 +109,7 @@ def _run_of(expert, num_experts):
     return tl.where((expert >= 0) & (expert < num_experts), expert, num_experts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs", "num_blocks"])
 def _place_kernel(experts_ptr, counts_ptr, rank_ptr, ends_ptr, rows_ptr, block_expert_ptr, used_ptr,
                   pairs, num_experts, num_blocks, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
                   EXPERTS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
@@ -258,6 +268,13 @@ def _grouped_tma_kernel(
     tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
+# Eager launches skip triton's binding pass (launch.CachedLaunch): at a few tokens an MoE layer's
+# plan and GEMMs are host-bound. The TMA kernel (prefill sizes) keeps triton's own launcher.
+_RANK = CachedLaunch(_rank_kernel)
+_PLACE = CachedLaunch(_place_kernel)
+_GROUPED = CachedLaunch(_grouped_kernel)
+
+
 def tma_eligible(w: torch.Tensor) -> bool:
     """The weight can go through a TMA descriptor: a 16-byte aligned base (its rows are: the checks
     take K in multiples of 16 one-byte elements)."""
@@ -330,9 +347,10 @@ def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="no
             plan.block_expert, plan.used, n_out, K, row_div, num_experts, w.shape[1], num_blocks_m,
             a.stride(0), w_scale.stride(0), out.stride(0), N_FASTEST=bool(config.get("n_fastest")), **common)
         return out
-    grid = (num_blocks_m, cdiv(n_out, block_n))
-    _grouped_kernel[grid](
-        a, w, out, a_scale, w_scale, row_scale if row_scale is not None else a_scale, plan.rows, plan.block_expert,
-        plan.used, n_out, K, row_div, num_experts,
-        a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), out.stride(0), **common)
+    pointers = (a, w, out, a_scale, w_scale, row_scale if row_scale is not None else a_scale, plan.rows,
+                plan.block_expert, plan.used)
+    ints = (n_out, K, row_div, num_experts, a.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), out.stride(0))
+    num_warps, num_stages = common.pop("num_warps"), common.pop("num_stages")
+    key = (tuple(t.dtype for t in pointers), aligned(*pointers), _spec(ints), *common.values(), num_warps, num_stages)
+    _GROUPED(key, (num_blocks_m, cdiv(n_out, block_n)), (*pointers, *ints), common, num_warps, num_stages)
     return out

@@ -91,9 +91,9 @@ def test_a_weight_tma_cannot_take_falls_back_to_address_loads(dtype, monkeypatch
     w.copy_(aligned)
     assert w.is_contiguous() and not moe.tma_eligible(w) and moe.tma_eligible(aligned)
     launched = []
-    for name in ("_grouped_kernel", "_grouped_tma_kernel"):
-        kernel = getattr(moe, name)
-        monkeypatch.setattr(moe, name, _Recording(kernel, name, launched))
+    monkeypatch.setattr(moe._GROUPED, "kernel", _Recording(moe._grouped_kernel, "_grouped_kernel", launched))
+    monkeypatch.setattr(moe, "_grouped_tma_kernel", _Recording(moe._grouped_tma_kernel, "_grouped_tma_kernel",
+                                                               launched))
     out = moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 2, "silu", True, config=dict(tma=True))
     ref = reference.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 2, "silu", True)
     assert launched == ["_grouped_kernel"]
