@@ -157,8 +157,63 @@ def compare(out_path: str) -> None:
                     json.dump(report, handle, indent=1)
 
 
+def persistent(out_path: str, deadline_s: float = 300.0) -> None:
+    """The persistent TMA kernel (tile and K loops flattened) against the default configs."""
+    start = time.time()
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    report = {**environment_metadata(), "shapes": dict(experts=E, hidden=H, intermediate=I, top_k=TOP_K),
+              "rows": []}
+    for dtype in (torch.float8_e4m3fn, torch.int8):
+        name = "fp8" if dtype != torch.int8 else "int8"
+        w13, s13 = weights(dtype, 2 * I, H, gen)
+        w2, s2 = weights(dtype, H, I, gen)
+        for tokens in (8192, 2048):
+            hidden = torch.randn(tokens, H, device="cuda", generator=gen, dtype=torch.bfloat16)
+            probs = torch.randn(tokens, E, device="cuda", generator=gen).softmax(-1)
+            experts = probs.topk(TOP_K, dim=-1).indices.reshape(-1).contiguous()
+            pairs = experts.numel()
+            q, scale = ops.quantize_per_token(hidden, dtype, backend="triton")
+            h = moe.grouped_scaled_mm(q, w13, scale, s13, experts, TOP_K, "silu", True)
+            hq, hs = ops.quantize_per_token(h, dtype, backend="triton")
+            plans = {bm: moe.route_plan(experts, E, bm) for bm in (64, 128)}
+            for gemm, gated in (("gate_up", True), ("down", False)):
+                def fn(c, gated=gated):
+                    if gated:
+                        return moe.grouped_scaled_mm(q, w13, scale, s13, experts, TOP_K, "silu", True,
+                                                     plan=plans[c["block_m"]], config=c)
+                    return moe.grouped_scaled_mm(hq, w2, hs, s2, experts, 1, plan=plans[c["block_m"]], config=c)
+
+                default = moe.default_config(pairs, E, H if gated else I, gated)
+                variants = {"default": default}
+                for bm, stages in itertools.product((64, 128), (3, 4)):
+                    variants[f"persistent_bm{bm}_s{stages}"] = dict(
+                        tma=True, persistent=True, block_m=bm, block_n=128 if gated else 256, block_k=128,
+                        num_warps=8, num_stages=stages)
+                variants["default_again"] = default
+                ref = fn(default).float()
+                row = dict(dtype=name, tokens=tokens, gemm=gemm, pairs=pairs)
+                for label, c in variants.items():
+                    if time.time() - start > deadline_s:
+                        break
+                    try:
+                        err = ((fn(c).float() - ref).norm() / ref.norm()).item()
+                        us = 1e3 * triton.testing.do_bench_cudagraph(lambda: fn(c), rep=40)
+                        row[label] = dict(config=c, us=round(us, 2), rel_err_vs_default=err)
+                    except Exception as exc:
+                        torch.cuda.synchronize()
+                        row[label] = dict(config=c, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+                report["rows"].append(row)
+                print(name, tokens, gemm, {k: (v.get("us"), f"{v['rel_err_vs_default']:.0e}" if "us" in v
+                                                else v.get("error")) for k, v in row.items() if isinstance(v, dict)},
+                      flush=True)
+                with open(out_path, "w") as handle:
+                    json.dump(report, handle, indent=1)
+
+
 if __name__ == "__main__":
-    if "--compare" in sys.argv[2:]:
+    if "--persistent" in sys.argv[2:]:
+        persistent(sys.argv[1])
+    elif "--compare" in sys.argv[2:]:
         compare(sys.argv[1])
     else:
         main(sys.argv[1])

@@ -30,7 +30,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from quantkit.kernels.gemm_checks import ACTIVATION_CODES, check_grouped_args
 from quantkit.kernels.gemm_epilogue import apply_activation, dot_accumulate, tile_mainloop
-from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, int_spec, next_power_of_2
+from quantkit.kernels.launch import (INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, int_spec,
+                                     next_power_of_2, num_sms)
 from quantkit.kernels.quant import cast_for_store
 
 
@@ -268,6 +269,80 @@ def _grouped_tma_kernel(
     tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
+@triton.jit
+def _grouped_persistent_kernel(
+    a_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, row_scale_ptr, rows_ptr, block_expert_ptr, used_ptr,
+    N, K, ROW_DIV, num_experts, rows_per_expert,
+    stride_am, stride_se, stride_om,
+    IS_INT8: tl.constexpr,
+    A_PER_TOKEN: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``_grouped_tma_kernel`` on a persistent grid: NUM_PROGRAMS programs walk the routing's
+    tiles (a block's column tiles in turn), the tile loop and the K loop flattened into one
+    software pipeline, so the next tile's loads are in flight during this tile's epilogue. The
+    run of the pairs of no expert is computed against TMA's zero fill past the last expert, and
+    stored as zeros."""
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    num_tiles = tl.load(used_ptr) // BLOCK_M * n_tiles
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_M)
+    # The epilogue's tile from its own counter: with the loops flattened, the pipeliner may
+    # already be loading the next tile (as in gemm_tma's persistent kernel).
+    tile_c = tl.program_id(0) - NUM_PROGRAMS
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
+        pid_m = tile // n_tiles
+        expert = tl.load(block_expert_ptr + pid_m)
+        rows = tl.load(rows_ptr + pid_m * BLOCK_M + offs_r)
+        a_rows = tl.where(rows >= 0, rows // ROW_DIV, 0)
+        a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+        w_row = expert * rows_per_expert + (tile % n_tiles) * BLOCK_N
+        if IS_INT8:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = acc
+        for ki in range(k_tiles):
+            if EVEN_K:
+                a = tl.load(a_ptrs + ki * BLOCK_K)
+            else:
+                a = tl.load(a_ptrs + ki * BLOCK_K, mask=(offs_k < K - ki * BLOCK_K)[None, :], other=0.0)
+            acc = dot_accumulate(a, w_desc.load([w_row, ki * BLOCK_K]).T, acc, IS_INT8, True, 0)
+            if GATED:
+                acc_up = dot_accumulate(a, w_desc.load([w_row + N, ki * BLOCK_K]).T, acc_up, IS_INT8, True, 0)
+        tile_c += NUM_PROGRAMS
+        pid_m = tile_c // n_tiles
+        expert_c = tl.load(block_expert_ptr + pid_m)
+        out_rows = tl.load(rows_ptr + pid_m * BLOCK_M + offs_r)
+        valid = out_rows >= 0
+        offs_n = (tile_c % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows_w = offs_n % N
+        a_rows_c = tl.where(valid, out_rows // ROW_DIV, 0)
+        if A_PER_TOKEN:
+            a_scale = tl.load(a_scale_ptr + a_rows_c)[:, None]
+        else:
+            a_scale = tl.load(a_scale_ptr)
+        scales = w_scale_ptr + tl.minimum(expert_c, num_experts - 1).to(tl.int64) * stride_se
+        out = apply_activation(acc.to(tl.float32) * a_scale * tl.load(scales + rows_w)[None, :], ACTIVATION)
+        if GATED:
+            out = out * (acc_up.to(tl.float32) * a_scale * tl.load(scales + N + rows_w)[None, :])
+        if ROW_SCALE:
+            out = out * tl.load(row_scale_ptr + tl.where(valid, out_rows, 0))[:, None]
+        out = tl.where(expert_c == num_experts, 0.0, out)
+        out_ptrs = out_ptr + tl.where(valid, out_rows, 0).to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED),
+                 mask=valid[:, None] & (offs_n < N)[None, :])
+
+
 # Eager launches skip triton's binding pass (launch.CachedLaunch): at a few tokens an MoE layer's
 # plan and GEMMs are host-bound. The TMA kernel (prefill sizes) keeps triton's own launcher.
 _RANK = CachedLaunch(_rank_kernel)
@@ -340,6 +415,15 @@ def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="no
                   INTERPRETED=INTERPRETED, BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                   num_warps=config["num_warps"], num_stages=config["num_stages"])
     num_blocks_m = plan.rows.numel() // plan.block_m
+    if config.get("tma") and config.get("persistent"):
+        w_desc = TensorDescriptor.from_tensor(w.view(-1, K), [block_n, block_k])
+        programs = 4 if INTERPRETED else num_sms(a.device.index) * config.get("ctas_per_sm", 1)
+        tiles = num_blocks_m * cdiv(n_out, block_n)  # the most any routing needs
+        _grouped_persistent_kernel[(min(programs, tiles),)](
+            a, w_desc, out, a_scale, w_scale, row_scale if row_scale is not None else a_scale, plan.rows,
+            plan.block_expert, plan.used, n_out, K, row_div, num_experts, w.shape[1],
+            a.stride(0), w_scale.stride(0), out.stride(0), NUM_PROGRAMS=programs, **common)
+        return out
     if config.get("tma"):
         w_desc = TensorDescriptor.from_tensor(w.view(-1, K), [block_n, block_k])
         _grouped_tma_kernel[(num_blocks_m * cdiv(n_out, block_n),)](

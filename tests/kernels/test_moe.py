@@ -57,7 +57,8 @@ def _float64(a, a_scale, w, w_scale, routed, slots, activation, gated):
 # The weight tiles loaded by address (_grouped_kernel) or by TMA (_grouped_tma_kernel, the
 # default from 32 pairs an expert), the latter walking column tiles first or row blocks first.
 KERNELS = [pytest.param(dict(tma=False), id="address"), pytest.param(dict(tma=True, n_fastest=True), id="tma"),
-           pytest.param(dict(tma=True, n_fastest=False), id="tma-rows-first")]
+           pytest.param(dict(tma=True, n_fastest=False), id="tma-rows-first"),
+           pytest.param(dict(tma=True, persistent=True), id="tma-persistent")]
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)
