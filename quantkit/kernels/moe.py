@@ -363,15 +363,19 @@ def default_config(pairs: int, experts: int, K: int, gated: bool = False) -> dic
     few dozen pairs, 64-row blocks from 32 pairs an expert and 128-row ones from 512. The plain
     form (the down projection) takes its weight tiles by TMA from 64 rows, 256 columns wide (1.2-1.4x
     the address-loaded 128-wide tiles from 1024 tokens); the gated form keeps address-loaded
-    2 x 128-wide tiles in 64-row blocks (TMA measured 2-5 % slower there) and takes TMA in
-    128-row blocks. The TMA kernel's programs walk a block's column tiles before the next block's."""
+    2 x 128-wide tiles in 64-row blocks (TMA measured 2-5 % slower there). 128-row blocks run the
+    persistent TMA kernel, both forms (1.10-1.27x the non-persistent one at 8192 tokens; at 2048
+    tokens it lost on the gated form). The non-persistent TMA kernel's programs walk a block's
+    column tiles before the next block's."""
     block_m = block_m_for(pairs, experts)
     if INTERPRETED:  # large blocks under the interpreter: each program is Python
         return dict(block_m=block_m, block_n=64, block_k=64, num_warps=4, num_stages=1, tma=block_m >= 64,
-                    n_fastest=True)
-    if block_m == 128 or (block_m == 64 and not gated):
+                    n_fastest=True, persistent=block_m == 128)
+    if block_m == 128:
         return dict(block_m=block_m, block_n=128 if gated else 256, block_k=128, num_warps=8, num_stages=4,
-                    tma=True, n_fastest=True)
+                    tma=True, persistent=True)
+    if not gated and block_m == 64:
+        return dict(block_m=block_m, block_n=256, block_k=128, num_warps=8, num_stages=4, tma=True, n_fastest=True)
     large = block_m == 64
     return dict(block_m=block_m, block_n=128, block_k=128 if K >= 128 else 64,
                 num_warps=8 if large and gated else 4, num_stages=4 if large and gated else 3)
