@@ -2,9 +2,9 @@
 
 Qwen3-30B-A3B's expert shapes (hidden 2048, 128 experts of 768, top-8), random quantized weights
 and a random softmax top-8 routing. For each token count: the gate/up (gated SiLU) and down GEMMs
-of ``kernels/moe.py`` over a tile sweep, the address-loaded kernel (``_grouped_kernel``, the
-default) against the TMA one (``_grouped_tma_kernel``), each output checked against the default
-config's, timed with ``do_bench_cudagraph`` (plans made beforehand, as a layer makes one for both
+of ``kernels/moe.py`` over a tile sweep, the address-loaded kernel (``_grouped_kernel``) against
+the TMA one (``_grouped_tma_kernel``), each output checked against the default config's (a swept
+config without kernel flags runs the address-loaded kernel; ``moe.KERNEL_FLAGS``), timed with ``do_bench_cudagraph`` (plans made beforehand, as a layer makes one for both
 GEMMs). Writes JSON to the path given.
 """
 
@@ -113,8 +113,10 @@ def session31_default(pairs: int, gated: bool) -> dict:
 
 
 def compare(out_path: str) -> None:
-    """Session 31's defaults against the current ones, same process, and 64- against 128-row TMA
-    blocks where the default switches (256 pairs an expert: 4096 tokens)."""
+    """Session 31's defaults against the current ones, same process, and the default's kernel in
+    64- against 128-row blocks at 4096 tokens (256 pairs an expert). Runs s32b, s32c and s32f
+    labelled those "tma_bm64" / "tma_bm128": for the gated GEMM, whose default at 4096 tokens is
+    address-loaded, they ran the address-loaded kernel (the default's flags were merged in)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     report = {**environment_metadata(), "shapes": dict(experts=E, hidden=H, intermediate=I, top_k=TOP_K),
               "rows": []}
@@ -140,9 +142,9 @@ def compare(out_path: str) -> None:
 
                 new = moe.default_config(pairs, E, H if gated else I, gated)
                 variants = {"session31": session31_default(pairs, gated), "default": new}
-                if tokens == 4096:
+                if tokens == 4096:  # the default's kernel and tiles in 64- and 128-row blocks
                     for bm in (64, 128):
-                        variants[f"tma_bm{bm}"] = dict(new, block_m=bm)
+                        variants[f"default_bm{bm}"] = dict(new, block_m=bm)
                 ref = fn(variants["session31"]).float()
                 row = dict(dtype=name, tokens=tokens, gemm=gemm, pairs=pairs)
                 for label, c in variants.items():

@@ -356,29 +356,41 @@ def tma_eligible(w: torch.Tensor) -> bool:
     return w.data_ptr() % 16 == 0 and w.shape[-1] % 16 == 0
 
 
-def default_config(pairs: int, experts: int, K: int, gated: bool = False) -> dict:
-    """Tile sizes and launch shape for ``pairs`` routed over ``experts`` (K: the reduction). From
-    the sweeps in benchmarks/moe_kernels.py and moe_tma_sweep.py (H200, Qwen3-30B-A3B's shapes,
-    benchmarks/NOTES-moe.md): 16- and 32-row blocks of address-loaded tiles while an expert gets a
-    few dozen pairs, 64-row blocks from 32 pairs an expert and 128-row ones from 512. The plain
-    form (the down projection) takes its weight tiles by TMA from 64 rows, 256 columns wide (1.2-1.4x
-    the address-loaded 128-wide tiles from 1024 tokens); the gated form keeps address-loaded
-    2 x 128-wide tiles in 64-row blocks (TMA measured 2-5 % slower there). 128-row blocks run the
-    persistent TMA kernel, both forms (1.10-1.27x the non-persistent one at 8192 tokens; at 2048
-    tokens it lost on the gated form). The non-persistent TMA kernel's programs walk a block's
-    column tiles before the next block's."""
+# The kernels' flags: a config passed to grouped_scaled_mm runs the address-loaded kernel unless
+# it says otherwise (the defaults' own flags are not merged into it).
+KERNEL_FLAGS = dict(tma=False, persistent=False, n_fastest=False)
+
+
+def default_config(pairs: int, experts: int, K: int, gated: bool = False, out_dtype: torch.dtype = torch.bfloat16,
+                   interpreted: bool = INTERPRETED) -> dict:
+    """Tile sizes, launch shape and kernel for ``pairs`` routed over ``experts`` (K: the
+    reduction). From the sweeps and same-run comparisons of benchmarks/moe_kernels.py and
+    moe_tma_sweep.py (H200, Qwen3-30B-A3B's shapes, benchmarks/NOTES-moe.md):
+    - 16- and 32-row blocks of address-loaded tiles while an expert gets a few dozen pairs, 64-row
+      blocks from 32 pairs an expert, 128-row ones from 512;
+    - in 64-row blocks the plain form (the down projection) takes its weight tiles by TMA, 256
+      columns wide (1.3-1.4x the address-loaded 128-wide tiles at 1024-2048 tokens, 1.0-1.2x at
+      4096); the gated form keeps address-loaded 2 x 128-wide tiles (TMA gained nothing measurable);
+    - 128-row blocks run the persistent TMA kernel, both forms (1.1-1.5x session 31's kernels at
+      8192 tokens). A 4-byte output needs a larger staging buffer in shared memory: 3 stages for
+      the gated form, 128-wide tiles for the plain one (``tests/kernels/test_moe.py`` compiles each
+      default for sm_90 and checks its shared memory against the 227 KB an SM gives a block).
+    ``interpreted``: the interpreter's large blocks (each program is Python)."""
     block_m = block_m_for(pairs, experts)
-    if INTERPRETED:  # large blocks under the interpreter: each program is Python
+    block_k = 128 if K >= 128 else 64
+    if interpreted:
         return dict(block_m=block_m, block_n=64, block_k=64, num_warps=4, num_stages=1, tma=block_m >= 64,
                     n_fastest=True, persistent=block_m == 128)
+    wide_out = out_dtype.itemsize > 2
     if block_m == 128:
-        return dict(block_m=block_m, block_n=128 if gated else 256, block_k=128, num_warps=8, num_stages=4,
-                    tma=True, persistent=True)
+        return dict(KERNEL_FLAGS, block_m=block_m, block_n=128 if gated or wide_out else 256, block_k=block_k,
+                    num_warps=8, num_stages=3 if gated and wide_out else 4, tma=True, persistent=True)
     if not gated and block_m == 64:
-        return dict(block_m=block_m, block_n=256, block_k=128, num_warps=8, num_stages=4, tma=True, n_fastest=True)
+        return dict(KERNEL_FLAGS, block_m=block_m, block_n=256, block_k=block_k, num_warps=8, num_stages=4, tma=True,
+                    n_fastest=True)
     large = block_m == 64
-    return dict(block_m=block_m, block_n=128, block_k=128 if K >= 128 else 64,
-                num_warps=8 if large and gated else 4, num_stages=4 if large and gated else 3)
+    return dict(KERNEL_FLAGS, block_m=block_m, block_n=128, block_k=block_k, num_warps=8 if large and gated else 4,
+                num_stages=4 if large and gated else 3)
 
 
 def fallback_config(config: dict) -> dict:
@@ -400,15 +412,17 @@ def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="no
     [gate; up] halves of w's rows, ``act(gate) * up``), times ``row_scale[p]`` if given; 0 for a
     pair of no expert. See ``reference.grouped_scaled_mm`` for the shapes. ``plan``: the routing
     plan of ``experts`` (``plan_for``), made here if None or planned for other blocks. ``config``:
-    ``default_config``'s keys, to override (benchmarks)."""
+    ``default_config``'s keys (benchmarks): missing sizes come from the default, missing kernel
+    flags are off (``KERNEL_FLAGS``: the address-loaded kernel)."""
     pairs, n_out, K = check_grouped_args(a, w, a_scale, w_scale, experts, row_div, activation, out_dtype, gated,
                                          row_scale=row_scale)
     check_runnable(a, "a")
     num_experts = w.shape[0]
     out = torch.empty(pairs, n_out, dtype=out_dtype, device=a.device)  # every row is written
-    if pairs == 0:
+    if pairs == 0 or n_out == 0:
         return out
-    config = {**default_config(pairs, num_experts, K, gated), **(config or {})}
+    default = default_config(pairs, num_experts, K, gated, out_dtype)
+    config = default if config is None else {**default, **KERNEL_FLAGS, **config}
     if config.get("tma") and not tma_eligible(w):
         config = fallback_config(config)
     if plan is None or plan.block_m != config["block_m"]:

@@ -643,7 +643,7 @@ def test_write_json_is_atomic_readable_and_strict(tmp_path, monkeypatch):
 
 
 def test_bench_without_gpu_is_one_line(tmp_path):
-    # This box has no CUDA GPU (CI neither): each runner must stop before any work, writing nothing.
+    # conftest hides any CUDA GPU from the tests: each runner must stop before any work, writing nothing.
     for kind in ("gemm", "attention", "model"):
         result = invoke("bench", kind, "--out-dir", tmp_path / kind)
         assert_user_error(result, "benchmarks need a CUDA GPU")

@@ -1,14 +1,22 @@
 """The grouped mixture-of-experts GEMM (kernels/moe.py, under TRITON_INTERPRET=1 on CPU) against
 its torch twin (reference.grouped_scaled_mm) and a float64 computation, and its routing plan."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+import triton
 
 from quantkit.kernels import moe, ops, reference
 
 # The interpreter evaluates sigmoid's exp(-x) for large |x| before it saturates to 0 or 1.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
+ROOT = Path(__file__).resolve().parents[2]
 QDTYPES = [pytest.param(torch.int8, id="int8"), pytest.param(torch.float8_e4m3fn, id="fp8")]
 # (tokens, slots, experts, K, N): odd token counts, K not a multiple of the 64-wide K tile, N not
 # of the N tile; the last has ~70 pairs per expert (64-row blocks), the first one pair in all.
@@ -54,8 +62,9 @@ def _float64(a, a_scale, w, w_scale, routed, slots, activation, gated):
     return out
 
 
-# The weight tiles loaded by address (_grouped_kernel) or by TMA (_grouped_tma_kernel, the
-# default from 32 pairs an expert), the latter walking column tiles first or row blocks first.
+# The weight tiles loaded by address (_grouped_kernel) or by TMA (_grouped_tma_kernel: on the GPU
+# the plain form's default in 64-row blocks), walking column tiles first or row blocks first, or by
+# TMA on a persistent grid (_grouped_persistent_kernel: the default in 128-row blocks).
 KERNELS = [pytest.param(dict(tma=False), id="address"), pytest.param(dict(tma=True, n_fastest=True), id="tma"),
            pytest.param(dict(tma=True, n_fastest=False), id="tma-rows-first"),
            pytest.param(dict(tma=True, persistent=True), id="tma-persistent")]
@@ -115,14 +124,15 @@ class _Recording:
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)
-def test_grouped_gemm_with_a_static_input_scale(dtype):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_grouped_gemm_with_a_static_input_scale(dtype, kernel):
     a, a_scale, w, w_scale, routed = _operands(11, 2, 4, 96, 36, dtype, True, seed=5, per_token=False)
-    out = moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 2, "silu", True, torch.float16)
+    out = moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 2, "silu", True, torch.float16, config=kernel)
     ref = reference.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 2, "silu", True, torch.float16)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -9, atol=1e-3 * ref.float().abs().max().item())
 
 
-@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
 def test_route_plan_puts_each_pair_once_in_a_block_of_its_expert(block_m):
     """Every pair in exactly one slot, each block within one run: an expert's, or the last run for
     the pairs of no expert (their rows are written as zeros); slots past the runs are padding."""
@@ -140,10 +150,12 @@ def test_route_plan_puts_each_pair_once_in_a_block_of_its_expert(block_m):
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)
-def test_routing_weights_scale_the_rows_in_the_epilogue(dtype):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_routing_weights_scale_the_rows_in_the_epilogue(dtype, kernel):
     a, a_scale, w, w_scale, routed = _operands(9, 4, 6, 64, 40, dtype, False, seed=8)
     weights = torch.rand(routed.numel(), generator=torch.Generator().manual_seed(9))
-    out = moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 4, out_dtype=torch.float32, row_scale=weights)
+    out = moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 4, out_dtype=torch.float32, row_scale=weights,
+                                config=kernel)
     ref = reference.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 4, out_dtype=torch.float32, row_scale=weights)
     plain = reference.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 4, out_dtype=torch.float32)
     if dtype == torch.int8:
@@ -151,6 +163,96 @@ def test_routing_weights_scale_the_rows_in_the_epilogue(dtype):
     else:
         torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
     torch.testing.assert_close(ref, plain * weights[:, None], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_every_pair_unrouted_gives_zeros_and_no_columns_an_empty_output(kernel):
+    a, a_scale, w, w_scale, routed = _operands(150, 2, 3, 64, 40, torch.float8_e4m3fn, True, seed=6)
+    out = moe.grouped_scaled_mm(a, w, a_scale, w_scale, torch.full_like(routed, 3), 2, "silu", True,
+                                config=kernel)
+    assert out.shape == (300, 40) and torch.equal(out, torch.zeros_like(out))
+    empty = moe.grouped_scaled_mm(a, w[:, :0], a_scale, w_scale[:, :0], routed, 2, config=kernel)
+    assert empty.shape == (300, 0)
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_persistent_grid_smaller_than_its_programs(dtype):
+    """One expert and a handful of pairs: 3 tiles for the interpreter's 4 programs."""
+    a, a_scale, w, w_scale, routed = _operands(5, 1, 1, 64, 40, dtype, False, seed=7)
+    config = dict(tma=True, persistent=True, block_m=128)
+    out = moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 1, "gelu", config=config)
+    ref = reference.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 1, "gelu")
+    assert moe.plan_capacity(5, 1, 128) // 128 == 3
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=1e-3 * ref.float().abs().max().item())
+
+
+def _sm90_shared_bytes(config: dict, gated: bool, dtype: torch.dtype, out_dtype: torch.dtype) -> int:
+    """Shared memory of the kernel ``config`` selects, compiled for sm_90 here (no GPU needed)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if config.get("tma"):
+        kernel = moe._grouped_persistent_kernel if config.get("persistent") else moe._grouped_tma_kernel
+    else:
+        kernel = moe._grouped_kernel
+    operand = "i8" if dtype == torch.int8 else "fp8e4nv"
+    out = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[out_dtype]
+    constants = dict(IS_INT8=dtype == torch.int8, A_PER_TOKEN=True, ROW_SCALE=not gated, ACTIVATION=2 if gated else 0,
+                     GATED=gated, EVEN_K=True, N_FASTEST=bool(config.get("n_fastest")), INTERPRETED=False,
+                     NUM_PROGRAMS=132, BLOCK_M=config["block_m"], BLOCK_N=config["block_n"],
+                     BLOCK_K=config["block_k"])
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+            continue
+        if name == "w_desc":
+            signature[name] = f"tensordesc<{operand}[{config['block_n']}, {config['block_k']}]>"
+            continue
+        signature[name] = {"a_ptr": f"*{operand}", "w_ptr": f"*{operand}", "out_ptr": f"*{out}", "rows_ptr": "*i32",
+                           "block_expert_ptr": "*i32", "used_ptr": "*i32"}.get(
+            name, "*fp32" if name.endswith("_ptr") else "i32")
+        attrs[(i,)] = [["tt.divisibility", 16]]  # as the launcher specializes aligned pointers and strides
+    constants = {name: constants[name] for name in kernel.arg_names if name in constants}
+    compiled = triton.compile(ASTSource(kernel, signature, constants, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=config["num_warps"], num_stages=config["num_stages"]))
+    return compiled.metadata.shared
+
+
+# Compiled in a fresh process without TRITON_INTERPRET (here @triton.jit gives interpreted
+# functions, which triton.compile cannot take), as test_gemm_gluon's sm_90 builds.
+_SHARED_SCRIPT = """
+import json, torch
+from quantkit.kernels import moe
+from tests.kernels.test_moe import _sm90_shared_bytes
+rows = []
+for dtype in (torch.float8_e4m3fn, torch.int8):
+    for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for pairs in (128 * 64, 128 * 512):
+            for gated, K in ((True, 2048), (False, 768)):
+                config = moe.default_config(pairs, 128, K, gated, out_dtype, interpreted=False)
+                if dtype == torch.int8 and out_dtype == torch.float16:
+                    continue  # the same shared memory as bf16 (2-byte outputs, 1-byte operands)
+                rows.append([str(dtype), str(out_dtype), pairs, gated, config,
+                             _sm90_shared_bytes(config, gated, dtype, out_dtype)])
+print(json.dumps(rows))
+"""
+
+
+def test_gpu_defaults_fit_in_an_sms_shared_memory():
+    """Every default the GPU takes at prefill sizes (64- and 128-row blocks, both forms, Qwen3-30B-
+    A3B's K, each output dtype, FP8 and INT8), compiled for sm_90: at most the 227 KB (232,448
+    bytes) an H100/H200 SM gives one block. The persistent kernel's 4 stages fill it with bf16
+    outputs; a float32 output's larger staging buffer overflowed it (review, session 32)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _SHARED_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=1200)
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(rows) == 20 and {row[4]["block_m"] for row in rows} == {64, 128}
+    assert {bool(row[4].get("persistent")) for row in rows} == {True, False}
+    for dtype, out_dtype, pairs, gated, config, shared in rows:
+        assert 0 < shared <= 232448, (dtype, out_dtype, pairs, gated, config, shared)
 
 
 def test_grouped_gemm_refuses_bad_input_in_one_line():
@@ -184,3 +286,39 @@ def test_a_plan_made_once_serves_both_gemms_and_other_blocks_replan(monkeypatch)
     moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 2, out_dtype=torch.float32, plan=plan,
                           config={"block_m": other})
     assert len(made) == 1 and made[0][2] == other  # planned again for the other block height
+
+
+def test_cached_launches_repeat_tritons_arguments(monkeypatch):
+    """The plan's two kernels and the address-loaded GEMM on the GPU path (launch.CachedLaunch),
+    driven with a recording fake kernel as in test_call_cache.py: the first call of a key goes
+    through triton, later ones launch directly with the same arguments; another pair count with
+    the same integer specialization reuses the binary, another operand dtype does not."""
+    from quantkit.kernels import launch
+    from tests.kernels.fake_launch import FakeDriver, RecordingKernel
+    from tests.kernels.test_call_cache import _check_direct_launch_repeats_triton_path
+
+    monkeypatch.setattr(launch, "INTERPRETED", False)
+    monkeypatch.setattr(launch, "_driver", lambda: FakeDriver())
+    monkeypatch.setattr(moe, "check_runnable", lambda t, name: None)
+    kernels = {}
+    for name in ("_RANK", "_PLACE", "_GROUPED"):
+        cached = launch.CachedLaunch(getattr(moe, name).kernel)
+        cached.kernel = kernels[name] = RecordingKernel()
+        monkeypatch.setattr(moe, name, cached)
+    for _ in range(3):
+        a, a_scale, w, w_scale, routed = _operands(13, 3, 5, 80, 70, torch.int8, True, seed=3)
+        moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 3, "silu", True, config=dict(block_m=16))
+    arg_names = {"_RANK": moe._rank_kernel.arg_names, "_PLACE": moe._place_kernel.arg_names,
+                 "_GROUPED": moe._grouped_kernel.arg_names}
+    for name, kernel in kernels.items():
+        assert len(kernel.triton_calls) == 1 and len(kernel.compiled.runs) == 2, name
+        _check_direct_launch_repeats_triton_path(kernel, arg_names[name], 2)
+    # 21 pairs instead of 39 (neither 1 nor a multiple of 16): the same binaries.
+    a, a_scale, w, w_scale, routed = _operands(7, 3, 5, 80, 70, torch.int8, True, seed=4)
+    moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 3, "silu", True, config=dict(block_m=16))
+    assert [len(k.triton_calls) for k in kernels.values()] == [1, 1, 1]
+    assert kernels["_RANK"].compiled.runs[-1][9 + 3] == 21  # the pair count, passed as it is
+    # FP8 operands: a new GEMM binary, the same plan kernels.
+    a, a_scale, w, w_scale, routed = _operands(7, 3, 5, 80, 70, torch.float8_e4m3fn, True, seed=4)
+    moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 3, "silu", True, config=dict(block_m=16))
+    assert [len(k.triton_calls) for k in kernels.values()] == [1, 1, 2]
