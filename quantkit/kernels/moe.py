@@ -148,6 +148,29 @@ def _place_kernel(experts_ptr, counts_ptr, rank_ptr, ends_ptr, rows_ptr, block_e
 
 
 @triton.jit
+def _dequant_rows(acc, acc_up, expert, out_rows, offs_n, N, ROW_DIV, a_scale_ptr, w_scale_ptr, row_scale_ptr,
+                  stride_se, A_PER_TOKEN: tl.constexpr, ROW_SCALE: tl.constexpr, ACTIVATION: tl.constexpr,
+                  GATED: tl.constexpr):
+    """The grouped kernels' epilogue in fp32, in the reference's order: dequantize, activate;
+    gated, times the dequantized up half; times each pair's routing weight (ROW_SCALE). Padding
+    rows (``out_rows`` -1) read row 0's scales and are not stored."""
+    valid = out_rows >= 0
+    a_rows = tl.where(valid, out_rows // ROW_DIV, 0)
+    rows_w = offs_n % N
+    if A_PER_TOKEN:
+        a_scale = tl.load(a_scale_ptr + a_rows)[:, None]
+    else:
+        a_scale = tl.load(a_scale_ptr)
+    scales = w_scale_ptr + expert.to(tl.int64) * stride_se
+    out = apply_activation(acc.to(tl.float32) * a_scale * tl.load(scales + rows_w)[None, :], ACTIVATION)
+    if GATED:
+        out = out * (acc_up.to(tl.float32) * a_scale * tl.load(scales + N + rows_w)[None, :])
+    if ROW_SCALE:
+        out = out * tl.load(row_scale_ptr + tl.where(valid, out_rows, 0))[:, None]
+    return out
+
+
+@triton.jit
 def _grouped_kernel(
     a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, row_scale_ptr, rows_ptr, block_expert_ptr, used_ptr,
     N, K, ROW_DIV, num_experts,
@@ -184,17 +207,8 @@ def _grouped_kernel(
     w_ptrs = w_ptr + expert * stride_we + rows_w.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
     acc, acc_up = tile_mainloop(a_ptrs, w_ptrs, N * stride_wn, offs_k, K, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
                                 IS_INT8, GATED, EVEN_K, True, 0)
-    # The epilogue in the reference's order: dequantize, activate; gated, times the up half.
-    if A_PER_TOKEN:
-        a_scale = tl.load(a_scale_ptr + a_rows)[:, None]
-    else:
-        a_scale = tl.load(a_scale_ptr)
-    scales = w_scale_ptr + expert * stride_se
-    out = apply_activation(acc.to(tl.float32) * a_scale * tl.load(scales + rows_w)[None, :], ACTIVATION)
-    if GATED:
-        out = out * (acc_up.to(tl.float32) * a_scale * tl.load(scales + N + rows_w)[None, :])
-    if ROW_SCALE:  # the routing weight of each pair
-        out = out * tl.load(row_scale_ptr + tl.where(valid, out_rows, 0))[:, None]
+    out = _dequant_rows(acc, acc_up, expert, out_rows, offs_n, N, ROW_DIV, a_scale_ptr, w_scale_ptr, row_scale_ptr,
+                        stride_se, A_PER_TOKEN, ROW_SCALE, ACTIVATION, GATED)
     tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
@@ -255,17 +269,8 @@ def _grouped_tma_kernel(
         if GATED:
             acc_up = dot_accumulate(a, w_desc.load([w_row + N, k_start]).T, acc_up, IS_INT8, True, 0)
         a_ptrs += BLOCK_K
-    rows_w = offs_n % N
-    if A_PER_TOKEN:
-        a_scale = tl.load(a_scale_ptr + a_rows)[:, None]
-    else:
-        a_scale = tl.load(a_scale_ptr)
-    scales = w_scale_ptr + expert.to(tl.int64) * stride_se
-    out = apply_activation(acc.to(tl.float32) * a_scale * tl.load(scales + rows_w)[None, :], ACTIVATION)
-    if GATED:
-        out = out * (acc_up.to(tl.float32) * a_scale * tl.load(scales + N + rows_w)[None, :])
-    if ROW_SCALE:
-        out = out * tl.load(row_scale_ptr + tl.where(valid, out_rows, 0))[:, None]
+    out = _dequant_rows(acc, acc_up, expert, out_rows, offs_n, N, ROW_DIV, a_scale_ptr, w_scale_ptr, row_scale_ptr,
+                        stride_se, A_PER_TOKEN, ROW_SCALE, ACTIVATION, GATED)
     tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
@@ -325,18 +330,9 @@ def _grouped_persistent_kernel(
         out_rows = tl.load(rows_ptr + pid_m * BLOCK_M + offs_r)
         valid = out_rows >= 0
         offs_n = (tile_c % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows_w = offs_n % N
-        a_rows_c = tl.where(valid, out_rows // ROW_DIV, 0)
-        if A_PER_TOKEN:
-            a_scale = tl.load(a_scale_ptr + a_rows_c)[:, None]
-        else:
-            a_scale = tl.load(a_scale_ptr)
-        scales = w_scale_ptr + tl.minimum(expert_c, num_experts - 1).to(tl.int64) * stride_se
-        out = apply_activation(acc.to(tl.float32) * a_scale * tl.load(scales + rows_w)[None, :], ACTIVATION)
-        if GATED:
-            out = out * (acc_up.to(tl.float32) * a_scale * tl.load(scales + N + rows_w)[None, :])
-        if ROW_SCALE:
-            out = out * tl.load(row_scale_ptr + tl.where(valid, out_rows, 0))[:, None]
+        out = _dequant_rows(acc, acc_up, tl.minimum(expert_c, num_experts - 1), out_rows, offs_n, N, ROW_DIV,
+                            a_scale_ptr, w_scale_ptr, row_scale_ptr, stride_se, A_PER_TOKEN, ROW_SCALE, ACTIVATION,
+                            GATED)
         out = tl.where(expert_c == num_experts, 0.0, out)
         out_ptrs = out_ptr + tl.where(valid, out_rows, 0).to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED),
