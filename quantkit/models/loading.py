@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -142,10 +143,52 @@ def bundled_model_dir() -> Path:
 
 def staging_dir(parent: Path, prefix: str) -> Path:
     """A new directory in ``parent`` for output that is renamed into place once complete, with the
-    permissions the umask gives: mkdtemp's 0700 would hide the finished directory from other users."""
-    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    permissions the umask gives: mkdtemp's 0700 would hide the finished directory from other users.
+
+    Its name carries this host and process (``{prefix}{host}-{pid}-...``). A process killed while
+    writing (SIGKILL, out of memory, a lost node) cannot remove its staging directory, which may
+    hold gigabytes of shards; the next staging with the same prefix in ``parent`` removes those
+    of this host whose process is gone (``remove_leftovers``)."""
+    remove_leftovers(parent, prefix)
+    path = Path(tempfile.mkdtemp(prefix=f"{prefix}{_host()}-{os.getpid()}-", dir=parent))
     os.chmod(path, 0o777 & ~_umask())
     return path
+
+
+def _host() -> str:
+    return socket.gethostname().replace(os.sep, "_") or "localhost"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, owned by someone else, or the question cannot be asked: keep its work
+        return True
+    return True
+
+
+def remove_leftovers(parent: Path, prefix: str) -> list[Path]:
+    """Remove the staging directories ``staging_dir(parent, prefix)`` made on this host for a
+    process that no longer runs; those of running processes (a save in progress elsewhere) and
+    of other hosts (a shared filesystem) stay. Returns what was removed. POSIX only: elsewhere
+    nothing is removed (Windows' os.kill would end the process it asks about)."""
+    if os.name != "posix" or not Path(parent).is_dir():
+        return []
+    own = f"{prefix}{_host()}-"
+    removed = []
+    for path in Path(parent).iterdir():
+        if not path.name.startswith(own) or not path.is_dir() or path.is_symlink():
+            continue
+        pid = path.name[len(own):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or _process_alive(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            logger.warning("removed %s, left by an interrupted save (process %s is gone)", path, pid)
+            removed.append(path)
+    return removed
 
 
 def publish_files(directory: Path) -> None:

@@ -1,6 +1,7 @@
 """The command line: the happy path, and every bad input as one line, exit code 1, nothing written."""
 
 import json
+import os
 from pathlib import Path
 import re
 import subprocess
@@ -445,6 +446,48 @@ def test_overwrite_keeps_the_old_checkpoint_if_the_swap_fails(checkpoint, tmp_pa
         quantkit.save(model, target, overwrite=True)
     assert sorted(p.name for p in target.iterdir()) == before
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "backup or staging left behind"
+
+
+@pytest.mark.skipif(os.name != "posix", reason="leftovers are recognized by process id on POSIX only")
+def test_a_killed_saves_staging_is_removed_by_the_next_save(checkpoint, tmp_path, caplog):
+    """A save killed mid-write (SIGKILL) leaves its hidden staging directory; the next save beside
+    it removes those of this host whose process is gone, and keeps a running process's and another
+    host's."""
+    import subprocess
+    import sys
+
+    import quantkit
+    from quantkit.models import loading
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = loading._host()
+    leftovers = {
+        "dead": tmp_path / f".ckpt.staging-{host}-{dead.pid}-x1y2",
+        "running": tmp_path / f".ckpt.staging-{host}-{os.getppid()}-a1b2",
+        "other host": tmp_path / f".ckpt.staging-{host}x-{dead.pid}-c3d4",
+        "other target": tmp_path / f".other.staging-{host}-{dead.pid}-e5f6",
+    }
+    for path in leftovers.values():
+        path.mkdir()
+        (path / "model.safetensors").write_bytes(b"half-written")
+    model = quantkit.load(checkpoint, device="cpu")
+    with caplog.at_level("WARNING", logger="quantkit.models.loading"):
+        quantkit.save(model, tmp_path / "ckpt")
+    assert not leftovers["dead"].exists()
+    assert all(leftovers[kind].is_dir() for kind in ("running", "other host", "other target"))
+    assert f"process {dead.pid} is gone" in caplog.text
+    staging = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.staging-")]
+    assert sorted(staging) == sorted([leftovers["running"], leftovers["other host"]])
+    assert quantkit.is_quantized_checkpoint(tmp_path / "ckpt")
+
+
+def test_staging_directories_name_their_host_and_process(tmp_path):
+    from quantkit.models import loading
+
+    path = loading.staging_dir(tmp_path, ".x.staging-")
+    assert path.name.startswith(f".x.staging-{loading._host()}-{os.getpid()}-")
+    assert loading.remove_leftovers(tmp_path, ".x.staging-") == [] and path.is_dir()  # this process runs
 
 
 def test_checkpoint_directory_follows_the_umask(checkpoint):
