@@ -282,11 +282,12 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
+    repetition_penalty: float | None = None,
 ) -> torch.Tensor:
     """Greedy decoding (or sampling); returns (B, S + n) token ids, prompt included, as
-    ``model.generate`` with ``do_sample=False`` does when the generation config sets no logits rules
-    (repetition penalty, minimum length, banned or forced tokens: not applied here, with a warning
-    naming them).
+    ``model.generate`` with ``do_sample=False`` does, repetition penalty included, when the
+    generation config sets no other logits rules (minimum length, banned or forced tokens: not
+    applied here, with a warning naming them).
 
     input_ids: (B, S) or (S,) token ids (or lists) of an unpadded batch (equal lengths).
     attention_mask: optional; all ones (an unpadded batch), as padding is refused.
@@ -307,6 +308,10 @@ def generate(
     generator: a torch.Generator (on the CPU or the model's device) that makes the samples
         reproducible; default: torch's global generator of the model's device. The captured and
         the eager decode step consume the same uniform numbers.
+    repetition_penalty: > 0; every token already in a row (prompt or generated) has its logit
+        divided by it where positive and multiplied where negative before the choice, as
+        transformers' RepetitionPenaltyLogitsProcessor does (1.0: off). Default: the generation
+        config's, as ``model.generate`` takes it.
     """
     ids = _as_batch(input_ids, getattr(model.config, "vocab_size", None))
     batch, prompt_len = ids.shape
@@ -322,6 +327,7 @@ def generate(
         pad_token_id = config_pad if isinstance(config_pad, int) else eos[0] if eos else 0
     _warn_unapplied_rules(generation_config)
     sampling = _sampling(do_sample, temperature, top_k, top_p, generator)
+    penalty = _repetition_penalty(repetition_penalty, generation_config)
     device = next(model.parameters()).device
     use_graph = device.type == "cuda" and not routes_on_host(model) if cuda_graph is None else cuda_graph
     if use_graph and routes_on_host(model):
@@ -340,7 +346,7 @@ def generate(
             uniforms = torch.rand((max_new_tokens, batch), generator=generator, dtype=torch.float64,
                                   device=generator.device if generator is not None else device).to(device)
         return _generate(model, ids.to(device), max_new_tokens, eos, pad_token_id, capacity, use_graph, stats,
-                         sampling, uniforms)
+                         sampling, uniforms, penalty)
     finally:
         model.set_attn_implementation(previous_attention)
 
@@ -359,6 +365,29 @@ def _sampling(do_sample: bool, temperature, top_k, top_p, generator) -> Sampling
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator={generator!r} must be a torch.Generator")
     return Sampling.of(temperature, top_k, top_p)
+
+
+def _repetition_penalty(value, generation_config) -> float | None:
+    """The penalty to apply (None: off): the argument, else the generation config's."""
+    if value is None:
+        value = getattr(generation_config, "repetition_penalty", None)
+        if value is None:
+            return None
+    elif not _is_number(value):
+        raise TypeError(f"repetition_penalty={value!r} must be a number > 0 (1.0: no penalty)")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"repetition_penalty={value!r} must be a finite number > 0 (1.0: no penalty; above 1 "
+                         "discourages repeats)")
+    return None if value == 1.0 else value
+
+
+def _penalize(scores: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Each row's scores of the tokens it has seen divided by ``penalty`` where positive, multiplied
+    where negative (transformers' RepetitionPenaltyLogitsProcessor, on a (B, V) mask of seen tokens:
+    fixed shapes, so the captured decode step holds it)."""
+    penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
+    return torch.where(seen, penalized, scores)
 
 
 def _refuse_padding(ids: torch.Tensor, attention_mask, pad, eos: list[int]) -> None:
@@ -382,7 +411,7 @@ def _refuse_padding(ids: torch.Tensor, attention_mask, pad, eos: list[int]) -> N
 
 # Generation-config settings that model.generate(do_sample=False) applies to the logits and a
 # plain argmax does not, with the value that means "off".
-_LOGITS_RULES = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0, "min_length": 0,
+_LOGITS_RULES = {"no_repeat_ngram_size": 0, "min_new_tokens": 0, "min_length": 0,
                  "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
                  "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None,
                  "encoder_repetition_penalty": 1.0}
@@ -403,23 +432,31 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _generate(model, ids, max_new_tokens, eos, pad_token_id, capacity, use_graph, stats, sampling, uniforms):
+def _generate(model, ids, max_new_tokens, eos, pad_token_id, capacity, use_graph, stats, sampling, uniforms,
+              penalty=None):
     device = ids.device
     batch, prompt_len = ids.shape
     cache = StaticKVCache(capacity)
     eos_tensor = torch.tensor(eos, dtype=torch.long, device=device)
     out = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    seen = None  # (B, V): the tokens each row holds, for the repetition penalty
 
     def pick(logits: torch.Tensor, step_index: torch.Tensor) -> torch.Tensor:
-        # Greedy (or sampled) choice on fp32 logits, then model.generate's rule for finished rows.
+        # Greedy (or sampled) choice on fp32 logits (penalized first, as model.generate's logits
+        # processors run before its sampling warpers), then model.generate's rule for finished rows.
+        scores = logits[:, -1].float()
+        if seen is not None:
+            scores = _penalize(scores, seen, penalty)
         if sampling is None:
-            token = logits[:, -1].float().argmax(dim=-1)
+            token = scores.argmax(dim=-1)
         else:
-            token = sampling.choose(logits[:, -1], uniforms.index_select(0, step_index)[0])
+            token = sampling.choose(scores, uniforms.index_select(0, step_index)[0])
         if eos:
             token = torch.where(finished, torch.full_like(token, pad_token_id), token)
             finished.logical_or_((token[:, None] == eos_tensor).any(dim=1))
+        if seen is not None:  # model.generate appends a finished row's pad too, and penalizes it
+            seen.scatter_(1, token[:, None], True)
         return token
 
     _sync(device)
@@ -431,6 +468,8 @@ def _generate(model, ids, max_new_tokens, eos, pad_token_id, capacity, use_graph
     prefill_seqlens = torch.full((batch,), prompt_len, dtype=torch.int32, device=device)
     logits = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
                    logits_to_keep=1, quantkit_kv_len=prompt_len, quantkit_cache_seqlens=prefill_seqlens).logits
+    if penalty is not None:
+        seen = torch.zeros(batch, logits.shape[-1], dtype=torch.bool, device=device).scatter_(1, ids, True)
     out[:, 0] = pick(logits, torch.zeros(1, dtype=torch.long, device=device))
     cache.seen_tokens = prompt_len
     _sync(device)
@@ -443,7 +482,7 @@ def _generate(model, ids, max_new_tokens, eos, pad_token_id, capacity, use_graph
     seqlens = torch.full((batch,), prompt_len + 1, dtype=torch.int32, device=device)
     out_index = torch.ones(1, dtype=torch.long, device=device)
     cache.write_positions = write_slot
-    state = (token, position, write_slot, seqlens, out_index, finished)
+    state = (token, position, write_slot, seqlens, out_index, finished) + ((seen,) if seen is not None else ())
 
     def step() -> None:
         logits = model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True,

@@ -316,6 +316,9 @@ def generate(
     top_p: Optional[float] = typer.Option(None, help="Sample among the most likely tokens that hold probability P "
                                           "(needs --temperature > 0)."),
     seed: Optional[int] = typer.Option(None, help="Seed of the sampling (default: a fresh one, printed)."),
+    repetition_penalty: Optional[float] = typer.Option(
+        None, help="Divide the scores of tokens already in the text by R (> 1 discourages repeats, 1 is off; "
+                   "default: the model's generation config)."),
 ) -> None:
     """Greedy or sampled generation with a static KV cache (CUDA-graph decode on a GPU)."""
     import torch
@@ -327,6 +330,8 @@ def generate(
         fail(f"--scheme {scheme} needs calibration data; generate quantizes on the fly with int8 or fp8 "
              "(or run `quantkit quantize` first and pass its checkpoint)")
     sampling = _sampling_options(temperature, top_k, top_p, seed)
+    if repetition_penalty is not None and not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
+        fail(f"--repetition-penalty {repetition_penalty} must be > 0 (1 is off; above 1 discourages repeats)")
     device = _device(device)
     path = Path(model).expanduser()
     if (path / "config.json").is_file() and quantkit.is_quantized_checkpoint(path):
@@ -345,7 +350,8 @@ def generate(
     seed = sampling.pop("seed", None)
     if seed is not None:
         sampling["generator"] = torch.Generator(device).manual_seed(seed)
-    out = quantkit.generate_tokens(lm, ids, max_new_tokens, stats=stats, **sampling)
+    out = quantkit.generate_tokens(lm, ids, max_new_tokens, stats=stats, repetition_penalty=repetition_penalty,
+                                   **sampling)
     typer.echo(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     steps = stats.get("decode_steps") or 0
     notes = [f"{steps} decode steps, {1000 * stats['decode_s'] / steps:.1f} ms/token, "

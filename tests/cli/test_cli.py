@@ -277,9 +277,20 @@ def test_generate_samples_reproducibly_with_a_seed(checkpoint_hd64):
     (("--temperature", 1, "--top-k", 0), ("--top-k 0 must be >= 1",)),
     (("--temperature", 1, "--top-p", 1.5), ("--top-p 1.5 must lie in (0, 1]",)),
     (("--temperature", 1, "--seed", 2**70), ("--seed 1180591620717411303424 must lie in [0, 2**63)",)),
+    (("--repetition-penalty", 0), ("--repetition-penalty 0.0 must be > 0",)),
+    (("--repetition-penalty", "nan"), ("--repetition-penalty nan must be > 0",)),
 ])
 def test_generate_sampling_options_are_checked(checkpoint_hd64, options, fragments):
     assert_user_error(invoke("generate", checkpoint_hd64, "--prompt", "a", "--device", "cpu", *options), *fragments)
+
+
+def test_generate_with_a_repetition_penalty(checkpoint_hd64):
+    """--repetition-penalty reaches generate: 1 is the default's output, a strong penalty another."""
+    args = ("generate", checkpoint_hd64, "--prompt", "The river city", "--max-new-tokens", 12, "--device", "cpu")
+    default, off, strong = invoke(*args), invoke(*args, "--repetition-penalty", 1), \
+        invoke(*args, "--repetition-penalty", 50)
+    assert default.exit_code == off.exit_code == strong.exit_code == 0, strong.output
+    assert default.stdout == off.stdout != strong.stdout
 
 
 def test_generate_beyond_context(checkpoint_hd64):

@@ -203,10 +203,67 @@ def test_padded_batches_are_refused_when_pad_is_eos_or_passed():
 
 def test_logits_rules_of_the_generation_config_are_named_in_a_warning():
     model = make_tiny("llama")
-    model.generation_config.repetition_penalty = 1.3
+    model.generation_config.no_repeat_ngram_size = 3
     model.generation_config.min_new_tokens = 4
-    with pytest.warns(UserWarning, match=r"repetition_penalty=1.3, min_new_tokens=4 is not applied"):
+    with pytest.warns(UserWarning, match=r"no_repeat_ngram_size=3, min_new_tokens=4 is not applied"):
         generate(model, _prompt(model.config.vocab_size, batch=1), 2, eos_token_id=None)
+
+
+# (The tiny random Gemma-3 already repeats one token: a penalty below 1 changes nothing there.)
+@pytest.mark.parametrize("arch, penalty", [("llama", 3.0), ("llama", 0.5), ("gemma3", 3.0)])
+def test_repetition_penalty_equals_hf(arch, penalty):
+    """The argument, and the generation config's value (applied as model.generate applies it, with
+    no warning), against transformers' RepetitionPenaltyLogitsProcessor; a prompt that repeats
+    tokens, and eos rows whose pads are penalized too."""
+    import warnings
+
+    model = make_tiny(arch)
+    ids = _prompt(model.config.vocab_size, batch=3, length=11, seed=6)
+    ids[:, 5:] = ids[:, :6]  # repeated prompt tokens
+    want = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0,
+                          repetition_penalty=penalty)
+    plain = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert not torch.equal(want, plain), "the penalty changes nothing here: the test would not see it"
+    assert torch.equal(generate(model, ids, 16, eos_token_id=None, repetition_penalty=penalty), want)
+    model.generation_config.repetition_penalty = penalty
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(generate(model, ids, 16, eos_token_id=None), want)
+    assert torch.equal(generate(model, ids, 16, eos_token_id=None, repetition_penalty=1.0), plain)
+    eos = int(want[1, 11 + 3])
+    want_eos = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=0,
+                              repetition_penalty=penalty)
+    assert torch.equal(generate(model, ids, 16, eos_token_id=eos, pad_token_id=0), want_eos)
+
+
+def test_repetition_penalty_with_sampling_equals_hf_probabilities():
+    """Sampling draws from the penalized distribution: the first step's probabilities as
+    transformers computes them (penalty, then temperature and top-p)."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    model = make_tiny("llama")
+    ids = _prompt(model.config.vocab_size, batch=2, length=9, seed=7)
+    with torch.no_grad():
+        logits = model(ids).logits[:, -1].float()
+    scores = RepetitionPenaltyLogitsProcessor(1.5)(ids, logits.clone())
+    want = _hf_filtered_probs(scores, 0.8, None, 0.9)
+    from quantkit.generate import Sampling, _penalize
+
+    seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids, True)
+    got = Sampling.of(0.8, None, 0.9).probabilities(_penalize(logits, seen, 1.5))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    # And generate runs it: a seeded sample differs from the unpenalized one's somewhere.
+    runs = [generate(model, ids, 12, eos_token_id=None, do_sample=True, temperature=0.8, top_p=0.9,
+                     generator=torch.Generator().manual_seed(3), repetition_penalty=p) for p in (None, 1.5)]
+    assert runs[0].shape == runs[1].shape == (2, 21) and not torch.equal(*runs)
+
+
+@pytest.mark.parametrize("value, error", [(0.0, ValueError), (-1.2, ValueError), (float("nan"), ValueError),
+                                          (float("inf"), ValueError), ("1.2", TypeError)])
+def test_bad_repetition_penalty_is_refused(value, error):
+    model = make_tiny("llama")
+    with pytest.raises(error, match="repetition_penalty="):
+        generate(model, _prompt(model.config.vocab_size, batch=1), 2, repetition_penalty=value)
 
 
 def _hf_filtered_probs(logits, temperature, top_k, top_p):
