@@ -369,16 +369,16 @@ def _sampling(do_sample: bool, temperature, top_k, top_p, generator) -> Sampling
 
 def _repetition_penalty(value, generation_config) -> float | None:
     """The penalty to apply (None: off): the argument, else the generation config's."""
+    origin = "repetition_penalty"
     if value is None:
         value = getattr(generation_config, "repetition_penalty", None)
         if value is None:
             return None
-    elif not _is_number(value):
-        raise TypeError(f"repetition_penalty={value!r} must be a number > 0 (1.0: no penalty)")
-    value = float(value)
+        origin = "the generation config's repetition_penalty"
+    value = _as_number(value, origin)
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"repetition_penalty={value!r} must be a finite number > 0 (1.0: no penalty; above 1 "
-                         "discourages repeats)")
+        raise ValueError(f"{origin}={value!r} must be a finite number > 0 (1.0: no penalty; above 1 discourages "
+                         "repeats)")
     return None if value == 1.0 else value
 
 

@@ -331,7 +331,8 @@ def generate(
              "(or run `quantkit quantize` first and pass its checkpoint)")
     sampling = _sampling_options(temperature, top_k, top_p, seed)
     if repetition_penalty is not None and not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
-        fail(f"--repetition-penalty {repetition_penalty} must be > 0 (1 is off; above 1 discourages repeats)")
+        fail(f"--repetition-penalty {repetition_penalty} must be a finite number > 0 (1 is off; above 1 discourages "
+             "repeats)")
     device = _device(device)
     path = Path(model).expanduser()
     if (path / "config.json").is_file() and quantkit.is_quantized_checkpoint(path):

@@ -6,10 +6,15 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
-import socket
 import tempfile
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no leftover detection
+    fcntl = None
 
 import torch
 import transformers
@@ -133,60 +138,88 @@ def bundled_model_dir() -> Path:
     try:
         model.to(torch.bfloat16).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        release_staging(staging)
         publish_files(staging)
         os.replace(staging, target)
         sync_dir(target.parent)
     finally:
+        release_staging(staging)
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+# Held (flock) by the process writing a staging directory for as long as it writes: the kernel
+# drops the lock when that process dies, however it dies, so a lock that can be taken marks a
+# leftover. Unlike a process id in the name, this holds across PID namespaces (containers sharing
+# a hostname and a filesystem) and against PID reuse.
+STAGING_LOCK = ".quantkit-writing"
+_STAGING_LOCKS: dict[Path, int] = {}
+# tempfile.mkdtemp's names: the prefix and 8 characters of this set.
+_MKDTEMP_SUFFIX = "[a-z0-9_]{8}"
 
 
 def staging_dir(parent: Path, prefix: str) -> Path:
     """A new directory in ``parent`` for output that is renamed into place once complete, with the
     permissions the umask gives: mkdtemp's 0700 would hide the finished directory from other users.
 
-    Its name carries this host and process (``{prefix}{host}-{pid}-...``). A process killed while
-    writing (SIGKILL, out of memory, a lost node) cannot remove its staging directory, which may
-    hold gigabytes of shards; the next staging with the same prefix in ``parent`` removes those
-    of this host whose process is gone (``remove_leftovers``)."""
+    A process killed while writing (SIGKILL, out of memory, a lost node) cannot remove its staging
+    directory, which may hold gigabytes of shards. So the writer holds a lock in it until
+    ``release_staging``, and the next staging with the same prefix in ``parent`` removes the
+    directories whose lock nobody holds (``remove_leftovers``)."""
     remove_leftovers(parent, prefix)
-    path = Path(tempfile.mkdtemp(prefix=f"{prefix}{_host()}-{os.getpid()}-", dir=parent))
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     os.chmod(path, 0o777 & ~_umask())
+    if fcntl is not None:
+        fd = os.open(path / STAGING_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _STAGING_LOCKS[path] = fd
     return path
 
 
-def _host() -> str:
-    return socket.gethostname().replace(os.sep, "_") or "localhost"
-
-
-def _process_alive(pid: int) -> bool:
+def release_staging(path: Path) -> None:
+    """Remove the lock of a finished (or abandoned) staging directory, before it is renamed into
+    place or deleted; a no-op the second time. A directory left without its lock is never taken for
+    a leftover."""
+    fd = _STAGING_LOCKS.pop(path, None)
+    if fd is None:
+        return
     try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except OSError:  # it exists, owned by someone else, or the question cannot be asked: keep its work
-        return True
-    return True
+        (path / STAGING_LOCK).unlink(missing_ok=True)
+    finally:
+        os.close(fd)
 
 
 def remove_leftovers(parent: Path, prefix: str) -> list[Path]:
-    """Remove the staging directories ``staging_dir(parent, prefix)`` made on this host for a
-    process that no longer runs; those of running processes (a save in progress elsewhere) and
-    of other hosts (a shared filesystem) stay. Returns what was removed. POSIX only: elsewhere
-    nothing is removed (Windows' os.kill would end the process it asks about)."""
-    if os.name != "posix" or not Path(parent).is_dir():
+    """Remove the staging directories ``staging_dir(parent, prefix)`` made whose writer is gone:
+    named exactly ``prefix`` + mkdtemp's 8 characters, holding the lock file, and the lock free.
+    A save in progress holds its lock; a directory without the lock file (another program's, or
+    one whose save got as far as its rename) is left alone; so is everything where locks do not
+    exist (Windows). Returns what was removed; an unreadable ``parent`` removes nothing."""
+    if fcntl is None:
         return []
-    own = f"{prefix}{_host()}-"
+    pattern = re.compile(re.escape(prefix) + _MKDTEMP_SUFFIX)
     removed = []
-    for path in Path(parent).iterdir():
-        if not path.name.startswith(own) or not path.is_dir() or path.is_symlink():
+    try:
+        candidates = [p for p in Path(parent).iterdir() if pattern.fullmatch(p.name)]
+    except OSError:
+        return []
+    for path in candidates:
+        if path.is_symlink() or not path.is_dir():
             continue
-        pid = path.name[len(own):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid() or _process_alive(int(pid)):
+        try:
+            fd = os.open(path / STAGING_LOCK, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held: a save in progress
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)
         if not path.exists():
-            logger.warning("removed %s, left by an interrupted save (process %s is gone)", path, pid)
+            logger.warning("removed %s, left by an interrupted save", path)
             removed.append(path)
     return removed
 

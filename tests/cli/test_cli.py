@@ -277,8 +277,8 @@ def test_generate_samples_reproducibly_with_a_seed(checkpoint_hd64):
     (("--temperature", 1, "--top-k", 0), ("--top-k 0 must be >= 1",)),
     (("--temperature", 1, "--top-p", 1.5), ("--top-p 1.5 must lie in (0, 1]",)),
     (("--temperature", 1, "--seed", 2**70), ("--seed 1180591620717411303424 must lie in [0, 2**63)",)),
-    (("--repetition-penalty", 0), ("--repetition-penalty 0.0 must be > 0",)),
-    (("--repetition-penalty", "nan"), ("--repetition-penalty nan must be > 0",)),
+    (("--repetition-penalty", 0), ("--repetition-penalty 0.0 must be a finite number > 0",)),
+    (("--repetition-penalty", "inf"), ("--repetition-penalty inf must be a finite number > 0",)),
 ])
 def test_generate_sampling_options_are_checked(checkpoint_hd64, options, fragments):
     assert_user_error(invoke("generate", checkpoint_hd64, "--prompt", "a", "--device", "cpu", *options), *fragments)
@@ -459,46 +459,55 @@ def test_overwrite_keeps_the_old_checkpoint_if_the_swap_fails(checkpoint, tmp_pa
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "backup or staging left behind"
 
 
-@pytest.mark.skipif(os.name != "posix", reason="leftovers are recognized by process id on POSIX only")
+@pytest.mark.skipif(os.name != "posix", reason="leftovers are recognized by their free lock (flock) on POSIX only")
 def test_a_killed_saves_staging_is_removed_by_the_next_save(checkpoint, tmp_path, caplog):
-    """A save killed mid-write (SIGKILL) leaves its hidden staging directory; the next save beside
-    it removes those of this host whose process is gone, and keeps a running process's and another
-    host's."""
-    import subprocess
-    import sys
+    """A save killed mid-write (SIGKILL) leaves its hidden staging directory, whose lock the kernel
+    has released; the next save of that name removes it. A running save's (lock held), a directory
+    without the lock file, names that only look alike, and symlinks stay."""
+    import fcntl
 
     import quantkit
     from quantkit.models import loading
 
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    host = loading._host()
-    leftovers = {
-        "dead": tmp_path / f".ckpt.staging-{host}-{dead.pid}-x1y2",
-        "running": tmp_path / f".ckpt.staging-{host}-{os.getppid()}-a1b2",
-        "other host": tmp_path / f".ckpt.staging-{host}x-{dead.pid}-c3d4",
-        "other target": tmp_path / f".other.staging-{host}-{dead.pid}-e5f6",
-    }
-    for path in leftovers.values():
+    def staging(name, lock=True):
+        path = tmp_path / name
         path.mkdir()
         (path / "model.safetensors").write_bytes(b"half-written")
-    model = quantkit.load(checkpoint, device="cpu")
-    with caplog.at_level("WARNING", logger="quantkit.models.loading"):
-        quantkit.save(model, tmp_path / "ckpt")
-    assert not leftovers["dead"].exists()
-    assert all(leftovers[kind].is_dir() for kind in ("running", "other host", "other target"))
-    assert f"process {dead.pid} is gone" in caplog.text
-    staging = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.staging-")]
-    assert sorted(staging) == sorted([leftovers["running"], leftovers["other host"]])
+        if lock:
+            (path / loading.STAGING_LOCK).write_bytes(b"")
+        return path
+
+    killed = staging(".ckpt.staging-k1ll3d_x")
+    running = staging(".ckpt.staging-runn1ng0")
+    held = os.open(running / loading.STAGING_LOCK, os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)  # another open file description: conflicts as another process would
+    kept = [running, staging(".ckpt.staging-n0l0ck00", lock=False), staging(".ckpt.staging-toolong123"),
+            staging(".ckpt.staging-abcdefgh.staging-12345678"), staging(".other.staging-k1ll3d_y")]
+    (tmp_path / ".ckpt.staging-symlink0").symlink_to(staging("elsewhere"), target_is_directory=True)
+    try:
+        model = quantkit.load(checkpoint, device="cpu")
+        with caplog.at_level("WARNING", logger="quantkit.models.loading"):
+            quantkit.save(model, tmp_path / "ckpt")
+    finally:
+        os.close(held)
+    assert not killed.exists() and all(path.is_dir() for path in kept)
+    assert (tmp_path / "elsewhere" / loading.STAGING_LOCK).exists()
+    assert f"removed {killed}, left by an interrupted save" in caplog.text
     assert quantkit.is_quantized_checkpoint(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt" / loading.STAGING_LOCK).exists()
 
 
-def test_staging_directories_name_their_host_and_process(tmp_path):
+@pytest.mark.skipif(os.name != "posix", reason="flock")
+def test_a_staging_directory_is_locked_until_released(tmp_path):
     from quantkit.models import loading
 
     path = loading.staging_dir(tmp_path, ".x.staging-")
-    assert path.name.startswith(f".x.staging-{loading._host()}-{os.getpid()}-")
-    assert loading.remove_leftovers(tmp_path, ".x.staging-") == [] and path.is_dir()  # this process runs
+    assert (path / loading.STAGING_LOCK).exists()
+    assert loading.remove_leftovers(tmp_path, ".x.staging-") == [] and path.is_dir()  # its writer holds the lock
+    loading.release_staging(path)
+    loading.release_staging(path)  # a no-op the second time
+    assert not (path / loading.STAGING_LOCK).exists()
+    assert loading.remove_leftovers(tmp_path, ".x.staging-") == [] and path.is_dir()  # no lock file: not a leftover
 
 
 def test_checkpoint_directory_follows_the_umask(checkpoint):

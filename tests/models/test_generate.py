@@ -266,6 +266,16 @@ def test_bad_repetition_penalty_is_refused(value, error):
         generate(model, _prompt(model.config.vocab_size, batch=1), 2, repetition_penalty=value)
 
 
+def test_repetition_penalty_as_a_tensor_and_a_bad_one_from_the_generation_config():
+    model = make_tiny("llama")
+    ids = _prompt(model.config.vocab_size, batch=1)
+    assert torch.equal(generate(model, ids, 4, eos_token_id=None, repetition_penalty=torch.tensor(3.0)),
+                       generate(model, ids, 4, eos_token_id=None, repetition_penalty=3.0))
+    model.generation_config.repetition_penalty = -2.0
+    with pytest.raises(ValueError, match=r"the generation config's repetition_penalty=-2.0 must be"):
+        generate(model, ids, 2)
+
+
 def _hf_filtered_probs(logits, temperature, top_k, top_p):
     from transformers.generation.logits_process import (
         TemperatureLogitsWarper,
