@@ -42,34 +42,57 @@ def weights(dtype, rows, K, gen):
     return w, scale
 
 
+def header() -> dict:
+    return {**environment_metadata(), "shapes": dict(experts=E, hidden=H, intermediate=I, top_k=TOP_K), "rows": []}
+
+
+def gemm_calls(dtype, tokens: int, gen, w13, s13, w2, s2) -> tuple[int, dict]:
+    """A random softmax top-8 routing of ``tokens`` random rows, and the layer's two grouped GEMMs
+    as ``fn(config)`` on it: gate/up (gated SiLU) and down (its input the first's output,
+    quantized), each with the routing plan of its config's block height made beforehand."""
+    hidden = torch.randn(tokens, H, device="cuda", generator=gen, dtype=torch.bfloat16)
+    probs = torch.randn(tokens, E, device="cuda", generator=gen).softmax(-1)
+    experts = probs.topk(TOP_K, dim=-1).indices.reshape(-1).contiguous()
+    q, scale = ops.quantize_per_token(hidden, dtype, backend="triton")
+    h = moe.grouped_scaled_mm(q, w13, scale, s13, experts, TOP_K, "silu", True)
+    hq, hs = ops.quantize_per_token(h, dtype, backend="triton")
+    plans = {bm: moe.route_plan(experts, E, bm) for bm in (16, 32, 64, 128)}
+
+    def gate_up(c):
+        return moe.grouped_scaled_mm(q, w13, scale, s13, experts, TOP_K, "silu", True, plan=plans[c["block_m"]],
+                                     config=c)
+
+    def down(c):
+        return moe.grouped_scaled_mm(hq, w2, hs, s2, experts, 1, plan=plans[c["block_m"]], config=c)
+
+    return experts.numel(), {"gate_up": gate_up, "down": down}
+
+
+def error_and_us(fn, config, ref) -> tuple[float, float]:
+    """``fn(config)``'s relative error against ``ref`` and its time (µs, CUDA-graph replays)."""
+    err = ((fn(config).float() - ref).norm() / ref.norm()).item()
+    return err, 1e3 * triton.testing.do_bench_cudagraph(lambda: fn(config), rep=40)
+
+
+def failure(config, exc) -> dict:
+    """A config that did not run (out of shared memory or registers): recorded, not fatal."""
+    torch.cuda.synchronize()
+    return dict(config=config, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+
+
 def main(out_path: str, deadline_s: float = 520.0) -> None:
     start = time.time()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    report = {**environment_metadata(), "shapes": dict(experts=E, hidden=H, intermediate=I, top_k=TOP_K),
-              "rows": []}
+    report = header()
     for dtype, tokens_list in ((torch.float8_e4m3fn, (8192, 2048, 512)), (torch.int8, (8192, 2048))):
         name = "fp8" if dtype != torch.int8 else "int8"
         w13, s13 = weights(dtype, 2 * I, H, gen)
         w2, s2 = weights(dtype, H, I, gen)
         best_of = {}
         for tokens in tokens_list:
-            hidden = torch.randn(tokens, H, device="cuda", generator=gen, dtype=torch.bfloat16)
-            probs = torch.randn(tokens, E, device="cuda", generator=gen).softmax(-1)
-            experts = probs.topk(TOP_K, dim=-1).indices.reshape(-1).contiguous()
-            pairs = experts.numel()
-            q, scale = ops.quantize_per_token(hidden, dtype, backend="triton")
-            h = moe.grouped_scaled_mm(q, w13, scale, s13, experts, TOP_K, "silu", True)
-            hq, hs = ops.quantize_per_token(h, dtype, backend="triton")
-            plans = {bm: moe.route_plan(experts, E, bm) for bm in (16, 32, 64, 128)}
-            gemms = {
-                "gate_up": (True, 2 * pairs * 2 * I * H,
-                            lambda c: moe.grouped_scaled_mm(q, w13, scale, s13, experts, TOP_K, "silu", True,
-                                                            plan=plans[c["block_m"]], config=c)),
-                "down": (False, 2 * pairs * H * I,
-                         lambda c: moe.grouped_scaled_mm(hq, w2, hs, s2, experts, 1, plan=plans[c["block_m"]],
-                                                         config=c)),
-            }
-            for gemm, (gated, flops, fn) in gemms.items():
+            pairs, calls = gemm_calls(dtype, tokens, gen, w13, s13, w2, s2)
+            for gemm, gated in (("gate_up", True), ("down", False)):
+                fn, flops = calls[gemm], 2 * pairs * (2 * I * H if gated else H * I)
                 default = moe.default_config(pairs, E, H if gated else I, gated)
                 ref = fn(default).float()
                 candidates = [default] + (configs(gated) if tokens >= 2048 or (name, gemm) not in best_of
@@ -79,14 +102,11 @@ def main(out_path: str, deadline_s: float = 520.0) -> None:
                     if time.time() - start > deadline_s:
                         break
                     try:
-                        out = fn(c).float()
-                        err = ((out - ref).norm() / ref.norm()).item()
-                        us = 1e3 * triton.testing.do_bench_cudagraph(lambda: fn(c), rep=40)
+                        err, us = error_and_us(fn, c, ref)
                         results.append(dict(config=c, us=round(us, 2), tflops=round(flops / us / 1e6, 1),
                                             rel_err_vs_default=err))
-                    except Exception as exc:  # out of shared memory or registers: recorded, not fatal
-                        torch.cuda.synchronize()
-                        results.append(dict(config=c, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"))
+                    except Exception as exc:
+                        results.append(failure(c, exc))
                 timed = sorted((r for r in results if "us" in r), key=lambda r: r["us"])
                 if tokens == 2048:
                     best_of[(name, gemm)] = [r["config"] for r in timed[:6] if r["config"] is not default]
@@ -118,28 +138,15 @@ def compare(out_path: str) -> None:
     labelled those "tma_bm64" / "tma_bm128": for the gated GEMM, whose default at 4096 tokens is
     address-loaded, they ran the address-loaded kernel (the default's flags were merged in)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
-    report = {**environment_metadata(), "shapes": dict(experts=E, hidden=H, intermediate=I, top_k=TOP_K),
-              "rows": []}
+    report = header()
     for dtype in (torch.float8_e4m3fn, torch.int8):
         name = "fp8" if dtype != torch.int8 else "int8"
         w13, s13 = weights(dtype, 2 * I, H, gen)
         w2, s2 = weights(dtype, H, I, gen)
         for tokens in (64, 256, 512, 1024, 2048, 4096, 8192):
-            hidden = torch.randn(tokens, H, device="cuda", generator=gen, dtype=torch.bfloat16)
-            probs = torch.randn(tokens, E, device="cuda", generator=gen).softmax(-1)
-            experts = probs.topk(TOP_K, dim=-1).indices.reshape(-1).contiguous()
-            pairs = experts.numel()
-            q, scale = ops.quantize_per_token(hidden, dtype, backend="triton")
-            h = moe.grouped_scaled_mm(q, w13, scale, s13, experts, TOP_K, "silu", True)
-            hq, hs = ops.quantize_per_token(h, dtype, backend="triton")
-            plans = {bm: moe.route_plan(experts, E, bm) for bm in (16, 32, 64, 128)}
+            pairs, calls = gemm_calls(dtype, tokens, gen, w13, s13, w2, s2)
             for gemm, gated in (("gate_up", True), ("down", False)):
-                def fn(c, gated=gated):
-                    if gated:
-                        return moe.grouped_scaled_mm(q, w13, scale, s13, experts, TOP_K, "silu", True,
-                                                     plan=plans[c["block_m"]], config=c)
-                    return moe.grouped_scaled_mm(hq, w2, hs, s2, experts, 1, plan=plans[c["block_m"]], config=c)
-
+                fn = calls[gemm]
                 new = moe.default_config(pairs, E, H if gated else I, gated)
                 variants = {"session31": session31_default(pairs, gated), "default": new}
                 if tokens == 4096:  # the default's kernel and tiles in 64- and 128-row blocks
@@ -148,8 +155,7 @@ def compare(out_path: str) -> None:
                 ref = fn(variants["session31"]).float()
                 row = dict(dtype=name, tokens=tokens, gemm=gemm, pairs=pairs)
                 for label, c in variants.items():
-                    err = ((fn(c).float() - ref).norm() / ref.norm()).item()
-                    us = 1e3 * triton.testing.do_bench_cudagraph(lambda: fn(c), rep=40)
+                    err, us = error_and_us(fn, c, ref)
                     row[label] = dict(config=c, us=round(us, 2), rel_err_vs_session31=err)
                 row["speedup"] = row["session31"]["us"] / row["default"]["us"]
                 report["rows"].append(row)
@@ -163,28 +169,15 @@ def persistent(out_path: str, deadline_s: float = 300.0) -> None:
     """The persistent TMA kernel (tile and K loops flattened) against the default configs."""
     start = time.time()
     gen = torch.Generator(device="cuda").manual_seed(2)
-    report = {**environment_metadata(), "shapes": dict(experts=E, hidden=H, intermediate=I, top_k=TOP_K),
-              "rows": []}
+    report = header()
     for dtype in (torch.float8_e4m3fn, torch.int8):
         name = "fp8" if dtype != torch.int8 else "int8"
         w13, s13 = weights(dtype, 2 * I, H, gen)
         w2, s2 = weights(dtype, H, I, gen)
         for tokens in (8192, 2048):
-            hidden = torch.randn(tokens, H, device="cuda", generator=gen, dtype=torch.bfloat16)
-            probs = torch.randn(tokens, E, device="cuda", generator=gen).softmax(-1)
-            experts = probs.topk(TOP_K, dim=-1).indices.reshape(-1).contiguous()
-            pairs = experts.numel()
-            q, scale = ops.quantize_per_token(hidden, dtype, backend="triton")
-            h = moe.grouped_scaled_mm(q, w13, scale, s13, experts, TOP_K, "silu", True)
-            hq, hs = ops.quantize_per_token(h, dtype, backend="triton")
-            plans = {bm: moe.route_plan(experts, E, bm) for bm in (64, 128)}
+            pairs, calls = gemm_calls(dtype, tokens, gen, w13, s13, w2, s2)
             for gemm, gated in (("gate_up", True), ("down", False)):
-                def fn(c, gated=gated):
-                    if gated:
-                        return moe.grouped_scaled_mm(q, w13, scale, s13, experts, TOP_K, "silu", True,
-                                                     plan=plans[c["block_m"]], config=c)
-                    return moe.grouped_scaled_mm(hq, w2, hs, s2, experts, 1, plan=plans[c["block_m"]], config=c)
-
+                fn = calls[gemm]
                 default = moe.default_config(pairs, E, H if gated else I, gated)
                 variants = {"default": default}
                 for bm, stages in itertools.product((64, 128), (3, 4)):
@@ -198,12 +191,10 @@ def persistent(out_path: str, deadline_s: float = 300.0) -> None:
                     if time.time() - start > deadline_s:
                         break
                     try:
-                        err = ((fn(c).float() - ref).norm() / ref.norm()).item()
-                        us = 1e3 * triton.testing.do_bench_cudagraph(lambda: fn(c), rep=40)
+                        err, us = error_and_us(fn, c, ref)
                         row[label] = dict(config=c, us=round(us, 2), rel_err_vs_default=err)
                     except Exception as exc:
-                        torch.cuda.synchronize()
-                        row[label] = dict(config=c, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+                        row[label] = failure(c, exc)
                 report["rows"].append(row)
                 print(name, tokens, gemm, {k: (v.get("us"), f"{v['rel_err_vs_default']:.0e}" if "us" in v
                                                 else v.get("error")) for k, v in row.items() if isinstance(v, dict)},
