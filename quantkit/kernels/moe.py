@@ -171,6 +171,42 @@ def _dequant_rows(acc, acc_up, expert, out_rows, offs_n, N, ROW_DIV, a_scale_ptr
 
 
 @triton.jit
+def _block_rows(rows_ptr, out_ptr, pid_m, offs_n, N, stride_om, BLOCK_M: tl.constexpr):
+    """Block ``pid_m``'s output rows (the pair of each slot, -1 for padding), the addresses of its
+    tile in the output (padding rows point at row 0) and the store mask (no padding row, no column
+    past N)."""
+    out_rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = out_rows >= 0
+    out_ptrs = out_ptr + tl.where(valid, out_rows, 0).to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    return out_rows, out_ptrs, valid[:, None] & (offs_n < N)[None, :]
+
+
+@triton.jit
+def _tma_tile(a_ptr, out_rows, w_desc, w_row, N, K, ROW_DIV, stride_am, IS_INT8: tl.constexpr, GATED: tl.constexpr,
+              EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K loop of the TMA kernels' tile: the gathered activation rows of ``out_rows``' pairs
+    (padding rows read row 0) loaded by address, the weight's rows from ``w_row`` (and the up half
+    N rows below, gated) by TMA, which zero-fills the K tail. Returns (acc, acc_up)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = tl.where(out_rows >= 0, out_rows // ROW_DIV, 0)
+    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    if IS_INT8:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = acc
+    for ki in range(tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs + ki * BLOCK_K)
+        else:
+            a = tl.load(a_ptrs + ki * BLOCK_K, mask=(offs_k < K - ki * BLOCK_K)[None, :], other=0.0)
+        acc = dot_accumulate(a, w_desc.load([w_row, ki * BLOCK_K]).T, acc, IS_INT8, True, 0)
+        if GATED:
+            acc_up = dot_accumulate(a, w_desc.load([w_row + N, ki * BLOCK_K]).T, acc_up, IS_INT8, True, 0)
+    return acc, acc_up
+
+
+@triton.jit
 def _grouped_kernel(
     a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, row_scale_ptr, rows_ptr, block_expert_ptr, used_ptr,
     N, K, ROW_DIV, num_experts,
@@ -191,16 +227,13 @@ def _grouped_kernel(
     if pid_m * BLOCK_M >= tl.load(used_ptr):
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    out_rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = out_rows >= 0
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_ptrs = out_ptr + tl.where(valid, out_rows, 0).to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    mask = valid[:, None] & (offs_n < N)[None, :]
+    out_rows, out_ptrs, mask = _block_rows(rows_ptr, out_ptr, pid_m, offs_n, N, stride_om, BLOCK_M)
     if expert == num_experts:  # the pairs routed to no expert: rows of zeros
         tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=mask)
         return
     # Padding rows read row 0 (unmasked, vectorized loads) and are not stored.
-    a_rows = tl.where(valid, out_rows // ROW_DIV, 0)
+    a_rows = tl.where(out_rows >= 0, out_rows // ROW_DIV, 0)
     rows_w = offs_n % N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
@@ -243,32 +276,13 @@ def _grouped_tma_kernel(
     if pid_m * BLOCK_M >= tl.load(used_ptr):
         return
     expert = tl.load(block_expert_ptr + pid_m)
-    out_rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = out_rows >= 0
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_ptrs = out_ptr + tl.where(valid, out_rows, 0).to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    mask = valid[:, None] & (offs_n < N)[None, :]
+    out_rows, out_ptrs, mask = _block_rows(rows_ptr, out_ptr, pid_m, offs_n, N, stride_om, BLOCK_M)
     if expert == num_experts:  # the pairs routed to no expert: rows of zeros
         tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=mask)
         return
-    a_rows = tl.where(valid, out_rows // ROW_DIV, 0)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    w_row = expert * rows_per_expert + pid_n * BLOCK_N
-    if IS_INT8:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = acc
-    for k_start in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=(offs_k < K - k_start)[None, :], other=0.0)
-        acc = dot_accumulate(a, w_desc.load([w_row, k_start]).T, acc, IS_INT8, True, 0)
-        if GATED:
-            acc_up = dot_accumulate(a, w_desc.load([w_row + N, k_start]).T, acc_up, IS_INT8, True, 0)
-        a_ptrs += BLOCK_K
+    acc, acc_up = _tma_tile(a_ptr, out_rows, w_desc, expert * rows_per_expert + pid_n * BLOCK_N, N, K, ROW_DIV,
+                            stride_am, IS_INT8, GATED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
     out = _dequant_rows(acc, acc_up, expert, out_rows, offs_n, N, ROW_DIV, a_scale_ptr, w_scale_ptr, row_scale_ptr,
                         stride_se, A_PER_TOKEN, ROW_SCALE, ACTIVATION, GATED)
     tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
@@ -298,45 +312,25 @@ def _grouped_persistent_kernel(
     stored as zeros."""
     n_tiles = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.load(used_ptr) // BLOCK_M * n_tiles
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_r = tl.arange(0, BLOCK_M)
     # The epilogue's tile from its own counter: with the loops flattened, the pipeliner may
     # already be loading the next tile (as in gemm_tma's persistent kernel).
     tile_c = tl.program_id(0) - NUM_PROGRAMS
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
         pid_m = tile // n_tiles
-        expert = tl.load(block_expert_ptr + pid_m)
-        rows = tl.load(rows_ptr + pid_m * BLOCK_M + offs_r)
-        a_rows = tl.where(rows >= 0, rows // ROW_DIV, 0)
-        a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-        w_row = expert * rows_per_expert + (tile % n_tiles) * BLOCK_N
-        if IS_INT8:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = acc
-        for ki in range(k_tiles):
-            if EVEN_K:
-                a = tl.load(a_ptrs + ki * BLOCK_K)
-            else:
-                a = tl.load(a_ptrs + ki * BLOCK_K, mask=(offs_k < K - ki * BLOCK_K)[None, :], other=0.0)
-            acc = dot_accumulate(a, w_desc.load([w_row, ki * BLOCK_K]).T, acc, IS_INT8, True, 0)
-            if GATED:
-                acc_up = dot_accumulate(a, w_desc.load([w_row + N, ki * BLOCK_K]).T, acc_up, IS_INT8, True, 0)
+        rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        w_row = tl.load(block_expert_ptr + pid_m) * rows_per_expert + (tile % n_tiles) * BLOCK_N
+        acc, acc_up = _tma_tile(a_ptr, rows, w_desc, w_row, N, K, ROW_DIV, stride_am, IS_INT8, GATED, EVEN_K,
+                                BLOCK_M, BLOCK_N, BLOCK_K)
         tile_c += NUM_PROGRAMS
         pid_m = tile_c // n_tiles
         expert_c = tl.load(block_expert_ptr + pid_m)
-        out_rows = tl.load(rows_ptr + pid_m * BLOCK_M + offs_r)
-        valid = out_rows >= 0
         offs_n = (tile_c % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        out_rows, out_ptrs, mask = _block_rows(rows_ptr, out_ptr, pid_m, offs_n, N, stride_om, BLOCK_M)
         out = _dequant_rows(acc, acc_up, tl.minimum(expert_c, num_experts - 1), out_rows, offs_n, N, ROW_DIV,
                             a_scale_ptr, w_scale_ptr, row_scale_ptr, stride_se, A_PER_TOKEN, ROW_SCALE, ACTIVATION,
                             GATED)
         out = tl.where(expert_c == num_experts, 0.0, out)
-        out_ptrs = out_ptr + tl.where(valid, out_rows, 0).to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED),
-                 mask=valid[:, None] & (offs_n < N)[None, :])
+        tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
 # Eager launches skip triton's binding pass (launch.CachedLaunch): at a few tokens an MoE layer's
