@@ -33,7 +33,7 @@ from quantkit.config import QuantConfig
 from quantkit.convert import (build_empty_quantized, format_tensor_names, storage_dtype, storage_tensors,
                               untie_quantized_head)
 from quantkit.kernels.ops import resolve_backend
-from quantkit.models.loading import (publish_files, release_staging, resolve_device, resolve_dtype, staging_dir,
+from quantkit.models.loading import (discard_staging, publish_files, resolve_device, resolve_dtype, staging_dir,
                                      stored_dtype, sync_dir)
 from quantkit.models.experts import expert_linear_names, expert_modules, stacked_experts, unstack_experts
 from quantkit.nn import QuantLinear
@@ -186,12 +186,10 @@ def save(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, overwrite
             generation_config.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        release_staging(staging)
         publish_files(staging)
         _swap_in(staging, out_dir)
     finally:
-        release_staging(staging)
-        shutil.rmtree(staging, ignore_errors=True)
+        discard_staging(staging)
     return out_dir
 
 

@@ -138,13 +138,11 @@ def bundled_model_dir() -> Path:
     try:
         model.to(torch.bfloat16).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        release_staging(staging)
         publish_files(staging)
         os.replace(staging, target)
         sync_dir(target.parent)
     finally:
-        release_staging(staging)
-        shutil.rmtree(staging, ignore_errors=True)
+        discard_staging(staging)
     return target
 
 
@@ -189,6 +187,12 @@ def release_staging(path: Path) -> None:
         os.close(fd)
 
 
+def discard_staging(path: Path) -> None:
+    """Release and delete a staging directory (what is left of it after a rename or a failure)."""
+    release_staging(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def remove_leftovers(parent: Path, prefix: str) -> list[Path]:
     """Remove the staging directories ``staging_dir(parent, prefix)`` made whose writer is gone:
     named exactly ``prefix`` + mkdtemp's 8 characters, holding the lock file, and the lock free.
@@ -225,9 +229,11 @@ def remove_leftovers(parent: Path, prefix: str) -> list[Path]:
 
 
 def publish_files(directory: Path) -> None:
-    """Give the files in ``directory`` the permissions the umask gives (safetensors writes 0600) and
-    flush them to disk: the directory is renamed into place next, and a crash after that rename must
-    not leave a complete-looking checkpoint whose shards were never written out."""
+    """Release a finished staging directory's lock (``release_staging``), give its files the
+    permissions the umask gives (safetensors writes 0600) and flush them to disk: the directory is
+    renamed into place next, and a crash after that rename must not leave a complete-looking
+    checkpoint whose shards were never written out."""
+    release_staging(directory)
     mode = 0o666 & ~_umask()
     for path in directory.rglob("*"):
         if path.is_file():
