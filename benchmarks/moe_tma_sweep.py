@@ -133,8 +133,9 @@ def session31_default(pairs: int, gated: bool) -> dict:
 
 
 def compare(out_path: str) -> None:
-    """Session 31's defaults against the current ones, same process, and the default's kernel in
-    64- against 128-row blocks at 4096 tokens (256 pairs an expert). Runs s32b, s32c and s32f
+    """Session 31's defaults against the current ones, same process, and at 4096 tokens (256 pairs
+    an expert) the default's kernel in 64- against 128-row blocks and the persistent kernel's
+    128-row default (from run s33a). Runs s32b, s32c and s32f
     labelled those "tma_bm64" / "tma_bm128": for the gated GEMM, whose default at 4096 tokens is
     address-loaded, they ran the address-loaded kernel (the default's flags were merged in)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -152,6 +153,8 @@ def compare(out_path: str) -> None:
                 if tokens == 4096:  # the default's kernel and tiles in 64- and 128-row blocks
                     for bm in (64, 128):
                         variants[f"default_bm{bm}"] = dict(new, block_m=bm)
+                    # and the 128-row default (the persistent kernel), which starts at 512 pairs an expert
+                    variants["persistent_bm128"] = moe.default_config(512 * E, E, H if gated else I, gated)
                 ref = fn(variants["session31"]).float()
                 row = dict(dtype=name, tokens=tokens, gemm=gemm, pairs=pairs)
                 for label, c in variants.items():
