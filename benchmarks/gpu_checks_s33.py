@@ -7,7 +7,7 @@
   twin in float32. INT8 accumulators are exact, so its outputs must equal the twin's; FP8 within
   fp32 summation order.
 - Repetition penalty in ``generate`` with the CUDA-graph decode: a random model of the bundled
-  Gemma-3-270M's shape, bf16 / FP8 / INT8 through ``optimize(exact=True)``; greedy and sampled
+  Gemma-3-270M's shape, bf16 (transformers' model) and FP8 / INT8 through ``optimize(exact=True)``; greedy and sampled
   (seeded) tokens with the penalty, graph against eager, must be equal and differ from the tokens
   without it.
 """
@@ -60,23 +60,33 @@ def moe_float32_outputs() -> None:
                 config = moe.default_config(experts.numel(), E, args[1].shape[2], gated, torch.float32)
                 out = moe.grouped_scaled_mm(*args, out_dtype=torch.float32, **kwargs)
                 ref = reference.grouped_scaled_mm(*args, out_dtype=torch.float32, **kwargs)
-                torch.cuda.synchronize()
+                half = moe.grouped_scaled_mm(*args, **kwargs)  # the bf16 default, same kernel family
+                err = float(((out - ref).norm() / ref.norm()))
+                # One rounding of out to bf16 is at most half a bf16 ulp from half's, if both are right.
+                ulps = float(((out.to(torch.bfloat16).float() - half.float()).abs()
+                              / half.float().abs().clamp_min(1e-30)).max() * 2 ** 8)
                 if dtype == torch.int8 and not gated:
-                    ok, err = torch.equal(out, ref), float((out - ref).abs().max())
-                else:  # fp8 sums in another order; the gated epilogue's sigmoid differs from torch's in ulps
-                    err = float(((out - ref).norm() / ref.norm()))
-                    ok = err < 1e-5 if dtype == torch.int8 else err < 1e-4
-                record("moe_float32_output", ok and bool(torch.isfinite(out).all()), dtype=str(dtype), tokens=tokens,
-                       gemm=gemm, config=config, error=err)
+                    ok = torch.equal(out, ref)  # exact accumulators, the twin's epilogue order
+                elif dtype == torch.int8:  # the kernel's sigmoid against torch's: ulps of fp32
+                    ok = err < 1e-6
+                else:  # Hopper's FP8 MMAs accumulate with fewer mantissa bits than fp32 (~1e-3 at K 2048)
+                    ok = err < 3e-3
+                # FP8 128-row blocks: 128-wide tiles in fp32 against 256-wide in bf16 (the MMA's
+                # accumulation may differ), so there only the norm of the difference is held.
+                near = ulps <= 1.0 if dtype == torch.int8 else float(
+                    (out.to(torch.bfloat16).float() - half.float()).norm() / half.float().norm()) < 3e-3
+                record("moe_float32_output", ok and near and bool(torch.isfinite(out).all()),
+                       dtype=str(dtype), tokens=tokens, gemm=gemm, config=config, rel_error_vs_twin=err,
+                       bf16_ulps_vs_bf16_output=ulps)
 
 
 def penalty_graph() -> None:
     base = gemma3_270m_shaped()
     for scheme in ("bf16", "fp8", "int8"):
         model = copy.deepcopy(base)
-        if scheme != "bf16":
-            model = quantkit.quantize(model, quantkit.QuantConfig.preset(scheme), progress=False)
-        model = quantkit.optimize(model, exact=True)
+        if scheme != "bf16":  # bf16: the transformers model as it is
+            model = quantkit.optimize(quantkit.quantize(model, quantkit.QuantConfig.preset(scheme), progress=False),
+                                      exact=True)
         for batch in (1, 4):
             ids = torch.randint(3, 262144, (batch, 32), generator=torch.Generator().manual_seed(batch)).cuda()
             # Repeated prompt tokens make the penalty matter from the first step.
