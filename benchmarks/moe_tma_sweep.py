@@ -133,9 +133,10 @@ def session31_default(pairs: int, gated: bool) -> dict:
 
 
 def compare(out_path: str) -> None:
-    """Session 31's defaults against the current ones, same process, and at 4096 tokens (256 pairs
-    an expert) the default's kernel in 64- against 128-row blocks and the persistent kernel's
-    128-row default (from run s33a). Runs s32b, s32c and s32f
+    """Session 31's defaults against the current ones, same process, and from 2048 to 4096 tokens
+    (128-256 pairs an expert) the 64-row defaults against the 128-row ones (the persistent
+    kernel; from run s33c). Before, at 4096 tokens only, the default's kernel in 64- and 128-row
+    blocks ("default_bm64/128"; s33a added "persistent_bm128"). Runs s32b, s32c and s32f
     labelled those "tma_bm64" / "tma_bm128": for the gated GEMM, whose default at 4096 tokens is
     address-loaded, they ran the address-loaded kernel (the default's flags were merged in)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -144,17 +145,16 @@ def compare(out_path: str) -> None:
         name = "fp8" if dtype != torch.int8 else "int8"
         w13, s13 = weights(dtype, 2 * I, H, gen)
         w2, s2 = weights(dtype, H, I, gen)
-        for tokens in (64, 256, 512, 1024, 2048, 4096, 8192):
+        for tokens in (64, 256, 512, 1024, 2048, 3072, 4096, 8192):
             pairs, calls = gemm_calls(dtype, tokens, gen, w13, s13, w2, s2)
             for gemm, gated in (("gate_up", True), ("down", False)):
                 fn = calls[gemm]
                 new = moe.default_config(pairs, E, H if gated else I, gated)
                 variants = {"session31": session31_default(pairs, gated), "default": new}
-                if tokens == 4096:  # the default's kernel and tiles in 64- and 128-row blocks
-                    for bm in (64, 128):
-                        variants[f"default_bm{bm}"] = dict(new, block_m=bm)
-                    # and the 128-row default (the persistent kernel), which starts at 512 pairs an expert
-                    variants["persistent_bm128"] = moe.default_config(512 * E, E, H if gated else I, gated)
+                if 2048 <= tokens <= 4096:  # where 64- and 128-row blocks meet: both defaults
+                    K = H if gated else I
+                    variants["rows64"] = moe.default_config(64 * E, E, K, gated)
+                    variants["rows128"] = moe.default_config(512 * E, E, K, gated)
                 ref = fn(variants["session31"]).float()
                 row = dict(dtype=name, tokens=tokens, gemm=gemm, pairs=pairs)
                 for label, c in variants.items():

@@ -313,24 +313,32 @@ def _grouped_persistent_kernel(
     n_tiles = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.load(used_ptr) // BLOCK_M * n_tiles
     # The epilogue's tile from its own counter: with the loops flattened, the pipeliner may
-    # already be loading the next tile (as in gemm_tma's persistent kernel).
+    # already be loading the next tile (as in gemm_tma's persistent kernel). Its output addresses
+    # are computed after the dequantization: computed first (``_block_rows``), with the same
+    # instructions in another order, ptxas gave the loop more registers and the kernel ran 10-19 %
+    # slower at 8192 tokens (H200, run s33b; benchmarks/NOTES-moe.md).
+    offs_r = tl.arange(0, BLOCK_M)
     tile_c = tl.program_id(0) - NUM_PROGRAMS
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
         pid_m = tile // n_tiles
-        rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        w_row = tl.load(block_expert_ptr + pid_m) * rows_per_expert + (tile % n_tiles) * BLOCK_N
+        expert = tl.load(block_expert_ptr + pid_m)
+        rows = tl.load(rows_ptr + pid_m * BLOCK_M + offs_r)
+        w_row = expert * rows_per_expert + (tile % n_tiles) * BLOCK_N
         acc, acc_up = _tma_tile(a_ptr, rows, w_desc, w_row, N, K, ROW_DIV, stride_am, IS_INT8, GATED, EVEN_K,
                                 BLOCK_M, BLOCK_N, BLOCK_K)
         tile_c += NUM_PROGRAMS
         pid_m = tile_c // n_tiles
         expert_c = tl.load(block_expert_ptr + pid_m)
+        out_rows = tl.load(rows_ptr + pid_m * BLOCK_M + offs_r)
+        valid = out_rows >= 0
         offs_n = (tile_c % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        out_rows, out_ptrs, mask = _block_rows(rows_ptr, out_ptr, pid_m, offs_n, N, stride_om, BLOCK_M)
         out = _dequant_rows(acc, acc_up, tl.minimum(expert_c, num_experts - 1), out_rows, offs_n, N, ROW_DIV,
                             a_scale_ptr, w_scale_ptr, row_scale_ptr, stride_se, A_PER_TOKEN, ROW_SCALE, ACTIVATION,
                             GATED)
         out = tl.where(expert_c == num_experts, 0.0, out)
-        tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+        out_ptrs = out_ptr + tl.where(valid, out_rows, 0).to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED),
+                 mask=valid[:, None] & (offs_n < N)[None, :])
 
 
 # Eager launches skip triton's binding pass (launch.CachedLaunch): at a few tokens an MoE layer's
