@@ -23,7 +23,7 @@ import quantkit
 from quantkit.bench.common import environment_metadata
 from quantkit.kernels import moe, ops
 
-TOKENS = (1, 8, 64, 512, 2048, 8192)
+TOKENS = (1, 8, 64, 512, 2048, 4096, 8192)
 SWEEP = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
          for bm, bn, bk, w, s in itertools.product((16, 64), (32, 64, 128), (64, 128), (4, 8), (3, 4))
          if not (bm == 64 and bn == 32)] + [dict(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),

@@ -48,7 +48,7 @@ def block_m_for(pairs: int, experts: int) -> int:
     """Rows per block: about the pairs an expert gets on average (a decode step routes a handful
     of tokens to each of its experts, a prefill hundreds), 16 to 128."""
     average = pairs / max(experts, 1)
-    return 16 if average <= 16 else 32 if average < 32 else 64 if average < 512 else 128
+    return 16 if average <= 16 else 32 if average < 32 else 64 if average < 192 else 128
 
 
 def plan_capacity(pairs: int, num_experts: int, block_m: int) -> int:
@@ -365,7 +365,8 @@ def default_config(pairs: int, experts: int, K: int, gated: bool = False, out_dt
     reduction). From the sweeps and same-run comparisons of benchmarks/moe_kernels.py and
     moe_tma_sweep.py (H200, Qwen3-30B-A3B's shapes, benchmarks/NOTES-moe.md):
     - 16- and 32-row blocks of address-loaded tiles while an expert gets a few dozen pairs, 64-row
-      blocks from 32 pairs an expert, 128-row ones from 512;
+      blocks from 32 pairs an expert, 128-row ones from 192 (run s33c: at 192 pairs an expert the
+      128-row defaults were 1.00-1.15x the 64-row ones, at 256 1.05-1.20x, at 128 0.83-1.02x);
     - in 64-row blocks the plain form (the down projection) takes its weight tiles by TMA, 256
       columns wide (1.3-1.4x the address-loaded 128-wide tiles at 1024-2048 tokens, 1.0-1.2x at
       4096); the gated form keeps address-loaded 2 x 128-wide tiles (TMA gained nothing measurable);
