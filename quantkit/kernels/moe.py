@@ -365,8 +365,8 @@ def default_config(pairs: int, experts: int, K: int, gated: bool = False, out_dt
     reduction). From the sweeps and same-run comparisons of benchmarks/moe_kernels.py and
     moe_tma_sweep.py (H200, Qwen3-30B-A3B's shapes, benchmarks/NOTES-moe.md):
     - 16- and 32-row blocks of address-loaded tiles while an expert gets a few dozen pairs, 64-row
-      blocks from 32 pairs an expert, 128-row ones from 192 (run s33c: at 192 pairs an expert the
-      128-row defaults were 1.00-1.15x the 64-row ones, at 256 1.05-1.20x, at 128 0.83-1.02x);
+      blocks from 32 pairs an expert, 128-row ones from 192 (runs s33c/d: at 192 pairs an expert
+      the 128-row defaults were 0.98-1.15x the 64-row ones, at 256 1.04-1.22x, at 128 0.82-1.05x);
     - in 64-row blocks the plain form (the down projection) takes its weight tiles by TMA, 256
       columns wide (1.3-1.4x the address-loaded 128-wide tiles at 1024-2048 tokens, 1.0-1.2x at
       4096); the gated form keeps address-loaded 2 x 128-wide tiles (TMA gained nothing measurable);
