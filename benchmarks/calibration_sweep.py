@@ -84,6 +84,19 @@ RECIPES: dict[str, tuple[str, dict]] = {
     "int8-static+sq0.75": ("int8-static", SQ75),
     "int8+sq0.75+gptq+keep4": ("int8", {**SQ75, "gptq": True, "keep_sensitive": 4}),
     "fp8+sq0.75+gptq+keep8": ("fp8", {**SQ75, "gptq": True, "keep_sensitive": 8}),
+    # GPTQ with sequential statistics (each block's Hessians from the quantized blocks before it),
+    # beside the same recipes without: the two GPTQ rows above and the four accurate recipes.
+    "int8+sq+gptq+seq": ("int8", {**SQ, "gptq": True, "gptq_sequential": True}),
+    "fp8+sq+gptq+seq": ("fp8", {**SQ, "gptq": True, "gptq_sequential": True}),
+    "int8-accurate": ("int8", {**SQ75, "gptq": True, "keep_sensitive": 4}),
+    "int8-accurate+seq": ("int8", {**SQ75, "gptq": True, "keep_sensitive": 4, "gptq_sequential": True}),
+    "fp8-accurate": ("fp8", {**SQ, "gptq": True, "keep_sensitive": 8}),
+    "fp8-accurate+seq": ("fp8", {**SQ, "gptq": True, "keep_sensitive": 8, "gptq_sequential": True}),
+    "int8-static-accurate": ("int8-static", {**SQ75, "activation_observer": "mse", "gptq": True, "keep_sensitive": 4}),
+    "int8-static-accurate+seq": ("int8-static", {**SQ75, "activation_observer": "mse", "gptq": True,
+                                                 "keep_sensitive": 4, "gptq_sequential": True}),
+    "fp8-static-accurate": ("fp8-static", {**SQ, "gptq": True, "keep_sensitive": 4}),
+    "fp8-static-accurate+seq": ("fp8-static", {**SQ, "gptq": True, "keep_sensitive": 4, "gptq_sequential": True}),
 }
 
 

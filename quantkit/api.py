@@ -170,7 +170,8 @@ def _quantize_eval(model: nn.Module, config: QuantConfig, calibration_data: torc
     if config.gptq:
         quantized_weights = gptq_quantize_weights(
             model, calibration_data, list(targets), dtype, weight_observer=config.weight_observer, progress=progress,
-            per_block=per_block, percentile=config.percentile,
+            per_block=per_block, percentile=config.percentile, sequential=config.gptq_sequential,
+            input_amax=input_amax,
         )
     elif config.weight_observer != "absmax":
         weight_amax = {name: observed_weight_amax(linear.weight, dtype, config.weight_observer, config.percentile)

@@ -72,6 +72,7 @@ class QuantConfig:
     weight_observer: str = "absmax"
     smoothquant_alpha: float | None = None
     gptq: bool = False
+    gptq_sequential: bool = False
     keep_sensitive: int = 0
     backend: str = "auto"
     name: str = field(default="custom", compare=False)
@@ -91,6 +92,8 @@ class QuantConfig:
             raise ValueError(f"percentile={self.percentile} must be in (0, 100]")
         if self.smoothquant_alpha is not None and not 0.0 <= self.smoothquant_alpha <= 1.0:
             raise ValueError(f"smoothquant_alpha={self.smoothquant_alpha} must be in [0, 1]")
+        if self.gptq_sequential and not self.gptq:
+            raise ValueError("gptq_sequential=True needs gptq=True (it says how GPTQ gathers its statistics)")
         if self.keep_sensitive < 0:
             raise ValueError(f"keep_sensitive={self.keep_sensitive} must be >= 0")
         if self.backend not in BACKENDS:
@@ -181,6 +184,7 @@ class QuantConfig:
                 "weight_observer": self.weight_observer,
                 "smoothquant_alpha": self.smoothquant_alpha,
                 "gptq": self.gptq,
+                "gptq_sequential": self.gptq_sequential,
                 "keep_sensitive": self.keep_sensitive,
                 "ignore_patterns": list(self.ignore),
             },

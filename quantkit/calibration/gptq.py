@@ -15,6 +15,7 @@ read the same input tensor, e.g. q/k/v, share one), plus one calibration batch i
 from __future__ import annotations
 
 import logging
+from contextlib import ExitStack
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from tqdm.auto import tqdm
 
 from quantkit.calibration.calibrate import check_blocks, forward_backbone, storage_key
 from quantkit.calibration.weights import WEIGHT_OBSERVERS, weight_amax
+from quantkit.calibration.sensitivity import quantize_dequantize_input, swapped_forward
 from quantkit.kernels.reference import MIN_SCALE, cast_to_quantized, qmax_of, quantize_per_channel, scale_from_amax
 from quantkit.models.experts import expert_linears
 
@@ -203,6 +205,8 @@ def gptq_quantize_weights(
     act_order: bool = True,
     per_block: bool = False,
     first_token_weight: float = 1.0,
+    sequential: bool = False,
+    input_amax: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """GPTQ-quantize the named Linears of ``model`` (weights are not modified).
 
@@ -211,9 +215,14 @@ def gptq_quantize_weights(
     quantized_weight=...)``. weight_observer: "absmax" (scale from the row max), "percentile"
     (``percentile`` of the row's |w|) or "mse" (clip search of ``weights.search_weight_clip``,
     weighted by the inputs' mean square).
-    Statistics come from the unquantized model. per_block: collect them one decoder block at a
-    time (each pass stops after that block), so only one block's Hessians exist at once: the
-    bound that streaming (``calibration.offload``) needs; otherwise all layers at once, one pass.
+    per_block: collect the statistics one decoder block at a time (each pass stops after that
+    block), so only one block's Hessians exist at once: the bound that streaming
+    (``calibration.offload``) needs; otherwise all layers at once, one pass, from the unquantized
+    model. sequential: block by block too, and each block's statistics come from the inputs the
+    blocks before it give once quantized: their Linears run with their rounded weights and their
+    inputs quantized as the converted model will (per token, or per tensor at ``input_amax``'s
+    calibrated range for static schemes), so a block's rounding also corrects the error that
+    reaches it (as the GPTQ paper runs it). The same passes as per_block; the model is restored.
     The rounding runs where the statistics were gathered; results land on each weight's device.
     """
     qmax_of(dtype)  # validates: torch.int8 or torch.float8_e4m3fn
@@ -223,7 +232,7 @@ def gptq_quantize_weights(
         return {}
     modules = dict(model.named_modules())
     groups: list[tuple[list[str], nn.Module | None]] = [(list(layer_names), None)]
-    if per_block:
+    if per_block or sequential:
         from quantkit.calibration.offload import block_of, decoder_blocks
 
         owner, stacks = block_of(model, list(layer_names)), decoder_blocks(model)
@@ -235,10 +244,15 @@ def gptq_quantize_weights(
             groups.append((by_block[-1], None))
     result = {}
     experts = expert_linears(model)
-    with tqdm(total=len(layer_names), desc="gptq", unit="layer", disable=not progress, leave=False) as bar:
+    running: set[str] = set()  # sequential: the layers that run quantized until the stack closes
+    with tqdm(total=len(layer_names), desc="gptq", unit="layer", disable=not progress, leave=False) as bar, \
+            ExitStack() as quantized:
         for names, stop_after in groups:
-            hessians = collect_hessians(model, blocks, names, batch_size, progress and not per_block, stop_after,
-                                        first_token_weight)
+            for name in (result.keys() - running) if sequential else ():
+                _run_quantized(quantized, modules[name], name, result[name], dtype, input_amax)
+                running.add(name)
+            hessians = collect_hessians(model, blocks, names, batch_size, progress and not (per_block or sequential),
+                                        stop_after, first_token_weight)
             for name in names:
                 tokens = hessians[name].n_tokens
                 if tokens == 0 or (name in experts and tokens < modules[name].in_features):
@@ -257,6 +271,21 @@ def gptq_quantize_weights(
                 bar.update()
             del hessians
     return result
+
+
+def _run_quantized(stack: ExitStack, linear: nn.Linear, name: str, quantized: tuple[torch.Tensor, torch.Tensor],
+                   dtype: torch.dtype, input_amax: dict[str, torch.Tensor] | None) -> None:
+    """Until ``stack`` closes, ``linear`` computes as its QuantLinear will: the rounded weight, the
+    input quantized per token, or per tensor at its calibrated range (static)."""
+    q, scale = quantized
+    weight = linear.weight
+    dequantized = (q.to(weight.device).float() * scale.to(weight.device).float()[:, None]).to(weight.dtype)
+    static = None
+    if input_amax is not None:
+        if name not in input_amax:
+            raise ValueError(f"sequential GPTQ of a static scheme needs every layer's input range; {name} has none")
+        static = scale_from_amax(input_amax[name].detach().float(), dtype)
+    stack.enter_context(swapped_forward(linear, dequantized, lambda x: quantize_dequantize_input(x, dtype, static)))
 
 
 def _gptq_layer(weight: torch.Tensor, H: torch.Tensor, dtype: torch.dtype, block_size: int, damp: float,

@@ -52,33 +52,46 @@ def fake_quantize_input(x: torch.Tensor, config: QuantConfig) -> torch.Tensor:
     Static uses the tensor's own absmax as the scale, an optimistic stand-in for a calibrated
     one that is good enough to rank layers.
     """
-    dtype = config.torch_dtype
+    if not config.is_static:
+        return quantize_dequantize_input(x, config.torch_dtype)
+    scale = scale_from_amax(x.detach().float().abs().amax(), config.torch_dtype)
+    return quantize_dequantize_input(x, config.torch_dtype, scale)
+
+
+def quantize_dequantize_input(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` as a QuantLinear's GEMM sees it: quantized per token (``scale`` None) or per tensor
+    with ``scale``, dequantized, in ``x``'s dtype."""
     flat = x.reshape(-1, x.shape[-1]).float()
-    if config.is_static:
-        scale = scale_from_amax(flat.abs().amax(), dtype).reshape(1)
+    if scale is not None:
+        scale = scale.reshape(1).float().to(flat.device)
         deq = quantize_per_tensor(flat, scale, dtype).float() * scale
     else:
-        q, scale = quantize_per_token(flat, dtype)
-        deq = q.float() * scale[:, None]
+        q, token_scale = quantize_per_token(flat, dtype)
+        deq = q.float() * token_scale[:, None]
     return deq.reshape(x.shape).to(x.dtype)
 
 
 @contextmanager
-def fake_quantized(module: nn.Linear, config: QuantConfig):
-    """Temporarily run ``module`` as its W8A8 version (weight swapped, input quantized by a hook).
+def swapped_forward(module: nn.Linear, weight: torch.Tensor, quantize_input):
+    """Temporarily run ``module`` with ``weight`` and its input passed through ``quantize_input``.
 
     The weight Parameter itself is swapped, not written into: a tied ``lm_head`` shares its
-    weight with the input embeddings, which must stay 16-bit while the head is scored.
+    weight with the input embeddings, which must stay 16-bit meanwhile.
     """
     original = module._parameters["weight"]
-    module._parameters["weight"] = nn.Parameter(fake_quantized_weight(original.detach(), config),
-                                                requires_grad=False)
-    handle = module.register_forward_pre_hook(lambda _m, args: (fake_quantize_input(args[0], config), *args[1:]))
+    module._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
+    handle = module.register_forward_pre_hook(lambda _m, args: (quantize_input(args[0]), *args[1:]))
     try:
         yield module
     finally:
         handle.remove()
         module._parameters["weight"] = original
+
+
+def fake_quantized(module: nn.Linear, config: QuantConfig):
+    """Temporarily run ``module`` as its W8A8 version (weight swapped, input quantized by a hook)."""
+    return swapped_forward(module, fake_quantized_weight(module.weight.detach(), config),
+                           lambda x: fake_quantize_input(x, config))
 
 
 def _positions(seq_len: int, count: int) -> torch.Tensor:

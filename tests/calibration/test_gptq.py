@@ -127,3 +127,58 @@ def test_mse_observer_path_and_bad_input():
         gptq_quantize_weights(model, blocks, ["model.layers.0.mlp"], progress=False)
     with pytest.raises(ValueError, match="shapes"):
         gptq_quantize(torch.randn(3, 4), torch.eye(5), torch.ones(3))
+
+
+def _two_block_llama(seed=0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=48, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=131)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+_LAYERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+
+
+@pytest.mark.parametrize("dtype,static", [(torch.int8, False), (torch.float8_e4m3fn, False), (torch.int8, True)])
+def test_sequential_gptq_sees_the_quantized_blocks_before(dtype, static):
+    """Block 0 is rounded on the float model's inputs, as without ``sequential``; block 1 on the
+    inputs that block 0 gives once quantized, built here by hand: block 0's Linears with their
+    dequantized GPTQ weights and their inputs quantized per token (or per tensor at a range)."""
+    from quantkit.calibration.sensitivity import quantize_dequantize_input
+    from quantkit.kernels.reference import scale_from_amax
+
+    model = _two_block_llama()
+    blocks = torch.randint(0, 131, (5, 23), generator=torch.Generator().manual_seed(1))
+    names = [f"model.layers.{i}.{layer}" for i in (0, 1) for layer in _LAYERS]
+    amax = {name: torch.tensor(0.5 + 0.1 * i) for i, name in enumerate(names)} if static else None
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    sequential = gptq_quantize_weights(model, blocks, names, dtype, progress=False, sequential=True, input_amax=amax)
+    for n, p in model.named_parameters():  # the very same Parameters, unchanged, and no hook left behind
+        assert p is before[n][0] and torch.equal(p, before[n][1])
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    per_block = gptq_quantize_weights(model, blocks, names, dtype, progress=False, per_block=True)
+    for name in names[:7]:
+        assert all(torch.equal(a, b) for a, b in zip(sequential[name], per_block[name])), name
+    assert any(not torch.equal(sequential[n][0], per_block[n][0]) for n in names[7:])
+
+    modules = dict(model.named_modules())
+    for name in names[:7]:
+        q, scale = sequential[name]
+        linear = modules[name]
+        linear.weight.data = (q.float() * scale[:, None]).to(linear.weight.dtype)
+        static_scale = scale_from_amax(amax[name], dtype) if static else None
+        linear.register_forward_pre_hook(lambda _m, a, s=static_scale: (quantize_dequantize_input(a[0], dtype, s),))
+    by_hand = gptq_quantize_weights(model, blocks, names[7:], dtype, progress=False)
+    for name in names[7:]:
+        assert all(torch.equal(a, b) for a, b in zip(sequential[name], by_hand[name])), name
+
+
+def test_sequential_gptq_of_a_static_scheme_needs_every_input_range():
+    model = _two_block_llama()
+    blocks = torch.randint(0, 131, (2, 11))
+    names = ["model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"]
+    with pytest.raises(ValueError, match="model.layers.0.mlp.up_proj has none"):
+        gptq_quantize_weights(model, blocks, names, progress=False, sequential=True,
+                              input_amax={names[1]: torch.tensor(1.0)})
+    assert not any(m._forward_pre_hooks for m in model.modules())
