@@ -124,8 +124,10 @@ class QuantConfig:
         if recipe not in RECIPES:
             raise ValueError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
         weight_type, activations = PRESETS[scheme]
-        return cls(weight_type=weight_type, activations=activations, name=scheme,
-                   **{**RECIPES[recipe][scheme], **overrides})
+        values = {**RECIPES[recipe][scheme], **overrides}
+        if not values.get("gptq") and "gptq_sequential" not in overrides:
+            values.pop("gptq_sequential", None)  # the recipe's GPTQ detail goes with its GPTQ (--no-gptq)
+        return cls(weight_type=weight_type, activations=activations, name=scheme, **values)
 
     def replace(self, **changes: Any) -> "QuantConfig":
         return dataclasses.replace(self, **changes)

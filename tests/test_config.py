@@ -4,6 +4,7 @@ import copy
 
 import pytest
 
+import quantkit.config as config_module
 from quantkit.config import QuantConfig, UnknownSchemeError
 
 
@@ -51,3 +52,19 @@ def test_ignore_takes_a_string_a_list_or_a_set():
     assert QuantConfig(ignore="lm_head").ignore == ("lm_head",)
     assert QuantConfig(ignore=["lm_head", "*.down_proj"]).ignore == ("lm_head", "*.down_proj")
     assert QuantConfig(ignore={"lm_head", "*.down_proj"}).ignore == ("*.down_proj", "lm_head")
+
+
+def test_sequential_gptq_is_a_gptq_option_and_reads_back():
+    with pytest.raises(ValueError, match="gptq_sequential=True needs gptq=True"):
+        QuantConfig(gptq_sequential=True)
+    config = QuantConfig.preset("fp8", gptq=True, gptq_sequential=True)
+    read = QuantConfig.from_quantization_config(config.to_quantization_config(ignore=["lm_head"]))
+    assert read.gptq and read.gptq_sequential
+    # A recipe's sequential setting goes with its GPTQ when GPTQ is turned off...
+    recipes = {**config_module.RECIPES, "seq": {"fp8": {"gptq": True, "gptq_sequential": True}}}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(config_module, "RECIPES", recipes)
+        assert not QuantConfig.preset("fp8", "seq", gptq=False).gptq_sequential
+        # ...but asking for both off and on at once is refused.
+        with pytest.raises(ValueError, match="needs gptq=True"):
+            QuantConfig.preset("fp8", "seq", gptq=False, gptq_sequential=True)

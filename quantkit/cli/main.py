@@ -125,6 +125,9 @@ def quantize(
     smoothquant: Optional[float] = typer.Option(None, help="SmoothQuant migration strength alpha in [0, 1] (0.5 is the default recipe)."),
     gptq: Optional[bool] = typer.Option(None, "--gptq/--no-gptq", help="Error-compensated (GPTQ) weight rounding "
                                                                       "(default: off, or the recipe's choice)."),
+    gptq_sequential: Optional[bool] = typer.Option(
+        None, "--gptq-sequential/--no-gptq-sequential", help="With --gptq: each decoder block's statistics from the "
+        "blocks before it as quantized (default: off, or the recipe's choice)."),
     weight_observer: Optional[str] = typer.Option(None, help="absmax | percentile | mse (per-channel clipping search; "
                                                              "default: absmax, or the recipe's choice)."),
     activation_observer: Optional[str] = typer.Option(None, help="absmax | percentile | mse (static schemes only; "
@@ -140,7 +143,8 @@ def quantize(
     import quantkit
 
     # Only the flags given override the recipe's choices (a flag set to its default value included).
-    flags = {"smoothquant_alpha": smoothquant, "gptq": gptq, "keep_sensitive": keep_sensitive,
+    flags = {"smoothquant_alpha": smoothquant, "gptq": gptq, "gptq_sequential": gptq_sequential,
+             "keep_sensitive": keep_sensitive,
              "weight_observer": weight_observer, "activation_observer": activation_observer, "percentile": percentile}
     config = quantkit.QuantConfig.preset(
         scheme, recipe=recipe, backend=backend, **{k: v for k, v in flags.items() if v is not None})

@@ -725,3 +725,9 @@ def test_bench_check_failure_is_one_line(monkeypatch, tmp_path):
     result = invoke("bench", "gemm", "--out-dir", tmp_path)
     assert_user_error(result, "quantkit_fp8 at M=13", "exceeds 4e-3")
     assert "second line" not in result.stderr
+
+
+def test_sequential_gptq_without_gptq_is_refused(llama_dir, tmp_path, text_dir):
+    result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--dataset", text_dir, "--gptq-sequential")
+    assert_user_error(result, "gptq_sequential=True needs gptq=True")
+    assert not (tmp_path / "out").exists()
