@@ -29,12 +29,12 @@ import math
 import numbers
 import operator
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from quantkit import logits_rules
 from quantkit.kernels.launch import side_stream
 from quantkit.kernels.ops import resolve_backend
 from quantkit.models.fast_attention import padded_head_dim, register_static_cache_attention
@@ -283,11 +283,14 @@ def generate(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
     repetition_penalty: float | None = None,
+    min_new_tokens: int | None = None,
 ) -> torch.Tensor:
     """Greedy decoding (or sampling); returns (B, S + n) token ids, prompt included, as
-    ``model.generate`` with ``do_sample=False`` does, repetition penalty included, when the
-    generation config sets no other logits rules (minimum length, banned or forced tokens: not
-    applied here, with a warning naming them).
+    ``model.generate`` with ``do_sample=False`` does, with the generation config's repetition
+    penalty, minimum lengths, one-token bad words, forced BOS / EOS and suppressed tokens applied
+    as it applies them (``logits_rules``); the rules that need the generated history
+    (no_repeat_ngram_size, bad words of several tokens, sequence_bias) are named in a warning
+    and not applied.
 
     input_ids: (B, S) or (S,) token ids (or lists) of an unpadded batch (equal lengths).
     attention_mask: optional; all ones (an unpadded batch), as padding is refused.
@@ -312,6 +315,7 @@ def generate(
         divided by it where positive and multiplied where negative before the choice, as
         transformers' RepetitionPenaltyLogitsProcessor does (1.0: off). Default: the generation
         config's, as ``model.generate`` takes it.
+    min_new_tokens: no eos token before this many new tokens (default: the generation config's).
     """
     ids = _as_batch(input_ids, getattr(model.config, "vocab_size", None))
     batch, prompt_len = ids.shape
@@ -325,10 +329,11 @@ def generate(
     _refuse_padding(ids, attention_mask, pad_token_id if pad_token_id is not None else config_pad, eos)
     if pad_token_id is None:
         pad_token_id = config_pad if isinstance(config_pad, int) else eos[0] if eos else 0
-    _warn_unapplied_rules(generation_config)
     sampling = _sampling(do_sample, temperature, top_k, top_p, generator)
     penalty = _repetition_penalty(repetition_penalty, generation_config)
     device = next(model.parameters()).device
+    rules = logits_rules.build(generation_config, min_new_tokens, eos, prompt_len, max_new_tokens,
+                               _logits_width(model), device)
     use_graph = device.type == "cuda" and not routes_on_host(model) if cuda_graph is None else cuda_graph
     if use_graph and routes_on_host(model):
         raise ValueError("cuda_graph=True cannot capture this model's mixture of experts (its routing runs on the "
@@ -346,7 +351,7 @@ def generate(
             uniforms = torch.rand((max_new_tokens, batch), generator=generator, dtype=torch.float64,
                                   device=generator.device if generator is not None else device).to(device)
         return _generate(model, ids.to(device), max_new_tokens, eos, pad_token_id, capacity, use_graph, stats,
-                         sampling, uniforms, penalty)
+                         sampling, uniforms, penalty, rules)
     finally:
         model.set_attn_implementation(previous_attention)
 
@@ -409,22 +414,11 @@ def _refuse_padding(ids: torch.Tensor, attention_mask, pad, eos: list[int]) -> N
             raise ValueError(f"rows of the prompt start or end with the pad token id {pad}: {padded}")
 
 
-# Generation-config settings that model.generate(do_sample=False) applies to the logits and a
-# plain argmax does not, with the value that means "off".
-_LOGITS_RULES = {"no_repeat_ngram_size": 0, "min_new_tokens": 0, "min_length": 0,
-                 "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
-                 "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None,
-                 "encoder_repetition_penalty": 1.0}
-
-
-def _warn_unapplied_rules(generation_config) -> None:
-    if generation_config is None:
-        return
-    unapplied = [f"{name}={value!r}" for name, off in _LOGITS_RULES.items()
-                 if (value := getattr(generation_config, name, off)) not in (off, None)]
-    if unapplied:
-        warnings.warn(f"quantkit decodes by plain greedy argmax; the generation config's {', '.join(unapplied)} "
-                      "is not applied (model.generate(do_sample=False) applies it)", stacklevel=3)
+def _logits_width(model: nn.Module) -> int:
+    """The width of the model's logits: its output layer's, else the config's vocabulary."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    width = getattr(head, "out_features", None)
+    return width if isinstance(width, int) else model.config.vocab_size
 
 
 def _sync(device: torch.device) -> None:
@@ -433,7 +427,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _generate(model, ids, max_new_tokens, eos, pad_token_id, capacity, use_graph, stats, sampling, uniforms,
-              penalty=None):
+              penalty=None, rules: logits_rules.LogitsRules | None = None):
     device = ids.device
     batch, prompt_len = ids.shape
     cache = StaticKVCache(capacity)
@@ -448,6 +442,8 @@ def _generate(model, ids, max_new_tokens, eos, pad_token_id, capacity, use_graph
         scores = logits[:, -1].float()
         if seen is not None:
             scores = _penalize(scores, seen, penalty)
+        if rules is not None:
+            scores = rules.apply(scores, step_index)
         if sampling is None:
             token = scores.argmax(dim=-1)
         else:

@@ -323,6 +323,9 @@ def generate(
     repetition_penalty: Optional[float] = typer.Option(
         None, help="Divide the scores of tokens already in the text by R (> 1 discourages repeats, 1 is off; "
                    "default: the model's generation config)."),
+    min_new_tokens: Optional[int] = typer.Option(
+        None, min=0, help="No end-of-sequence token before this many new tokens (default: the model's generation "
+                          "config)."),
 ) -> None:
     """Greedy or sampled generation with a static KV cache (CUDA-graph decode on a GPU)."""
     import torch
@@ -356,7 +359,7 @@ def generate(
     if seed is not None:
         sampling["generator"] = torch.Generator(device).manual_seed(seed)
     out = quantkit.generate_tokens(lm, ids, max_new_tokens, stats=stats, repetition_penalty=repetition_penalty,
-                                   **sampling)
+                                   min_new_tokens=min_new_tokens, **sampling)
     typer.echo(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     steps = stats.get("decode_steps") or 0
     notes = [f"{steps} decode steps, {1000 * stats['decode_s'] / steps:.1f} ms/token, "

@@ -293,6 +293,24 @@ def test_generate_with_a_repetition_penalty(checkpoint_hd64):
     assert default.stdout == off.stdout != strong.stdout
 
 
+def test_generate_passes_min_new_tokens(checkpoint_hd64, monkeypatch):
+    """--min-new-tokens reaches generate_tokens (its effect is generate's own test)."""
+    import quantkit
+
+    seen = {}
+    real = quantkit.generate_tokens
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quantkit, "generate_tokens", spy)
+    result = invoke("generate", checkpoint_hd64, "--prompt", "The river city", "--max-new-tokens", 4, "--device", "cpu",
+                    "--min-new-tokens", 3)
+    assert result.exit_code == 0, result.output
+    assert seen["min_new_tokens"] == 3
+
+
 def test_generate_beyond_context(checkpoint_hd64):
     checkpoint = checkpoint_hd64
     result = invoke("generate", checkpoint, "--prompt", "The river city", "--max-new-tokens", 1000, "--device", "cpu")

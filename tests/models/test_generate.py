@@ -201,12 +201,97 @@ def test_padded_batches_are_refused_when_pad_is_eos_or_passed():
     assert torch.equal(generate(model, prompt, 3, attention_mask=torch.ones_like(prompt)), generate(model, prompt, 3))
 
 
-def test_logits_rules_of_the_generation_config_are_named_in_a_warning():
+def test_logits_rules_needing_the_history_are_named_in_a_warning():
     model = make_tiny("llama")
     model.generation_config.no_repeat_ngram_size = 3
-    model.generation_config.min_new_tokens = 4
-    with pytest.warns(UserWarning, match=r"no_repeat_ngram_size=3, min_new_tokens=4 is not applied"):
+    model.generation_config.bad_words_ids = [[5, 6], [7]]
+    model.generation_config.min_new_tokens = 4  # applied: not named
+    with pytest.warns(UserWarning, match=r"generation config's no_repeat_ngram_size=3, bad_words_ids=\[\[5, 6\], \[7\]\] "
+                                         r"\(words of several tokens\) \(model.generate does\)"):
         generate(model, _prompt(model.config.vocab_size, batch=1), 2, eos_token_id=None)
+
+
+def _rules_cases(plain, prompt_len):
+    """Generation-config fields, each chosen from the rule-free greedy tokens ``plain`` so that it
+    changes them: tokens the model picks, an eos it would emit early."""
+    first, early = plain[:, prompt_len].tolist(), int(plain[1, prompt_len + 2])
+    eos = dict(eos_token_id=early, pad_token_id=0)
+    return {
+        "suppress_tokens": (dict(suppress_tokens=[int(plain[0, prompt_len]), int(plain[1, prompt_len + 1])]), {}),
+        "begin_suppress_tokens": (dict(begin_suppress_tokens=sorted(set(first))), {}),
+        "bad_words_ids": (dict(bad_words_ids=[[int(plain[0, prompt_len + 3])], [first[2]]]), {}),
+        "min_new_tokens": (dict(min_new_tokens=6), eos),
+        "min_length": (dict(min_length=prompt_len + 5), eos),
+        "forced_eos_token_id": (dict(forced_eos_token_id=[3, 4]), {}),
+        "all": (dict(suppress_tokens=[first[0]], begin_suppress_tokens=[first[1]], min_new_tokens=4,
+                     bad_words_ids=[[early], [first[2]]], forced_eos_token_id=5), eos),
+    }
+
+
+@pytest.mark.parametrize("case", ["suppress_tokens", "begin_suppress_tokens", "bad_words_ids", "min_new_tokens",
+                                  "min_length", "forced_eos_token_id", "all"])
+def test_generation_config_logits_rules_equal_hf(case):
+    """Each rule as the model's generation config holds it, against model.generate with the same
+    config; each case changes the rule-free tokens (else the test could not see the rule)."""
+    model = make_tiny("llama")
+    ids = _prompt(model.config.vocab_size, batch=3, length=11, seed=8)
+    plain = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    fields, eos = _rules_cases(plain, 11)[case]
+    for name, value in fields.items():
+        setattr(model.generation_config, name, value)
+    kwargs = dict(eos_token_id=eos.get("eos_token_id"), pad_token_id=0)
+    want = model.generate(ids, max_new_tokens=16, do_sample=False, **kwargs)
+    without = model.generate(ids, max_new_tokens=16, do_sample=False, **kwargs, **{name: None for name in fields})
+    assert not torch.equal(want, without), f"{case} changes nothing here: the test would not see it"
+    assert torch.equal(generate(model, ids, 16, **kwargs), want)
+
+
+def test_forced_bos_on_a_one_token_prompt_and_min_new_tokens_as_an_argument():
+    model = make_tiny("llama")
+    ids = _prompt(model.config.vocab_size, batch=2, length=1, seed=9)
+    model.generation_config.forced_bos_token_id = 7
+    forced = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert bool((forced[:, 1] == 7).all())
+    assert torch.equal(generate(model, ids, 6, eos_token_id=None), forced)
+    # After a forced BOS the suppression at the beginning applies one step later, to the second token.
+    model.generation_config.begin_suppress_tokens = sorted(set(forced[:, 2].tolist()))
+    want = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert not torch.equal(want, forced)
+    assert torch.equal(generate(model, ids, 6, eos_token_id=None), want)
+    model.generation_config.forced_bos_token_id = model.generation_config.begin_suppress_tokens = None
+    plain = generate(model, _prompt(model.config.vocab_size, batch=3, length=11, seed=8), 16, eos_token_id=None)
+    eos = int(plain[1, 13])
+    ids = _prompt(model.config.vocab_size, batch=3, length=11, seed=8)
+    want = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=0,
+                          min_new_tokens=6)
+    assert torch.equal(generate(model, ids, 16, eos_token_id=eos, pad_token_id=0, min_new_tokens=6), want)
+    assert not torch.equal(generate(model, ids, 16, eos_token_id=eos, pad_token_id=0), want)
+
+
+def test_sampling_never_draws_a_suppressed_token():
+    model = make_tiny("llama")
+    vocab = model.config.vocab_size
+    model.generation_config.suppress_tokens = list(range(0, vocab, 2))  # every even id
+    ids = _prompt(vocab, batch=2, length=5, seed=10)
+    out = generate(model, ids, 40, eos_token_id=None, do_sample=True, temperature=3.0,
+                   generator=torch.Generator().manual_seed(1))
+    assert bool((out[:, 5:] % 2 == 1).all())
+    model.generation_config.suppress_tokens = None
+    free = generate(model, ids, 40, eos_token_id=None, do_sample=True, temperature=3.0,
+                    generator=torch.Generator().manual_seed(1))
+    assert bool((free[:, 5:] % 2 == 0).any())  # without the rule they come up
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("suppress_tokens", [10**6], "suppress_tokens holds token id 1000000, outside the vocabulary"),
+    ("begin_suppress_tokens", ["a"], "begin_suppress_tokens=\\['a'\\] must be token ids"),
+    ("min_new_tokens", -1, "min_new_tokens=-1 must be an int >= 0"),
+])
+def test_bad_logits_rules_are_refused_before_any_work(field, value, message):
+    model = make_tiny("llama")
+    setattr(model.generation_config, field, value)
+    with pytest.raises(ValueError, match=message):
+        generate(model, _prompt(model.config.vocab_size, batch=1), 2, eos_token_id=3)
 
 
 # (The tiny random Gemma-3 already repeats one token: a penalty below 1 changes nothing there.)
