@@ -42,7 +42,7 @@ class LogitsRules:
 
     def apply(self, scores: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """``scores`` (B, V) float32 at generated-token index ``step`` ((1,) long, on their device)."""
-        inf = torch.tensor(float("-inf"), device=scores.device)
+        inf = float("-inf")  # a Python scalar: no host-to-device copy inside a CUDA-graph capture
         if self.banned is not None:
             scores = torch.where(self.banned, inf, scores)
         if self.eos is not None:
