@@ -287,10 +287,9 @@ def generate(
 ) -> torch.Tensor:
     """Greedy decoding (or sampling); returns (B, S + n) token ids, prompt included, as
     ``model.generate`` with ``do_sample=False`` does, with the generation config's repetition
-    penalty, minimum lengths, one-token bad words, forced BOS / EOS and suppressed tokens applied
-    as it applies them (``logits_rules``); the rules that need the generated history
-    (no_repeat_ngram_size, bad words of several tokens, sequence_bias) are named in a warning
-    and not applied.
+    penalty, minimum lengths, repeated n-grams, bad words, forced BOS / EOS and suppressed tokens
+    applied as it applies them (``logits_rules``); sequence_bias and the other rules it does not
+    apply are named in a warning.
 
     input_ids: (B, S) or (S,) token ids (or lists) of an unpadded batch (equal lengths).
     attention_mask: optional; all ones (an unpadded batch), as padding is refused.
@@ -432,7 +431,13 @@ def _generate(model, ids, max_new_tokens, eos, pad_token_id, capacity, use_graph
     batch, prompt_len = ids.shape
     cache = StaticKVCache(capacity)
     eos_tensor = torch.tensor(eos, dtype=torch.long, device=device)
-    out = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    history = None  # (B, S + n): the prompt and the generated tokens, for rules that match patterns
+    if rules is not None and rules.needs_history:
+        history = torch.full((batch, prompt_len + max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+        history[:, :prompt_len] = ids
+        out = history[:, prompt_len:]  # a view: the tokens written to out extend the history
+    else:
+        out = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     seen = None  # (B, V): the tokens each row holds, for the repetition penalty
 
@@ -443,7 +448,7 @@ def _generate(model, ids, max_new_tokens, eos, pad_token_id, capacity, use_graph
         if seen is not None:
             scores = _penalize(scores, seen, penalty)
         if rules is not None:
-            scores = rules.apply(scores, step_index)
+            scores = rules.apply(scores, step_index, history)
         if sampling is None:
             token = scores.argmax(dim=-1)
         else:

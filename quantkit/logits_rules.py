@@ -3,14 +3,15 @@
 transformers turns these generation-config fields into logits processors, run in this order after
 the repetition penalty and before the sampling warpers; each sets scores to -inf (or forces one):
 
-    bad_words_ids (one-token words)  ->  min_length, min_new_tokens (no eos before)
+    no_repeat_ngram_size  ->  bad_words_ids  ->  min_length, min_new_tokens (no eos before)
     ->  forced_bos_token_id, forced_eos_token_id  ->  suppress_tokens  ->  begin_suppress_tokens
 
-``LogitsRules`` holds them as boolean masks over the vocabulary and step numbers, applied to the
-(B, V) float32 scores with the step index as a device tensor: fixed shapes and no host branch, so
-the captured decode step holds them. Rules that need the generated history or the encoder
-(no_repeat_ngram_size, multi-token bad_words_ids, sequence_bias, encoder_repetition_penalty,
-exponential_decay_length_penalty) are not applied; ``generate`` names them in a warning.
+``LogitsRules`` holds them as boolean masks over the vocabulary, step numbers and (for n-grams and
+bad words of several tokens) token patterns matched against the sequence so far, a (B, L) buffer
+of the prompt and the generated tokens. All of it is applied to the (B, V) float32 scores with the
+step index as a device tensor: fixed shapes and no host branch, so the captured decode step holds
+it. sequence_bias, encoder_repetition_penalty and exponential_decay_length_penalty are not
+applied; ``generate`` names them in a warning.
 """
 
 from __future__ import annotations
@@ -22,14 +23,17 @@ import torch
 
 # Generation-config settings that model.generate applies to the logits and generate does not, with
 # the value that means "off" (bad_words_ids: only its multi-token words, see ``build``).
-UNAPPLIED = {"no_repeat_ngram_size": 0, "sequence_bias": None, "encoder_repetition_penalty": 1.0,
-             "exponential_decay_length_penalty": None}
+UNAPPLIED = {"sequence_bias": None, "encoder_repetition_penalty": 1.0, "exponential_decay_length_penalty": None}
 
 
 @dataclass
 class LogitsRules:
     """Masks (V,) on the scores' device, None where a rule is off; steps count generated tokens."""
 
+    prompt_len: int = 0
+    ngram: int = 0  # no_repeat_ngram_size
+    # Bad words of several tokens, by length: (prefixes (N, k - 1), last tokens (N,)) long tensors.
+    word_groups: tuple = ()
     banned: torch.Tensor | None = None  # one-token bad words: always -inf
     eos: torch.Tensor | None = None  # the eos ids, -inf while step < eos_from
     eos_from: int = 0
@@ -40,9 +44,20 @@ class LogitsRules:
     begin_suppressed: torch.Tensor | None = None  # -inf at step begin_at
     begin_at: int = 0
 
-    def apply(self, scores: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        """``scores`` (B, V) float32 at generated-token index ``step`` ((1,) long, on their device)."""
+    @property
+    def needs_history(self) -> bool:
+        return self.ngram > 0 or bool(self.word_groups)
+
+    def apply(self, scores: torch.Tensor, step: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
+        """``scores`` (B, V) float32 at generated-token index ``step`` ((1,) long, on their device);
+        ``history`` (B, L): the prompt and the tokens generated so far from column 0 (later
+        columns are ignored), needed when ``needs_history``."""
         inf = float("-inf")  # a Python scalar: no host-to-device copy inside a CUDA-graph capture
+        length = self.prompt_len + step  # (1,): the sequence's length now
+        if self.ngram:
+            scores = torch.where(_repeated_ngram_ends(history, length, self.ngram, scores.shape[1]), inf, scores)
+        for prefixes, last in self.word_groups:
+            scores = torch.where(_completed_words(history, length, prefixes, last, scores.shape[1]), inf, scores)
         if self.banned is not None:
             scores = torch.where(self.banned, inf, scores)
         if self.eos is not None:
@@ -55,6 +70,42 @@ class LogitsRules:
         if self.begin_suppressed is not None:
             scores = torch.where(self.begin_suppressed & (step == self.begin_at), inf, scores)
         return scores
+
+
+def _last_tokens(history: torch.Tensor, length: torch.Tensor, count: int) -> torch.Tensor:
+    """(B, count): the last ``count`` tokens of each row of ``history`` cut at ``length``
+    (positions before 0 read column 0; callers mask those cases)."""
+    index = (length - count + torch.arange(count, device=history.device)).clamp_min(0)
+    return history.index_select(1, index)
+
+
+def _scatter_mask(rows: int, vocab: int, tokens: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
+    """(rows, vocab) bool, True at ``tokens`` (rows, N) where ``hit``: misses go to a spare column
+    (a False scattered after a True at one token would clear it)."""
+    mask = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=tokens.device)
+    mask.scatter_(1, torch.where(hit, tokens.clamp(0, vocab), vocab), True)
+    return mask[:, :vocab]
+
+
+def _repeated_ngram_ends(history: torch.Tensor, length: torch.Tensor, n: int, vocab: int) -> torch.Tensor:
+    """(B, V): the tokens that would repeat an n-gram of the sequence (transformers'
+    NoRepeatNGramLogitsProcessor): every complete window whose first n - 1 tokens equal the
+    sequence's last n - 1 bans its last token."""
+    if n > history.shape[1]:  # longer than any sequence this call makes
+        return torch.zeros(history.shape[0], vocab, dtype=torch.bool, device=history.device)
+    windows = history.unfold(1, n, 1)  # (B, L - n + 1, n)
+    starts = torch.arange(windows.shape[1], device=history.device)
+    complete = starts <= length - n  # the window lies inside the sequence (none while length < n)
+    hit = (windows[..., :-1] == _last_tokens(history, length, n - 1)[:, None, :]).all(-1) & complete
+    return _scatter_mask(history.shape[0], vocab, windows[..., -1], hit)
+
+
+def _completed_words(history: torch.Tensor, length: torch.Tensor, prefixes: torch.Tensor, last: torch.Tensor,
+                     vocab: int) -> torch.Tensor:
+    """(B, V): the last tokens of the bad words whose other tokens end the sequence."""
+    prefix_len = prefixes.shape[1]
+    hit = (_last_tokens(history, length, prefix_len)[:, None, :] == prefixes[None]).all(-1) & (length >= prefix_len)
+    return _scatter_mask(history.shape[0], vocab, last[None].expand(history.shape[0], -1), hit)
 
 
 def _ids(value, name: str) -> list[int]:
@@ -93,17 +144,24 @@ def build(generation_config, min_new_tokens, eos: list[int], prompt_len: int, ma
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise ValueError(f"{name} holds token id {bad[0]}, outside the vocabulary of {vocab}")
-        return torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, torch.tensor(ids, device=device), True)
+        out = torch.zeros(vocab, dtype=torch.bool, device=device)
+        return out.index_fill_(0, torch.tensor(ids, device=device), True)
 
     unapplied = [f"{name}={value!r}" for name, off in UNAPPLIED.items() if (value := field(name)) not in (off, None)]
-    rules = LogitsRules()
-    words = field("bad_words_ids") or []
-    if words:
-        if all(len(word) == 1 for word in words):
-            # transformers never bans an eos id as a bad word.
-            rules.banned = mask([w[0] for w in words if w[0] not in eos], "bad_words_ids")
-        else:
-            unapplied.append(f"bad_words_ids={words!r} (words of several tokens)")
+    rules = LogitsRules(prompt_len=prompt_len, ngram=_count(field("no_repeat_ngram_size"),
+                                                            "the generation config's no_repeat_ngram_size"))
+    words = [_ids(word, "bad_words_ids") for word in (field("bad_words_ids") or [])]
+    if any(not word for word in words):
+        raise ValueError(f"the generation config's bad_words_ids={words!r} holds an empty word")
+    words = [word for word in words if not (len(word) == 1 and word[0] in eos)]  # as transformers
+    rules.banned = mask([word[0] for word in words if len(word) == 1], "bad_words_ids")
+    groups = []
+    for k in sorted({len(word) for word in words if len(word) > 1}):
+        group = [word for word in words if len(word) == k]
+        mask(sorted({t for word in group for t in word}), "bad_words_ids")  # validates the ids
+        groups.append((torch.tensor([w[:-1] for w in group], device=device),
+                       torch.tensor([w[-1] for w in group], device=device)))
+    rules.word_groups = tuple(groups)
     if unapplied:
         warnings.warn(f"quantkit's generate does not apply the generation config's {', '.join(unapplied)} "
                       "(model.generate does)", stacklevel=4)
@@ -128,7 +186,7 @@ def build(generation_config, min_new_tokens, eos: list[int], prompt_len: int, ma
         # transformers' first generated token, one later after a forced BOS on a one-token prompt
         rules.begin_suppressed = mask(begin, "begin_suppress_tokens")
         rules.begin_at = 1 if (prompt_len == 1 and forced_bos) else 0
-    if all(getattr(rules, f) is None for f in ("banned", "eos", "forced_bos", "forced_eos", "suppressed",
-                                               "begin_suppressed")):
+    if not rules.needs_history and all(getattr(rules, f) is None for f in (
+            "banned", "eos", "forced_bos", "forced_eos", "suppressed", "begin_suppressed")):
         return None
     return rules

@@ -201,13 +201,11 @@ def test_padded_batches_are_refused_when_pad_is_eos_or_passed():
     assert torch.equal(generate(model, prompt, 3, attention_mask=torch.ones_like(prompt)), generate(model, prompt, 3))
 
 
-def test_logits_rules_needing_the_history_are_named_in_a_warning():
+def test_logits_rules_not_applied_are_named_in_a_warning():
     model = make_tiny("llama")
-    model.generation_config.no_repeat_ngram_size = 3
-    model.generation_config.bad_words_ids = [[5, 6], [7]]
+    model.generation_config.sequence_bias = {(5,): -2.0}
     model.generation_config.min_new_tokens = 4  # applied: not named
-    with pytest.warns(UserWarning, match=r"generation config's no_repeat_ngram_size=3, bad_words_ids=\[\[5, 6\], \[7\]\] "
-                                         r"\(words of several tokens\) \(model.generate does\)"):
+    with pytest.warns(UserWarning, match=r"generation config's sequence_bias=\{\(5,\): -2.0\} \(model.generate does\)"):
         generate(model, _prompt(model.config.vocab_size, batch=1), 2, eos_token_id=None)
 
 
@@ -223,13 +221,21 @@ def _rules_cases(plain, prompt_len):
         "min_new_tokens": (dict(min_new_tokens=6), eos),
         "min_length": (dict(min_length=prompt_len + 5), eos),
         "forced_eos_token_id": (dict(forced_eos_token_id=[3, 4]), {}),
+        "no_repeat_ngram_size": (dict(no_repeat_ngram_size=2), {}),
+        "no_repeat_ngram_size_1": (dict(no_repeat_ngram_size=1), {}),
+        # a generated bigram, and a word that starts in the prompt (row 0's last prompt token)
+        "bad_words_of_several_tokens": (dict(bad_words_ids=[
+            [int(plain[0, prompt_len + 2]), int(plain[0, prompt_len + 3])],
+            [int(plain[0, prompt_len - 1]), first[0]], [first[1]]]), {}),
         "all": (dict(suppress_tokens=[first[0]], begin_suppress_tokens=[first[1]], min_new_tokens=4,
-                     bad_words_ids=[[early], [first[2]]], forced_eos_token_id=5), eos),
+                     bad_words_ids=[[early], [first[2]], [first[1], first[0]]], forced_eos_token_id=5,
+                     no_repeat_ngram_size=3), eos),
     }
 
 
 @pytest.mark.parametrize("case", ["suppress_tokens", "begin_suppress_tokens", "bad_words_ids", "min_new_tokens",
-                                  "min_length", "forced_eos_token_id", "all"])
+                                  "min_length", "forced_eos_token_id", "no_repeat_ngram_size",
+                                  "no_repeat_ngram_size_1", "bad_words_of_several_tokens", "all"])
 def test_generation_config_logits_rules_equal_hf(case):
     """Each rule as the model's generation config holds it, against model.generate with the same
     config; each case changes the rule-free tokens (else the test could not see the rule)."""
@@ -517,3 +523,31 @@ def test_a_zero_probability_token_is_never_chosen_at_a_block_edge():
     for uniform in (edge, torch.nextafter(edge, torch.ones_like(edge))):
         chosen = sampling.choose(logits, uniform.float())
         assert bool((probs.gather(1, chosen[:, None]) > 0).all())
+
+
+def test_pattern_rules_against_a_direct_reading_of_transformers():
+    """The n-gram and several-token bad-word masks on random sequences of a 5-token vocabulary (many
+    repeats), at every length, against the rules as transformers states them: a complete window of
+    the sequence whose first n - 1 tokens are its last n - 1 bans its last token; a word bans its
+    last token when its other tokens end the sequence (not when they are longer than it). Columns
+    past the length hold a token too, which must not count."""
+    from quantkit.logits_rules import _completed_words, _repeated_ngram_ends
+
+    gen = torch.Generator().manual_seed(11)
+    history = torch.randint(0, 5, (3, 12), generator=gen)
+    words = [[1, 2], [3, 3], [0, 4], [2, 2, 1], [4, 0, 3]]
+    for length in range(0, 13):
+        seqs = history[:, :length].tolist()
+        step = torch.tensor([length - 2])  # prompt_len 2 + step = length
+        for n in (1, 2, 3, 4):
+            got = _repeated_ngram_ends(history, step + 2, n, 6)
+            for row, seq in enumerate(seqs):
+                want = {seq[i + n - 1] for i in range(len(seq) - n + 1) if seq[i:i + n - 1] == seq[len(seq) - n + 1:]}
+                assert set(torch.nonzero(got[row]).flatten().tolist()) == want, (length, n, row)
+        for k in (2, 3):
+            group = [w for w in words if len(w) == k]
+            got = _completed_words(history, step + 2, torch.tensor([w[:-1] for w in group]),
+                                   torch.tensor([w[-1] for w in group]), 6)
+            for row, seq in enumerate(seqs):
+                want = {w[-1] for w in group if len(seq) >= k - 1 and seq[len(seq) - k + 1:] == w[:-1]}
+                assert set(torch.nonzero(got[row]).flatten().tolist()) == want, (length, k, row)
