@@ -15,15 +15,16 @@ read the same input tensor, e.g. q/k/v, share one), plus one calibration batch i
 from __future__ import annotations
 
 import logging
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
 from quantkit.calibration.calibrate import check_blocks, forward_backbone, storage_key
+from quantkit.calibration.sensitivity import quantize_dequantize_input
 from quantkit.calibration.weights import WEIGHT_OBSERVERS, weight_amax
-from quantkit.calibration.sensitivity import quantize_dequantize_input, swapped_forward
 from quantkit.kernels.reference import MIN_SCALE, cast_to_quantized, qmax_of, quantize_per_channel, scale_from_amax
 from quantkit.models.experts import expert_linears
 
@@ -222,7 +223,10 @@ def gptq_quantize_weights(
     blocks before it give once quantized: their Linears run with their rounded weights and their
     inputs quantized as the converted model will (per token, or per tensor at ``input_amax``'s
     calibrated range for static schemes), so a block's rounding also corrects the error that
-    reaches it (as the GPTQ paper runs it). The same passes as per_block; the model is restored.
+    reaches it (as the GPTQ paper runs it). The same passes as per_block (block i's pass runs
+    blocks 0..i: L(L+1)/2 block forwards); the quantized layers compute from their (q, scale)
+    results, so no extra copy of a weight is held; the model is restored. Linears outside the
+    decoder blocks (an lm_head) are rounded last, on statistics from the quantized blocks.
     The rounding runs where the statistics were gathered; results land on each weight's device.
     """
     qmax_of(dtype)  # validates: torch.int8 or torch.float8_e4m3fn
@@ -231,11 +235,25 @@ def gptq_quantize_weights(
     if not layer_names:
         return {}
     modules = dict(model.named_modules())
+    input_scales: dict[str, torch.Tensor] = {}
+    if sequential and input_amax is not None:  # static: every layer's range, checked before any work
+        missing = [name for name in layer_names if name not in input_amax]
+        if missing:
+            raise ValueError(f"sequential GPTQ of a static scheme needs every layer's input range; {len(missing)} "
+                             f"have none, the first {missing[0]}")
+        input_scales = {name: scale_from_amax(input_amax[name].detach().float(), dtype) for name in layer_names}
     groups: list[tuple[list[str], nn.Module | None]] = [(list(layer_names), None)]
     if per_block or sequential:
         from quantkit.calibration.offload import block_of, decoder_blocks
 
-        owner, stacks = block_of(model, list(layer_names)), decoder_blocks(model)
+        try:
+            stacks = decoder_blocks(model)
+        except ValueError as exc:
+            if not sequential:
+                raise
+            raise ValueError(f"gptq_sequential=True runs GPTQ one decoder block at a time, and "
+                             f"{type(model).__name__} has no list of decoder blocks; use gptq_sequential=False") from exc
+        owner = block_of(model, list(layer_names))
         by_block: dict[int, list[str]] = {}
         for name in layer_names:
             by_block.setdefault(owner.get(name, -1), []).append(name)
@@ -249,7 +267,7 @@ def gptq_quantize_weights(
             ExitStack() as quantized:
         for names, stop_after in groups:
             for name in (result.keys() - running) if sequential else ():
-                _run_quantized(quantized, modules[name], name, result[name], dtype, input_amax)
+                quantized.enter_context(_run_quantized(modules[name], result[name], dtype, input_scales.get(name)))
                 running.add(name)
             hessians = collect_hessians(model, blocks, names, batch_size, progress and not (per_block or sequential),
                                         stop_after, first_token_weight)
@@ -273,19 +291,28 @@ def gptq_quantize_weights(
     return result
 
 
-def _run_quantized(stack: ExitStack, linear: nn.Linear, name: str, quantized: tuple[torch.Tensor, torch.Tensor],
-                   dtype: torch.dtype, input_amax: dict[str, torch.Tensor] | None) -> None:
-    """Until ``stack`` closes, ``linear`` computes as its QuantLinear will: the rounded weight, the
-    input quantized per token, or per tensor at its calibrated range (static)."""
+@contextmanager
+def _run_quantized(linear: nn.Linear, quantized: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype,
+                   input_scale: torch.Tensor | None):
+    """While open, ``linear`` computes as its QuantLinear will: the rounded weight (dequantized per
+    call from (q, scale), so no 16-bit copy is held), the input quantized per token, or per tensor
+    at ``input_scale`` (static). q and scale ride along as buffers, so streaming moves them with the
+    block; the weight Parameter is left alone."""
     q, scale = quantized
-    weight = linear.weight
-    dequantized = (q.to(weight.device).float() * scale.to(weight.device).float()[:, None]).to(weight.dtype)
-    static = None
-    if input_amax is not None:
-        if name not in input_amax:
-            raise ValueError(f"sequential GPTQ of a static scheme needs every layer's input range; {name} has none")
-        static = scale_from_amax(input_amax[name].detach().float(), dtype)
-    stack.enter_context(swapped_forward(linear, dequantized, lambda x: quantize_dequantize_input(x, dtype, static)))
+    linear.register_buffer("_gptq_q", q, persistent=False)
+    linear.register_buffer("_gptq_scale", scale.reshape(-1), persistent=False)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        weight = (linear._gptq_q.float() * linear._gptq_scale.float()[:, None]).to(linear.weight.dtype)
+        static = None if input_scale is None else input_scale.to(x.device)
+        return F.linear(quantize_dequantize_input(x, dtype, static), weight, linear.bias)
+
+    linear.forward = forward
+    try:
+        yield linear
+    finally:
+        del linear.forward  # the instance attribute: nn.Linear.forward again
+        del linear._buffers["_gptq_q"], linear._buffers["_gptq_scale"]
 
 
 def _gptq_layer(weight: torch.Tensor, H: torch.Tensor, dtype: torch.dtype, block_size: int, damp: float,

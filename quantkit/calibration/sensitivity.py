@@ -17,6 +17,7 @@ score is each layer's own relative output error ``||y - y_q|| / ||y||``. It igno
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -72,7 +73,7 @@ def quantize_dequantize_input(x: torch.Tensor, dtype: torch.dtype, scale: torch.
 
 
 @contextmanager
-def swapped_forward(module: nn.Linear, weight: torch.Tensor, quantize_input):
+def swapped_forward(module: nn.Linear, weight: torch.Tensor, quantize_input: Callable[[torch.Tensor], torch.Tensor]):
     """Temporarily run ``module`` with ``weight`` and its input passed through ``quantize_input``.
 
     The weight Parameter itself is swapped, not written into: a tied ``lm_head`` shares its

@@ -143,11 +143,14 @@ def quantize(
     import quantkit
 
     # Only the flags given override the recipe's choices (a flag set to its default value included).
-    flags = {"smoothquant_alpha": smoothquant, "gptq": gptq, "gptq_sequential": gptq_sequential,
-             "keep_sensitive": keep_sensitive,
+    flags = {"smoothquant_alpha": smoothquant, "gptq": gptq, "keep_sensitive": keep_sensitive,
              "weight_observer": weight_observer, "activation_observer": activation_observer, "percentile": percentile}
     config = quantkit.QuantConfig.preset(
         scheme, recipe=recipe, backend=backend, **{k: v for k, v in flags.items() if v is not None})
+    if gptq_sequential and not config.gptq:
+        fail("--gptq-sequential says how GPTQ gathers its statistics; add --gptq (or drop the flag)")
+    if gptq_sequential is not None and config.gptq:
+        config = config.replace(gptq_sequential=gptq_sequential)
     if activation_observer is not None and not config.is_static:
         fail(f"--activation-observer {activation_observer} sets static activation scales, which --scheme {scheme} "
              "does not have (it scales per token at run time); use int8-static or fp8-static, or drop the flag")

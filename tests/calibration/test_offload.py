@@ -18,14 +18,23 @@ def _blocks(vocab, n=4, seq_len=24, seed=0):
     return torch.randint(3, vocab, (n, seq_len), generator=g)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_streamed_recipe_equals_resident_recipe(arch):
-    """SmoothQuant + sensitivity + static ranges + per-block GPTQ under streaming == the plain run."""
+@pytest.mark.parametrize("arch, sequential", [("llama", False), ("gemma3", False), ("llama", True),
+                                              ("gemma3", True)])
+def test_streamed_recipe_equals_resident_recipe(arch, sequential):
+    """SmoothQuant + sensitivity + static ranges + per-block (or sequential) GPTQ under streaming ==
+    the plain run."""
     model = make_model(arch, vocab_size=200, seed=3).float().eval()
     streamed = copy.deepcopy(model)
-    config = quantkit.QuantConfig.preset("int8-static", smoothquant_alpha=0.5, gptq=True, keep_sensitive=1)
+    config = quantkit.QuantConfig.preset("int8-static", smoothquant_alpha=0.5, gptq=True, keep_sensitive=1,
+                                         gptq_sequential=sequential)
     data = _blocks(200)
+    if sequential:  # quantize() passes the option on: the last block's weights differ from per-block GPTQ's
+        other = quantkit.quantize(copy.deepcopy(model), config.replace(gptq_sequential=False), data, progress=False)
     quantkit.quantize(model, config, data, progress=False)
+    if sequential:
+        last = len(decoder_blocks(model)) - 1
+        assert any(not torch.equal(m.weight, other.get_submodule(n).weight) for n, m in model.named_modules()
+                   if isinstance(m, QuantLinear) and f"layers.{last}." in n)
     quantkit.quantize(streamed, config, data, progress=False, offload_device="cpu")
     assert streamed.quantkit_kept == model.quantkit_kept
     expected = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}

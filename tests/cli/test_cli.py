@@ -747,5 +747,5 @@ def test_bench_check_failure_is_one_line(monkeypatch, tmp_path):
 
 def test_sequential_gptq_without_gptq_is_refused(llama_dir, tmp_path, text_dir):
     result = invoke("quantize", llama_dir, "-o", tmp_path / "out", "--dataset", text_dir, "--gptq-sequential")
-    assert_user_error(result, "gptq_sequential=True needs gptq=True")
+    assert_user_error(result, "--gptq-sequential says how GPTQ gathers its statistics; add --gptq")
     assert not (tmp_path / "out").exists()
