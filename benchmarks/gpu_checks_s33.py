@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import sys
 
 import torch
@@ -26,14 +25,7 @@ from quantkit.kernels import moe, ops, reference
 
 sys.path.insert(0, "benchmarks")
 import moe_tma_sweep  # noqa: E402  (shapes, weights, routing)
-from sampling_check import gemma3_270m_shaped  # noqa: E402
-
-RESULTS: dict = {"checks": []}
-
-
-def record(name: str, ok: bool, **info) -> None:
-    RESULTS["checks"].append({"check": name, "ok": bool(ok), **info})
-    print(f"[{'ok' if ok else 'FAIL'}] {name} {info}", flush=True)
+from sampling_check import RESULTS, gemma3_270m_shaped, record, write_results  # noqa: E402
 
 
 def moe_float32_outputs() -> None:
@@ -109,10 +101,7 @@ def main() -> None:
     RESULTS["meta"] = environment_metadata()
     moe_float32_outputs()
     penalty_graph()
-    RESULTS["all_ok"] = all(c["ok"] for c in RESULTS["checks"])
-    with open(out, "w") as handle:
-        json.dump(RESULTS, handle, indent=1)
-    print("all checks passed" if RESULTS["all_ok"] else "SOME CHECKS FAILED", flush=True)
+    write_results(out)
 
 
 if __name__ == "__main__":

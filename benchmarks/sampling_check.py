@@ -121,6 +121,11 @@ def main() -> None:
         generation_checks(model, scheme)
         timing(model, scheme)
         del model
+    write_results(out)
+
+
+def write_results(out: str) -> None:
+    """RESULTS to ``out`` as JSON, with whether every check passed (also printed)."""
     RESULTS["all_ok"] = all(c["ok"] for c in RESULTS["checks"])
     with open(out, "w") as handle:
         json.dump(RESULTS, handle, indent=1)
