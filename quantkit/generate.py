@@ -314,7 +314,8 @@ def generate(
         divided by it where positive and multiplied where negative before the choice, as
         transformers' RepetitionPenaltyLogitsProcessor does (1.0: off). Default: the generation
         config's, as ``model.generate`` takes it.
-    min_new_tokens: no eos token before this many new tokens (default: the generation config's).
+    min_new_tokens: no eos token before this many new tokens (default: the generation config's);
+        as in transformers, any value (0 included) replaces the generation config's min_length.
     """
     ids = _as_batch(input_ids, getattr(model.config, "vocab_size", None))
     batch, prompt_len = ids.shape

@@ -10,12 +10,13 @@ the repetition penalty and before the sampling warpers; each sets scores to -inf
 bad words of several tokens) token patterns matched against the sequence so far, a (B, L) buffer
 of the prompt and the generated tokens. All of it is applied to the (B, V) float32 scores with the
 step index as a device tensor: fixed shapes and no host branch, so the captured decode step holds
-it. sequence_bias, encoder_repetition_penalty and exponential_decay_length_penalty are not
-applied; ``generate`` names them in a warning.
+it. sequence_bias, the encoder rules, exponential_decay_length_penalty, guidance and watermarking
+are not applied; ``generate`` names them in a warning.
 """
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from dataclasses import dataclass
 
@@ -23,7 +24,8 @@ import torch
 
 # Generation-config settings that model.generate applies to the logits and generate does not, with
 # the value that means "off" (bad_words_ids: only its multi-token words, see ``build``).
-UNAPPLIED = {"sequence_bias": None, "encoder_repetition_penalty": 1.0, "exponential_decay_length_penalty": None}
+UNAPPLIED = {"sequence_bias": None, "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0,
+             "exponential_decay_length_penalty": None, "guidance_scale": 1.0, "watermarking_config": None}
 
 
 @dataclass
@@ -108,6 +110,10 @@ def _completed_words(history: torch.Tensor, length: torch.Tensor, prefixes: torc
     return _scatter_mask(history.shape[0], vocab, last[None].expand(history.shape[0], -1), hit)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _ids(value, name: str) -> list[int]:
     """A token id or a list of them as ints (a generation config may hold either)."""
     if value is None:
@@ -115,22 +121,23 @@ def _ids(value, name: str) -> list[int]:
     if hasattr(value, "tolist"):
         value = value.tolist()
     values = value if isinstance(value, (list, tuple)) else [value]
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    if not all(_is_int(v) for v in values):
         raise ValueError(f"the generation config's {name}={value!r} must be token ids (ints)")
-    return list(values)
+    return [int(v) for v in values]
 
 
-def _count(value, name: str) -> int:
+def _count(value, name: str) -> int | None:
     if value is None:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    if not _is_int(value) or value < 0:
         raise ValueError(f"{name}={value!r} must be an int >= 0")
-    return value
+    return int(value)
 
 
 def build(generation_config, min_new_tokens, eos: list[int], prompt_len: int, max_new_tokens: int, vocab: int,
           device: torch.device) -> LogitsRules | None:
-    """The rules of ``generation_config`` (``min_new_tokens`` given wins over its own), for a batch
+    """The rules of ``generation_config`` (``min_new_tokens`` given wins over its own, and any
+    min_new_tokens over min_length, as in transformers), for a batch
     of ``prompt_len``-token prompts and ``max_new_tokens`` steps; None if none applies. Warns about
     the rules it does not apply."""
     config = generation_config
@@ -143,16 +150,20 @@ def build(generation_config, min_new_tokens, eos: list[int], prompt_len: int, ma
             return None
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
-            raise ValueError(f"{name} holds token id {bad[0]}, outside the vocabulary of {vocab}")
+            raise ValueError(f"the generation config's {name} holds token id {bad[0]}, outside the vocabulary of "
+                             f"{vocab}")
         out = torch.zeros(vocab, dtype=torch.bool, device=device)
         return out.index_fill_(0, torch.tensor(ids, device=device), True)
 
     unapplied = [f"{name}={value!r}" for name, off in UNAPPLIED.items() if (value := field(name)) not in (off, None)]
     rules = LogitsRules(prompt_len=prompt_len, ngram=_count(field("no_repeat_ngram_size"),
-                                                            "the generation config's no_repeat_ngram_size"))
-    words = [_ids(word, "bad_words_ids") for word in (field("bad_words_ids") or [])]
-    if any(not word for word in words):
-        raise ValueError(f"the generation config's bad_words_ids={words!r} holds an empty word")
+                                                            "the generation config's no_repeat_ngram_size") or 0)
+    words = field("bad_words_ids")
+    if words is not None and (not isinstance(words, (list, tuple)) or not words
+                              or not all(isinstance(w, (list, tuple)) and w for w in words)):
+        raise ValueError(f"the generation config's bad_words_ids={words!r} must be a non-empty list of non-empty "
+                         "lists of token ids")
+    words = [_ids(word, "bad_words_ids") for word in (words or [])]
     words = [word for word in words if not (len(word) == 1 and word[0] in eos)]  # as transformers
     rules.banned = mask([word[0] for word in words if len(word) == 1], "bad_words_ids")
     groups = []
@@ -165,22 +176,28 @@ def build(generation_config, min_new_tokens, eos: list[int], prompt_len: int, ma
     if unapplied:
         warnings.warn(f"quantkit's generate does not apply the generation config's {', '.join(unapplied)} "
                       "(model.generate does)", stacklevel=4)
+    # transformers: a min_new_tokens (0 included) replaces min_length; the argument, the config's.
+    name = "min_new_tokens"
     if min_new_tokens is None:
-        min_new_tokens = field("min_new_tokens")
-        name = "the generation config's min_new_tokens"
-    else:
-        name = "min_new_tokens"
-    eos_from = max(_count(min_new_tokens, name), _count(field("min_length"), "the generation config's min_length")
-                   - prompt_len)
-    if eos and eos_from > 0:
-        rules.eos, rules.eos_from = mask(eos, "eos_token_id"), eos_from
+        min_new_tokens, name = field("min_new_tokens"), "the generation config's min_new_tokens"
+    eos_from = _count(min_new_tokens, name)
+    if eos_from is None:
+        eos_from = (_count(field("min_length"), "the generation config's min_length") or 0) - prompt_len
+    in_vocab = [i for i in eos if 0 <= i < vocab]  # transformers ignores an eos id the logits do not have
+    if in_vocab and eos_from > 0:
+        rules.eos, rules.eos_from = mask(in_vocab, "eos_token_id"), eos_from
     forced_bos = _ids(field("forced_bos_token_id"), "forced_bos_token_id")
     if forced_bos and prompt_len == 1:  # transformers forces it when the sequence is one token long
         rules.forced_bos = mask(forced_bos, "forced_bos_token_id")
     forced_eos = _ids(field("forced_eos_token_id"), "forced_eos_token_id")
     if forced_eos:
         rules.forced_eos, rules.forced_eos_at = mask(forced_eos, "forced_eos_token_id"), max_new_tokens - 1
-    rules.suppressed = mask(_ids(field("suppress_tokens"), "suppress_tokens"), "suppress_tokens")
+    suppressed = _ids(field("suppress_tokens"), "suppress_tokens")
+    for forced, forced_name in ((forced_bos, "forced_bos_token_id"), (forced_eos, "forced_eos_token_id")):
+        if forced and set(forced) <= set(suppressed):  # as transformers' GenerationConfig.validate
+            raise ValueError(f"the generation config's {forced_name}={forced!r} is also in its suppress_tokens: "
+                             "that step would have no token left; remove it from one of them")
+    rules.suppressed = mask(suppressed, "suppress_tokens")
     begin = _ids(field("begin_suppress_tokens"), "begin_suppress_tokens")
     if begin:
         # transformers' first generated token, one later after a forced BOS on a one-token prompt

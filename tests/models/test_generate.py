@@ -551,3 +551,47 @@ def test_pattern_rules_against_a_direct_reading_of_transformers():
             for row, seq in enumerate(seqs):
                 want = {w[-1] for w in group if len(seq) >= k - 1 and seq[len(seq) - k + 1:] == w[:-1]}
                 assert set(torch.nonzero(got[row]).flatten().tolist()) == want, (length, k, row)
+
+
+def test_min_new_tokens_replaces_min_length_as_in_transformers():
+    """Any min_new_tokens (0 included, the argument or the config's) replaces min_length."""
+    model = make_tiny("llama")
+    ids = _prompt(model.config.vocab_size, batch=3, length=11, seed=8)
+    plain = generate(model, ids, 16, eos_token_id=None)
+    eos = int(plain[1, 13])
+    model.generation_config.min_length = 11 + 9
+    for config_value, argument in ((2, None), (None, 0), (None, 3), (None, None)):
+        model.generation_config.min_new_tokens = config_value
+        hf_kwargs = {} if argument is None else {"min_new_tokens": argument}
+        want = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=0, **hf_kwargs)
+        got = generate(model, ids, 16, eos_token_id=eos, pad_token_id=0, min_new_tokens=argument)
+        assert torch.equal(got, want), (config_value, argument)
+    # the cases differ among themselves (min_length 9 new tokens against 0, 2 and 3)
+    model.generation_config.min_new_tokens = None
+    assert not torch.equal(generate(model, ids, 16, eos_token_id=eos, pad_token_id=0),
+                           generate(model, ids, 16, eos_token_id=eos, pad_token_id=0, min_new_tokens=0))
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(forced_eos_token_id=3, suppress_tokens=[3, 4]), "forced_eos_token_id=\\[3\\] is also in its suppress_tokens"),
+    (dict(bad_words_ids=[5, 6]), "must be a non-empty list of non-empty lists"),
+    (dict(bad_words_ids=[]), "must be a non-empty list of non-empty lists"),
+])
+def test_contradictory_or_malformed_rules_are_refused(fields, message):
+    model = make_tiny("llama")
+    for name, value in fields.items():
+        setattr(model.generation_config, name, value)
+    with pytest.raises(ValueError, match=message):
+        generate(model, _prompt(model.config.vocab_size, batch=1), 2, eos_token_id=None)
+
+
+def test_rules_take_numpy_integers_and_warn_about_guidance():
+    model = make_tiny("llama")
+    ids = _prompt(model.config.vocab_size, batch=1)
+    model.generation_config.suppress_tokens = [3, 4]
+    want = generate(model, ids, 4, eos_token_id=None)
+    model.generation_config.suppress_tokens = [np.int64(3), np.int64(4)]
+    assert torch.equal(generate(model, ids, 4, eos_token_id=None), want)
+    model.generation_config.guidance_scale = 3.0
+    with pytest.warns(UserWarning, match="guidance_scale=3.0"):
+        generate(model, ids, 2, eos_token_id=None)
