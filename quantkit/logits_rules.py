@@ -186,6 +186,10 @@ def build(generation_config, min_new_tokens, eos: list[int], prompt_len: int, ma
     in_vocab = [i for i in eos if 0 <= i < vocab]  # transformers ignores an eos id the logits do not have
     if in_vocab and eos_from > 0:
         rules.eos, rules.eos_from = mask(in_vocab, "eos_token_id"), eos_from
+        if eos_from >= max_new_tokens:  # transformers warns too
+            source = name if min_new_tokens is not None else "the generation config's min_length"
+            warnings.warn(f"{source} allows no eos token within max_new_tokens={max_new_tokens}: generation runs "
+                          "to that length", stacklevel=4)
     forced_bos = _ids(field("forced_bos_token_id"), "forced_bos_token_id")
     if forced_bos and prompt_len == 1:  # transformers forces it when the sequence is one token long
         rules.forced_bos = mask(forced_bos, "forced_bos_token_id")

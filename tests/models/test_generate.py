@@ -595,3 +595,13 @@ def test_rules_take_numpy_integers_and_warn_about_guidance():
     model.generation_config.guidance_scale = 3.0
     with pytest.warns(UserWarning, match="guidance_scale=3.0"):
         generate(model, ids, 2, eos_token_id=None)
+
+
+def test_a_minimum_length_beyond_max_new_tokens_is_warned_about():
+    model = make_tiny("llama")
+    ids = _prompt(model.config.vocab_size, batch=1)
+    with pytest.warns(UserWarning, match="min_new_tokens allows no eos token within max_new_tokens=3"):
+        generate(model, ids, 3, eos_token_id=5, min_new_tokens=3)
+    model.generation_config.min_length = 100
+    with pytest.warns(UserWarning, match="the generation config's min_length allows no eos token"):
+        generate(model, ids, 3, eos_token_id=5)
