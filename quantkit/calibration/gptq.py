@@ -262,13 +262,9 @@ def gptq_quantize_weights(
             groups.append((by_block[-1], None))
     result = {}
     experts = expert_linears(model)
-    running: set[str] = set()  # sequential: the layers that run quantized until the stack closes
     with tqdm(total=len(layer_names), desc="gptq", unit="layer", disable=not progress, leave=False) as bar, \
-            ExitStack() as quantized:
+            ExitStack() as quantized:  # sequential: the blocks rounded so far run quantized until it closes
         for names, stop_after in groups:
-            for name in (result.keys() - running) if sequential else ():
-                quantized.enter_context(_run_quantized(modules[name], result[name], dtype, input_scales.get(name)))
-                running.add(name)
             hessians = collect_hessians(model, blocks, names, batch_size, progress and not (per_block or sequential),
                                         stop_after, first_token_weight)
             for name in names:
@@ -288,6 +284,8 @@ def gptq_quantize_weights(
                                                block_size, damp, act_order, weight_observer, percentile)
                 bar.update()
             del hessians
+            for name in names if sequential else ():  # this block runs quantized in the next passes
+                quantized.enter_context(_run_quantized(modules[name], result[name], dtype, input_scales.get(name)))
     return result
 
 

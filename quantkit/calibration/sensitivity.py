@@ -17,7 +17,6 @@ score is each layer's own relative output error ``||y - y_q|| / ||y||``. It igno
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -73,26 +72,21 @@ def quantize_dequantize_input(x: torch.Tensor, dtype: torch.dtype, scale: torch.
 
 
 @contextmanager
-def swapped_forward(module: nn.Linear, weight: torch.Tensor, quantize_input: Callable[[torch.Tensor], torch.Tensor]):
-    """Temporarily run ``module`` with ``weight`` and its input passed through ``quantize_input``.
+def fake_quantized(module: nn.Linear, config: QuantConfig):
+    """Temporarily run ``module`` as its W8A8 version (weight swapped, input quantized by a hook).
 
     The weight Parameter itself is swapped, not written into: a tied ``lm_head`` shares its
-    weight with the input embeddings, which must stay 16-bit meanwhile.
+    weight with the input embeddings, which must stay 16-bit while the head is scored.
     """
     original = module._parameters["weight"]
-    module._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
-    handle = module.register_forward_pre_hook(lambda _m, args: (quantize_input(args[0]), *args[1:]))
+    module._parameters["weight"] = nn.Parameter(fake_quantized_weight(original.detach(), config),
+                                                requires_grad=False)
+    handle = module.register_forward_pre_hook(lambda _m, args: (fake_quantize_input(args[0], config), *args[1:]))
     try:
         yield module
     finally:
         handle.remove()
         module._parameters["weight"] = original
-
-
-def fake_quantized(module: nn.Linear, config: QuantConfig):
-    """Temporarily run ``module`` as its W8A8 version (weight swapped, input quantized by a hook)."""
-    return swapped_forward(module, fake_quantized_weight(module.weight.detach(), config),
-                           lambda x: fake_quantize_input(x, config))
 
 
 def _positions(seq_len: int, count: int) -> torch.Tensor:
