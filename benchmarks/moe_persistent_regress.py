@@ -21,26 +21,20 @@ import moe_tma_sweep as sweep  # noqa: E402  (shapes, weights, routing, timer)
 def main(tag: str, out: str) -> None:
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(1)
-    for dtype in (torch.float8_e4m3fn, torch.int8):
-        name = "fp8" if dtype != torch.int8 else "int8"
-        w13, s13 = sweep.weights(dtype, 2 * sweep.I, sweep.H, gen)
-        w2, s2 = sweep.weights(dtype, sweep.H, sweep.I, gen)
-        for tokens in (4096, 8192):
-            pairs, calls = sweep.gemm_calls(dtype, tokens, gen, w13, s13, w2, s2)
-            for gemm, gated in (("gate_up", True), ("down", False)):
-                fn = calls[gemm]
-                persistent = dict(tma=True, persistent=True, block_m=128, block_n=128 if gated else 256,
-                                  block_k=128, num_warps=8, num_stages=4)
-                anchor = sweep.session31_default(pairs, gated)
-                variants = {"session31": anchor, "persistent": persistent, "session31_again": anchor,
-                            "persistent_again": persistent}
-                ref = fn(anchor).float()
-                row = dict(commit=tag, dtype=name, tokens=tokens, gemm=gemm)
-                for label, config in variants.items():
-                    err, us = sweep.error_and_us(fn, config, ref)
-                    row[label], row[label + "_err"] = round(us, 2), err
-                rows.append(row)
-                print(tag, name, tokens, gemm, {k: row[k] for k in variants}, flush=True)
+    points = sweep.gemm_points(gen, {torch.float8_e4m3fn: (4096, 8192), torch.int8: (4096, 8192)})
+    for name, tokens, gemm, gated, pairs, fn in points:
+        persistent = dict(tma=True, persistent=True, block_m=128, block_n=128 if gated else 256, block_k=128,
+                          num_warps=8, num_stages=4)
+        anchor = sweep.session31_default(pairs, gated)
+        variants = {"session31": anchor, "persistent": persistent, "session31_again": anchor,
+                    "persistent_again": persistent}
+        ref = fn(anchor).float()
+        row = dict(commit=tag, dtype=name, tokens=tokens, gemm=gemm)
+        for label, config in variants.items():
+            err, us = sweep.error_and_us(fn, config, ref)
+            row[label], row[label + "_err"] = round(us, 2), err
+        rows.append(row)
+        print(tag, name, tokens, gemm, {k: row[k] for k in variants}, flush=True)
     with open(out, "w") as handle:
         json.dump(rows, handle, indent=1)
 

@@ -68,6 +68,20 @@ def gemm_calls(dtype, tokens: int, gen, w13, s13, w2, s2) -> tuple[int, dict]:
     return experts.numel(), {"gate_up": gate_up, "down": down}
 
 
+def gemm_points(gen, tokens: dict):
+    """Every (dtype name, tokens, gemm, gated, pairs, fn) to measure: FP8 then INT8, each dtype's
+    random weights drawn once, then for each of ``tokens[dtype]`` a routing and its two GEMMs
+    (``gemm_calls``), gate/up before down, all from ``gen`` in that order."""
+    for dtype, token_counts in tokens.items():
+        name = "fp8" if dtype != torch.int8 else "int8"
+        w13, s13 = weights(dtype, 2 * I, H, gen)
+        w2, s2 = weights(dtype, H, I, gen)
+        for count in token_counts:
+            pairs, calls = gemm_calls(dtype, count, gen, w13, s13, w2, s2)
+            for gemm, gated in (("gate_up", True), ("down", False)):
+                yield name, count, gemm, gated, pairs, calls[gemm]
+
+
 def error_and_us(fn, config, ref) -> tuple[float, float]:
     """``fn(config)``'s relative error against ``ref`` and its time (µs, CUDA-graph replays)."""
     err = ((fn(config).float() - ref).norm() / ref.norm()).item()
@@ -84,43 +98,38 @@ def main(out_path: str, deadline_s: float = 520.0) -> None:
     start = time.time()
     gen = torch.Generator(device="cuda").manual_seed(0)
     report = header()
-    for dtype, tokens_list in ((torch.float8_e4m3fn, (8192, 2048, 512)), (torch.int8, (8192, 2048))):
-        name = "fp8" if dtype != torch.int8 else "int8"
-        w13, s13 = weights(dtype, 2 * I, H, gen)
-        w2, s2 = weights(dtype, H, I, gen)
-        best_of = {}
-        for tokens in tokens_list:
-            pairs, calls = gemm_calls(dtype, tokens, gen, w13, s13, w2, s2)
-            for gemm, gated in (("gate_up", True), ("down", False)):
-                fn, flops = calls[gemm], 2 * pairs * (2 * I * H if gated else H * I)
-                default = moe.default_config(pairs, E, H if gated else I, gated)
-                ref = fn(default).float()
-                candidates = [default] + (configs(gated) if tokens >= 2048 or (name, gemm) not in best_of
-                                          else best_of[(name, gemm)])
-                results = []
-                for c in candidates:
-                    if time.time() - start > deadline_s:
-                        break
-                    try:
-                        err, us = error_and_us(fn, c, ref)
-                        results.append(dict(config=c, us=round(us, 2), tflops=round(flops / us / 1e6, 1),
-                                            rel_err_vs_default=err))
-                    except Exception as exc:
-                        results.append(failure(c, exc))
-                timed = sorted((r for r in results if "us" in r), key=lambda r: r["us"])
-                if tokens == 2048:
-                    best_of[(name, gemm)] = [r["config"] for r in timed[:6] if r["config"] is not default]
-                row = dict(dtype=name, tokens=tokens, gemm=gemm, pairs=pairs, flops=flops,
-                           default=next((r for r in results if r["config"] is default), None),
-                           best=timed[0] if timed else None, results=results)
-                report["rows"].append(row)
-                d, b = row["default"], row["best"]
-                print(f"{name} T={tokens} {gemm}: default {d and d.get('us')} us ({d and d.get('tflops')} TF/s), "
-                      f"best {b and b['us']} us ({b and b['tflops']} TF/s) {b and b['config']}", flush=True)
-                for r in timed[:5]:
-                    print("   ", r["us"], r["tflops"], f"{r['rel_err_vs_default']:.1e}", r["config"], flush=True)
-                with open(out_path, "w") as handle:
-                    json.dump(report, handle, indent=1)
+    best_of = {}
+    points = gemm_points(gen, {torch.float8_e4m3fn: (8192, 2048, 512), torch.int8: (8192, 2048)})
+    for name, tokens, gemm, gated, pairs, fn in points:
+        flops = 2 * pairs * (2 * I * H if gated else H * I)
+        default = moe.default_config(pairs, E, H if gated else I, gated)
+        ref = fn(default).float()
+        candidates = [default] + (configs(gated) if tokens >= 2048 or (name, gemm) not in best_of
+                                  else best_of[(name, gemm)])
+        results = []
+        for c in candidates:
+            if time.time() - start > deadline_s:
+                break
+            try:
+                err, us = error_and_us(fn, c, ref)
+                results.append(dict(config=c, us=round(us, 2), tflops=round(flops / us / 1e6, 1),
+                                    rel_err_vs_default=err))
+            except Exception as exc:
+                results.append(failure(c, exc))
+        timed = sorted((r for r in results if "us" in r), key=lambda r: r["us"])
+        if tokens == 2048:
+            best_of[(name, gemm)] = [r["config"] for r in timed[:6] if r["config"] is not default]
+        row = dict(dtype=name, tokens=tokens, gemm=gemm, pairs=pairs, flops=flops,
+                   default=next((r for r in results if r["config"] is default), None),
+                   best=timed[0] if timed else None, results=results)
+        report["rows"].append(row)
+        d, b = row["default"], row["best"]
+        print(f"{name} T={tokens} {gemm}: default {d and d.get('us')} us ({d and d.get('tflops')} TF/s), "
+              f"best {b and b['us']} us ({b and b['tflops']} TF/s) {b and b['config']}", flush=True)
+        for r in timed[:5]:
+            print("   ", r["us"], r["tflops"], f"{r['rel_err_vs_default']:.1e}", r["config"], flush=True)
+        with open(out_path, "w") as handle:
+            json.dump(report, handle, indent=1)
 
 
 def session31_default(pairs: int, gated: bool) -> dict:
@@ -141,31 +150,26 @@ def compare(out_path: str) -> None:
     address-loaded, they ran the address-loaded kernel (the default's flags were merged in)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     report = header()
-    for dtype in (torch.float8_e4m3fn, torch.int8):
-        name = "fp8" if dtype != torch.int8 else "int8"
-        w13, s13 = weights(dtype, 2 * I, H, gen)
-        w2, s2 = weights(dtype, H, I, gen)
-        for tokens in (64, 256, 512, 1024, 2048, 3072, 4096, 8192):
-            pairs, calls = gemm_calls(dtype, tokens, gen, w13, s13, w2, s2)
-            for gemm, gated in (("gate_up", True), ("down", False)):
-                fn = calls[gemm]
-                new = moe.default_config(pairs, E, H if gated else I, gated)
-                variants = {"session31": session31_default(pairs, gated), "default": new}
-                if 2048 <= tokens <= 4096:  # where 64- and 128-row blocks meet: both defaults
-                    K = H if gated else I
-                    variants["rows64"] = moe.default_config(64 * E, E, K, gated)
-                    variants["rows128"] = moe.default_config(512 * E, E, K, gated)
-                ref = fn(variants["session31"]).float()
-                row = dict(dtype=name, tokens=tokens, gemm=gemm, pairs=pairs)
-                for label, c in variants.items():
-                    err, us = error_and_us(fn, c, ref)
-                    row[label] = dict(config=c, us=round(us, 2), rel_err_vs_session31=err)
-                row["speedup"] = row["session31"]["us"] / row["default"]["us"]
-                report["rows"].append(row)
-                print(name, tokens, gemm, {k: v["us"] for k, v in row.items() if isinstance(v, dict)},
-                      f"speedup {row['speedup']:.3f}", flush=True)
-                with open(out_path, "w") as handle:
-                    json.dump(report, handle, indent=1)
+    counts = (64, 256, 512, 1024, 2048, 3072, 4096, 8192)
+    points = gemm_points(gen, {torch.float8_e4m3fn: counts, torch.int8: counts})
+    for name, tokens, gemm, gated, pairs, fn in points:
+        new = moe.default_config(pairs, E, H if gated else I, gated)
+        variants = {"session31": session31_default(pairs, gated), "default": new}
+        if 2048 <= tokens <= 4096:  # where 64- and 128-row blocks meet: both defaults
+            K = H if gated else I
+            variants["rows64"] = moe.default_config(64 * E, E, K, gated)
+            variants["rows128"] = moe.default_config(512 * E, E, K, gated)
+        ref = fn(variants["session31"]).float()
+        row = dict(dtype=name, tokens=tokens, gemm=gemm, pairs=pairs)
+        for label, c in variants.items():
+            err, us = error_and_us(fn, c, ref)
+            row[label] = dict(config=c, us=round(us, 2), rel_err_vs_session31=err)
+        row["speedup"] = row["session31"]["us"] / row["default"]["us"]
+        report["rows"].append(row)
+        print(name, tokens, gemm, {k: v["us"] for k, v in row.items() if isinstance(v, dict)},
+              f"speedup {row['speedup']:.3f}", flush=True)
+        with open(out_path, "w") as handle:
+            json.dump(report, handle, indent=1)
 
 
 def persistent(out_path: str, deadline_s: float = 300.0) -> None:
@@ -173,37 +177,31 @@ def persistent(out_path: str, deadline_s: float = 300.0) -> None:
     start = time.time()
     gen = torch.Generator(device="cuda").manual_seed(2)
     report = header()
-    for dtype in (torch.float8_e4m3fn, torch.int8):
-        name = "fp8" if dtype != torch.int8 else "int8"
-        w13, s13 = weights(dtype, 2 * I, H, gen)
-        w2, s2 = weights(dtype, H, I, gen)
-        for tokens in (8192, 2048):
-            pairs, calls = gemm_calls(dtype, tokens, gen, w13, s13, w2, s2)
-            for gemm, gated in (("gate_up", True), ("down", False)):
-                fn = calls[gemm]
-                default = moe.default_config(pairs, E, H if gated else I, gated)
-                variants = {"default": default}
-                for bm, stages in itertools.product((64, 128), (3, 4)):
-                    variants[f"persistent_bm{bm}_s{stages}"] = dict(
-                        tma=True, persistent=True, block_m=bm, block_n=128 if gated else 256, block_k=128,
-                        num_warps=8, num_stages=stages)
-                variants["default_again"] = default
-                ref = fn(default).float()
-                row = dict(dtype=name, tokens=tokens, gemm=gemm, pairs=pairs)
-                for label, c in variants.items():
-                    if time.time() - start > deadline_s:
-                        break
-                    try:
-                        err, us = error_and_us(fn, c, ref)
-                        row[label] = dict(config=c, us=round(us, 2), rel_err_vs_default=err)
-                    except Exception as exc:
-                        row[label] = failure(c, exc)
-                report["rows"].append(row)
-                print(name, tokens, gemm, {k: (v.get("us"), f"{v['rel_err_vs_default']:.0e}" if "us" in v
-                                                else v.get("error")) for k, v in row.items() if isinstance(v, dict)},
-                      flush=True)
-                with open(out_path, "w") as handle:
-                    json.dump(report, handle, indent=1)
+    points = gemm_points(gen, {torch.float8_e4m3fn: (8192, 2048), torch.int8: (8192, 2048)})
+    for name, tokens, gemm, gated, pairs, fn in points:
+        default = moe.default_config(pairs, E, H if gated else I, gated)
+        variants = {"default": default}
+        for bm, stages in itertools.product((64, 128), (3, 4)):
+            variants[f"persistent_bm{bm}_s{stages}"] = dict(
+                tma=True, persistent=True, block_m=bm, block_n=128 if gated else 256, block_k=128,
+                num_warps=8, num_stages=stages)
+        variants["default_again"] = default
+        ref = fn(default).float()
+        row = dict(dtype=name, tokens=tokens, gemm=gemm, pairs=pairs)
+        for label, c in variants.items():
+            if time.time() - start > deadline_s:
+                break
+            try:
+                err, us = error_and_us(fn, c, ref)
+                row[label] = dict(config=c, us=round(us, 2), rel_err_vs_default=err)
+            except Exception as exc:
+                row[label] = failure(c, exc)
+        report["rows"].append(row)
+        print(name, tokens, gemm, {k: (v.get("us"), f"{v['rel_err_vs_default']:.0e}" if "us" in v
+                                        else v.get("error")) for k, v in row.items() if isinstance(v, dict)},
+              flush=True)
+        with open(out_path, "w") as handle:
+            json.dump(report, handle, indent=1)
 
 
 if __name__ == "__main__":
