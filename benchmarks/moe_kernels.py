@@ -6,6 +6,10 @@ sweep (FP8; INT8 with the default and the FP8 sweep's best), and the whole exper
 and quantization included: transformers' bf16 module (its default ``grouped_mm`` implementation)
 against quantkit's stacked FP8 / INT8 experts, eager (do_bench) and as a CUDA graph
 (do_bench_cudagraph), same process. Writes JSON to the path given; ``--sweep`` adds the tile sweep.
+``--skew S`` routes with a fixed per-expert bias of S standard deviations of the router logits (some
+experts popular, others nearly idle; each row records the load's max / mean and its idle experts),
+and times the GEMMs' 64- and 128-row defaults on that routing; ``--tokens 2048,8192`` picks the
+token counts.
 """
 
 from __future__ import annotations
@@ -44,10 +48,11 @@ def layer(scheme: str | None):
     return model.model.layers[0].mlp.experts
 
 
-def routing(tokens: int, experts: int = 128, k: int = 8):
+def routing(tokens: int, experts: int = 128, k: int = 8, skew: float = 0.0):
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     hidden = torch.randn(tokens, 2048, device="cuda", generator=gen, dtype=torch.bfloat16)
-    probs = torch.randn(tokens, experts, device="cuda", generator=gen).softmax(-1)
+    bias = skew * torch.randn(experts, device="cuda", generator=torch.Generator(device="cuda").manual_seed(99))
+    probs = (torch.randn(tokens, experts, device="cuda", generator=gen) + bias).softmax(-1)
     weights, index = probs.topk(k, dim=-1)
     return hidden, index, (weights / weights.sum(-1, keepdim=True)).to(torch.bfloat16)
 
@@ -62,13 +67,16 @@ def times(fn) -> dict:
     return row
 
 
-def main(out_path: str, sweep: bool, deadline_s: float = 500.0) -> None:
+def main(out_path: str, sweep: bool, deadline_s: float = 500.0, skew: float = 0.0, token_counts=TOKENS) -> None:
     start = time.time()
-    report = {**environment_metadata(), "transformers": transformers.__version__, "tokens": {}}
+    report = {**environment_metadata(), "transformers": transformers.__version__, "skew": skew, "tokens": {}}
     modules = {"bf16": layer(None), "fp8": layer("fp8"), "int8": layer("int8")}
-    for tokens in TOKENS:
-        hidden, index, weights = routing(tokens)
+    for tokens in token_counts:
+        hidden, index, weights = routing(tokens, skew=skew)
+        load = torch.bincount(index.reshape(-1), minlength=128).float()
         row = {name: times(lambda m=m: m(hidden, index, weights)) for name, m in modules.items()}
+        row["load"] = dict(max_over_mean=float(load.max() / load.mean()), idle_experts=int((load == 0).sum()),
+                           experts_under_64=int((load < 64).sum()))
         with torch.no_grad():
             base = modules["bf16"](hidden, index, weights).float()
             for name in ("fp8", "int8"):
@@ -103,6 +111,10 @@ def main(out_path: str, sweep: bool, deadline_s: float = 500.0) -> None:
                 lambda: moe.route_plan(experts, 128, block_m), rep=30)
             for gemm, fn in gemms.items():
                 configs = [None]
+                if skew:  # the block heights the average load chooses between, on a skewed load
+                    K = 2048 if gemm == "gate_up" else 768
+                    configs = [None, moe.default_config(64 * 128, 128, K, gemm == "gate_up"),
+                               moe.default_config(512 * 128, 128, K, gemm == "gate_up")]
                 if sweep:
                     configs = SWEEP if name == "fp8" else [None, row["fp8"].get(f"{gemm}_best_config")]
                 results = []
@@ -121,11 +133,18 @@ def main(out_path: str, sweep: bool, deadline_s: float = 500.0) -> None:
                     row[name][f"{gemm}_default_us"] = 1e3 * triton.testing.do_bench_cudagraph(lambda: fn(None), rep=30)
                 row[name][f"{gemm}_sweep"] = [[round(t, 2), c] for t, c in results]
         report["tokens"][str(tokens)] = row
-        print(tokens, json.dumps({n: {k: v for k, v in r.items() if not k.endswith("sweep")} for n, r in row.items()}),
+        print(tokens, json.dumps({n: {k: v for k, v in r.items() if not k.endswith("sweep")} for n, r in row.items()
+                                  if n != "load"}), row["load"],
               flush=True)
         with open(out_path, "w") as handle:
             json.dump(report, handle, indent=1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sweep="--sweep" in sys.argv[2:])
+    args = sys.argv[2:]
+
+    def option(name, default):
+        return args[args.index(name) + 1] if name in args else default
+
+    main(sys.argv[1], sweep="--sweep" in args, skew=float(option("--skew", 0.0)),
+         token_counts=tuple(int(t) for t in option("--tokens", ",".join(map(str, TOKENS))).split(",")))

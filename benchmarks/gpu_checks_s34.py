@@ -1,0 +1,126 @@
+"""GPU check of session 33's generation-config logits rules under the CUDA-graph decode, in one call.
+
+    PYTHONPATH=. python benchmarks/gpu_checks_s34.py OUT.json
+
+A random model of the bundled Gemma-3-270M's shape (``sampling_check.gemma3_270m_shaped``), bf16
+(transformers' model) and FP8 / INT8 through ``optimize(exact=True)``; batch 1 and 4, greedy and
+seeded top-k sampling. The generation config holds every rule at once (suppress_tokens,
+begin_suppress_tokens, one- and two-token bad words, min_new_tokens with an eos the rule-free
+decode emits early, forced_eos_token_id, no_repeat_ngram_size=3), each chosen from the rule-free
+tokens so that it changes them. Checks per case:
+
+- the captured decode step's tokens equal the eager step's, and differ from the rule-free ones;
+- the tokens obey every rule (read off the output, independent of how generate applies them);
+- bf16 greedy: equal to ``model.generate`` with the same generation config (reported; the two
+  attention implementations round differently, so a flip of a near tie is possible).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+
+import quantkit
+from quantkit.bench.common import environment_metadata
+
+sys.path.insert(0, "benchmarks")
+from sampling_check import RESULTS, gemma3_270m_shaped, record, write_results  # noqa: E402
+
+PROMPT, NEW, PAD = 24, 40, 0
+
+
+def rules_from(plain: torch.Tensor) -> tuple[dict, int]:
+    """Generation-config fields that change the rule-free greedy tokens ``plain``: distinct tokens
+    it generates (suppressed, suppressed first, a bad word, the forced eos), one of its bigrams as
+    a two-token bad word, and an eos that row 0 emits at its fourth new token (min_new_tokens=8
+    holds it back)."""
+    new = plain[:, PROMPT:]
+    eos = int(new[0, 3])
+    seen = [t for t in dict.fromkeys(new.reshape(-1).tolist()) if t != eos]
+    if len(seen) < 4:
+        raise RuntimeError(f"the rule-free tokens hold only {len(seen)} distinct ids besides eos; need 4")
+    fields = dict(suppress_tokens=[seen[0]], begin_suppress_tokens=[seen[1]],
+                  bad_words_ids=[[seen[2]], [int(new[-1, 6]), int(new[-1, 7])]],
+                  min_new_tokens=8, forced_eos_token_id=seen[3], no_repeat_ngram_size=3)
+    return fields, eos
+
+
+def violations(tokens: torch.Tensor, fields: dict, eos: int) -> list[str]:
+    """Every rule broken by ``tokens`` (B, PROMPT + NEW), read off the tokens alone."""
+    found = []
+    single = {w[0] for w in fields["bad_words_ids"] if len(w) == 1}
+    pairs = [tuple(w) for w in fields["bad_words_ids"] if len(w) == 2]
+    n = fields["no_repeat_ngram_size"]
+    for b, row in enumerate(tokens.tolist()):
+        new = row[PROMPT:]
+        end = new.index(eos) + 1 if eos in new else NEW  # after eos the row is padding
+        if eos in new and new.index(eos) < fields["min_new_tokens"]:
+            found.append(f"row {b}: eos at new token {new.index(eos)} < min_new_tokens")
+        if any(t in fields["suppress_tokens"] for t in new[:end]):
+            found.append(f"row {b}: a suppressed token")
+        if new[0] in fields["begin_suppress_tokens"]:
+            found.append(f"row {b}: a begin-suppressed first token")
+        # At the last step the forced eos overrides the rules that come before it (n-grams, bad words).
+        free = end - 1 if end == NEW else end
+        if any(t in single for t in new[:free]):
+            found.append(f"row {b}: a one-token bad word")
+        for t in range(PROMPT, PROMPT + free):
+            if (row[t - 1], row[t]) in pairs:
+                found.append(f"row {b}: a two-token bad word ending at {t}")
+            gram = tuple(row[t - n + 1:t + 1])
+            if any(tuple(row[s - n + 1:s + 1]) == gram for s in range(n - 1, t)):
+                found.append(f"row {b}: a repeated {n}-gram ending at {t}")
+        if end == NEW and new[-1] != fields["forced_eos_token_id"]:
+            found.append(f"row {b}: last token {new[-1]} is not the forced eos")
+    return found
+
+
+def rules_graph() -> None:
+    base = gemma3_270m_shaped()
+    for scheme in ("bf16", "fp8", "int8"):
+        model = copy.deepcopy(base)
+        if scheme != "bf16":
+            model = quantkit.optimize(quantkit.quantize(model, quantkit.QuantConfig.preset(scheme), progress=False),
+                                      exact=True)
+        config = model.generation_config
+        for batch in (1, 4):
+            ids = torch.randint(3, 262144, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).cuda()
+            ids[:, 12:] = ids[:, :12]  # a repeated prompt: n-gram bans from the first step
+            plain = quantkit.generate_tokens(model, ids, NEW, eos_token_id=None)
+            fields, eos = rules_from(plain)
+            for kwargs in ({}, dict(do_sample=True, temperature=0.7, top_k=40)):
+                for name, value in fields.items():
+                    setattr(config, name, value)
+                try:
+                    runs = []
+                    for graph in (True, False):
+                        generator = torch.Generator("cuda").manual_seed(7) if kwargs else None
+                        runs.append(quantkit.generate_tokens(model, ids, NEW, eos_token_id=eos, pad_token_id=PAD,
+                                                             cuda_graph=graph, generator=generator, **kwargs))
+                    hf_equal = None
+                    if scheme == "bf16" and not kwargs:
+                        want = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
+                                              pad_token_id=PAD)
+                        hf_equal = torch.equal(want, runs[0])
+                finally:
+                    for name in fields:
+                        setattr(config, name, None)
+                broken = violations(runs[0], fields, eos)
+                changed = not torch.equal(runs[0], plain)
+                record("logits_rules_graph_equals_eager", torch.equal(runs[0], runs[1]) and changed and not broken,
+                       scheme=scheme, batch=batch, changed_vs_rule_free=changed, violations=broken[:5],
+                       equals_model_generate=hf_equal, **kwargs)
+        del model
+
+
+def main() -> None:
+    out = sys.argv[1]
+    RESULTS["meta"] = environment_metadata()
+    rules_graph()
+    write_results(out)
+
+
+if __name__ == "__main__":
+    main()
