@@ -31,20 +31,16 @@ from sampling_check import RESULTS, gemma3_270m_shaped, record, write_results  #
 PROMPT, NEW, PAD = 24, 40, 0
 
 
-def rules_from(plain: torch.Tensor) -> tuple[dict, int]:
-    """Generation-config fields that change the rule-free greedy tokens ``plain``: distinct tokens
-    it generates (suppressed, suppressed first, a bad word, the forced eos), one of its bigrams as
-    a two-token bad word, and an eos that row 0 emits at its fourth new token (min_new_tokens=8
-    holds it back)."""
-    new = plain[:, PROMPT:]
-    eos = int(new[0, 3])
-    seen = [t for t in dict.fromkeys(new.reshape(-1).tolist()) if t != eos]
-    if len(seen) < 4:
-        raise RuntimeError(f"the rule-free tokens hold only {len(seen)} distinct ids besides eos; need 4")
-    fields = dict(suppress_tokens=[seen[0]], begin_suppress_tokens=[seen[1]],
-                  bad_words_ids=[[seen[2]], [int(new[-1, 6]), int(new[-1, 7])]],
-                  min_new_tokens=8, forced_eos_token_id=seen[3], no_repeat_ngram_size=3)
-    return fields, eos
+def rules_from(model, ids: torch.Tensor) -> tuple[dict, int]:
+    """Generation-config fields from the eight likeliest first tokens of row 0 (the random model's
+    greedy decode repeats one token, so its own tokens offer too few): the likeliest suppressed,
+    the next suppressed first, bad words of one and two tokens, the forced eos, and an eos that
+    min_new_tokens=8 holds back."""
+    with torch.no_grad():
+        top = model(ids[:1]).logits[0, -1].float().topk(8).indices.tolist()
+    fields = dict(suppress_tokens=[top[0]], begin_suppress_tokens=[top[1]], bad_words_ids=[[top[2]], [top[3], top[4]]],
+                  min_new_tokens=8, forced_eos_token_id=top[5], no_repeat_ngram_size=3)
+    return fields, top[6]
 
 
 def violations(tokens: torch.Tensor, fields: dict, eos: int) -> list[str]:
@@ -89,7 +85,7 @@ def rules_graph() -> None:
             ids = torch.randint(3, 262144, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).cuda()
             ids[:, 12:] = ids[:, :12]  # a repeated prompt: n-gram bans from the first step
             plain = quantkit.generate_tokens(model, ids, NEW, eos_token_id=None)
-            fields, eos = rules_from(plain)
+            fields, eos = rules_from(model, ids)
             for kwargs in ({}, dict(do_sample=True, temperature=0.7, top_k=40)):
                 for name, value in fields.items():
                     setattr(config, name, value)
