@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from quantkit.calibration.blockwise import BlockInputs
 from quantkit.calibration.calibrate import check_blocks, forward_backbone, storage_key
 from quantkit.calibration.sensitivity import quantize_dequantize_input
 from quantkit.calibration.weights import WEIGHT_OBSERVERS, weight_amax
@@ -64,6 +65,62 @@ class _StopForward(Exception):
     """Raised after the last module whose inputs are being recorded: the rest of the forward is waste."""
 
 
+class _HessianHooks:
+    """Forward pre-hooks that feed one ``HessianAccumulator`` per distinct input of the named Linears.
+
+    Within one batch, inputs are matched by storage identity; the tensors stay referenced in
+    ``seen`` until ``end_batch`` so an address cannot be reused by another tensor meanwhile.
+    """
+
+    def __init__(self, modules: dict[str, nn.Module], layer_names: list[str], first_token_weight: float):
+        self.accumulators: dict[str, HessianAccumulator] = {}
+        self.seen: dict[tuple, tuple[str, torch.Tensor]] = {}
+        self.leader_of: dict[str, str] = {}
+        self.first_token_weight = first_token_weight
+        self.handles = [modules[n].register_forward_pre_hook(self._hook(n)) for n in layer_names]
+
+    def _hook(self, name):
+        def fn(_m, args):
+            x = args[0]
+            key = storage_key(x)
+            if name not in self.leader_of:  # first batch: decide who shares with whom
+                leader = self.seen[key][0] if key in self.seen else name
+                self.leader_of[name] = leader
+                if leader == name:
+                    self.accumulators[name] = HessianAccumulator(x.shape[-1], x.device)
+            self.seen.setdefault(key, (name, x))
+            if self.leader_of[name] == name:
+                self.accumulators[name].update(x, self.first_token_weight)
+        return fn
+
+    def end_batch(self) -> None:
+        self.seen.clear()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.seen.clear()
+
+    def result(self, model: nn.Module, modules: dict[str, nn.Module], layer_names: list[str]
+               ) -> dict[str, HessianAccumulator]:
+        # A mixture of experts' expert may get no calibration token: an empty Hessian (n_tokens == 0).
+        experts = expert_linears(model)
+        not_run = [n for n in layer_names if n not in self.leader_of and n not in experts]
+        if not_run:
+            raise RuntimeError(f"layers never ran during calibration (not in the backbone?): {not_run[:5]}")
+        for name in layer_names:
+            if name not in self.leader_of:
+                self.leader_of[name] = name
+                self.accumulators[name] = HessianAccumulator(modules[name].in_features, modules[name].weight.device)
+        return {n: self.accumulators[self.leader_of[n]] for n in layer_names}
+
+
+def _check_linears(modules: dict[str, nn.Module], layer_names: list[str]) -> None:
+    missing = [n for n in layer_names if not isinstance(modules.get(n), nn.Linear)]
+    if missing:
+        raise ValueError(f"not nn.Linear layers of this model: {missing[:5]}")
+
+
 @torch.no_grad()
 def collect_hessians(
     model: nn.Module, blocks: torch.Tensor, layer_names: list[str], batch_size: int = 4, progress: bool = True,
@@ -75,35 +132,13 @@ def collect_hessians(
     """
     check_blocks(blocks)
     modules = dict(model.named_modules())
-    missing = [n for n in layer_names if not isinstance(modules.get(n), nn.Linear)]
-    if missing:
-        raise ValueError(f"not nn.Linear layers of this model: {missing[:5]}")
-    accumulators: dict[str, HessianAccumulator] = {}
-    # Within one forward, inputs are matched by storage identity; the tensors stay referenced in
-    # ``seen`` until the batch ends so an address cannot be reused by another tensor.
-    seen: dict[tuple, tuple[str, torch.Tensor]] = {}
-    leader_of: dict[str, str] = {}
-
-    def hook(name):
-        def fn(_m, args):
-            x = args[0]
-            key = storage_key(x)
-            if name not in leader_of:  # first batch: decide who shares with whom
-                leader = seen[key][0] if key in seen else name
-                leader_of[name] = leader
-                if leader == name:
-                    accumulators[name] = HessianAccumulator(x.shape[-1], x.device)
-            seen.setdefault(key, (name, x))
-            if leader_of[name] == name:
-                accumulators[name].update(x, first_token_weight)
-        return fn
+    _check_linears(modules, layer_names)
+    hooks = _HessianHooks(modules, layer_names, first_token_weight)
 
     def stop(_m, _args, _output):
         raise _StopForward
 
-    handles = [modules[n].register_forward_pre_hook(hook(n)) for n in layer_names]
-    if stop_after is not None:
-        handles.append(stop_after.register_forward_hook(stop))
+    stop_handle = stop_after.register_forward_hook(stop) if stop_after is not None else None
     try:
         starts = range(0, blocks.shape[0], batch_size)
         for start in tqdm(starts, desc="gptq statistics", unit="batch", disable=not progress, leave=False):
@@ -112,20 +147,28 @@ def collect_hessians(
                                  layers=[modules[n] for n in layer_names])
             except _StopForward:
                 pass
-            seen.clear()
+            hooks.end_batch()
     finally:
-        for h in handles:
-            h.remove()
-    # A mixture of experts' expert may get no calibration token: an empty Hessian (n_tokens == 0).
-    experts = expert_linears(model)
-    not_run = [n for n in layer_names if n not in leader_of and n not in experts]
-    if not_run:
-        raise RuntimeError(f"layers never ran during calibration (not in the backbone?): {not_run[:5]}")
-    for name in layer_names:
-        if name not in leader_of:
-            leader_of[name] = name
-            accumulators[name] = HessianAccumulator(modules[name].in_features, modules[name].weight.device)
-    return {n: accumulators[leader_of[n]] for n in layer_names}
+        hooks.remove()
+        if stop_handle is not None:
+            stop_handle.remove()
+    return hooks.result(model, modules, layer_names)
+
+
+@torch.no_grad()
+def _block_hessians(inputs: BlockInputs, index: int, model: nn.Module, modules: dict[str, nn.Module],
+                    layer_names: list[str], first_token_weight: float, keep: bool) -> dict[str, HessianAccumulator]:
+    """Hessians of the named Linears of block ``index`` from one run of that block on every batch
+    of ``inputs`` (the blocks before it run first if they have not); ``keep``: step past it."""
+    _check_linears(modules, layer_names)
+    while inputs.step < index:  # blocks holding none of the layers
+        inputs.run(inputs.step)
+    hooks = _HessianHooks(modules, layer_names, first_token_weight)
+    try:
+        inputs.run(index, keep=keep, each_batch=hooks.end_batch)
+    finally:
+        hooks.remove()
+    return hooks.result(model, modules, layer_names)
 
 
 @torch.no_grad()
@@ -216,17 +259,21 @@ def gptq_quantize_weights(
     quantized_weight=...)``. weight_observer: "absmax" (scale from the row max), "percentile"
     (``percentile`` of the row's |w|) or "mse" (clip search of ``weights.search_weight_clip``,
     weighted by the inputs' mean square).
-    per_block: collect the statistics one decoder block at a time (each pass stops after that
-    block), so only one block's Hessians exist at once: the bound that streaming
-    (``calibration.offload``) needs; otherwise all layers at once, one pass, from the unquantized
-    model. sequential: block by block too, and each block's statistics come from the inputs the
-    blocks before it give once quantized: their Linears run with their rounded weights and their
-    inputs quantized as the converted model will (per token, or per tensor at ``input_amax``'s
-    calibrated range for static schemes), so a block's rounding also corrects the error that
-    reaches it (as the GPTQ paper runs it). The same passes as per_block (block i's pass runs
-    blocks 0..i: L(L+1)/2 block forwards); the quantized layers compute from their (q, scale)
+    per_block: collect the statistics one decoder block at a time, so only one block's Hessians
+    exist at once: the bound that streaming (``calibration.offload``) needs; otherwise all layers
+    at once, one pass, from the unquantized model. The blocks' inputs are recorded in one forward
+    and stepped through the blocks (``calibration.blockwise``): each block runs once per batch for
+    its statistics, 2L block forwards in all for L blocks, plus the calibration hidden states held
+    (see there). A model whose blocks do not run as a chain gets a forward through blocks 0..i for
+    block i instead (L(L+1)/2). sequential: block by block too, and each block's statistics come
+    from the inputs the blocks before it give once quantized: their Linears run with their rounded
+    weights and their inputs quantized as the converted model will (per token, or per tensor at
+    ``input_amax``'s calibrated range for static schemes), so a block's rounding also corrects the
+    error that reaches it (as the GPTQ paper runs it). Each block runs once more, quantized, to
+    give the next one its inputs (3L); the quantized layers compute from their (q, scale)
     results, so no extra copy of a weight is held; the model is restored. Linears outside the
-    decoder blocks (an lm_head) are rounded last, on statistics from the quantized blocks.
+    decoder blocks (an lm_head) are rounded last, on statistics from a whole-model pass (with the
+    quantized blocks if sequential).
     The rounding runs where the statistics were gathered; results land on each weight's device.
     """
     qmax_of(dtype)  # validates: torch.int8 or torch.float8_e4m3fn
@@ -242,7 +289,8 @@ def gptq_quantize_weights(
             raise ValueError(f"sequential GPTQ of a static scheme needs every layer's input range; {len(missing)} "
                              f"have none, the first {missing[0]}")
         input_scales = {name: scale_from_amax(input_amax[name].detach().float(), dtype) for name in layer_names}
-    groups: list[tuple[list[str], nn.Module | None]] = [(list(layer_names), None)]
+    groups: list[tuple[list[str], int]] = [(list(layer_names), -1)]  # (names, decoder block or -1)
+    inputs: BlockInputs | None = None
     if per_block or sequential:
         from quantkit.calibration.offload import block_of, decoder_blocks
 
@@ -257,16 +305,25 @@ def gptq_quantize_weights(
         by_block: dict[int, list[str]] = {}
         for name in layer_names:
             by_block.setdefault(owner.get(name, -1), []).append(name)
-        groups = [(by_block[i], stacks[i]) for i in sorted(by_block) if i >= 0]
+        groups = [(by_block[i], i) for i in sorted(by_block) if i >= 0]
+        if groups:
+            inputs = BlockInputs.record(model, stacks, blocks, batch_size, last=groups[-1][1])
+            if inputs is None:
+                logger.info("%s's decoder blocks do not run as a chain (each fed the one before's output), so block "
+                            "i's GPTQ statistics come from a forward through blocks 0..i", type(model).__name__)
         if -1 in by_block:  # outside the blocks (an lm_head): one full pass
-            groups.append((by_block[-1], None))
+            groups.append((by_block[-1], -1))
     result = {}
     experts = expert_linears(model)
     with tqdm(total=len(layer_names), desc="gptq", unit="layer", disable=not progress, leave=False) as bar, \
             ExitStack() as quantized:  # sequential: the blocks rounded so far run quantized until it closes
-        for names, stop_after in groups:
-            hessians = collect_hessians(model, blocks, names, batch_size, progress and not (per_block or sequential),
-                                        stop_after, first_token_weight)
+        for names, index in groups:
+            if inputs is not None and index >= 0:
+                hessians = _block_hessians(inputs, index, model, modules, names, first_token_weight,
+                                           keep=not sequential)
+            else:
+                hessians = collect_hessians(model, blocks, names, batch_size, progress and not (per_block or sequential),
+                                            stacks[index] if index >= 0 else None, first_token_weight)
             for name in names:
                 tokens = hessians[name].n_tokens
                 if tokens == 0 or (name in experts and tokens < modules[name].in_features):
@@ -286,6 +343,8 @@ def gptq_quantize_weights(
             del hessians
             for name in names if sequential else ():  # this block runs quantized in the next passes
                 quantized.enter_context(_run_quantized(modules[name], result[name], dtype, input_scales.get(name)))
+            if sequential and inputs is not None and index >= 0:
+                inputs.run(index)  # the next block's inputs: this one's outputs, quantized
     return result
 
 

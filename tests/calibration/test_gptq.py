@@ -203,15 +203,19 @@ def test_sequential_gptq_statistics_are_those_of_the_converted_blocks(dtype, sta
         assert float((H - want).norm() / want.norm()) < 1e-5, name
 
 
-def test_sequential_gptq_restores_the_model_when_a_pass_fails(monkeypatch):
+@pytest.mark.parametrize("blockwise", [True, False])
+def test_sequential_gptq_restores_the_model_when_a_pass_fails(blockwise, monkeypatch):
+    """Block 1's statistics pass fails, from recorded block inputs or (blocks not a chain) a whole-model pass."""
     from quantkit.calibration import gptq
+    from quantkit.calibration.blockwise import BlockInputs
 
     model = _two_block_llama()
     blocks = torch.randint(0, 131, (2, 11))
     names = [f"model.layers.{i}.{layer}" for i in (0, 1) for layer in _LAYERS]
     before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
     calls = []
-    collect = gptq.collect_hessians
+    pass_name = "_block_hessians" if blockwise else "collect_hessians"
+    collect = getattr(gptq, pass_name)
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -220,7 +224,9 @@ def test_sequential_gptq_restores_the_model_when_a_pass_fails(monkeypatch):
             raise RuntimeError("out of memory (simulated)")
         return collect(*args, **kwargs)
 
-    monkeypatch.setattr(gptq, "collect_hessians", failing)
+    if not blockwise:
+        monkeypatch.setattr(BlockInputs, "record", classmethod(lambda cls, *args, **kwargs: None))
+    monkeypatch.setattr(gptq, pass_name, failing)
     with pytest.raises(RuntimeError, match="simulated"):
         gptq_quantize_weights(model, blocks, names, progress=False, sequential=True)
     for n, p in model.named_parameters():
@@ -228,6 +234,7 @@ def test_sequential_gptq_restores_the_model_when_a_pass_fails(monkeypatch):
     for name in names:
         linear = model.get_submodule(name)
         assert "forward" not in vars(linear) and not list(linear.buffers())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
 def test_sequential_gptq_of_a_static_scheme_needs_every_input_range():

@@ -1,0 +1,161 @@
+"""Block-by-block calibration passes run each decoder block once per batch and give what
+whole-model forwards give."""
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import quantkit
+from quantkit.calibration.blockwise import BlockInputs
+from quantkit.calibration.gptq import gptq_quantize_weights
+from quantkit.calibration.offload import decoder_blocks
+from quantkit.convert import target_linears
+from quantkit.nn import QuantLinear
+from tests.tiny import make_model
+
+VOCAB = 200
+
+
+def _gemma3_mixed(layers: int = 3):
+    """Sliding and full-attention layers (windows shorter than the data): each block gets its own
+    mask and rotary table, so a block run on another block's arguments would compute differently."""
+    torch.manual_seed(2)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, sliding_window=8, max_position_embeddings=256,
+        layer_types=["full_attention" if i % 2 else "sliding_attention" for i in range(layers)])
+    return transformers.Gemma3ForCausalLM(config).eval()
+
+
+def _qwen2_moe():
+    torch.manual_seed(3)
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+        shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+MODELS = {"llama": lambda: make_model("llama", VOCAB, seed=1).float(), "gemma3": _gemma3_mixed}
+
+
+def _data(n=5, seq_len=24, seed=0):
+    return torch.randint(3, VOCAB, (n, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def _whole_model_passes(monkeypatch):
+    """From here on, blocks never count as a chain: GPTQ takes a forward through blocks 0..i."""
+    monkeypatch.setattr(BlockInputs, "record", classmethod(lambda cls, *args, **kwargs: None))
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+@pytest.mark.parametrize("mode", ["per_block", "sequential"])
+def test_blockwise_gptq_equals_whole_model_passes(arch, mode, monkeypatch):
+    """5 samples in batches of 2: the last batch is smaller, so its masks are its own."""
+    model = MODELS[arch]()
+    names = list(target_linears(model, quantkit.QuantConfig.preset("int8")))
+    data = _data()
+    steps = []
+    run = BlockInputs.run
+    monkeypatch.setattr(BlockInputs, "run", lambda self, index, *a, **k: (steps.append(index), run(self, index, *a, **k)))
+    blockwise = gptq_quantize_weights(model, data, names, progress=False, batch_size=2, **{mode: True})
+    n_blocks = len(decoder_blocks(model))
+    assert sorted(steps) == sorted(list(range(n_blocks)) * (2 if mode == "sequential" else 1))
+    _whole_model_passes(monkeypatch)
+    whole = gptq_quantize_weights(model, data, names, progress=False, batch_size=2, **{mode: True})
+    assert blockwise.keys() == whole.keys() == set(names)
+    for name in names:
+        assert all(torch.equal(a, b) for a, b in zip(blockwise[name], whole[name])), name
+    if mode == "per_block":  # and both equal the one-pass statistics of the float model
+        one_pass = gptq_quantize_weights(model, data, names, progress=False, batch_size=2)
+        for name in names:
+            assert all(torch.equal(a, b) for a, b in zip(blockwise[name], one_pass[name])), name
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_streamed_mixture_of_experts_gptq_equals_whole_model_passes(sequential, monkeypatch):
+    """Through the public API, streamed (per-block statistics), on a mixture of experts whose experts
+    see few tokens: the same quantized weights either way."""
+    config = quantkit.QuantConfig.preset("int8", gptq=True, gptq_sequential=sequential)
+    data = _data(n=4, seq_len=16)
+    blockwise = quantkit.quantize(_qwen2_moe(), config, data, progress=False, offload_device="cpu")
+    _whole_model_passes(monkeypatch)
+    whole = quantkit.quantize(_qwen2_moe(), config, data, progress=False, offload_device="cpu")
+    expected = {n: m for n, m in whole.named_modules() if isinstance(m, QuantLinear)}
+    actual = {n: m for n, m in blockwise.named_modules() if isinstance(m, QuantLinear)}
+    assert actual.keys() == expected.keys() and any(".experts." in n for n in actual)
+    for name, module in expected.items():
+        assert torch.equal(actual[name].weight, module.weight), name
+        assert torch.equal(actual[name].weight_scale, module.weight_scale), name
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_each_block_runs_once_per_batch_per_step(sequential):
+    """Recording: blocks 0..L-1 once per batch; then per_block runs each block once more, and
+    sequential twice (its statistics, then quantized, for the next block's inputs)."""
+    model = _gemma3_mixed(layers=5)  # whole-model passes would run 5 + 15 (sequential) or 15 blocks a batch
+    blocks = decoder_blocks(model)
+    calls = []
+    handles = [b.register_forward_pre_hook(lambda _m, _a, i=i: calls.append(i)) for i, b in enumerate(blocks)]
+    names = list(target_linears(model, quantkit.QuantConfig.preset("int8")))
+    gptq_quantize_weights(model, _data(n=3), names, progress=False, batch_size=2, per_block=not sequential,
+                          sequential=sequential)
+    for handle in handles:
+        handle.remove()
+    n_blocks, n_batches = len(blocks), 2
+    assert sorted(calls) == sorted(list(range(n_blocks)) * n_batches * (3 if sequential else 2))
+
+
+class _Stack(nn.Module):
+    """Embedding, then Linear blocks; ``gap``: the loop hands each block a new tensor, not the output."""
+
+    def __init__(self, gap: bool):
+        super().__init__()
+        torch.manual_seed(4)
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.gap = gap
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, input_ids, use_cache=False):
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(h)
+            if self.gap:
+                h = torch.tanh(h)
+        return h
+
+
+def test_stepping_the_blocks_gives_the_model_output_and_a_broken_chain_is_refused():
+    data = _data(n=5, seq_len=7)
+    model = _Stack(gap=False)
+    inputs = BlockInputs.record(model, model.layers, data, batch_size=2, last=2)
+    assert inputs is not None and len(inputs.hidden) == 3
+    with pytest.raises(ValueError, match="block 1 cannot run before block 0"):
+        inputs.run(1)
+    for i in range(3):
+        inputs.run(i)
+    with torch.no_grad():
+        assert torch.equal(torch.cat(inputs.hidden), model(data))
+    gapped = _Stack(gap=True)
+    assert BlockInputs.record(gapped, gapped.layers, data, batch_size=2, last=2) is None
+    # The chain is checked up to the last block asked for.
+    assert BlockInputs.record(gapped, gapped.layers, data, batch_size=2, last=0) is not None
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in gapped.modules())
+
+
+def test_equal_arguments_of_later_batches_are_shared():
+    """Full batches' masks and rotary tables are equal: one copy is held, not one per batch."""
+    model = _gemma3_mixed()
+    inputs = BlockInputs.record(model, decoder_blocks(model), _data(n=6), batch_size=2, last=2)
+    first, third = inputs.calls[0][1].kwargs, inputs.calls[2][1].kwargs
+    tensors = [k for k, v in first.items() if isinstance(v, torch.Tensor)]
+    assert tensors  # position_ids at least
+    assert all(first[k] is third[k] for k in tensors)
+    cos, sin = first["position_embeddings"]
+    assert third["position_embeddings"][0] is cos and third["position_embeddings"][1] is sin
+    # Sliding and full layers get different rotary tables: blocks 0 and 1 do not share them.
+    assert not torch.equal(inputs.calls[0][0].kwargs["position_embeddings"][0], cos)
