@@ -9,6 +9,11 @@ blocks' inputs recorded once and stepped through the blocks (``calibration.block
 whole-model forwards through blocks 0..i for block i (the path kept for models whose blocks are
 not a chain), same process, alternating; the results must be equal. Also the time of the
 rounding alone (the Hessians given), so the forwards' share shows.
+
+``--stream``: instead, the public API streaming a host-resident bf16 model of that shape (the full
+262,144-token vocabulary, so the parts outside the blocks weigh what they do) to the GPU, int8 +
+SmoothQuant 0.5 + GPTQ (per block) and + sequential GPTQ: the peak of GPU memory and the time,
+block inputs recorded against whole-model passes, and whether the quantized weights are equal.
 """
 
 from __future__ import annotations
@@ -32,14 +37,14 @@ def option(name: str, default: str) -> str:
     return args[args.index(name) + 1] if name in args else default
 
 
-def model_of(layers: int, device: str):
+def model_of(layers: int, device: str, vocab: int = 4096, dtype=torch.float32):
     torch.manual_seed(0)
     config = transformers.Gemma3TextConfig(
-        vocab_size=4096, hidden_size=640, intermediate_size=2048, num_hidden_layers=layers, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=640, intermediate_size=2048, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=1, head_dim=256, sliding_window=512, query_pre_attn_scalar=256,
         max_position_embeddings=32768,
         layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)])
-    return transformers.Gemma3ForCausalLM(config).to(device).eval()
+    return transformers.Gemma3ForCausalLM(config).to(device, dtype).eval()
 
 
 def timed(fn):
@@ -88,5 +93,39 @@ def main(out_path: str) -> None:
             json.dump(report, handle, indent=1)
 
 
+def streamed(out_path: str) -> None:
+    import copy
+
+    import quantkit
+    from quantkit.nn import QuantLinear
+
+    layers, samples, seq_len = int(option("--layers", "18")), int(option("--samples", "64")), int(option("--seq-len", "512"))
+    host = model_of(layers, "cpu", vocab=262144, dtype=torch.bfloat16)
+    data = torch.randint(3, 262144, (samples, seq_len), generator=torch.Generator().manual_seed(1))
+    report = {**environment_metadata(), "layers": layers, "samples": samples, "seq_len": seq_len, "rows": []}
+    record = BlockInputs.record
+    for sequential in (False, True):
+        config = QuantConfig.preset("int8", smoothquant_alpha=0.5, gptq=True, gptq_sequential=sequential)
+        weights = {}
+        for path in ("blockwise", "whole_model"):
+            BlockInputs.record = record if path == "blockwise" else classmethod(lambda cls, *a, **k: None)
+            model = copy.deepcopy(host)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            _, seconds = timed(lambda: quantkit.quantize(model, config, data, progress=False, offload_device="cuda"))
+            weights[path] = {n: (m.weight, m.weight_scale) for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+            row = dict(sequential=sequential, path=path, seconds=round(seconds, 2),
+                       peak_gpu_bytes=torch.cuda.max_memory_allocated() - before)
+            report["rows"].append(row)
+            print(row, flush=True)
+        BlockInputs.record = record
+        report["rows"][-1]["equal_to_blockwise"] = weights["blockwise"].keys() == weights["whole_model"].keys() and all(
+            torch.equal(a, b) for n, pair in weights["blockwise"].items() for a, b in zip(pair, weights["whole_model"][n]))
+        print("equal:", report["rows"][-1]["equal_to_blockwise"], flush=True)
+        with open(out_path, "w") as handle:
+            json.dump(report, handle, indent=1)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    (streamed if "--stream" in sys.argv[2:] else main)(sys.argv[1])
