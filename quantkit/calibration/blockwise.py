@@ -62,8 +62,10 @@ class BlockInputs:
                last: int) -> "BlockInputs | None":
         """One forward of ``model`` per batch of ``data``, up to block ``last``; None if blocks 0..last
         do not run as a chain (in list order, each fed the tensor the one before returned)."""
-        store = next(blocks[0].parameters()).device  # before any call: host memory if they stream
-        out = cls(blocks, [], [], input_device(model), store)
+        device = input_device(model)
+        first = next(blocks[0].parameters(), None)
+        store = first.device if first is not None else device  # before any call: host memory if they stream
+        out = cls(blocks, [], [], device, store)
         order: list[int] = []
         previous: list = [None]  # the hidden state the last block returned
         chain = [True]
