@@ -180,6 +180,7 @@ def gptq_quantize(
     block_size: int = 128,
     damp: float = 0.01,
     act_order: bool = True,
+    cuda_graphs: "ColumnGraphs | None" = None,
 ) -> torch.Tensor:
     """Quantize ``weight`` (N, K) column by column with error feedback; returns q (N, K) of ``dtype``.
 
@@ -187,6 +188,9 @@ def gptq_quantize(
     damp: fraction of the mean diagonal added to it, which keeps the Cholesky factorization
     stable when inputs are (nearly) collinear. act_order: round the columns with the largest
     input energy first, while the most unrounded columns remain to absorb their error.
+    cuda_graphs: on a CUDA device, the column loop of each full block runs as a replayed CUDA
+    graph from this cache (``ColumnGraphs``; pass one to share it between the layers of a model);
+    the same kernels, so the same result as eager. None: eager.
     """
     if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]) or scale.shape != (weight.shape[0],):
         raise ValueError(
@@ -215,23 +219,69 @@ def gptq_quantize(
     L = torch.linalg.cholesky(H.double())
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True).float()
     Q = torch.zeros_like(W)
+    graphed = cuda_graphs is not None and W.is_cuda
     for i1 in range(0, K, block_size):
         i2 = min(i1 + block_size, K)
-        W1 = W[:, i1:i2].clone()
-        E1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            w = W1[:, i]
-            q = cast_to_quantized(w[:, None] / s, dtype).float()
-            Q[:, i1 + i] = q[:, 0]
-            err = (w - q[:, 0] * s[:, 0]) / Hinv1[i, i]
-            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
-            E1[:, i] = err
+        if graphed and i2 - i1 == block_size:
+            Q[:, i1:i2], E1 = cuda_graphs.run(W[:, i1:i2], Hinv[i1:i2, i1:i2], s, dtype)
+        else:
+            W1 = W[:, i1:i2].clone()
+            E1 = torch.empty_like(W1)
+            _round_columns(W1, Hinv[i1:i2, i1:i2], s, Q[:, i1:i2], E1, dtype)
         # Lazy batch update: the columns after this block receive the whole block's error at once.
         W[:, i2:] -= E1 @ Hinv[i1:i2, i2:]
     inverse = torch.argsort(perm)
     Q = Q[:, inverse].clamp(-qmax, qmax)
     return cast_to_quantized(Q, dtype)
+
+
+def _round_columns(W1: torch.Tensor, Hinv1: torch.Tensor, s: torch.Tensor, Q1: torch.Tensor, E1: torch.Tensor,
+                   dtype: torch.dtype) -> None:
+    """GPTQ's loop over the columns of one block: column i is rounded (into ``Q1``) and its error,
+    scaled by the inverse Hessian's diagonal (into ``E1``), moves the block's later columns of
+    ``W1`` (updated in place). s: (N, 1) scales."""
+    for i in range(W1.shape[1]):
+        w = W1[:, i]
+        q = cast_to_quantized(w[:, None] / s, dtype).float()
+        Q1[:, i] = q[:, 0]
+        err = (w - q[:, 0] * s[:, 0]) / Hinv1[i, i]
+        W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
+        E1[:, i] = err
+
+
+class ColumnGraphs:
+    """``_round_columns`` on a full block captured as a CUDA graph per (rows, block width, dtype,
+    device), then replayed. Eagerly the loop launches about 13 small kernels a column from the
+    host, which is most of GPTQ's time on a GPU (an 8B model has ~1.2M columns); a replay launches
+    them all at once. Inputs are copied into the graph's buffers, so results are the eager ones."""
+
+    def __init__(self):
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
+
+    def run(self, W1: torch.Tensor, Hinv1: torch.Tensor, s: torch.Tensor, dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Q1, E1) of one block; both are the graph's buffers, valid until the next ``run``."""
+        key = (*W1.shape, dtype, W1.device)
+        if key not in self._graphs:
+            buffers = {"W1": W1.clone(), "Hinv1": Hinv1.clone(), "s": s.clone(), "Q1": torch.empty_like(W1),
+                       "E1": torch.empty_like(W1)}
+            # Warm-up outside the capture (the kernels load on first use), which also rounds this block.
+            side = torch.cuda.Stream(W1.device)
+            side.wait_stream(torch.cuda.current_stream(W1.device))
+            with torch.cuda.stream(side):
+                _round_columns(buffers["W1"], buffers["Hinv1"], buffers["s"], buffers["Q1"], buffers["E1"], dtype)
+            torch.cuda.current_stream(W1.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # records without running: the buffers keep the warm-up's results
+                _round_columns(buffers["W1"], buffers["Hinv1"], buffers["s"], buffers["Q1"], buffers["E1"], dtype)
+            self._graphs[key] = graph, buffers
+            return buffers["Q1"], buffers["E1"]
+        graph, buffers = self._graphs[key]
+        buffers["W1"].copy_(W1)
+        buffers["Hinv1"].copy_(Hinv1)
+        buffers["s"].copy_(s)
+        graph.replay()
+        return buffers["Q1"], buffers["E1"]
 
 
 @torch.no_grad()
@@ -251,6 +301,7 @@ def gptq_quantize_weights(
     first_token_weight: float = 1.0,
     sequential: bool = False,
     input_amax: dict[str, torch.Tensor] | None = None,
+    cuda_graphs: bool = True,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """GPTQ-quantize the named Linears of ``model`` (weights are not modified).
 
@@ -275,6 +326,8 @@ def gptq_quantize_weights(
     decoder blocks (an lm_head) are rounded last, on statistics from a whole-model pass (with the
     quantized blocks if sequential).
     The rounding runs where the statistics were gathered; results land on each weight's device.
+    cuda_graphs: on a GPU, replay each full block's column loop as a CUDA graph (``ColumnGraphs``;
+    the same result as eager, about 10x less time in the rounding).
     """
     qmax_of(dtype)  # validates: torch.int8 or torch.float8_e4m3fn
     if weight_observer not in WEIGHT_OBSERVERS:
@@ -315,6 +368,7 @@ def gptq_quantize_weights(
             groups.append((by_block[-1], -1))
     result = {}
     experts = expert_linears(model)
+    graphs = ColumnGraphs() if cuda_graphs and torch.cuda.is_available() else None  # used for CUDA Hessians
     with tqdm(total=len(layer_names), desc="gptq", unit="layer", disable=not progress, leave=False) as bar, \
             ExitStack() as quantized:  # sequential: the blocks rounded so far run quantized until it closes
         for names, index in groups:
@@ -338,7 +392,7 @@ def gptq_quantize_weights(
                     result[name] = (q, scale.reshape(-1))
                 else:
                     result[name] = _gptq_layer(modules[name].weight.detach(), hessians[name].hessian, dtype,
-                                               block_size, damp, act_order, weight_observer, percentile)
+                                               block_size, damp, act_order, weight_observer, percentile, graphs)
                 bar.update()
             del hessians
             for name in names if sequential else ():  # this block runs quantized in the next passes
@@ -373,10 +427,11 @@ def _run_quantized(linear: nn.Linear, quantized: tuple[torch.Tensor, torch.Tenso
 
 
 def _gptq_layer(weight: torch.Tensor, H: torch.Tensor, dtype: torch.dtype, block_size: int, damp: float,
-                act_order: bool, weight_observer: str, percentile: float) -> tuple[torch.Tensor, torch.Tensor]:
+                act_order: bool, weight_observer: str, percentile: float,
+                graphs: ColumnGraphs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer: scales from the observer, GPTQ rounding on the Hessian's device, results on the weight's."""
     w = weight.to(H.device)
     amax = weight_amax(w, dtype, weight_observer, percentile, column_weight=torch.diag(H).clamp_min(0))
     scale = scale_from_amax(amax, dtype)
-    q = gptq_quantize(w, H, scale, dtype, block_size, damp, act_order)
+    q = gptq_quantize(w, H, scale, dtype, block_size, damp, act_order, graphs)
     return q.to(weight.device), scale.to(weight.device)
