@@ -261,6 +261,10 @@ class ColumnGraphs:
     def run(self, W1: torch.Tensor, Hinv1: torch.Tensor, s: torch.Tensor, dtype: torch.dtype
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """(Q1, E1) of one block; both are the graph's buffers, valid until the next ``run``."""
+        with torch.cuda.device(W1.device):  # capture and replay on the weight's GPU, whichever is current
+            return self._run(W1, Hinv1, s, dtype)
+
+    def _run(self, W1, Hinv1, s, dtype):
         key = (*W1.shape, dtype, W1.device)
         if key not in self._graphs:
             buffers = {"W1": W1.clone(), "Hinv1": Hinv1.clone(), "s": s.clone(), "Q1": torch.empty_like(W1),
@@ -327,7 +331,7 @@ def gptq_quantize_weights(
     quantized blocks if sequential).
     The rounding runs where the statistics were gathered; results land on each weight's device.
     cuda_graphs: on a GPU, replay each full block's column loop as a CUDA graph (``ColumnGraphs``;
-    the same result as eager, about 10x less time in the rounding).
+    the same codes as eager, 4-9x less time per layer on an H200).
     """
     qmax_of(dtype)  # validates: torch.int8 or torch.float8_e4m3fn
     if weight_observer not in WEIGHT_OBSERVERS:
