@@ -324,9 +324,9 @@ def gptq_quantize_weights(
     from the inputs the blocks before it give once quantized: their Linears run with their rounded
     weights and their inputs quantized as the converted model will (per token, or per tensor at
     ``input_amax``'s calibrated range for static schemes), so a block's rounding also corrects the
-    error that reaches it (as the GPTQ paper runs it). Each block runs once more, quantized, to
-    give the next one its inputs (3L); the quantized layers compute from their (q, scale)
-    results, so no extra copy of a weight is held; the model is restored. Linears outside the
+    error that reaches it (as the GPTQ paper runs it). Each block but the last runs once more,
+    quantized, to give the next one its inputs (3L - 1); the quantized layers compute from their
+    (q, scale) results, so no extra copy of a weight is held; the model is restored. Linears outside the
     decoder blocks (an lm_head) are rounded last, on statistics from a whole-model pass (with the
     quantized blocks if sequential).
     The rounding runs where the statistics were gathered; results land on each weight's device.
@@ -334,6 +334,9 @@ def gptq_quantize_weights(
     the same codes as eager, 4-9x less time per layer on an H200).
     """
     qmax_of(dtype)  # validates: torch.int8 or torch.float8_e4m3fn
+    check_blocks(blocks, model)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
     if weight_observer not in WEIGHT_OBSERVERS:
         raise ValueError(f"weight_observer={weight_observer!r} is not one of {WEIGHT_OBSERVERS}")
     if not layer_names:
@@ -348,6 +351,7 @@ def gptq_quantize_weights(
         input_scales = {name: scale_from_amax(input_amax[name].detach().float(), dtype) for name in layer_names}
     groups: list[tuple[list[str], int]] = [(list(layer_names), -1)]  # (names, decoder block or -1)
     inputs: BlockInputs | None = None
+    last_block = -1
     if per_block or sequential:
         from quantkit.calibration.offload import block_of, decoder_blocks
 
@@ -364,10 +368,12 @@ def gptq_quantize_weights(
             by_block.setdefault(owner.get(name, -1), []).append(name)
         groups = [(by_block[i], i) for i in sorted(by_block) if i >= 0]
         if groups:
-            inputs = BlockInputs.record(model, stacks, blocks, batch_size, last=groups[-1][1])
+            last_block = groups[-1][1]
+            inputs = BlockInputs.record(model, stacks, blocks, batch_size, last=last_block)
             if inputs is None:
-                logger.info("%s's decoder blocks do not run as a chain (each fed the one before's output), so block "
-                            "i's GPTQ statistics come from a forward through blocks 0..i", type(model).__name__)
+                logger.warning("%s's decoder blocks do not run as a chain (each fed the one before's output), so "
+                               "block i's GPTQ statistics come from a forward through blocks 0..i: L(L+1)/2 block "
+                               "forwards instead of 2L or 3L", type(model).__name__)
         if -1 in by_block:  # outside the blocks (an lm_head): one full pass
             groups.append((by_block[-1], -1))
     result = {}
@@ -401,7 +407,10 @@ def gptq_quantize_weights(
             del hessians
             for name in names if sequential else ():  # this block runs quantized in the next passes
                 quantized.enter_context(_run_quantized(modules[name], result[name], dtype, input_scales.get(name)))
-            if sequential and inputs is not None and index >= 0:
+            if inputs is not None and index == last_block:
+                inputs.release()  # every sample's hidden states: not needed by an lm_head's whole-model pass
+                inputs = None
+            elif sequential and inputs is not None and index >= 0:
                 inputs.run(index)  # the next block's inputs: this one's outputs, quantized
     return result
 

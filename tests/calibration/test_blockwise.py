@@ -52,7 +52,7 @@ def _whole_model_passes(monkeypatch):
 @pytest.mark.parametrize("arch", sorted(MODELS))
 @pytest.mark.parametrize("mode", ["per_block", "sequential"])
 def test_blockwise_gptq_equals_whole_model_passes(arch, mode, monkeypatch):
-    """5 samples in batches of 2: the last batch is smaller, so its masks are its own."""
+    """5 samples in batches of 2: the last batch is smaller (Gemma 3's masks are then its own)."""
     model = MODELS[arch]()
     names = list(target_linears(model, quantkit.QuantConfig.preset("int8")))
     data = _data()
@@ -61,7 +61,8 @@ def test_blockwise_gptq_equals_whole_model_passes(arch, mode, monkeypatch):
     monkeypatch.setattr(BlockInputs, "run", lambda self, index, *a, **k: (steps.append(index), run(self, index, *a, **k)))
     blockwise = gptq_quantize_weights(model, data, names, progress=False, batch_size=2, **{mode: True})
     n_blocks = len(decoder_blocks(model))
-    assert sorted(steps) == sorted(list(range(n_blocks)) * (2 if mode == "sequential" else 1))
+    # sequential: each block for its statistics, then quantized for the next one's inputs (not the last)
+    assert sorted(steps) == sorted(list(range(n_blocks)) + (list(range(n_blocks - 1)) if mode == "sequential" else []))
     _whole_model_passes(monkeypatch)
     whole = gptq_quantize_weights(model, data, names, progress=False, batch_size=2, **{mode: True})
     assert blockwise.keys() == whole.keys() == set(names)
@@ -91,31 +92,51 @@ def test_streamed_mixture_of_experts_gptq_equals_whole_model_passes(sequential, 
 
 
 @pytest.mark.parametrize("sequential", [False, True])
-def test_each_block_runs_once_per_batch_per_step(sequential):
+@pytest.mark.parametrize("chain", [True, False])
+def test_each_block_runs_once_per_batch_per_step(sequential, chain, monkeypatch):
     """Recording: blocks 0..L-1 once per batch; then per_block runs each block once more, and
-    sequential twice (its statistics, then quantized, for the next block's inputs)."""
-    model = _gemma3_mixed(layers=5)  # whole-model passes would run 5 + 15 (sequential) or 15 blocks a batch
+    sequential twice (its statistics, then quantized for the next block's inputs; the last block's
+    outputs are not needed). Without a chain: a forward through blocks 0..i for block i."""
+    model = _gemma3_mixed(layers=5)
     blocks = decoder_blocks(model)
     calls = []
     handles = [b.register_forward_pre_hook(lambda _m, _a, i=i: calls.append(i)) for i, b in enumerate(blocks)]
     names = list(target_linears(model, quantkit.QuantConfig.preset("int8")))
+    if not chain:
+        _whole_model_passes(monkeypatch)
     gptq_quantize_weights(model, _data(n=3), names, progress=False, batch_size=2, per_block=not sequential,
                           sequential=sequential)
     for handle in handles:
         handle.remove()
     n_blocks, n_batches = len(blocks), 2
-    assert sorted(calls) == sorted(list(range(n_blocks)) * n_batches * (3 if sequential else 2))
+    if chain:
+        per_batch = list(range(n_blocks)) * 2 + (list(range(n_blocks - 1)) if sequential else [])
+    else:
+        per_batch = [i for last in range(n_blocks) for i in range(last + 1)]
+    assert sorted(calls) == sorted(per_batch * n_batches)
+
+
+class _Halving(nn.Module):
+    """A block that halves its input in place before its Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.linear(x.mul_(0.5))
 
 
 class _Stack(nn.Module):
-    """Embedding, then Linear blocks; ``gap``: the loop hands each block a new tensor, not the output."""
+    """Embedding, then blocks; between blocks the loop hands on the output (``"none"``), a view of
+    all of it (``"view"``) or a new tensor (``"tanh"``, not a chain)."""
 
-    def __init__(self, gap: bool):
+    def __init__(self, between: str = "none", in_place: bool = False):
         super().__init__()
         torch.manual_seed(4)
         self.embed = nn.Embedding(VOCAB, 16)
-        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
-        self.gap = gap
+        self.layers = nn.ModuleList((_Halving() if in_place else nn.Linear(16, 16)) for _ in range(3))
+        self.between = between
 
     def get_input_embeddings(self):
         return self.embed
@@ -124,38 +145,50 @@ class _Stack(nn.Module):
         h = self.embed(input_ids)
         for layer in self.layers:
             h = layer(h)
-            if self.gap:
+            if self.between == "view":
+                h = h[:, slice(0, None), :]
+            elif self.between == "tanh":
                 h = torch.tanh(h)
         return h
 
 
-def test_stepping_the_blocks_gives_the_model_output_and_a_broken_chain_is_refused():
+@pytest.mark.parametrize("between, in_place", [("none", False), ("view", False), ("none", True)])
+def test_stepping_the_blocks_gives_the_model_output(between, in_place):
+    """Also when the loop hands on a view of the whole output, and when blocks edit their input in
+    place (each block first run without keeping its outputs, as sequential GPTQ's statistics pass)."""
     data = _data(n=5, seq_len=7)
-    model = _Stack(gap=False)
+    model = _Stack(between, in_place)
     inputs = BlockInputs.record(model, model.layers, data, batch_size=2, last=2)
     assert inputs is not None and len(inputs.hidden) == 3
     with pytest.raises(ValueError, match="block 1 cannot run before block 0"):
         inputs.run(1)
     for i in range(3):
+        inputs.run(i, keep=False)
         inputs.run(i)
     with torch.no_grad():
         assert torch.equal(torch.cat(inputs.hidden), model(data))
-    gapped = _Stack(gap=True)
-    assert BlockInputs.record(gapped, gapped.layers, data, batch_size=2, last=2) is None
+
+
+def test_a_broken_chain_is_refused():
+    data = _data(n=5, seq_len=7)
+    model = _Stack("tanh")
+    assert BlockInputs.record(model, model.layers, data, batch_size=2, last=2) is None
     # The chain is checked up to the last block asked for.
-    assert BlockInputs.record(gapped, gapped.layers, data, batch_size=2, last=0) is not None
-    assert not any(m._forward_hooks or m._forward_pre_hooks for m in gapped.modules())
+    assert BlockInputs.record(model, model.layers, data, batch_size=2, last=0) is not None
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
 def test_equal_arguments_of_later_batches_are_shared():
     """Full batches' masks and rotary tables are equal: one copy is held, not one per batch."""
     model = _gemma3_mixed()
     inputs = BlockInputs.record(model, decoder_blocks(model), _data(n=6), batch_size=2, last=2)
-    first, third = inputs.calls[0][1].kwargs, inputs.calls[2][1].kwargs
+    first, third = inputs.calls[0][1].arguments()[1], inputs.calls[2][1].arguments()[1]
     tensors = [k for k, v in first.items() if isinstance(v, torch.Tensor)]
     assert tensors  # position_ids at least
     assert all(first[k] is third[k] for k in tensors)
     cos, sin = first["position_embeddings"]
     assert third["position_embeddings"][0] is cos and third["position_embeddings"][1] is sin
     # Sliding and full layers get different rotary tables: blocks 0 and 1 do not share them.
-    assert not torch.equal(inputs.calls[0][0].kwargs["position_embeddings"][0], cos)
+    assert not torch.equal(inputs.calls[0][0].arguments()[1]["position_embeddings"][0], cos)
+    inputs.run(0)  # a block's arguments are dropped once stepped past
+    assert all(calls[0] is None and calls[1] is not None for calls in inputs.calls)

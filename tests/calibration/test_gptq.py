@@ -205,8 +205,8 @@ def test_sequential_gptq_statistics_are_those_of_the_converted_blocks(dtype, sta
 
 @pytest.mark.parametrize("blockwise", [True, False])
 def test_sequential_gptq_restores_the_model_when_a_pass_fails(blockwise, monkeypatch):
-    """Block 1's statistics pass fails, from recorded block inputs or (blocks not a chain) a whole-model pass."""
-    from quantkit.calibration import gptq
+    """Block 1's statistics pass fails inside the block, on recorded block inputs or (blocks not a
+    chain) in a whole-model pass."""
     from quantkit.calibration.blockwise import BlockInputs
 
     model = _two_block_llama()
@@ -214,21 +214,19 @@ def test_sequential_gptq_restores_the_model_when_a_pass_fails(blockwise, monkeyp
     names = [f"model.layers.{i}.{layer}" for i in (0, 1) for layer in _LAYERS]
     before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
     calls = []
-    pass_name = "_block_hessians" if blockwise else "collect_hessians"
-    collect = getattr(gptq, pass_name)
 
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:  # block 0's layers run quantized by now
-            assert all("forward" in vars(model.get_submodule(n)) for n in names[:7])
+    def failing(_module, _args):  # block 1's first forward after block 0's rounding
+        if all("forward" in vars(model.get_submodule(n)) for n in names[:7]):
+            calls.append(1)
             raise RuntimeError("out of memory (simulated)")
-        return collect(*args, **kwargs)
 
     if not blockwise:
         monkeypatch.setattr(BlockInputs, "record", classmethod(lambda cls, *args, **kwargs: None))
-    monkeypatch.setattr(gptq, pass_name, failing)
+    failure = model.model.layers[1].register_forward_pre_hook(failing)
     with pytest.raises(RuntimeError, match="simulated"):
         gptq_quantize_weights(model, blocks, names, progress=False, sequential=True)
+    assert calls == [1]
+    failure.remove()
     for n, p in model.named_parameters():
         assert p is before[n][0] and torch.equal(p, before[n][1])
     for name in names:
