@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+from tqdm.auto import tqdm
 
 from quantkit.calibration.calibrate import forward_backbone, hidden_state, input_device, storage_key
 
@@ -80,7 +81,7 @@ class BlockInputs:
     @classmethod
     @torch.no_grad()
     def record(cls, model: nn.Module, blocks: nn.ModuleList, data: torch.Tensor, batch_size: int,
-               last: int) -> "BlockInputs | None":
+               last: int, progress: bool = False) -> "BlockInputs | None":
         """One forward of ``model`` per batch of ``data``, up to block ``last``; None if blocks 0..last
         do not run as a chain (in list order, each fed what the one before returned)."""
         device = input_device(model)
@@ -120,7 +121,8 @@ class BlockInputs:
             handles.append(blocks[i].register_forward_pre_hook(before(i), with_kwargs=True))
             handles.append(blocks[i].register_forward_hook(after(i)))
         try:
-            for start in range(0, data.shape[0], batch_size):
+            starts = range(0, data.shape[0], batch_size)
+            for start in tqdm(starts, desc="recording block inputs", unit="batch", disable=not progress, leave=False):
                 out.calls.append([])
                 out._memo.clear()
                 order.clear()

@@ -326,9 +326,9 @@ def gptq_quantize_weights(
     ``input_amax``'s calibrated range for static schemes), so a block's rounding also corrects the
     error that reaches it (as the GPTQ paper runs it). Each block but the last runs once more,
     quantized, to give the next one its inputs (3L - 1); the quantized layers compute from their
-    (q, scale) results, so no extra copy of a weight is held; the model is restored. Linears outside the
-    decoder blocks (an lm_head) are rounded last, on statistics from a whole-model pass (with the
-    quantized blocks if sequential).
+    (q, scale) results, so no extra copy of a weight is held; the model is restored. Linears
+    outside the decoder blocks (an lm_head) are rounded last, on statistics from a whole-model
+    pass (with the quantized blocks if sequential).
     The rounding runs where the statistics were gathered; results land on each weight's device.
     cuda_graphs: on a GPU, replay each full block's column loop as a CUDA graph (``ColumnGraphs``;
     the same codes as eager, 4-9x less time per layer on an H200).
@@ -369,7 +369,7 @@ def gptq_quantize_weights(
         groups = [(by_block[i], i) for i in sorted(by_block) if i >= 0]
         if groups:
             last_block = groups[-1][1]
-            inputs = BlockInputs.record(model, stacks, blocks, batch_size, last=last_block)
+            inputs = BlockInputs.record(model, stacks, blocks, batch_size, last=last_block, progress=progress)
             if inputs is None:
                 logger.warning("%s's decoder blocks do not run as a chain (each fed the one before's output), so "
                                "block i's GPTQ statistics come from a forward through blocks 0..i: L(L+1)/2 block "
