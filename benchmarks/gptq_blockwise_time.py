@@ -14,6 +14,8 @@ rounding alone (the Hessians given), so the forwards' share shows.
 262,144-token vocabulary, so the parts outside the blocks weigh what they do) to the GPU, int8 +
 SmoothQuant 0.5 + GPTQ (per block) and + sequential GPTQ: the peak of GPU memory and the time,
 block inputs recorded against whole-model passes, and whether the quantized weights are equal.
+``--resident``: the same with the model on the GPU (no streaming), where the whole-model path is
+one forward collecting every layer's Hessian at once.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def main(out_path: str) -> None:
             json.dump(report, handle, indent=1)
 
 
-def streamed(out_path: str) -> None:
+def streamed(out_path: str, resident: bool = False) -> None:
     import copy
 
     import quantkit
@@ -102,7 +104,8 @@ def streamed(out_path: str) -> None:
     layers, samples, seq_len = int(option("--layers", "18")), int(option("--samples", "64")), int(option("--seq-len", "512"))
     host = model_of(layers, "cpu", vocab=262144, dtype=torch.bfloat16)
     data = torch.randint(3, 262144, (samples, seq_len), generator=torch.Generator().manual_seed(1))
-    report = {**environment_metadata(), "layers": layers, "samples": samples, "seq_len": seq_len, "rows": []}
+    report = {**environment_metadata(), "layers": layers, "samples": samples, "seq_len": seq_len,
+              "resident": resident, "rows": []}
     record = BlockInputs.record
     for sequential in (False, True):
         config = QuantConfig.preset("int8", smoothquant_alpha=0.5, gptq=True, gptq_sequential=sequential)
@@ -110,10 +113,13 @@ def streamed(out_path: str) -> None:
         for path in ("blockwise", "whole_model"):
             BlockInputs.record = record if path == "blockwise" else classmethod(lambda cls, *a, **k: None)
             model = copy.deepcopy(host)
+            if resident:
+                model = model.cuda()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
-            _, seconds = timed(lambda: quantkit.quantize(model, config, data, progress=False, offload_device="cuda"))
+            _, seconds = timed(lambda: quantkit.quantize(model, config, data, progress=False,
+                                                         offload_device=None if resident else "cuda"))
             weights[path] = {n: (m.weight, m.weight_scale) for n, m in model.named_modules() if isinstance(m, QuantLinear)}
             row = dict(sequential=sequential, path=path, seconds=round(seconds, 2),
                        peak_gpu_bytes=torch.cuda.max_memory_allocated() - before)
@@ -128,4 +134,7 @@ def streamed(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    (streamed if "--stream" in sys.argv[2:] else main)(sys.argv[1])
+    if "--stream" in sys.argv[2:] or "--resident" in sys.argv[2:]:
+        streamed(sys.argv[1], resident="--resident" in sys.argv[2:])
+    else:
+        main(sys.argv[1])

@@ -314,13 +314,14 @@ def gptq_quantize_weights(
     quantized_weight=...)``. weight_observer: "absmax" (scale from the row max), "percentile"
     (``percentile`` of the row's |w|) or "mse" (clip search of ``weights.search_weight_clip``,
     weighted by the inputs' mean square).
-    per_block: collect the statistics one decoder block at a time, so only one block's Hessians
-    exist at once: the bound that streaming (``calibration.offload``) needs; otherwise all layers
-    at once, one pass, from the unquantized model. The blocks' inputs are recorded in one forward
-    and stepped through the blocks (``calibration.blockwise``): each block runs once per batch for
-    its statistics, 2L block forwards in all for L blocks, plus the calibration hidden states held
-    (see there). A model whose blocks do not run as a chain gets a forward through blocks 0..i for
-    block i instead (L(L+1)/2). sequential: block by block too, and each block's statistics come
+    The statistics are collected one decoder block at a time from the unquantized model, so only
+    one block's Hessians exist at once: the blocks' inputs are recorded in one forward and stepped
+    through the blocks (``calibration.blockwise``), each block running once per batch for its
+    statistics, 2L block forwards in all for L blocks, plus the calibration hidden states held
+    (see there). A model whose blocks do not run as a chain (or that has none) gets one forward
+    that collects every layer's Hessian at once, unless ``per_block``: then block i's come from a
+    forward through blocks 0..i (L(L+1)/2 block forwards), as the memory bound of streaming
+    (``calibration.offload``) needs. sequential: block by block too, and each block's statistics come
     from the inputs the blocks before it give once quantized: their Linears run with their rounded
     weights and their inputs quantized as the converted model will (per token, or per tensor at
     ``input_amax``'s calibrated range for static schemes), so a block's rounding also corrects the
@@ -352,30 +353,32 @@ def gptq_quantize_weights(
     groups: list[tuple[list[str], int]] = [(list(layer_names), -1)]  # (names, decoder block or -1)
     inputs: BlockInputs | None = None
     last_block = -1
-    if per_block or sequential:
-        from quantkit.calibration.offload import block_of, decoder_blocks
+    from quantkit.calibration.offload import block_of, decoder_blocks
 
-        try:
-            stacks = decoder_blocks(model)
-        except ValueError as exc:
-            if not sequential:
-                raise
+    try:
+        stacks = decoder_blocks(model)
+    except ValueError as exc:
+        if sequential:
             raise ValueError(f"gptq_sequential=True runs GPTQ one decoder block at a time, and "
                              f"{type(model).__name__} has no list of decoder blocks; use gptq_sequential=False") from exc
+        if per_block:
+            raise
+        stacks = None  # one pass over the whole model
+    if stacks is not None:
         owner = block_of(model, list(layer_names))
         by_block: dict[int, list[str]] = {}
         for name in layer_names:
             by_block.setdefault(owner.get(name, -1), []).append(name)
-        groups = [(by_block[i], i) for i in sorted(by_block) if i >= 0]
-        if groups:
-            last_block = groups[-1][1]
+        block_groups = [(by_block[i], i) for i in sorted(by_block) if i >= 0]
+        if block_groups:
+            last_block = block_groups[-1][1]
             inputs = BlockInputs.record(model, stacks, blocks, batch_size, last=last_block, progress=progress)
-            if inputs is None:
-                logger.warning("%s's decoder blocks do not run as a chain (each fed the one before's output), so "
-                               "block i's GPTQ statistics come from a forward through blocks 0..i: L(L+1)/2 block "
-                               "forwards instead of 2L or 3L", type(model).__name__)
-        if -1 in by_block:  # outside the blocks (an lm_head): one full pass
-            groups.append((by_block[-1], -1))
+        if inputs is not None or per_block or sequential:
+            groups = block_groups + ([(by_block[-1], -1)] if -1 in by_block else [])  # an lm_head: a full pass
+        if inputs is None and (per_block or sequential) and block_groups:
+            logger.warning("%s's decoder blocks do not run as a chain (each fed the one before's output), so "
+                           "block i's GPTQ statistics come from a forward through blocks 0..i: L(L+1)/2 block "
+                           "forwards instead of 2L or 3L", type(model).__name__)
     result = {}
     experts = expert_linears(model)
     graphs = ColumnGraphs() if cuda_graphs and torch.cuda.is_available() else None  # used for CUDA Hessians
@@ -386,7 +389,7 @@ def gptq_quantize_weights(
                 hessians = _block_hessians(inputs, index, model, modules, names, first_token_weight,
                                            keep=not sequential)
             else:
-                hessians = collect_hessians(model, blocks, names, batch_size, progress and not (per_block or sequential),
+                hessians = collect_hessians(model, blocks, names, batch_size, progress and index < 0,
                                             stacks[index] if index >= 0 else None, first_token_weight)
             for name in names:
                 tokens = hessians[name].n_tokens

@@ -91,12 +91,14 @@ def test_streamed_mixture_of_experts_gptq_equals_whole_model_passes(sequential, 
         assert torch.equal(actual[name].weight_scale, module.weight_scale), name
 
 
-@pytest.mark.parametrize("sequential", [False, True])
+@pytest.mark.parametrize("mode", ["resident", "per_block", "sequential"])
 @pytest.mark.parametrize("chain", [True, False])
-def test_each_block_runs_once_per_batch_per_step(sequential, chain, monkeypatch):
-    """Recording: blocks 0..L-1 once per batch; then per_block runs each block once more, and
-    sequential twice (its statistics, then quantized for the next block's inputs; the last block's
-    outputs are not needed). Without a chain: a forward through blocks 0..i for block i."""
+def test_each_block_runs_once_per_batch_per_step(mode, chain, monkeypatch):
+    """Recording: blocks 0..L-1 once per batch; then each block runs once more for its statistics,
+    and for sequential once more after that, quantized, for the next block's inputs (the last
+    block's outputs are not needed). Without a chain: one forward collecting every Hessian, or
+    where one block's Hessians at a time is the point (per_block, sequential) a forward through
+    blocks 0..i for block i."""
     model = _gemma3_mixed(layers=5)
     blocks = decoder_blocks(model)
     calls = []
@@ -104,13 +106,15 @@ def test_each_block_runs_once_per_batch_per_step(sequential, chain, monkeypatch)
     names = list(target_linears(model, quantkit.QuantConfig.preset("int8")))
     if not chain:
         _whole_model_passes(monkeypatch)
-    gptq_quantize_weights(model, _data(n=3), names, progress=False, batch_size=2, per_block=not sequential,
-                          sequential=sequential)
+    gptq_quantize_weights(model, _data(n=3), names, progress=False, batch_size=2, per_block=mode == "per_block",
+                          sequential=mode == "sequential")
     for handle in handles:
         handle.remove()
     n_blocks, n_batches = len(blocks), 2
     if chain:
-        per_batch = list(range(n_blocks)) * 2 + (list(range(n_blocks - 1)) if sequential else [])
+        per_batch = list(range(n_blocks)) * 2 + (list(range(n_blocks - 1)) if mode == "sequential" else [])
+    elif mode == "resident":
+        per_batch = list(range(n_blocks))
     else:
         per_batch = [i for last in range(n_blocks) for i in range(last + 1)]
     assert sorted(calls) == sorted(per_batch * n_batches)
