@@ -107,10 +107,11 @@ def streamed(out_path: str, resident: bool = False) -> None:
     report = {**environment_metadata(), "layers": layers, "samples": samples, "seq_len": seq_len,
               "resident": resident, "rows": []}
     record = BlockInputs.record
-    for sequential in (False, True):
+    paths = option("--paths", "blockwise,whole_model").split(",")  # e.g. whole_model,blockwise,whole_model,blockwise
+    for sequential in [False, True][: int(option("--modes", "2"))]:
         config = QuantConfig.preset("int8", smoothquant_alpha=0.5, gptq=True, gptq_sequential=sequential)
         weights = {}
-        for path in ("blockwise", "whole_model"):
+        for path in paths:
             BlockInputs.record = record if path == "blockwise" else classmethod(lambda cls, *a, **k: None)
             model = copy.deepcopy(host)
             if resident:
