@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import torch
 
 from quantkit.bench.common import environment_metadata
 from quantkit.calibration.gptq import ColumnGraphs, gptq_quantize
 from quantkit.kernels.reference import quantize_per_channel
+
+from gptq_blockwise_time import timed  # this folder: on sys.path when run as a script
 
 SHAPES = [(1024, 640), (256, 640), (640, 1024), (2048, 640), (640, 2048), (1024, 640), (2048, 640),
           (4096, 4096), (14336, 4096), (4096, 14336), (1000, 700)]
@@ -32,14 +33,6 @@ def layer(n: int, k: int, seed: int):
          + 0.1 * torch.randn(4096, k, device="cuda", generator=gen)) * torch.exp(torch.randn(k, device="cuda", generator=gen))
     weight = torch.randn(n, k, device="cuda", generator=gen) * 0.02
     return weight, 2 * x.t() @ x / x.shape[0]
-
-
-def timed(fn):
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - start
 
 
 def main(out_path: str) -> None:

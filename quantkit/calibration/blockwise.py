@@ -97,8 +97,9 @@ class BlockInputs:
                 positional = len(args) > 0
                 x = args[0] if positional else kwargs.get("hidden_states")
                 prev = previous[0]
-                linked = isinstance(prev, torch.Tensor) and isinstance(x, torch.Tensor) and (
-                    x is prev or storage_key(x) == storage_key(prev))
+                # the very tensor, or a view of all of it (same storage, offset, shape and strides)
+                linked = (isinstance(prev, torch.Tensor) and isinstance(x, torch.Tensor)
+                          and storage_key(x) == storage_key(prev))
                 if not isinstance(x, torch.Tensor) or (index > 0 and not linked):
                     chain[0] = False
                 if index == 0 and isinstance(x, torch.Tensor):

@@ -160,7 +160,6 @@ def _block_hessians(inputs: BlockInputs, index: int, model: nn.Module, modules: 
                     layer_names: list[str], first_token_weight: float, keep: bool) -> dict[str, HessianAccumulator]:
     """Hessians of the named Linears of block ``index`` from one run of that block on every batch
     of ``inputs`` (the blocks before it run first if they have not); ``keep``: step past it."""
-    _check_linears(modules, layer_names)
     while inputs.step < index:  # blocks holding none of the layers
         inputs.run(inputs.step)
     hooks = _HessianHooks(modules, layer_names, first_token_weight)
@@ -343,6 +342,7 @@ def gptq_quantize_weights(
     if not layer_names:
         return {}
     modules = dict(model.named_modules())
+    _check_linears(modules, layer_names)  # before any forward
     input_scales: dict[str, torch.Tensor] = {}
     if sequential and input_amax is not None:  # static: every layer's range, checked before any work
         missing = [name for name in layer_names if name not in input_amax]

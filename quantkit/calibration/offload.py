@@ -19,8 +19,9 @@ SmoothQuant and observers, and for GPTQ the
 Hessians of one block's Linears at a time (``sum K^2 * 4`` bytes over the block's distinct
 inputs: ~1 GiB for a Llama-3-8B block), because ``gptq_quantize_weights(..., per_block=True)``
 collects them block by block. It runs each block on recorded inputs (``calibration.blockwise``):
-the calibration hidden states wait in host memory, next to the blocks, and one batch of them and
-one batch's attention masks and rotary tables sit on the device.
+the calibration hidden states and any per-batch block arguments wait in host memory, next to the
+blocks; one batch of them visits the device with its block, and the masks and rotary tables shared
+by all full batches stay there (one copy).
 
 Models dispatched by accelerate (``hf_device_map``) across real devices need nothing from here:
 their hooks move activations. Accelerate's own CPU/disk offload keeps weights behind hooks that

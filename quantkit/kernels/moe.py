@@ -368,7 +368,8 @@ def default_config(pairs: int, experts: int, K: int, gated: bool = False, out_dt
       blocks from 32 pairs an expert, 128-row ones from 192 (runs s33c/d: at 192 pairs an expert
       the 128-row defaults were 0.98-1.15x the 64-row ones, at 256 1.04-1.22x, at 128 0.82-1.05x);
     - in 64-row blocks the plain form (the down projection) takes its weight tiles by TMA, 256
-      columns wide (1.3-1.4x the address-loaded 128-wide tiles at 1024-2048 tokens); the gated form keeps address-loaded 2 x 128-wide tiles (TMA gained nothing measurable);
+      columns wide (1.3-1.4x the address-loaded 128-wide tiles at 1024-2048 tokens); the gated form
+      keeps address-loaded 2 x 128-wide tiles (TMA gained nothing measurable);
     - 128-row blocks run the persistent TMA kernel, both forms (1.1-1.5x session 31's kernels at
       8192 tokens). A 4-byte output needs a larger staging buffer in shared memory: 3 stages for
       the gated form, 128-wide tiles for the plain one (``tests/kernels/test_moe.py`` compiles each

@@ -125,6 +125,8 @@ def test_mse_observer_path_and_bad_input():
         gptq_quantize_weights(model, blocks, [name], dtype=torch.float16, progress=False)
     with pytest.raises(ValueError, match="not nn.Linear"):
         gptq_quantize_weights(model, blocks, ["model.layers.0.mlp"], progress=False)
+    with pytest.raises(ValueError, match=r"not nn.Linear layers of this model: \['model.layers.0.mlp.nope'\]"):
+        gptq_quantize_weights(model, blocks, ["model.layers.0.mlp.nope"], progress=False)
     with pytest.raises(ValueError, match="shapes"):
         gptq_quantize(torch.randn(3, 4), torch.eye(5), torch.ones(3))
 
