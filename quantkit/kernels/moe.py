@@ -182,21 +182,27 @@ def _block_rows(rows_ptr, out_ptr, pid_m, offs_n, N, stride_om, BLOCK_M: tl.cons
 
 
 @triton.jit
-def _tma_tile(a_ptr, out_rows, w_desc, w_row, N, K, ROW_DIV, stride_am, IS_INT8: tl.constexpr, GATED: tl.constexpr,
-              EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _tma_tile(a_ptr, out_rows, a_row, w_desc, w_row, N, K, ROW_DIV, stride_am, IS_INT8: tl.constexpr,
+              GATED: tl.constexpr, EVEN_K: tl.constexpr, A_SORTED: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The K loop of the TMA kernels' tile: the gathered activation rows of ``out_rows``' pairs
     (padding rows read row 0) loaded by address, the weight's rows from ``w_row`` (and the up half
-    N rows below, gated) by TMA, which zero-fills the K tail. Returns (acc, acc_up)."""
+    N rows below, gated) by TMA, which zero-fills the K tail. A_SORTED: ``a_ptr`` is a descriptor
+    of the activation rows already in slot order, the tile's rows from ``a_row``, also by TMA.
+    Returns (acc, acc_up)."""
     offs_k = tl.arange(0, BLOCK_K)
-    a_rows = tl.where(out_rows >= 0, out_rows // ROW_DIV, 0)
-    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    if not A_SORTED:
+        a_rows = tl.where(out_rows >= 0, out_rows // ROW_DIV, 0)
+        a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     if IS_INT8:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = acc
     for ki in range(tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
+        if A_SORTED:
+            a = a_ptr.load([a_row, ki * BLOCK_K])
+        elif EVEN_K:
             a = tl.load(a_ptrs + ki * BLOCK_K)
         else:
             a = tl.load(a_ptrs + ki * BLOCK_K, mask=(offs_k < K - ki * BLOCK_K)[None, :], other=0.0)
@@ -281,8 +287,8 @@ def _grouped_tma_kernel(
     if expert == num_experts:  # the pairs routed to no expert: rows of zeros
         tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=mask)
         return
-    acc, acc_up = _tma_tile(a_ptr, out_rows, w_desc, expert * rows_per_expert + pid_n * BLOCK_N, N, K, ROW_DIV,
-                            stride_am, IS_INT8, GATED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc, acc_up = _tma_tile(a_ptr, out_rows, pid_m * BLOCK_M, w_desc, expert * rows_per_expert + pid_n * BLOCK_N,
+                            N, K, ROW_DIV, stride_am, IS_INT8, GATED, EVEN_K, False, BLOCK_M, BLOCK_N, BLOCK_K)
     out = _dequant_rows(acc, acc_up, expert, out_rows, offs_n, N, ROW_DIV, a_scale_ptr, w_scale_ptr, row_scale_ptr,
                         stride_se, A_PER_TOKEN, ROW_SCALE, ACTIVATION, GATED)
     tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
@@ -299,6 +305,7 @@ def _grouped_persistent_kernel(
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
     EVEN_K: tl.constexpr,
+    A_SORTED: tl.constexpr,
     INTERPRETED: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -324,8 +331,8 @@ def _grouped_persistent_kernel(
         expert = tl.load(block_expert_ptr + pid_m)
         rows = tl.load(rows_ptr + pid_m * BLOCK_M + offs_r)
         w_row = expert * rows_per_expert + (tile % n_tiles) * BLOCK_N
-        acc, acc_up = _tma_tile(a_ptr, rows, w_desc, w_row, N, K, ROW_DIV, stride_am, IS_INT8, GATED, EVEN_K,
-                                BLOCK_M, BLOCK_N, BLOCK_K)
+        acc, acc_up = _tma_tile(a_ptr, rows, pid_m * BLOCK_M, w_desc, w_row, N, K, ROW_DIV, stride_am, IS_INT8,
+                                GATED, EVEN_K, A_SORTED, BLOCK_M, BLOCK_N, BLOCK_K)
         tile_c += NUM_PROGRAMS
         pid_m = tile_c // n_tiles
         expert_c = tl.load(block_expert_ptr + pid_m)
@@ -356,7 +363,7 @@ def tma_eligible(w: torch.Tensor) -> bool:
 
 # The kernels' flags: a config passed to grouped_scaled_mm runs the address-loaded kernel unless
 # it says otherwise (the defaults' own flags are not merged into it).
-KERNEL_FLAGS = dict(tma=False, persistent=False, n_fastest=False)
+KERNEL_FLAGS = dict(tma=False, persistent=False, n_fastest=False, sorted_a=False)
 
 
 def default_config(pairs: int, experts: int, K: int, gated: bool = False, out_dtype: torch.dtype = torch.bfloat16,
@@ -434,12 +441,17 @@ def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="no
     num_blocks_m = plan.rows.numel() // plan.block_m
     if config.get("tma") and config.get("persistent"):
         w_desc = TensorDescriptor.from_tensor(w.view(-1, K), [block_n, block_k])
+        sorted_a = bool(config.get("sorted_a"))
+        if sorted_a:  # the activation rows in slot order (padding: row 0), loaded by TMA like the weight
+            a = TensorDescriptor.from_tensor(a.index_select(0, plan.rows.clamp(min=0) // row_div),
+                                             [plan.block_m, block_k])
         programs = 4 if INTERPRETED else num_sms(a.device.index) * config.get("ctas_per_sm", 1)
         tiles = num_blocks_m * cdiv(n_out, block_n)  # the most any routing needs
         _grouped_persistent_kernel[(min(programs, tiles),)](
             a, w_desc, out, a_scale, w_scale, row_scale if row_scale is not None else a_scale, plan.rows,
             plan.block_expert, plan.used, n_out, K, row_div, num_experts, w.shape[1],
-            a.stride(0), w_scale.stride(0), out.stride(0), NUM_PROGRAMS=programs, **common)
+            K if sorted_a else a.stride(0), w_scale.stride(0), out.stride(0), A_SORTED=sorted_a,
+            NUM_PROGRAMS=programs, **common)
         return out
     if config.get("tma"):
         w_desc = TensorDescriptor.from_tensor(w.view(-1, K), [block_n, block_k])

@@ -67,7 +67,8 @@ def _float64(a, a_scale, w, w_scale, routed, slots, activation, gated):
 # TMA on a persistent grid (_grouped_persistent_kernel: the default in 128-row blocks).
 KERNELS = [pytest.param(dict(tma=False), id="address"), pytest.param(dict(tma=True, n_fastest=True), id="tma"),
            pytest.param(dict(tma=True, n_fastest=False), id="tma-rows-first"),
-           pytest.param(dict(tma=True, persistent=True), id="tma-persistent")]
+           pytest.param(dict(tma=True, persistent=True), id="tma-persistent"),
+           pytest.param(dict(tma=True, persistent=True, sorted_a=True), id="tma-persistent-sorted-a")]
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)
