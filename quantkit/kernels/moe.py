@@ -442,13 +442,14 @@ def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="no
     if config.get("tma") and config.get("persistent"):
         w_desc = TensorDescriptor.from_tensor(w.view(-1, K), [block_n, block_k])
         sorted_a = bool(config.get("sorted_a"))
+        a_arg = a
         if sorted_a:  # the activation rows in slot order (padding: row 0), loaded by TMA like the weight
-            a = TensorDescriptor.from_tensor(a.index_select(0, plan.rows.clamp(min=0) // row_div),
-                                             [plan.block_m, block_k])
+            a_arg = TensorDescriptor.from_tensor(a.index_select(0, plan.rows.clamp(min=0) // row_div),
+                                                 [plan.block_m, block_k])
         programs = 4 if INTERPRETED else num_sms(a.device.index) * config.get("ctas_per_sm", 1)
         tiles = num_blocks_m * cdiv(n_out, block_n)  # the most any routing needs
         _grouped_persistent_kernel[(min(programs, tiles),)](
-            a, w_desc, out, a_scale, w_scale, row_scale if row_scale is not None else a_scale, plan.rows,
+            a_arg, w_desc, out, a_scale, w_scale, row_scale if row_scale is not None else a_scale, plan.rows,
             plan.block_expert, plan.used, n_out, K, row_div, num_experts, w.shape[1],
             K if sorted_a else a.stride(0), w_scale.stride(0), out.stride(0), A_SORTED=sorted_a,
             NUM_PROGRAMS=programs, **common)
