@@ -13,6 +13,7 @@ output is compared with the default's. Writes JSON to the path given.
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -78,5 +79,51 @@ def main(out_path: str, deadline_s: float = 420.0) -> None:
             json.dump(report, handle, indent=1)
 
 
+def sweep_configs(gated: bool) -> list[dict]:
+    """Persistent-kernel tiles in 128-row blocks whose ring (one-byte operands) fits the CTAs an SM
+    is asked to hold."""
+    out = []
+    for bn, bk, stages, warps, ctas in itertools.product((64, 128) if gated else (128, 256), (64, 128), (3, 4, 5),
+                                                         (4, 8), (1, 2)):
+        ring = stages * bk * (128 + (2 if gated else 1) * bn)
+        if ctas * ring > 200_000 or (warps == 4 and bn * (2 if gated else 1) > 128):
+            continue
+        out.append(dict(tma=True, persistent=True, block_m=128, block_n=bn, block_k=bk, num_stages=stages,
+                        num_warps=warps, ctas_per_sm=ctas))
+    return out
+
+
+def sweep(out_path: str, deadline_s: float = 500.0) -> None:
+    """The persistent kernel's tiles, warps, stages and CTAs an SM at 8192 tokens (512 pairs an
+    expert), the default timed first and last."""
+    start = time.time()
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    report = header()
+    for name, tokens, gemm, gated, pairs, fn in gemm_points(gen, {torch.float8_e4m3fn: (8192,), torch.int8: (8192,)}):
+        K = H if gated else I
+        default = moe.default_config(pairs, E, K, gated)
+        ref = fn(default)
+        results = []
+        for c in [default] + sweep_configs(gated) + [default]:
+            if time.time() - start > deadline_s:
+                break
+            try:
+                err, us = error_and_us(fn, c, ref.float())
+                results.append(dict(config=c, us=round(us, 2), equal=bool(torch.equal(fn(c), ref))))
+            except Exception as exc:
+                results.append(failure(c, exc))
+        report["rows"].append(dict(dtype=name, tokens=tokens, gemm=gemm, pairs=pairs, results=results))
+        timed = sorted((r for r in results if "us" in r), key=lambda r: r["us"])
+        print(name, tokens, gemm, "default", [r.get("us") for r in (results[0], results[-1])], flush=True)
+        for r in timed[:6]:
+            print("   ", r["us"], r["equal"], {k: v for k, v in r["config"].items() if k not in ("tma", "persistent")},
+                  flush=True)
+        with open(out_path, "w") as handle:
+            json.dump(report, handle, indent=1)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--sweep":
+        sweep(sys.argv[2])
+    else:
+        main(sys.argv[1])
