@@ -548,6 +548,25 @@ if _GLUON_ERROR is None:
         return pid_m, pid_n
 
     @gluon.jit
+    def _rows_used(M, used_ptr, GROUPED: gl.constexpr):
+        # GROUPED (a mixture of experts' slot-ordered rows, moe.py's RoutePlan): the rows the
+        # routing fills, read on the device (M is the plan's capacity, the descriptors' rows).
+        rows = M
+        if GROUPED:
+            rows = gl.load(used_ptr)
+        return rows
+
+    @gluon.jit
+    def _expert_of(pid_m, block_expert_ptr, num_experts, GROUPED: gl.constexpr):
+        # GROUPED: the expert of row block pid_m, whose weight rows start at expert * rows_per_expert
+        # and scales at expert * stride_se; the run of the pairs of no expert (num_experts) takes
+        # the last expert's (its rows come with zero activations and scales). Else 0.
+        expert = 0
+        if GROUPED:
+            expert = gl.minimum(gl.load(block_expert_ptr + pid_m), num_experts - 1)
+        return expert
+
+    @gluon.jit
     def _activation(x, ACTIVATION: gl.constexpr):
         # Codes follow reference.ACTIVATIONS; sigmoid as 1 / (1 + exp(-x)) saturates cleanly.
         if ACTIVATION == 1:
@@ -565,7 +584,8 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, slot, off_m, off_n, ki, N,
                    GATED: gl.constexpr):
-        # One K slice into ring slot ``slot``, under its ready barrier. Gated: N counts the outputs;
+        # One K slice into ring slot ``slot``, under its ready barrier; ``off_n`` the first weight
+        # row (a grouped GEMM's: of the block's expert's rows). Gated: N counts the outputs;
         # w_desc is the stacked (2N, K) weight, the up rows N below the gate rows, both W tiles of a
         # step land in the slot's w_bufs / u_bufs.
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -583,14 +603,15 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _load_partition(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
+                        block_expert_ptr, used_ptr, rows_per_expert, num_experts,
                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
-                        PROLOGUE_LOADS: gl.constexpr, TAIL_HALVES: gl.constexpr):
+                        PROLOGUE_LOADS: gl.constexpr, TAIL_HALVES: gl.constexpr, GROUPED: gl.constexpr):
         # PROLOGUE_LOADS: the kernel's prologue issued the first min(k_steps, PROLOGUE_LOADS) steps.
         # A half tile's unit (TAIL_HALVES) loads the whole tile's slices: its warpgroup reads its rows.
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_m = gl.cdiv(_rows_used(M, used_ptr, GROUPED), BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
         issued = gl.minimum(k_steps, PROLOGUE_LOADS)
@@ -601,14 +622,14 @@ if _GLUON_ERROR is None:
             tile = _tile_of(unit, tiles, units, TAIL_HALVES)
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * BLOCK_M
-            off_n = pid_n * BLOCK_N
+            w_row = _expert_of(pid_m, block_expert_ptr, num_experts, GROUPED) * rows_per_expert + pid_n * BLOCK_N
             for ki in range(k_steps):
                 if step >= issued:
                     slot, phase = _ring_slot_phase(step, STAGES)
                     # The slot's previous fill released (phase before this fill's); a fresh mbarrier
                     # counts as having completed it, so the first lap over the ring does not wait.
                     mbarrier.wait(empty_bars.index(slot), _previous_phase(phase))
-                    _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, slot, off_m, off_n, ki, N, GATED)
+                    _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, slot, off_m, w_row, ki, N, GATED)
                 step += 1
 
     @gluon.jit
@@ -650,8 +671,9 @@ if _GLUON_ERROR is None:
             _tma_store(out_desc, [off_m, off_n + chunk * CHUNK_N], c_smem)
 
     @gluon.jit
-    def _store_partition(out_desc, c_bufs, stage_bars, M, N, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
-                         STORE_MODE: gl.constexpr, TAIL_HALVES: gl.constexpr):
+    def _store_partition(out_desc, c_bufs, stage_bars, M, N, used_ptr, GROUP_M: gl.constexpr,
+                         CONSUMERS: gl.constexpr, STORE_MODE: gl.constexpr, TAIL_HALVES: gl.constexpr,
+                         GROUPED: gl.constexpr):
         # store_warp: the TMA stores of every tile the consumers staged. STORE_MODE 1: stage_bars[0]
         # completes a phase when every consumer has staged its part of this program's next tile (in
         # tile order), stage_bars[1] when the stores have read the staging back out, so it can be
@@ -666,7 +688,7 @@ if _GLUON_ERROR is None:
         CHUNKS: gl.constexpr = c_bufs.type.shape[0] // (1 if STORE_MODE == 2 else CONSUMERS)
         BLOCK_M: gl.constexpr = ROWS * CONSUMERS
         BLOCK_N: gl.constexpr = CHUNK_N * CHUNKS
-        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_m = gl.cdiv(_rows_used(M, used_ptr, GROUPED), BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N)
         tiles = num_pid_m * num_pid_n
         units = _units(tiles, gl.num_programs(0), TAIL_HALVES)
@@ -723,12 +745,13 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _consumer_partition(a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs, out_desc,
-                            a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, CONSUMER: gl.constexpr,
+                            a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, block_expert_ptr, used_ptr, stride_se,
+                            num_experts, CONSUMER: gl.constexpr,
                             CONSUMERS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, GROUP_M: gl.constexpr,
                             STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                             ACTIVATION: gl.constexpr, GATED: gl.constexpr, EARLY_SCALES: gl.constexpr,
                             SPLIT_M: gl.constexpr, STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr,
-                            TAIL_ORDER: gl.constexpr, TAIL_HALVES: gl.constexpr):
+                            TAIL_ORDER: gl.constexpr, TAIL_HALVES: gl.constexpr, GROUPED: gl.constexpr):
         # SPLIT_M: every consumer takes every tile, rows [ROW0, ROW0 + TILE_M) of it; otherwise
         # (ping-pong) consumer c takes this program's tiles c, c + 2, ... whole. TAIL_HALVES (split_m):
         # on a half tile's unit the other consumer keeps the barriers' counts without MMAs or stores.
@@ -744,6 +767,7 @@ if _GLUON_ERROR is None:
         BUFFERS: gl.constexpr = c_bufs.type.shape[0] // CONSUMERS
         FIRST: gl.constexpr = 0 if STORE_WARP == 2 else CONSUMER * BUFFERS  # staging_turns: one shared part
 
+        M = _rows_used(M, used_ptr, GROUPED)
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
@@ -772,6 +796,8 @@ if _GLUON_ERROR is None:
                 pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * BLOCK_M + ROW0
             off_n = pid_n * BLOCK_N
+            # The column scales of this tile's expert (grouped), taken before LEAN_START moves pid_m on.
+            tile_w_scale_ptr = w_scale_ptr + _expert_of(pid_m, block_expert_ptr, num_experts, GROUPED) * stride_se
             step = local * k_steps
             if not LEAN_START:
                 acc = gl.zeros((TILE_M, BLOCK_N), acc_dtype, layout=mma_layout)
@@ -828,9 +854,9 @@ if _GLUON_ERROR is None:
             a_scale = gl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
             if EARLY_SCALES:
                 cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
-                w_scale = gl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
+                w_scale = gl.load(tile_w_scale_ptr + cols, mask=cols < N, other=0.0)
                 if GATED:
-                    w_scale_up = gl.load(w_scale_ptr + N + cols, mask=cols < N, other=0.0)
+                    w_scale_up = gl.load(tile_w_scale_ptr + N + cols, mask=cols < N, other=0.0)
             if GATED:
                 acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
             else:
@@ -860,18 +886,18 @@ if _GLUON_ERROR is None:
                 mbarrier.wait(stage_bars.index(1), _previous_phase(local - 1))
             if busy:  # (a half tile's other consumer stages and stores nothing)
                 if EPILOGUE_SPLIT == 1:
-                    _store_chunk(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                    _store_chunk(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, tile_w_scale_ptr, bias_ptr, N,
                                  HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
                                  STORE_WARP)
                 elif EPILOGUE_SPLIT == 2:
-                    _store_halves(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, bias_ptr, N,
+                    _store_halves(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, tile_w_scale_ptr, bias_ptr, N,
                                   HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
                 else:
                     left, right = _halves(x)
                     u_left, u_right = _halves(u)
-                    _store_halves(left, u_left, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr,
+                    _store_halves(left, u_left, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, tile_w_scale_ptr,
                                   bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
-                    _store_halves(right, u_right, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr,
+                    _store_halves(right, u_right, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, tile_w_scale_ptr,
                                   bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
             if STORE_WARP:
                 # The staged tile visible to the TMA unit, then handed to the store partition.
@@ -885,15 +911,21 @@ if _GLUON_ERROR is None:
 
     # M, N and K only size loops and masks (TMA does the addressing): not specialized, so odd
     # shapes share one binary per config.
-    @gluon.jit(do_not_specialize=["M", "N", "K"])
+    @gluon.jit(do_not_specialize=["M", "N", "K", "rows_per_expert", "stride_se", "num_experts"])
     def _scaled_mm_kernel(a_desc, w_desc, out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
+                          block_expert_ptr, used_ptr, rows_per_expert, stride_se, num_experts,
                           HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr,
                           STAGES: gl.constexpr, CONSUMERS: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr,
                           EPILOGUE_BUFFERS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, SPLIT_M: gl.constexpr,
                           STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr, TAIL_ORDER: gl.constexpr,
-                          PROLOGUE_LOADS: gl.constexpr, TAIL_HALVES: gl.constexpr, num_warps: gl.constexpr):
+                          PROLOGUE_LOADS: gl.constexpr, TAIL_HALVES: gl.constexpr, GROUPED: gl.constexpr,
+                          num_warps: gl.constexpr):
         # GATED: out (M, N) = act(gate) * up over the stacked (2N, K) weight of w_desc; N counts outputs.
+        # GROUPED: a mixture of experts' GEMM in slot order (moe.grouped_slot_mm): a (M, K) the
+        # routed rows, each block of BLOCK_M rows one expert's (block_expert_ptr), only the first
+        # used_ptr[0] rows computed; w_desc the experts' weights stacked as (E * rows_per_expert, K),
+        # w_scale_ptr their scales, stride_se apart. Else those five arguments are unused.
         # tail_halves with the plain epilogue only (with a bias and an activation it spilled 40 bytes).
         PLAIN_HALVES: gl.constexpr = _plain_only(TAIL_HALVES, HAS_BIAS, ACTIVATION, GATED)
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -923,17 +955,24 @@ if _GLUON_ERROR is None:
             # visible to the TMA unit before the first copy.
             fence_async_shared()
             BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-            num_pid_m = gl.cdiv(M, a_desc.block_type.shape[0])
+            num_pid_m = gl.cdiv(_rows_used(M, used_ptr, GROUPED), a_desc.block_type.shape[0])
             num_pid_n = gl.cdiv(N, w_desc.block_type.shape[0])
             tiles = num_pid_m * num_pid_n
             units = _units(tiles, gl.num_programs(0), PLAIN_HALVES)
             first_tile = _tile_of(gl.program_id(0), tiles, units, PLAIN_HALVES)
             pid_m, pid_n = _grouped_tile(first_tile, num_pid_m, num_pid_n, GROUP_M)
+            w_row = (_expert_of(pid_m, block_expert_ptr, num_experts, GROUPED) * rows_per_expert
+                     + pid_n * w_desc.block_type.shape[0])
             k_steps = gl.cdiv(K, BLOCK_K)
             for s in gl.static_range(PROLOGUE_LOADS):
                 if s < k_steps:
-                    _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, s,
-                               pid_m * a_desc.block_type.shape[0], pid_n * w_desc.block_type.shape[0], s, N, GATED)
+                    if GROUPED:  # (the routing may leave a program no tile)
+                        if first_tile < tiles:
+                            _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, s,
+                                       pid_m * a_desc.block_type.shape[0], w_row, s, N, GATED)
+                    else:
+                        _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, s,
+                                   pid_m * a_desc.block_type.shape[0], w_row, s, N, GATED)
         for i in gl.static_range(STAGES):
             # SPLIT_M: both consumers read every slot, and both release it.
             mbarrier.init(empty_bars.index(i), count=CONSUMERS if SPLIT_M else 1)
@@ -954,50 +993,60 @@ if _GLUON_ERROR is None:
         if CONSUMERS == 1 and PLAIN_STORE_WARP:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
-                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, block_expert_ptr, used_ptr,
+                                       stride_se, num_experts, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
-                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES)),
-                (_store_partition, (out_desc, c_bufs, stage_bars, M, N, GROUP_M, CONSUMERS, PLAIN_STORE_WARP,
-                                     PLAIN_HALVES)),
+                                   block_expert_ptr, used_ptr, rows_per_expert, num_experts,
+                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES, GROUPED)),
+                (_store_partition, (out_desc, c_bufs, stage_bars, M, N, used_ptr, GROUP_M, CONSUMERS,
+                                     PLAIN_STORE_WARP, PLAIN_HALVES, GROUPED)),
             ], [1, 1], [LOADER_REGS, LOADER_REGS])
         elif CONSUMERS == 1:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
-                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, block_expert_ptr, used_ptr,
+                                       stride_se, num_experts, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
-                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES)),
+                                   block_expert_ptr, used_ptr, rows_per_expert, num_experts,
+                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES, GROUPED)),
             ], [1], [LOADER_REGS])
         elif PLAIN_STORE_WARP:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
-                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, block_expert_ptr, used_ptr,
+                                       stride_se, num_experts, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
-                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, block_expert_ptr, used_ptr,
+                                       stride_se, num_experts, 1, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
-                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES)),
-                (_store_partition, (out_desc, c_bufs, stage_bars, M, N, GROUP_M, CONSUMERS, PLAIN_STORE_WARP,
-                                     PLAIN_HALVES)),
+                                   block_expert_ptr, used_ptr, rows_per_expert, num_experts,
+                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES, GROUPED)),
+                (_store_partition, (out_desc, c_bufs, stage_bars, M, N, used_ptr, GROUP_M, CONSUMERS,
+                                     PLAIN_STORE_WARP, PLAIN_HALVES, GROUPED)),
             ], [num_warps, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
-                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS, num_warps,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, block_expert_ptr, used_ptr,
+                                       stride_se, num_experts, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
-                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS, num_warps,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, block_expert_ptr, used_ptr,
+                                       stride_se, num_experts, 1, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
-                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES)),
+                                   block_expert_ptr, used_ptr, rows_per_expert, num_experts,
+                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES, GROUPED)),
             ], [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -1099,11 +1148,11 @@ class GluonCall:
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
             SPLIT_M=config.split_m, STORE_WARP=config.store_mode, LEAN_START=config.lean_start,
             TAIL_ORDER=config.tail_order, PROLOGUE_LOADS=config.prologue_loads, TAIL_HALVES=config.tail_halves,
-            num_warps=config.consumer_warps)
+            GROUPED=False, num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the
-        # constexprs in signature order (after the 9 runtime arguments) for the cached launcher.
+        # constexprs in signature order (after the 14 runtime arguments) for the cached launcher.
         self.key = (config, tuple(self.constexprs.items()))
-        self.tail = tuple(self.constexprs[name] for name in _scaled_mm_kernel.arg_names[9:])
+        self.tail = tuple(self.constexprs[name] for name in _scaled_mm_kernel.arg_names[14:])
 
     def __call__(self, a, w, out, a_scale, w_scale, bias_arg) -> None:
         cfg = self.config
@@ -1121,6 +1170,7 @@ class GluonCall:
             w_desc = _weight_descriptor(w, [cfg.block_n, cfg.block_k])
             out_desc = _descriptor(out, [cfg.stored_rows, self.chunk_n], shape=[M, N], strides=[out.stride(0), 1])
             compiled = _scaled_mm_kernel[self.grid](a_desc, w_desc, out_desc, a_scale, w_scale, bias_arg, M, N, K,
+                                                    a_scale, a_scale, 0, 0, 0,
                                                     **self.constexprs)
             if CACHED_LAUNCH and hasattr(compiled, "packed_metadata"):
                 _COMPILED[(device, key)] = compiled
@@ -1129,7 +1179,8 @@ class GluonCall:
         # launcher, with light descriptor objects carrying the fields it reads (base, shape,
         # strides, padding); the TMA maps are encoded from them as on Gluon's path.
         args = (_Descriptor(a, [M, K], [a.stride(0), 1], None), _Descriptor(w, [w.shape[0], K], [w.stride(0), 1], None),
-                _Descriptor(out, [M, N], [out.stride(0), 1], None), a_scale, w_scale, bias_arg, M, N, K)
+                _Descriptor(out, [M, N], [out.stride(0), 1], None), a_scale, w_scale, bias_arg, M, N, K,
+                a_scale, a_scale, 0, 0, 0)
         compiled.run(self.grid[0], 1, 1, _stream(device), compiled.function, compiled.packed_metadata, None, None,
                      None, *args, *self.tail)
 
@@ -1282,4 +1333,54 @@ def _run(cfg: GluonConfig, a, w, a_scale, w_scale, bias, activation, out_dtype, 
     w_scale = w_scale.reshape(-1).float().contiguous()
     bias_arg = bias.reshape(-1).contiguous() if bias is not None else w_scale
     GluonCall(cfg, M, N, a.device, bias is not None, activation)(a, w, out, a_scale, w_scale, bias_arg)
+    return out
+
+
+# The grouped (mixture of experts) form's configs: 128-row blocks (moe.block_m_for's prefill
+# height), no half tiles (the tile count is the routing's, known on the device only).
+GROUPED_CONFIGS = {False: "coop2_128x256_g16", True: "gated_coop2_128x128"}
+
+
+def grouped_takes(config: GluonConfig, block_m: int) -> bool:
+    """``config`` can run a grouped GEMM of ``block_m``-row expert blocks."""
+    return config.block_m == block_m and not config.tail_halves
+
+
+def gluon_grouped_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
+                     block_expert: torch.Tensor, used: torch.Tensor, activation: str = "none", gated: bool = False,
+                     out: torch.Tensor | None = None, config: GluonConfig | str | None = None) -> torch.Tensor:
+    """A mixture of experts' GEMM with its rows in slot order (``moe.grouped_slot_mm``): for each
+    row r below ``used[0]``, ``out[r] = act(a[r] @ w[e].T * a_scale[r] * w_scale[e])`` (gated: the
+    [gate; up] halves of w[e]'s rows, ``act(gate) * up``), e = ``block_expert[r // block_m]`` (its
+    last expert for the run of no expert, whose rows come with zero scales). Rows from ``used[0]``
+    on are not written. a (M, K) int8 / float8_e4m3fn, w (E, rows, K) the same dtype, a_scale (M,)
+    and w_scale (E, rows) float32; out (M, N) bf16 / fp16 with 16-byte rows. Needs ``available()``."""
+    if not available():
+        raise RuntimeError(f"the Gluon GEMM needs an sm_90 GPU and the Gluon of triton 3.6 or 3.9 "
+                           f"({_GLUON_ERROR or 'no GPU'})")
+    if isinstance(config, str) or config is None:
+        config = config_named(config or GROUPED_CONFIGS[gated])
+    experts, rows, K = w.shape
+    N = rows // 2 if gated else rows
+    _check(a, w.view(experts * rows, K), a_scale, w_scale.reshape(-1), None, activation,
+           out.dtype if out is not None else torch.bfloat16, gated)
+    if config.gated != gated or not grouped_takes(config, config.block_m) or not w.is_contiguous():
+        raise ValueError(f"{config.name} cannot run this grouped GEMM (gated={gated}, contiguous weight "
+                         f"{w.is_contiguous()}): pass a {'gated ' if gated else ''}config without tail_halves")
+    M = a.shape[0]
+    if M % config.block_m or block_expert.numel() != M // config.block_m:
+        raise ValueError(f"a has {M} rows for {block_expert.numel()} blocks of {config.block_m}: pass the plan's slots")
+    if out is None:
+        out = torch.empty(M, N, device=a.device, dtype=torch.bfloat16)
+    if out.shape != (M, N) or out.stride(1) != 1 or (out.stride(0) * out.element_size()) % 16:
+        raise ValueError(f"out must be ({M}, {N}) with 16-byte rows, got {tuple(out.shape)}")
+    call = GluonCall(config, M, N, a.device, False, activation)
+    tiles = cdiv(M, config.block_m) * cdiv(N, config.block_n)
+    grid = (min(num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device()), tiles),)
+    _scaled_mm_kernel[grid](
+        _descriptor(a, [config.block_m, config.block_k]),
+        _descriptor(w.view(experts * rows, K), [config.block_n, config.block_k]),
+        _descriptor(out, [config.stored_rows, call.chunk_n], shape=[M, N], strides=[out.stride(0), 1]),
+        a_scale, w_scale, w_scale, M, N, K, block_expert, used, rows, w_scale.stride(0), experts,
+        **{**call.constexprs, "GROUPED": True})
     return out

@@ -103,10 +103,10 @@ def test_pick_config_returns_a_listed_config(M, N, K):
     assert gemm_gluon.pick_config(N, K, M, torch.float8_e4m3fn) in gemm_gluon.CONFIGS.values()
 
 
-def _compile(config, dtype: str, activation: int = 2, plain: bool = False):
+def _compile(config, dtype: str, activation: int = 2, plain: bool = False, grouped: bool = False):
     """Compile for sm_90 without a GPU (Gluon's own source object, as its JIT builds it). ``plain``:
     no bias, no activation (the epilogue store_warp and lean_start act on); else a bias (not
-    gated) and ``activation``."""
+    gated) and ``activation``. ``grouped``: the mixture of experts' form (no bias)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -123,15 +123,17 @@ def _compile(config, dtype: str, activation: int = 2, plain: bool = False):
         "w_desc": desc(dtype, [config.block_n, config.block_k], operand),
         "out_desc": desc("bf16", [config.stored_rows, chunk_n], gl.bfloat16),
         "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+        "block_expert_ptr": "*i32", "used_ptr": "*i32", "rows_per_expert": "i32", "stride_se": "i32",
+        "num_experts": "i32",
     }
-    constants = dict(HAS_BIAS=not (config.gated or plain), ACTIVATION=0 if plain else activation,
+    constants = dict(HAS_BIAS=not (config.gated or plain or grouped), ACTIVATION=0 if plain else activation,
                      GROUP_M=config.group_m, STAGES=config.stages,
                      CONSUMERS=config.consumers, EPILOGUE_SPLIT=config.epilogue_split,
                      EPILOGUE_BUFFERS=config.epilogue_buffers,
                      LOADER_REGS=config.loader_regs, CONSUMER_REGS=config.consumer_regs,
                      GATED=config.gated, EARLY_SCALES=config.early_scales, SPLIT_M=config.split_m,
                      STORE_WARP=config.store_mode, LEAN_START=config.lean_start, TAIL_ORDER=config.tail_order,
-                     PROLOGUE_LOADS=config.prologue_loads, TAIL_HALVES=config.tail_halves,
+                     PROLOGUE_LOADS=config.prologue_loads, TAIL_HALVES=config.tail_halves, GROUPED=grouped,
                      num_warps=config.consumer_warps)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(gemm_gluon._scaled_mm_kernel, signature, constants)
@@ -154,6 +156,10 @@ COMPILE_CASES = [(name, dtype, "fused") for name in list(gemm_gluon.CONFIGS) + l
 # The plain epilogue too where a config's flags change it (store partition, lean start).
 COMPILE_CASES += [(name, dtype, "plain") for name, cfg in gemm_gluon.CONFIGS.items()
                   if cfg.store_warp or cfg.lean_start for dtype in ("fp8e4nv", "i8")]
+# The grouped (mixture of experts) form of the configs it runs: plain and gated SiLU.
+COMPILE_CASES += [(name, dtype, "grouped") for name in ("coop2_128x256_g16", "coop_128x256", "pp_128x128",
+                                                          "gated_coop2_128x128", "gated_coop_128x128", "gated_pp_128x64")
+                  for dtype in ("fp8e4nv", "i8")]
 # Every config and dtype compiled in one fresh process. Not in this one: under TRITON_INTERPRET=1,
 # once other tests had run interpreted Triton kernels, Gluon's compiler ended up in Triton's
 # interpreter (tl.cdiv raising inside triton/runtime/interpreter.py) or not depending on the order
@@ -167,7 +173,8 @@ summary = {}
 for name, dtype, epilogue in cases:
     key = name + "-" + dtype + "-" + epilogue
     try:
-        kernel = _compile(gemm_gluon.config_named(name), dtype, plain=epilogue == "plain")
+        kernel = _compile(gemm_gluon.config_named(name), dtype, plain=epilogue == "plain",
+                          grouped=epilogue == "grouped")
     except Exception as error:
         summary[key] = {"error": (type(error).__name__ + ": " + str(error))[-4000:]}
         continue
