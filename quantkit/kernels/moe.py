@@ -42,6 +42,7 @@ class RoutePlan(NamedTuple):
     block_expert: torch.Tensor
     used: torch.Tensor  # (1,) int32: the slots the routing fills (blocks past it return)
     block_m: int
+    slots: torch.Tensor  # (P,) int32: each pair's slot (rows' inverse)
 
 
 def block_m_for(pairs: int, experts: int) -> int:
@@ -73,6 +74,7 @@ def route_plan(experts: torch.Tensor, num_experts: int, block_m: int) -> RoutePl
     rows = torch.full((capacity,), -1, dtype=torch.int32, device=device)
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
     used = torch.empty(1, dtype=torch.int32, device=device)
+    slots = torch.empty(pairs, dtype=torch.int32, device=device)
     ends = torch.empty(runs, dtype=torch.int32, device=device)
     chunk = 1024
     ints = (pairs, num_experts)
@@ -81,10 +83,10 @@ def route_plan(experts: torch.Tensor, num_experts: int, block_m: int) -> RoutePl
     experts_block = next_power_of_2(runs)
     ints = (pairs, num_experts, capacity // block_m)
     constexprs = dict(BLOCK_M=block_m, BLOCK=chunk, EXPERTS=experts_block, SEARCH_STEPS=experts_block.bit_length())
-    pointers = (experts, counts, rank, ends, rows, block_expert, used)
+    pointers = (experts, counts, rank, ends, rows, block_expert, used, slots)
     _PLACE(("place", experts.dtype, _spec(ints), *constexprs.values(), aligned(*pointers)),
            (cdiv(max(pairs, capacity // block_m), chunk),), (*pointers, *ints), constexprs, 4, 3)
-    return RoutePlan(rows, block_expert, used, block_m)
+    return RoutePlan(rows, block_expert, used, block_m, slots)
 
 
 def _spec(ints: tuple) -> tuple:
@@ -111,7 +113,7 @@ def _run_of(expert, num_experts):
 
 
 @triton.jit(do_not_specialize=["pairs", "num_blocks"])
-def _place_kernel(experts_ptr, counts_ptr, rank_ptr, ends_ptr, rows_ptr, block_expert_ptr, used_ptr,
+def _place_kernel(experts_ptr, counts_ptr, rank_ptr, ends_ptr, rows_ptr, block_expert_ptr, used_ptr, slots_ptr,
                   pairs, num_experts, num_blocks, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
                   EXPERTS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
     """From the counts: each expert's run end (runs padded to BLOCK_M), each pair's slot, each
@@ -131,6 +133,7 @@ def _place_kernel(experts_ptr, counts_ptr, rank_ptr, ends_ptr, rows_ptr, block_e
     start = tl.load(ends_ptr + run, mask=mask, other=0) - (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     rank = tl.load(rank_ptr + offs, mask=mask, other=0)
     tl.store(rows_ptr + start + rank, offs, mask=mask)
+    tl.store(slots_ptr + offs, start + rank, mask=mask)
     # This program's chunk of blocks: each block's expert is the number of runs that end at or
     # before its first slot (a binary search over the ends).
     block_start = offs * BLOCK_M
@@ -183,15 +186,15 @@ def _block_rows(rows_ptr, out_ptr, pid_m, offs_n, N, stride_om, BLOCK_M: tl.cons
 
 @triton.jit
 def _tma_tile(a_ptr, out_rows, a_row, w_desc, w_row, N, K, ROW_DIV, stride_am, IS_INT8: tl.constexpr,
-              GATED: tl.constexpr, EVEN_K: tl.constexpr, A_SORTED: tl.constexpr, BLOCK_M: tl.constexpr,
+              GATED: tl.constexpr, EVEN_K: tl.constexpr, SLOT_ORDER: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The K loop of the TMA kernels' tile: the gathered activation rows of ``out_rows``' pairs
     (padding rows read row 0) loaded by address, the weight's rows from ``w_row`` (and the up half
-    N rows below, gated) by TMA, which zero-fills the K tail. A_SORTED: ``a_ptr`` is a descriptor
-    of the activation rows already in slot order, the tile's rows from ``a_row``, also by TMA.
-    Returns (acc, acc_up)."""
+    N rows below, gated) by TMA, which zero-fills the K tail. SLOT_ORDER: ``a_ptr`` is a descriptor
+    of the activation rows in slot order (``gather_slots``), the tile's rows from ``a_row``, also
+    by TMA. Returns (acc, acc_up)."""
     offs_k = tl.arange(0, BLOCK_K)
-    if not A_SORTED:
+    if not SLOT_ORDER:
         a_rows = tl.where(out_rows >= 0, out_rows // ROW_DIV, 0)
         a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     if IS_INT8:
@@ -200,7 +203,7 @@ def _tma_tile(a_ptr, out_rows, a_row, w_desc, w_row, N, K, ROW_DIV, stride_am, I
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = acc
     for ki in range(tl.cdiv(K, BLOCK_K)):
-        if A_SORTED:
+        if SLOT_ORDER:
             a = a_ptr.load([a_row, ki * BLOCK_K])
         elif EVEN_K:
             a = tl.load(a_ptrs + ki * BLOCK_K)
@@ -305,7 +308,7 @@ def _grouped_persistent_kernel(
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
     EVEN_K: tl.constexpr,
-    A_SORTED: tl.constexpr,
+    SLOT_ORDER: tl.constexpr,
     INTERPRETED: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -316,7 +319,8 @@ def _grouped_persistent_kernel(
     tiles (a block's column tiles in turn), the tile loop and the K loop flattened into one
     software pipeline, so the next tile's loads are in flight during this tile's epilogue. The
     run of the pairs of no expert is computed against TMA's zero fill past the last expert, and
-    stored as zeros."""
+    stored as zeros. SLOT_ORDER (``grouped_slot_mm``): the activation rows, their scales and the
+    output rows are the plan's slots (a by TMA too), every row of a tile stored."""
     n_tiles = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.load(used_ptr) // BLOCK_M * n_tiles
     # The epilogue's tile from its own counter: with the loops flattened, the pipeliner may
@@ -329,14 +333,20 @@ def _grouped_persistent_kernel(
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
         pid_m = tile // n_tiles
         expert = tl.load(block_expert_ptr + pid_m)
-        rows = tl.load(rows_ptr + pid_m * BLOCK_M + offs_r)
+        if SLOT_ORDER:
+            rows = pid_m * BLOCK_M + offs_r
+        else:
+            rows = tl.load(rows_ptr + pid_m * BLOCK_M + offs_r)
         w_row = expert * rows_per_expert + (tile % n_tiles) * BLOCK_N
         acc, acc_up = _tma_tile(a_ptr, rows, pid_m * BLOCK_M, w_desc, w_row, N, K, ROW_DIV, stride_am, IS_INT8,
-                                GATED, EVEN_K, A_SORTED, BLOCK_M, BLOCK_N, BLOCK_K)
+                                GATED, EVEN_K, SLOT_ORDER, BLOCK_M, BLOCK_N, BLOCK_K)
         tile_c += NUM_PROGRAMS
         pid_m = tile_c // n_tiles
         expert_c = tl.load(block_expert_ptr + pid_m)
-        out_rows = tl.load(rows_ptr + pid_m * BLOCK_M + offs_r)
+        if SLOT_ORDER:
+            out_rows = pid_m * BLOCK_M + offs_r
+        else:
+            out_rows = tl.load(rows_ptr + pid_m * BLOCK_M + offs_r)
         valid = out_rows >= 0
         offs_n = (tile_c % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         out = _dequant_rows(acc, acc_up, tl.minimum(expert_c, num_experts - 1), out_rows, offs_n, N, ROW_DIV,
@@ -363,7 +373,7 @@ def tma_eligible(w: torch.Tensor) -> bool:
 
 # The kernels' flags: a config passed to grouped_scaled_mm runs the address-loaded kernel unless
 # it says otherwise (the defaults' own flags are not merged into it).
-KERNEL_FLAGS = dict(tma=False, persistent=False, n_fastest=False, sorted_a=False)
+KERNEL_FLAGS = dict(tma=False, persistent=False, n_fastest=False)
 
 
 def default_config(pairs: int, experts: int, K: int, gated: bool = False, out_dtype: torch.dtype = torch.bfloat16,
@@ -441,18 +451,12 @@ def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="no
     num_blocks_m = plan.rows.numel() // plan.block_m
     if config.get("tma") and config.get("persistent"):
         w_desc = TensorDescriptor.from_tensor(w.view(-1, K), [block_n, block_k])
-        sorted_a = bool(config.get("sorted_a"))
-        a_arg = a
-        if sorted_a:  # the activation rows in slot order (padding: row 0), loaded by TMA like the weight
-            a_arg = TensorDescriptor.from_tensor(a.index_select(0, plan.rows.clamp(min=0) // row_div),
-                                                 [plan.block_m, block_k])
         programs = 4 if INTERPRETED else num_sms(a.device.index) * config.get("ctas_per_sm", 1)
         tiles = num_blocks_m * cdiv(n_out, block_n)  # the most any routing needs
         _grouped_persistent_kernel[(min(programs, tiles),)](
-            a_arg, w_desc, out, a_scale, w_scale, row_scale if row_scale is not None else a_scale, plan.rows,
+            a, w_desc, out, a_scale, w_scale, row_scale if row_scale is not None else a_scale, plan.rows,
             plan.block_expert, plan.used, n_out, K, row_div, num_experts, w.shape[1],
-            K if sorted_a else a.stride(0), w_scale.stride(0), out.stride(0), A_SORTED=sorted_a,
-            NUM_PROGRAMS=programs, **common)
+            a.stride(0), w_scale.stride(0), out.stride(0), SLOT_ORDER=False, NUM_PROGRAMS=programs, **common)
         return out
     if config.get("tma"):
         w_desc = TensorDescriptor.from_tensor(w.view(-1, K), [block_n, block_k])
@@ -467,4 +471,138 @@ def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="no
     num_warps, num_stages = common.pop("num_warps"), common.pop("num_stages")
     key = (tuple(t.dtype for t in pointers), aligned(*pointers), _spec(ints), *common.values(), num_warps, num_stages)
     _GROUPED(key, (num_blocks_m, cdiv(n_out, block_n)), (*pointers, *ints), common, num_warps, num_stages)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- slot order
+# At prefill sizes (128-row blocks) a layer keeps its rows in the plan's slot order between its
+# two GEMMs: ``gather_slots`` puts the quantized tokens there once, both GEMMs read and write whole
+# blocks (the activation rows by TMA, as a dense GEMM does; on sm_90 the warp-specialized Gluon
+# kernel), and ``combine`` sums each token's k rows from their slots. Runs s35e/f (H200,
+# benchmarks/NOTES-moe.md): the Gluon grouped form 1.25-1.45x the pair-order Triton kernels.
+
+
+@triton.jit
+def _gather_slots_kernel(a_ptr, a_scale_ptr, weights_ptr, rows_ptr, block_expert_ptr, used_ptr, out_ptr,
+                         scale_out_ptr, weight_out_ptr, K, ROW_DIV, num_experts, stride_am,
+                         A_PER_TOKEN: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows BLOCK_R slots at a time: slot s of a routed pair p gets row p // ROW_DIV of a, its
+    scale and (HAS_WEIGHTS) the pair's routing weight; a padding slot, or one of the run of no
+    expert, zeros. Slots from used on are not written (used and BLOCK_M are multiples of BLOCK_R)."""
+    first = tl.program_id(0) * BLOCK_R
+    if first >= tl.load(used_ptr):
+        return
+    slots = first + tl.arange(0, BLOCK_R)
+    pairs = tl.load(rows_ptr + slots)
+    routed = (pairs >= 0) & (tl.load(block_expert_ptr + slots // BLOCK_M) < num_experts)
+    src = tl.where(routed, pairs // ROW_DIV, 0).to(tl.int64)
+    if A_PER_TOKEN:
+        scale = tl.load(a_scale_ptr + src)
+    else:
+        scale = tl.load(a_scale_ptr) + tl.zeros((BLOCK_R,), dtype=tl.float32)
+    tl.store(scale_out_ptr + slots, tl.where(routed, scale, 0.0))
+    if HAS_WEIGHTS:
+        weight = tl.load(weights_ptr + tl.where(routed, pairs, 0))
+        tl.store(weight_out_ptr + slots, tl.where(routed, weight, 0.0))
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + offs_k
+        mask = routed[:, None] & (cols < K)[None, :]
+        row = tl.load(a_ptr + src[:, None] * stride_am + cols[None, :], mask=mask, other=0)
+        tl.store(out_ptr + slots.to(tl.int64)[:, None] * K + cols[None, :], row, mask=(cols < K)[None, :])
+
+
+def gather_slots(a, a_scale, plan: RoutePlan, row_div: int, num_experts: int, weights=None):
+    """(a_slots (C, K), scale_slots (C,) float32, weight_slots (C,) float32 or None), C the plan's
+    capacity: each routed pair's row of ``a`` (row ``pair // row_div``) and scale in its slot, and
+    (given ``weights`` (P,) float32) its routing weight; zeros in padding slots and in those of the
+    pairs of no expert (their GEMM rows come out zero). Slots from ``used`` on are left unwritten.
+    ``reference.gather_slots`` is the twin."""
+    capacity = plan.rows.numel()
+    K = a.shape[1]
+    out = torch.empty(capacity, K, dtype=a.dtype, device=a.device)
+    scales = torch.empty(capacity, dtype=torch.float32, device=a.device)
+    weight_slots = torch.empty(capacity, dtype=torch.float32, device=a.device) if weights is not None else None
+    block_r = min(64 if INTERPRETED else 16, plan.block_m)
+    raw = a.view(torch.int8) if a.element_size() == 1 else a  # bytes moved as they are (no fp8 casts)
+    _gather_slots_kernel[(cdiv(capacity, block_r),)](
+        raw, a_scale, weights if weights is not None else scales, plan.rows, plan.block_expert, plan.used,
+        out.view(torch.int8) if a.element_size() == 1 else out, scales,
+        weight_slots if weight_slots is not None else scales, K, row_div, num_experts, raw.stride(0),
+        A_PER_TOKEN=a_scale.numel() > 1, HAS_WEIGHTS=weights is not None, BLOCK_M=plan.block_m, BLOCK_R=block_r,
+        BLOCK_K=min(next_power_of_2(K), 512), num_warps=4)
+    return out, scales, weight_slots
+
+
+@triton.jit
+def _combine_kernel(y_ptr, slots_ptr, out_ptr, H, SLOTS: tl.constexpr, INTERPRETED: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+    """One token's output columns: the sum in float32 of its SLOTS rows of y, in slot order."""
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(SLOTS):
+        slot = tl.load(slots_ptr + token * SLOTS + j).to(tl.int64)
+        acc += tl.load(y_ptr + slot * H + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token.to(tl.int64) * H + cols, cast_for_store(acc, out_ptr.dtype.element_ty, INTERPRETED),
+             mask=mask)
+
+
+def combine(y: torch.Tensor, plan: RoutePlan, tokens: int, k: int) -> torch.Tensor:
+    """(tokens, H): each token's k rows of the slot-ordered ``y`` (C, H) summed in float32 (slot
+    j = 0 .. k-1 in turn), cast once to y's dtype. ``reference.combine`` is the twin."""
+    H = y.shape[1]
+    out = torch.empty(tokens, H, dtype=y.dtype, device=y.device)
+    if tokens == 0 or H == 0:
+        return out
+    block_h = min(next_power_of_2(H), 1024)
+    _combine_kernel[(tokens, cdiv(H, block_h))](y, plan.slots, out, H, SLOTS=k, INTERPRETED=INTERPRETED,
+                                                  BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+def slot_order_takes(plan: RoutePlan, *weights: torch.Tensor) -> bool:
+    """The slot-order path serves this plan and these stacked weights: 128-row blocks (prefill
+    sizes), and TMA can take each weight and its rows (K a multiple of 16, 16-byte aligned)."""
+    return plan.block_m == 128 and all(tma_eligible(w) and w.is_contiguous() for w in weights)
+
+
+def grouped_slot_mm(a, w, a_scale, w_scale, plan: RoutePlan, activation="none", gated=False,
+                    out_dtype=torch.bfloat16) -> torch.Tensor:
+    """(C, N) in slot order: row s below ``used`` is ``act(a[s] @ w[e].T * a_scale[s] * w_scale[e])``
+    (gated: ``act(gate) * up`` of the expert's [gate; up] rows), e the expert of s's block (the run
+    of no expert computed as the last expert's: its rows come with zero scales); rows from
+    ``used`` on are not written. a (C, K) from ``gather_slots`` (or a slot-ordered GEMM output,
+    quantized), a_scale (C,) float32. On sm_90 with Gluon: ``gemm_gluon.gluon_grouped_mm``;
+    else the persistent Triton kernel in slot order. ``reference.grouped_slot_mm`` is the twin."""
+    capacity, K = a.shape
+    num_experts, rows, _ = w.shape
+    n_out = rows // 2 if gated else rows
+    if a_scale.numel() != capacity or a_scale.dtype != torch.float32:
+        raise ValueError(f"a_scale must hold one float32 per slot ({capacity}), got {a_scale.dtype} "
+                         f"{tuple(a_scale.shape)}: pass gather_slots' scales")
+    if not slot_order_takes(plan, w) or capacity != plan.rows.numel():
+        raise ValueError(f"the slot-order GEMM needs 128-row blocks, a TMA-ready weight and the plan's {plan.rows.numel()} "
+                         f"slots (got {plan.block_m}-row blocks, {capacity} rows); use grouped_scaled_mm")
+    from quantkit.kernels import gemm_gluon
+
+    if a.is_cuda and n_out % 8 == 0 and gemm_gluon.available():
+        out = torch.empty(capacity, n_out, dtype=out_dtype, device=a.device)
+        return gemm_gluon.gluon_grouped_mm(a, w, a_scale, w_scale, plan.block_expert, plan.used, activation, gated,
+                                           out=out)
+    out = torch.empty(capacity, n_out, dtype=out_dtype, device=a.device)
+    config = default_config(192 * num_experts, num_experts, K, gated, out_dtype)  # the 128-row default's tiles
+    block_n, block_k = config["block_n"], config["block_k"]
+    w_desc = TensorDescriptor.from_tensor(w.view(-1, K), [block_n, block_k])
+    a_desc = TensorDescriptor.from_tensor(a, [plan.block_m, block_k])
+    programs = 4 if INTERPRETED else num_sms(a.device.index)
+    tiles = capacity // plan.block_m * cdiv(n_out, block_n)
+    _grouped_persistent_kernel[(min(programs, tiles),)](
+        a_desc, w_desc, out, a_scale, w_scale, a_scale, plan.rows, plan.block_expert, plan.used, n_out, K, 1,
+        num_experts, rows, K, w_scale.stride(0), out.stride(0), IS_INT8=a.dtype == torch.int8, A_PER_TOKEN=True,
+        ROW_SCALE=False, ACTIVATION=ACTIVATION_CODES[activation], GATED=gated, EVEN_K=K % block_k == 0,
+        SLOT_ORDER=True, INTERPRETED=INTERPRETED, NUM_PROGRAMS=programs, BLOCK_M=plan.block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out

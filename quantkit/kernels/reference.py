@@ -226,6 +226,74 @@ def grouped_scaled_mm(
     return out
 
 
+def gather_slots(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    rows: torch.Tensor,
+    block_expert: torch.Tensor,
+    used: int,
+    block_m: int,
+    row_div: int,
+    num_experts: int,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A mixture of experts' rows in slot order (the plan of ``moe.route_plan``: ``rows`` (C,) the
+    pair of each slot, -1 for padding; ``block_expert`` each block's expert, num_experts for the
+    pairs of none; the first ``used`` slots filled). Slot s of a routed pair p: row p // row_div of
+    ``a``, its scale (``a_scale`` per row or one value) and ``weights[p]``; other slots zeros.
+    Returns (a_slots (C, K), scales (C,) float32, weight_slots (C,) or None); rows from ``used``
+    on are zeros here (the kernel leaves them unwritten)."""
+    slots = torch.arange(rows.numel(), device=rows.device)
+    routed = (rows >= 0) & (block_expert[slots // block_m] < num_experts) & (slots < used)
+    src = torch.where(routed, rows, 0).long() // row_div
+    out = torch.zeros(rows.numel(), a.shape[1], dtype=a.dtype, device=a.device)
+    out[routed] = a[src[routed]]
+    scale = a_scale.reshape(-1)[src] if a_scale.numel() > 1 else a_scale.reshape(-1).expand(rows.numel())
+    scales = torch.where(routed, scale.float(), 0.0)
+    weight_slots = None
+    if weights is not None:
+        weight_slots = torch.where(routed, weights.float()[torch.where(routed, rows, 0).long()], 0.0)
+    return out, scales, weight_slots
+
+
+def grouped_slot_mm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    block_expert: torch.Tensor,
+    used: int,
+    block_m: int,
+    activation: str = "none",
+    gated: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """A mixture of experts' GEMM in slot order: each block of ``block_m`` rows of ``a`` (C, K)
+    below ``used`` times its expert's weight (``block_expert``; the run of no expert as the last
+    expert), ``scaled_mm`` / ``gated_scaled_mm`` arithmetic with ``a_scale`` (C,) per row. Rows
+    from ``used`` on are zeros here (the kernel leaves them unwritten)."""
+    n_out = w.shape[1] // 2 if gated else w.shape[1]
+    out = torch.zeros(a.shape[0], n_out, dtype=out_dtype, device=a.device)
+    for block in range(used // block_m):
+        rows = slice(block * block_m, (block + 1) * block_m)
+        expert = min(int(block_expert[block]), w.shape[0] - 1)
+        if gated:
+            out[rows] = gated_scaled_mm(a[rows], w[expert], a_scale[rows], w_scale[expert], activation, out_dtype)
+        else:
+            out[rows] = scaled_mm(a[rows], w[expert], a_scale[rows], w_scale[expert], None, activation, out_dtype)
+    return out
+
+
+def combine(y: torch.Tensor, slots: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
+    """(tokens, H): token t's rows ``y[slots[t * k + j]]``, j = 0 .. k-1, summed in float32 in that
+    order, cast once to y's dtype."""
+    rows = y[slots.long()].float().view(tokens, k, -1)
+    total = rows[:, 0].clone()
+    for j in range(1, k):
+        total += rows[:, j]
+    return total.to(y.dtype)
+
+
 def rms_norm_fp32(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -67,8 +67,7 @@ def _float64(a, a_scale, w, w_scale, routed, slots, activation, gated):
 # TMA on a persistent grid (_grouped_persistent_kernel: the default in 128-row blocks).
 KERNELS = [pytest.param(dict(tma=False), id="address"), pytest.param(dict(tma=True, n_fastest=True), id="tma"),
            pytest.param(dict(tma=True, n_fastest=False), id="tma-rows-first"),
-           pytest.param(dict(tma=True, persistent=True), id="tma-persistent"),
-           pytest.param(dict(tma=True, persistent=True, sorted_a=True), id="tma-persistent-sorted-a")]
+           pytest.param(dict(tma=True, persistent=True), id="tma-persistent")]
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)
@@ -199,7 +198,8 @@ def _sm90_shared_bytes(config: dict, gated: bool, dtype: torch.dtype, out_dtype:
     operand = "i8" if dtype == torch.int8 else "fp8e4nv"
     out = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[out_dtype]
     constants = dict(IS_INT8=dtype == torch.int8, A_PER_TOKEN=True, ROW_SCALE=not gated, ACTIVATION=2 if gated else 0,
-                     GATED=gated, EVEN_K=True, N_FASTEST=bool(config.get("n_fastest")), INTERPRETED=False,
+                     GATED=gated, EVEN_K=True, N_FASTEST=bool(config.get("n_fastest")), SLOT_ORDER=False,
+                     INTERPRETED=False,
                      NUM_PROGRAMS=132, BLOCK_M=config["block_m"], BLOCK_N=config["block_n"],
                      BLOCK_K=config["block_k"])
     signature, attrs = {}, {}
@@ -323,3 +323,80 @@ def test_cached_launches_repeat_tritons_arguments(monkeypatch):
     a, a_scale, w, w_scale, routed = _operands(7, 3, 5, 80, 70, torch.float8_e4m3fn, True, seed=4)
     moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 3, "silu", True, config=dict(block_m=16))
     assert [len(k.triton_calls) for k in kernels.values()] == [1, 1, 2]
+
+
+# ---------------------------------------------------------------------------------------------- slot order
+
+
+def _slot_case(dtype, gated, seed, per_token=True, tokens=141, slots=3, experts=2, K=80, N=40):
+    """A routing with 128-row blocks (over 192 pairs an expert on average), every expert and the
+    sentinel of no expert among the pairs, K not a multiple of the 64-wide K tile."""
+    a, a_scale, w, w_scale, routed = _operands(tokens, slots, experts, K, N, dtype, gated, seed, per_token)
+    assert moe.block_m_for(routed.numel(), experts) == 128
+    return a, a_scale, w, w_scale, routed, moe.plan_for(routed, experts)
+
+
+@pytest.mark.parametrize("block_m", [16, 128])
+def test_route_plan_slots_invert_its_rows(block_m):
+    routed = torch.randint(0, 9, (301,), generator=torch.Generator().manual_seed(block_m))
+    plan = moe.route_plan(routed, 7, block_m)
+    assert plan.slots.dtype == torch.int32 and plan.slots.shape == (301,)
+    assert torch.equal(plan.rows[plan.slots.long()], torch.arange(301, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("per_token", [True, False], ids=["per-token", "static"])
+def test_gather_slots_matches_its_twin(dtype, per_token):
+    a, a_scale, w, w_scale, routed, plan = _slot_case(dtype, True, seed=21, per_token=per_token)
+    weights = torch.rand(routed.numel(), generator=torch.Generator().manual_seed(22)) + 0.1
+    got = moe.gather_slots(a, a_scale, plan, 3, w.shape[0], weights)
+    ref = reference.gather_slots(a, a_scale, plan.rows, plan.block_expert, int(plan.used), 128, 3, w.shape[0], weights)
+    used = int(plan.used)
+    for g, r in zip(got, ref):
+        assert torch.equal(g[:used].view(torch.int8) if g.dtype == dtype else g[:used],
+                           r[:used].view(torch.int8) if r.dtype == dtype else r[:used])
+    # The pairs of no expert and the padding: zero rows, scales and weights.
+    unrouted = (routed >= w.shape[0]).nonzero().flatten()
+    assert unrouted.numel() and (got[1][plan.slots[unrouted].long()] == 0).all()
+    assert (got[2][:used][plan.rows[:used] < 0] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("gated,activation", [(False, "none"), (True, "silu"), (False, "gelu")])
+def test_grouped_slot_mm_equals_the_pair_order_kernel_row_for_row(dtype, gated, activation):
+    """The slot-order GEMM (the persistent kernel with its rows by TMA) gives each routed pair's
+    row of grouped_scaled_mm bit for bit, zeros for the pairs of no expert and the padding, and
+    its twin's rows (INT8 plain exactly)."""
+    a, a_scale, w, w_scale, routed, plan = _slot_case(dtype, gated, seed=23)
+    a_slots, scales, _ = moe.gather_slots(a, a_scale, plan, 3, w.shape[0])
+    out = moe.grouped_slot_mm(a_slots, w, scales, w_scale, plan, activation, gated)
+    pairs = moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 3, activation, gated, plan=plan)
+    used = int(plan.used)
+    assert out.shape == (plan.rows.numel(), w.shape[1] // (2 if gated else 1))
+    assert torch.equal(out[plan.slots.long()], pairs)
+    assert torch.equal(out[:used][plan.rows[:used] < 0], torch.zeros_like(out[:used][plan.rows[:used] < 0]))
+    ref = reference.grouped_slot_mm(a_slots, w, scales, w_scale, plan.block_expert, used, 128, activation, gated)
+    if dtype == torch.int8 and activation == "none":
+        assert torch.equal(out[:used], ref[:used])
+    else:
+        torch.testing.assert_close(out[:used].float(), ref[:used].float(), rtol=2 ** -7,
+                                   atol=1e-3 * ref.float().abs().max().item())
+
+
+def test_combine_sums_each_tokens_slots_in_order():
+    gen = torch.Generator().manual_seed(24)
+    routed = torch.randint(0, 3, (61 * 4,), generator=gen)
+    plan = moe.route_plan(routed, 3, 128)
+    y = (torch.randn(plan.rows.numel(), 130, generator=gen) * 3).to(torch.bfloat16)
+    got = moe.combine(y, plan, 61, 4)
+    assert torch.equal(got, reference.combine(y, plan.slots, 61, 4))
+    torch.testing.assert_close(got.float(), y[plan.slots.long()].float().view(61, 4, 130).sum(1), rtol=2 ** -8, atol=0)
+
+
+def test_slot_order_refuses_other_plans_in_one_line():
+    a, a_scale, w, w_scale, routed = _operands(13, 3, 5, 80, 70, torch.int8, False, seed=25)
+    plan = moe.plan_for(routed, 5)  # a few pairs an expert: 16-row blocks
+    with pytest.raises(ValueError, match="128-row blocks"):
+        moe.grouped_slot_mm(torch.zeros(plan.rows.numel(), 80, dtype=torch.int8), w, torch.ones(plan.rows.numel()),
+                            w_scale, plan)
+    assert not moe.slot_order_takes(plan, w)
