@@ -42,7 +42,7 @@ class RoutePlan(NamedTuple):
     block_expert: torch.Tensor
     used: torch.Tensor  # (1,) int32: the slots the routing fills (blocks past it return)
     block_m: int
-    slots: torch.Tensor  # (P,) int32: each pair's slot (rows' inverse)
+    slots: torch.Tensor | None = None  # (P,) int32: each pair's slot (rows' inverse; the slot-order path's)
 
 
 def block_m_for(pairs: int, experts: int) -> int:
@@ -488,14 +488,12 @@ def _gather_slots_kernel(a_ptr, a_scale_ptr, weights_ptr, rows_ptr, block_expert
                          A_PER_TOKEN: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Rows BLOCK_R slots at a time: slot s of a routed pair p gets row p // ROW_DIV of a, its
-    scale and (HAS_WEIGHTS) the pair's routing weight; a padding slot, or one of the run of no
-    expert, zeros. Slots from used on are not written (used and BLOCK_M are multiples of BLOCK_R)."""
-    first = tl.program_id(0) * BLOCK_R
-    if first >= tl.load(used_ptr):
-        return
-    slots = first + tl.arange(0, BLOCK_R)
+    scale and (HAS_WEIGHTS) the pair's routing weight; a padding slot, one of the run of no
+    expert or one from used on, zeros (the capacity is a multiple of BLOCK_R)."""
+    slots = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     pairs = tl.load(rows_ptr + slots)
-    routed = (pairs >= 0) & (tl.load(block_expert_ptr + slots // BLOCK_M) < num_experts)
+    live = slots < tl.load(used_ptr)
+    routed = (pairs >= 0) & (tl.load(block_expert_ptr + slots // BLOCK_M) < num_experts) & live
     src = tl.where(routed, pairs // ROW_DIV, 0).to(tl.int64)
     if A_PER_TOKEN:
         scale = tl.load(a_scale_ptr + src)
@@ -516,8 +514,8 @@ def _gather_slots_kernel(a_ptr, a_scale_ptr, weights_ptr, rows_ptr, block_expert
 def gather_slots(a, a_scale, plan: RoutePlan, row_div: int, num_experts: int, weights=None):
     """(a_slots (C, K), scale_slots (C,) float32, weight_slots (C,) float32 or None), C the plan's
     capacity: each routed pair's row of ``a`` (row ``pair // row_div``) and scale in its slot, and
-    (given ``weights`` (P,) float32) its routing weight; zeros in padding slots and in those of the
-    pairs of no expert (their GEMM rows come out zero). Slots from ``used`` on are left unwritten.
+    (given ``weights`` (P,) float32) its routing weight; zeros in padding slots, in those of the
+    pairs of no expert (their GEMM rows come out zero) and from ``used`` on.
     ``reference.gather_slots`` is the twin."""
     capacity = plan.rows.numel()
     K = a.shape[1]
@@ -536,6 +534,30 @@ def gather_slots(a, a_scale, plan: RoutePlan, row_div: int, num_experts: int, we
 
 
 @triton.jit
+def _zero_tail_kernel(out_ptr, used_ptr, row_elems, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Zeros in rows [used, capacity) of a (capacity, row_elems) buffer, BLOCK_R rows a program."""
+    first = tl.program_id(0) * BLOCK_R
+    used = tl.load(used_ptr)
+    if first + BLOCK_R <= used:
+        return
+    rows = first + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    for c0 in range(0, row_elems, BLOCK_C):
+        mask = (rows >= used)[:, None] & ((c0 + cols) < row_elems)[None, :]
+        ptrs = out_ptr + rows.to(tl.int64)[:, None] * row_elems + (c0 + cols)[None, :]
+        tl.store(ptrs, tl.zeros((BLOCK_R, BLOCK_C), dtype=out_ptr.dtype.element_ty), mask=mask)
+
+
+def _zero_tail(out: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
+    """``out`` (capacity, N) with its rows from ``used`` on zeroed: the GEMMs compute the routing's
+    blocks only, and nothing past them should hold stale memory (deterministic outputs)."""
+    _zero_tail_kernel[(out.shape[0] // plan.block_m,)](out, plan.used, out.shape[1], BLOCK_R=plan.block_m,
+                                                       BLOCK_C=min(next_power_of_2(max(out.shape[1], 1)), 128),
+                                                       num_warps=4)
+    return out
+
+
+@triton.jit
 def _combine_kernel(y_ptr, slots_ptr, out_ptr, H, SLOTS: tl.constexpr, INTERPRETED: tl.constexpr,
                     BLOCK_H: tl.constexpr):
     """One token's output columns: the sum in float32 of its SLOTS rows of y, in slot order."""
@@ -550,15 +572,16 @@ def _combine_kernel(y_ptr, slots_ptr, out_ptr, H, SLOTS: tl.constexpr, INTERPRET
              mask=mask)
 
 
-def combine(y: torch.Tensor, plan: RoutePlan, tokens: int, k: int) -> torch.Tensor:
-    """(tokens, H): each token's k rows of the slot-ordered ``y`` (C, H) summed in float32 (slot
-    j = 0 .. k-1 in turn), cast once to y's dtype. ``reference.combine`` is the twin."""
+def combine(y: torch.Tensor, slots: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
+    """(tokens, H): each token's k rows of the slot-ordered ``y`` (C, H) summed in float32 (its
+    pairs' slots, ``RoutePlan.slots``, j = 0 .. k-1 in turn), cast once to y's dtype.
+    ``reference.combine`` is the twin."""
     H = y.shape[1]
     out = torch.empty(tokens, H, dtype=y.dtype, device=y.device)
     if tokens == 0 or H == 0:
         return out
     block_h = min(next_power_of_2(H), 1024)
-    _combine_kernel[(tokens, cdiv(H, block_h))](y, plan.slots, out, H, SLOTS=k, INTERPRETED=INTERPRETED,
+    _combine_kernel[(tokens, cdiv(H, block_h))](y, slots, out, H, SLOTS=k, INTERPRETED=INTERPRETED,
                                                   BLOCK_H=block_h, num_warps=4)
     return out
 
@@ -574,7 +597,7 @@ def grouped_slot_mm(a, w, a_scale, w_scale, plan: RoutePlan, activation="none", 
     """(C, N) in slot order: row s below ``used`` is ``act(a[s] @ w[e].T * a_scale[s] * w_scale[e])``
     (gated: ``act(gate) * up`` of the expert's [gate; up] rows), e the expert of s's block (the run
     of no expert computed as the last expert's: its rows come with zero scales); rows from
-    ``used`` on are not written. a (C, K) from ``gather_slots`` (or a slot-ordered GEMM output,
+    ``used`` on are zeros. a (C, K) from ``gather_slots`` (or a slot-ordered GEMM output,
     quantized), a_scale (C,) float32. On sm_90 with Gluon: ``gemm_gluon.gluon_grouped_mm``;
     else the persistent Triton kernel in slot order. ``reference.grouped_slot_mm`` is the twin."""
     capacity, K = a.shape
@@ -590,8 +613,8 @@ def grouped_slot_mm(a, w, a_scale, w_scale, plan: RoutePlan, activation="none", 
 
     if a.is_cuda and n_out % 8 == 0 and gemm_gluon.available():
         out = torch.empty(capacity, n_out, dtype=out_dtype, device=a.device)
-        return gemm_gluon.gluon_grouped_mm(a, w, a_scale, w_scale, plan.block_expert, plan.used, activation, gated,
-                                           out=out)
+        gemm_gluon.gluon_grouped_mm(a, w, a_scale, w_scale, plan.block_expert, plan.used, activation, gated, out=out)
+        return _zero_tail(out, plan)
     out = torch.empty(capacity, n_out, dtype=out_dtype, device=a.device)
     config = default_config(192 * num_experts, num_experts, K, gated, out_dtype)  # the 128-row default's tiles
     block_n, block_k = config["block_n"], config["block_k"]
@@ -605,4 +628,4 @@ def grouped_slot_mm(a, w, a_scale, w_scale, plan: RoutePlan, activation="none", 
         ROW_SCALE=False, ACTIVATION=ACTIVATION_CODES[activation], GATED=gated, EVEN_K=K % block_k == 0,
         SLOT_ORDER=True, INTERPRETED=INTERPRETED, NUM_PROGRAMS=programs, BLOCK_M=plan.block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=config["num_warps"], num_stages=config["num_stages"])
-    return out
+    return _zero_tail(out, plan)

@@ -106,6 +106,43 @@ def moe_route_plan(experts, num_experts, backend="torch"):
     return None
 
 
+def tma_ready(w: torch.Tensor) -> bool:
+    """A stacked expert weight TMA can move: contiguous, a 16-byte aligned base, K a multiple of 16."""
+    return w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[-1] % 16 == 0
+
+
+def moe_slot_order(plan) -> bool:
+    """A mixture of experts' layer keeps its rows in slot order between its GEMMs for this plan:
+    prefill sizes (128-row blocks), on the Triton backend (the torch one plans nothing)."""
+    return plan is not None and plan.block_m == 128
+
+
+def moe_gather_slots(a, a_scale, plan, row_div, num_experts, weights, backend="torch"):
+    """(a_slots, scales, weight_slots): each routed pair's row of ``a`` (row ``pair // row_div``),
+    scale and routing weight in its slot of ``plan``, zeros elsewhere; see ``reference.gather_slots``."""
+    if is_triton(backend):
+        return _triton_ops().moe_gather_slots(a, a_scale, plan, row_div, num_experts, weights)
+    return reference.gather_slots(a, a_scale, plan.rows, plan.block_expert, int(plan.used), plan.block_m, row_div,
+                                  num_experts, weights)
+
+
+def grouped_slot_mm(a, w, a_scale, w_scale, plan, activation="none", gated=False, out_dtype=torch.bfloat16,
+                    backend="torch"):
+    """A mixture of experts' GEMM over rows in slot order (``moe_gather_slots``); see
+    ``reference.grouped_slot_mm``."""
+    if is_triton(backend):
+        return _triton_ops().grouped_slot_mm(a, w, a_scale, w_scale, plan, activation, gated, out_dtype)
+    return reference.grouped_slot_mm(a, w, a_scale, w_scale, plan.block_expert, int(plan.used), plan.block_m,
+                                     activation, gated, out_dtype)
+
+
+def moe_combine(y, slots, tokens, k, backend="torch"):
+    """(tokens, H): each token's k slot rows of ``y`` summed in float32; see ``reference.combine``."""
+    if is_triton(backend):
+        return _triton_ops().moe_combine(y, slots, tokens, k)
+    return reference.combine(y, slots, tokens, k)
+
+
 def quantize_per_token(x, dtype, backend="torch"):
     """(M, K) float -> (q (M, K), scale (M,) fp32), symmetric, one scale per row."""
     if is_triton(backend):

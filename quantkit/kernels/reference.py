@@ -241,8 +241,8 @@ def gather_slots(
     pair of each slot, -1 for padding; ``block_expert`` each block's expert, num_experts for the
     pairs of none; the first ``used`` slots filled). Slot s of a routed pair p: row p // row_div of
     ``a``, its scale (``a_scale`` per row or one value) and ``weights[p]``; other slots zeros.
-    Returns (a_slots (C, K), scales (C,) float32, weight_slots (C,) or None); rows from ``used``
-    on are zeros here (the kernel leaves them unwritten)."""
+    Returns (a_slots (C, K), scales (C,) float32, weight_slots (C,) or None); slots from ``used``
+    on are zeros."""
     slots = torch.arange(rows.numel(), device=rows.device)
     routed = (rows >= 0) & (block_expert[slots // block_m] < num_experts) & (slots < used)
     src = torch.where(routed, rows, 0).long() // row_div
@@ -271,7 +271,7 @@ def grouped_slot_mm(
     """A mixture of experts' GEMM in slot order: each block of ``block_m`` rows of ``a`` (C, K)
     below ``used`` times its expert's weight (``block_expert``; the run of no expert as the last
     expert), ``scaled_mm`` / ``gated_scaled_mm`` arithmetic with ``a_scale`` (C,) per row. Rows
-    from ``used`` on are zeros here (the kernel leaves them unwritten)."""
+    from ``used`` on are zeros."""
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     out = torch.zeros(a.shape[0], n_out, dtype=out_dtype, device=a.device)
     for block in range(used // block_m):

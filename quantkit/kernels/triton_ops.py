@@ -94,9 +94,10 @@ def _(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype, ro
 
 
 @torch.library.custom_op("quantkit::moe_route_plan", mutates_args=())
-def _moe_route_plan_op(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _moe_route_plan_op(experts: torch.Tensor, num_experts: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = moe.plan_for(experts, num_experts)
-    return plan.rows, plan.block_expert, plan.used
+    return plan.rows, plan.block_expert, plan.used, plan.slots
 
 
 @_moe_route_plan_op.register_fake
@@ -104,7 +105,45 @@ def _(experts, num_experts):
     block_m = moe.block_m_for(experts.numel(), num_experts)
     capacity = moe.plan_capacity(experts.numel(), num_experts, block_m)
     return (experts.new_empty((capacity,), dtype=torch.int32), experts.new_empty((capacity // block_m,), dtype=torch.int32),
-            experts.new_empty((1,), dtype=torch.int32))
+            experts.new_empty((1,), dtype=torch.int32), experts.new_empty((experts.numel(),), dtype=torch.int32))
+
+
+@torch.library.custom_op("quantkit::moe_gather_slots", mutates_args=())
+def _moe_gather_slots_op(a: torch.Tensor, a_scale: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
+                         block_expert: torch.Tensor, used: torch.Tensor, block_m: int, row_div: int, num_experts: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return moe.gather_slots(a, a_scale, moe.RoutePlan(rows, block_expert, used, block_m), row_div, num_experts,
+                            weights)
+
+
+@_moe_gather_slots_op.register_fake
+def _(a, a_scale, weights, rows, block_expert, used, block_m, row_div, num_experts):
+    capacity = rows.shape[0]
+    return (a.new_empty((capacity, a.shape[1])), a_scale.new_empty((capacity,), dtype=torch.float32),
+            a_scale.new_empty((capacity,), dtype=torch.float32))
+
+
+@torch.library.custom_op("quantkit::grouped_slot_mm", mutates_args=())
+def _grouped_slot_mm_op(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
+                        rows: torch.Tensor, block_expert: torch.Tensor, used: torch.Tensor, block_m: int,
+                        activation: str, gated: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    return moe.grouped_slot_mm(a, w, a_scale, w_scale, moe.RoutePlan(rows, block_expert, used, block_m), activation,
+                               gated, out_dtype)
+
+
+@_grouped_slot_mm_op.register_fake
+def _(a, w, a_scale, w_scale, rows, block_expert, used, block_m, activation, gated, out_dtype):
+    return a.new_empty((a.shape[0], w.shape[1] // 2 if gated else w.shape[1]), dtype=out_dtype)
+
+
+@torch.library.custom_op("quantkit::moe_combine", mutates_args=())
+def _moe_combine_op(y: torch.Tensor, slots: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
+    return moe.combine(y, slots, tokens, k)
+
+
+@_moe_combine_op.register_fake
+def _(y, slots, tokens, k):
+    return y.new_empty((tokens, y.shape[1]))
 
 
 # ---------------------------------------------------------------------------------------------- quantization
@@ -205,7 +244,7 @@ def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="no
     if direct_launch(a, "a"):
         return moe.grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype,
                                      row_scale, plan)
-    rows, blocks, used, block_m = plan if plan is not None else (None, None, None, 0)
+    rows, blocks, used, block_m = plan[:4] if plan is not None else (None, None, None, 0)
     return _grouped_scaled_mm_op(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype, row_scale,
                                  rows, blocks, used, block_m)
 
@@ -213,8 +252,28 @@ def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="no
 def moe_route_plan(experts, num_experts):
     if direct_launch(experts, "experts"):
         return moe.plan_for(experts, num_experts)
-    rows, blocks, used = _moe_route_plan_op(experts, num_experts)
-    return moe.RoutePlan(rows, blocks, used, moe.block_m_for(experts.numel(), num_experts))
+    rows, blocks, used, slots = _moe_route_plan_op(experts, num_experts)
+    return moe.RoutePlan(rows, blocks, used, moe.block_m_for(experts.numel(), num_experts), slots)
+
+
+def moe_gather_slots(a, a_scale, plan, row_div, num_experts, weights):
+    if direct_launch(a, "a"):
+        return moe.gather_slots(a, a_scale, plan, row_div, num_experts, weights)
+    return _moe_gather_slots_op(a, a_scale, weights, plan.rows, plan.block_expert, plan.used, plan.block_m, row_div,
+                                num_experts)
+
+
+def grouped_slot_mm(a, w, a_scale, w_scale, plan, activation="none", gated=False, out_dtype=torch.bfloat16):
+    if direct_launch(a, "a"):
+        return moe.grouped_slot_mm(a, w, a_scale, w_scale, plan, activation, gated, out_dtype)
+    return _grouped_slot_mm_op(a, w, a_scale, w_scale, plan.rows, plan.block_expert, plan.used, plan.block_m,
+                               activation, gated, out_dtype)
+
+
+def moe_combine(y, slots, tokens, k):
+    if direct_launch(y, "y"):
+        return moe.combine(y, slots, tokens, k)
+    return _moe_combine_op(y, slots, tokens, k)
 
 
 def quantize_per_token(x, dtype):

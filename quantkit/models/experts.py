@@ -87,6 +87,8 @@ class _Grouped:
     # (layer, weight pointer, weight_scale pointer, input_scale) of the first and last experts'
     # layers as stacking left them: a forward that finds one changed restacks.
     anchors: tuple = ()
+    # TMA can take both stacked weights (ops.moe_slot_order's path at prefill sizes).
+    slot_order: bool = False
 
 
 class UnstackedExperts(nn.Module):
@@ -148,7 +150,7 @@ class UnstackedExperts(nn.Module):
         anchors = tuple((layer, layer._buffers["weight"].data_ptr(), layer._buffers["weight_scale"].data_ptr(),
                          layer._buffers.get("input_scale")) for trio in (layers[0], layers[-1]) for layer in trio)
         self.__dict__["_grouped"] = _Grouped(w13, s13, w2, s2, in13, in2, activation, first.quant_dtype,
-                                             first.backend, anchors)
+                                             first.backend, anchors, ops.tma_ready(w13) and ops.tma_ready(w2))
         return None
 
     def _stacked(self) -> _Grouped | None:
@@ -177,6 +179,19 @@ class UnstackedExperts(nn.Module):
 
         plan = ops.moe_route_plan(experts, self.num_experts, backend=grouped.backend)  # for both GEMMs
         q, scale = quantize(hidden_states.contiguous(), grouped.in13)
+        if grouped.slot_order and ops.moe_slot_order(plan):
+            # Prefill sizes: the rows in the plan's slot order from the first GEMM's input to the
+            # second's output (whole expert blocks, both operands by TMA), each pair's routing
+            # weight folded into the second GEMM's row scale, then each token's k rows summed.
+            backend = grouped.backend
+            a13, s13, weights = ops.moe_gather_slots(q, scale, plan, slots, self.num_experts,
+                                                     top_k_weights.reshape(-1).float().contiguous(), backend=backend)
+            hidden = ops.grouped_slot_mm(a13, grouped.w13, s13, grouped.s13, plan, grouped.activation, True,
+                                         hidden_states.dtype, backend=backend)
+            q, scale = quantize(hidden, grouped.in2)
+            out = ops.grouped_slot_mm(q, grouped.w2, (scale * weights).contiguous(), grouped.s2, plan, "none", False,
+                                      hidden_states.dtype, backend=backend)
+            return inference_only(hidden_states, ops.moe_combine(out, plan.slots, tokens, slots, backend=backend))
         hidden = ops.grouped_scaled_mm(q, grouped.w13, scale, grouped.s13, experts, slots, grouped.activation,
                                        True, hidden_states.dtype, plan=plan, backend=grouped.backend)
         q, scale = quantize(hidden, grouped.in2)

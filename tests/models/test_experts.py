@@ -169,6 +169,38 @@ def test_optimize_runs_the_experts_as_two_grouped_gemms(backend, scheme):
         assert torch.equal(qmodel(input_ids=ids).logits, logits)
 
 
+@pytest.mark.parametrize("scheme", ["fp8-static", "int8"])
+def test_prefill_sizes_keep_the_rows_in_slot_order(scheme, monkeypatch):
+    """Over 192 pairs an expert (128-row blocks) the grouped layer gathers the tokens into the
+    plan's slots once, runs both GEMMs over whole expert blocks and sums each token's rows from
+    their slots: the pair-order path's output to float32 rounding (the routing weight multiplies
+    the second GEMM's row scale instead of its output), pairs of no expert included."""
+    from quantkit.kernels import ops
+
+    config = transformers.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=48, num_experts=2,
+                                         num_experts_per_tok=2, **{**COMMON, "num_hidden_layers": 1})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    qconfig = quantkit.QuantConfig.preset(scheme, backend="triton")
+    quantkit.optimize(quantkit.quantize(model, qconfig, _ids(7, (2, 24)), progress=False), attention=False, rope=False)
+    experts = model.model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(11)
+    tokens = 197  # 394 pairs over 2 experts
+    hidden = torch.randn(tokens, 64, generator=gen)
+    index = torch.randint(0, 3, (tokens, 2), generator=gen)  # 2: no expert (expert parallelism's sentinel)
+    weights = torch.rand(tokens, 2, generator=gen)
+    calls = []
+    slot_mm = ops.grouped_slot_mm
+    monkeypatch.setattr(ops, "grouped_slot_mm", lambda *a, **k: calls.append(1) or slot_mm(*a, **k))
+    with torch.no_grad():
+        slot_order = experts(hidden, index, weights)
+        assert len(calls) == 2
+        monkeypatch.setattr(ops, "moe_slot_order", lambda plan: False)
+        pair_order = experts(hidden, index, weights)
+    assert len(calls) == 2
+    assert ((slot_order - pair_order).norm() / pair_order.norm()).item() < 1e-6
+
+
 @pytest.mark.parametrize("scheme", ["fp8", "int8-static"])
 def test_quantized_experts_round_trip_in_the_source_layout(scheme, tmp_path):
     """Saved per expert under the source names (Mixtral's block_sparse_moe.experts.N.w1), each with
