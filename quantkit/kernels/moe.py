@@ -47,9 +47,15 @@ class RoutePlan(NamedTuple):
 
 def block_m_for(pairs: int, experts: int) -> int:
     """Rows per block: about the pairs an expert gets on average (a decode step routes a handful
-    of tokens to each of its experts, a prefill hundreds), 16 to 128."""
+    of tokens to each of its experts, a prefill hundreds), 16 to 128. 128-row blocks (a layer's
+    slot-order path) from 96 pairs an expert where the Gluon kernel runs them (run s35g, H200: the
+    layer 1.08-1.11x the 64-row path at 96 pairs, 0.94-0.96x at 64), else from 192 (the Triton
+    kernels, runs s33c/d)."""
+    from quantkit.kernels import gemm_gluon
+
     average = pairs / max(experts, 1)
-    return 16 if average <= 16 else 32 if average < 32 else 64 if average < 192 else 128
+    rows128 = 96 if gemm_gluon.available() else 192
+    return 16 if average <= 16 else 32 if average < 32 else 64 if average < rows128 else 128
 
 
 def plan_capacity(pairs: int, num_experts: int, block_m: int) -> int:
@@ -383,7 +389,8 @@ def default_config(pairs: int, experts: int, K: int, gated: bool = False, out_dt
     moe_tma_sweep.py (H200, Qwen3-30B-A3B's shapes, benchmarks/NOTES-moe.md):
     - 16- and 32-row blocks of address-loaded tiles while an expert gets a few dozen pairs, 64-row
       blocks from 32 pairs an expert, 128-row ones from 192 (runs s33c/d: at 192 pairs an expert
-      the 128-row defaults were 0.98-1.15x the 64-row ones, at 256 1.04-1.22x, at 128 0.82-1.05x);
+      the 128-row defaults were 0.98-1.15x the 64-row ones, at 256 1.04-1.22x, at 128 0.82-1.05x;
+      from 96 where the Gluon kernel runs a layer's slot-order path, ``block_m_for``);
     - in 64-row blocks the plain form (the down projection) takes its weight tiles by TMA, 256
       columns wide (1.3-1.4x the address-loaded 128-wide tiles at 1024-2048 tokens); the gated form
       keeps address-loaded 2 x 128-wide tiles (TMA gained nothing measurable);
