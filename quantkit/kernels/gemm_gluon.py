@@ -1133,13 +1133,15 @@ class GluonCall:
     __slots__ = ("config", "grid", "constexprs", "chunk_n", "key", "tail")
 
     def __init__(self, config: GluonConfig, M: int, N: int, device: torch.device, has_bias: bool,
-                 activation: str) -> None:
+                 activation: str, grouped: bool = False) -> None:
         self.config = config
         tiles = cdiv(M, config.block_m) * cdiv(N, config.block_n)
         index = device.index if device.index is not None else torch.cuda.current_device()
         act = ACTIVATIONS.index(activation)
         halves = plain_only(config.tail_halves, has_bias, act, config.gated)  # the kernel's PLAIN_HALVES
-        self.grid = (program_count(tiles, num_sms(index), config.balanced_grid, halves),)
+        # Grouped: one program per SM at most (the routing's tile count is known on the device only).
+        self.grid = ((min(num_sms(index), tiles),) if grouped else
+                     (program_count(tiles, num_sms(index), config.balanced_grid, halves),))
         self.chunk_n = config.block_n // config.epilogue_split
         self.constexprs = dict(
             HAS_BIAS=has_bias, ACTIVATION=act, GROUP_M=config.group_m,
@@ -1148,20 +1150,23 @@ class GluonCall:
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
             SPLIT_M=config.split_m, STORE_WARP=config.store_mode, LEAN_START=config.lean_start,
             TAIL_ORDER=config.tail_order, PROLOGUE_LOADS=config.prologue_loads, TAIL_HALVES=config.tail_halves,
-            GROUPED=False, num_warps=config.consumer_warps)
+            GROUPED=grouped, num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the
         # constexprs in signature order (after the 14 runtime arguments) for the cached launcher.
         self.key = (config, tuple(self.constexprs.items()))
         self.tail = tuple(self.constexprs[name] for name in _scaled_mm_kernel.arg_names[14:])
 
-    def __call__(self, a, w, out, a_scale, w_scale, bias_arg) -> None:
+    def __call__(self, a, w, out, a_scale, w_scale, bias_arg, grouped_args: tuple | None = None) -> None:
+        """``grouped_args`` (a grouped config): (block_expert, used, rows_per_expert, stride_se,
+        num_experts), w the experts' stacked (E * rows_per_expert, K) weight."""
         cfg = self.config
         M, K = a.shape
         N = out.shape[1]
+        extra = grouped_args or (a_scale, a_scale, 0, 0, 0)  # unused by the dense form
         # What the compiled binary depends on besides the config: the dtypes (descriptor element
-        # types, the bias pointer), each integer's specialization and the scale/bias alignment.
+        # types, the bias pointer), each integer's specialization and the pointers' alignment.
         key = (self.key, a.dtype, out.dtype, bias_arg.dtype, int_spec(M), int_spec(N), int_spec(K),
-               aligned(a_scale, w_scale, bias_arg))
+               aligned(a_scale, w_scale, bias_arg, extra[0], extra[1]))
         device = a.device.index if a.device.index is not None else torch.cuda.current_device()
         compiled = _COMPILED.get((device, key)) if CACHED_LAUNCH else None
         if compiled is None or launch_hooks_active():
@@ -1170,8 +1175,7 @@ class GluonCall:
             w_desc = _weight_descriptor(w, [cfg.block_n, cfg.block_k])
             out_desc = _descriptor(out, [cfg.stored_rows, self.chunk_n], shape=[M, N], strides=[out.stride(0), 1])
             compiled = _scaled_mm_kernel[self.grid](a_desc, w_desc, out_desc, a_scale, w_scale, bias_arg, M, N, K,
-                                                    a_scale, a_scale, 0, 0, 0,
-                                                    **self.constexprs)
+                                                    *extra, **self.constexprs)
             if CACHED_LAUNCH and hasattr(compiled, "packed_metadata"):
                 _COMPILED[(device, key)] = compiled
             return
@@ -1179,8 +1183,7 @@ class GluonCall:
         # launcher, with light descriptor objects carrying the fields it reads (base, shape,
         # strides, padding); the TMA maps are encoded from them as on Gluon's path.
         args = (_Descriptor(a, [M, K], [a.stride(0), 1], None), _Descriptor(w, [w.shape[0], K], [w.stride(0), 1], None),
-                _Descriptor(out, [M, N], [out.stride(0), 1], None), a_scale, w_scale, bias_arg, M, N, K,
-                a_scale, a_scale, 0, 0, 0)
+                _Descriptor(out, [M, N], [out.stride(0), 1], None), a_scale, w_scale, bias_arg, M, N, K, *extra)
         compiled.run(self.grid[0], 1, 1, _stream(device), compiled.function, compiled.packed_metadata, None, None,
                      None, *args, *self.tail)
 
@@ -1374,13 +1377,15 @@ def gluon_grouped_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_
         out = torch.empty(M, N, device=a.device, dtype=torch.bfloat16)
     if out.shape != (M, N) or out.stride(1) != 1 or (out.stride(0) * out.element_size()) % 16:
         raise ValueError(f"out must be ({M}, {N}) with 16-byte rows, got {tuple(out.shape)}")
-    call = GluonCall(config, M, N, a.device, False, activation)
-    tiles = cdiv(M, config.block_m) * cdiv(N, config.block_n)
-    grid = (min(num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device()), tiles),)
-    _scaled_mm_kernel[grid](
-        _descriptor(a, [config.block_m, config.block_k]),
-        _descriptor(w.view(experts * rows, K), [config.block_n, config.block_k]),
-        _descriptor(out, [config.stored_rows, call.chunk_n], shape=[M, N], strides=[out.stride(0), 1]),
-        a_scale, w_scale, w_scale, M, N, K, block_expert, used, rows, w_scale.stride(0), experts,
-        **{**call.constexprs, "GROUPED": True})
+    key = (config, M, N, a.device, activation)
+    call = _GROUPED_CALLS.get(key)
+    if call is None:
+        call = _GROUPED_CALLS[key] = GluonCall(config, M, N, a.device, False, activation, grouped=True)
+    call(a, w.view(experts * rows, K), out, a_scale, w_scale, w_scale,
+         (block_expert, used, rows, w_scale.stride(0), experts))
     return out
+
+
+# The grouped form's launches by (config, rows, columns, device, activation): a layer calls it with
+# the same plan capacity again and again (eager prefill is host-bound at a few thousand tokens).
+_GROUPED_CALLS: dict = {}

@@ -531,12 +531,14 @@ def gather_slots(a, a_scale, plan: RoutePlan, row_div: int, num_experts: int, we
     weight_slots = torch.empty(capacity, dtype=torch.float32, device=a.device) if weights is not None else None
     block_r = min(64 if INTERPRETED else 16, plan.block_m)
     raw = a.view(torch.int8) if a.element_size() == 1 else a  # bytes moved as they are (no fp8 casts)
-    _gather_slots_kernel[(cdiv(capacity, block_r),)](
-        raw, a_scale, weights if weights is not None else scales, plan.rows, plan.block_expert, plan.used,
-        out.view(torch.int8) if a.element_size() == 1 else out, scales,
-        weight_slots if weight_slots is not None else scales, K, row_div, num_experts, raw.stride(0),
-        A_PER_TOKEN=a_scale.numel() > 1, HAS_WEIGHTS=weights is not None, BLOCK_M=plan.block_m, BLOCK_R=block_r,
-        BLOCK_K=min(next_power_of_2(K), 512), num_warps=4)
+    pointers = (raw, a_scale, weights if weights is not None else scales, plan.rows, plan.block_expert, plan.used,
+                out.view(torch.int8) if a.element_size() == 1 else out, scales,
+                weight_slots if weight_slots is not None else scales)
+    ints = (K, row_div, num_experts, raw.stride(0))
+    constexprs = dict(A_PER_TOKEN=a_scale.numel() > 1, HAS_WEIGHTS=weights is not None, BLOCK_M=plan.block_m,
+                      BLOCK_R=block_r, BLOCK_K=min(next_power_of_2(K), 512))
+    _GATHER(("gather", tuple(t.dtype for t in pointers), aligned(*pointers), _spec(ints), *constexprs.values()),
+            (cdiv(capacity, block_r),), (*pointers, *ints), constexprs, 4, 3)
     return out, scales, weight_slots
 
 
@@ -558,9 +560,9 @@ def _zero_tail_kernel(out_ptr, used_ptr, row_elems, BLOCK_R: tl.constexpr, BLOCK
 def _zero_tail(out: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
     """``out`` (capacity, N) with its rows from ``used`` on zeroed: the GEMMs compute the routing's
     blocks only, and nothing past them should hold stale memory (deterministic outputs)."""
-    _zero_tail_kernel[(out.shape[0] // plan.block_m,)](out, plan.used, out.shape[1], BLOCK_R=plan.block_m,
-                                                       BLOCK_C=min(next_power_of_2(max(out.shape[1], 1)), 128),
-                                                       num_warps=4)
+    constexprs = dict(BLOCK_R=plan.block_m, BLOCK_C=min(next_power_of_2(max(out.shape[1], 1)), 128))
+    _ZERO_TAIL(("zero_tail", out.dtype, aligned(out, plan.used), _spec((out.shape[1],)), *constexprs.values()),
+               (out.shape[0] // plan.block_m,), (out, plan.used, out.shape[1]), constexprs, 4, 3)
     return out
 
 
@@ -587,10 +589,15 @@ def combine(y: torch.Tensor, slots: torch.Tensor, tokens: int, k: int) -> torch.
     out = torch.empty(tokens, H, dtype=y.dtype, device=y.device)
     if tokens == 0 or H == 0:
         return out
-    block_h = min(next_power_of_2(H), 1024)
-    _combine_kernel[(tokens, cdiv(H, block_h))](y, slots, out, H, SLOTS=k, INTERPRETED=INTERPRETED,
-                                                  BLOCK_H=block_h, num_warps=4)
+    constexprs = dict(SLOTS=k, INTERPRETED=INTERPRETED, BLOCK_H=min(next_power_of_2(H), 1024))
+    _COMBINE(("combine", y.dtype, slots.dtype, aligned(y, slots, out), _spec((H,)), *constexprs.values()),
+             (tokens, cdiv(H, constexprs["BLOCK_H"])), (y, slots, out, H), constexprs, 4, 3)
     return out
+
+
+_GATHER = CachedLaunch(_gather_slots_kernel)
+_ZERO_TAIL = CachedLaunch(_zero_tail_kernel)
+_COMBINE = CachedLaunch(_combine_kernel)
 
 
 def slot_order_takes(plan: RoutePlan, *weights: torch.Tensor) -> bool:

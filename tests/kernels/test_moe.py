@@ -423,3 +423,32 @@ def test_moe_ops_pass_opcheck():
     for op, args in cases:
         result = torch.library.opcheck(op, args)
         assert all(v == "SUCCESS" for v in result.values()), (op, result)
+
+
+def test_slot_order_cached_launches_repeat_tritons_arguments(monkeypatch):
+    """gather_slots, the zeroing of the rows past the routing and combine launch through
+    launch.CachedLaunch on the GPU path: driven with a recording fake kernel, the first call of a
+    key goes through triton and later ones launch directly with the same arguments."""
+    from quantkit.kernels import launch
+    from tests.kernels.fake_launch import FakeDriver, RecordingKernel
+    from tests.kernels.test_call_cache import _check_direct_launch_repeats_triton_path
+
+    monkeypatch.setattr(launch, "INTERPRETED", False)
+    monkeypatch.setattr(launch, "_driver", lambda: FakeDriver())
+    kernels = {}
+    for name in ("_GATHER", "_ZERO_TAIL", "_COMBINE"):
+        cached = launch.CachedLaunch(getattr(moe, name).kernel)
+        cached.kernel = kernels[name] = RecordingKernel()
+        monkeypatch.setattr(moe, name, cached)
+    a, a_scale, w, w_scale, routed, plan = _slot_case(torch.int8, True, seed=28)
+    weights = torch.rand(routed.numel())
+    y = torch.randn(plan.rows.numel(), 40).to(torch.bfloat16)
+    for _ in range(3):
+        moe.gather_slots(a, a_scale, plan, 3, w.shape[0], weights)
+        moe._zero_tail(y, plan)
+        moe.combine(y, plan.slots, a.shape[0], 3)
+    arg_names = {"_GATHER": moe._gather_slots_kernel.arg_names, "_ZERO_TAIL": moe._zero_tail_kernel.arg_names,
+                 "_COMBINE": moe._combine_kernel.arg_names}
+    for name, kernel in kernels.items():
+        assert len(kernel.triton_calls) == 1 and len(kernel.compiled.runs) == 2, name
+        _check_direct_launch_repeats_triton_path(kernel, arg_names[name], 2)
