@@ -5,8 +5,9 @@ The persistent kernel (``moe._grouped_persistent_kernel``) loads a block's activ
 address (cp.async, a pointer per row in registers, issued by the warps that run the MMAs), because
 Hopper's TMA has no row gather. With ``sorted_a`` the rows are first copied into slot order (one
 ``index_select`` of the plan's rows), and the kernel then moves both operands by TMA, as the dense
-GEMM does. (The ``sorted_a`` flag lived in ``moe.py`` from 13a00f6 to 56bdb6c, for runs s35a/b; the
-slot-order path, ``moe.grouped_slot_mm``, replaced it, so this script needs a checkout of that range.)
+GEMM does. (The ``sorted_a`` flag lived in ``moe.py`` from 13a00f6 to 0de9e45, for runs s35a/b; the
+slot-order path, ``moe.grouped_slot_mm``, replaced it, so this mode needs a checkout of that range;
+``--sweep``, run s35d, does not.)
 Timed per (dtype, tokens, GEMM), CUDA-graph replays, same process: the default, the
 sorted form with the default's tiles and with 3 stages, the default again (the spread), the copy
 alone, and the dense quantkit GEMM of the same (pairs, N, K) as a ceiling (no routing). Each
