@@ -886,12 +886,11 @@ if _GLUON_ERROR is None:
                 mbarrier.wait(stage_bars.index(1), _previous_phase(local - 1))
             if busy:  # (a half tile's other consumer stages and stores nothing)
                 if EPILOGUE_SPLIT == 1:
-                    _store_chunk(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, tile_w_scale_ptr, bias_ptr, N,
-                                 HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout,
-                                 STORE_WARP)
+                    _store_chunk(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, tile_w_scale_ptr, bias_ptr,
+                                 N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
                 elif EPILOGUE_SPLIT == 2:
-                    _store_halves(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, tile_w_scale_ptr, bias_ptr, N,
-                                  HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
+                    _store_halves(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, tile_w_scale_ptr,
+                                  bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
                 else:
                     left, right = _halves(x)
                     u_left, u_right = _halves(u)
@@ -993,8 +992,8 @@ if _GLUON_ERROR is None:
         if CONSUMERS == 1 and PLAIN_STORE_WARP:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
-                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, block_expert_ptr, used_ptr,
-                                       stride_se, num_experts, 0, CONSUMERS, num_warps,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
+                                       block_expert_ptr, used_ptr, stride_se, num_experts, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
                                        SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
@@ -1006,8 +1005,8 @@ if _GLUON_ERROR is None:
         elif CONSUMERS == 1:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
-                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, block_expert_ptr, used_ptr,
-                                       stride_se, num_experts, 0, CONSUMERS, num_warps,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
+                                       block_expert_ptr, used_ptr, stride_se, num_experts, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
                                        SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
@@ -1017,13 +1016,13 @@ if _GLUON_ERROR is None:
         elif PLAIN_STORE_WARP:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
-                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, block_expert_ptr, used_ptr,
-                                       stride_se, num_experts, 0, CONSUMERS, num_warps,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
+                                       block_expert_ptr, used_ptr, stride_se, num_experts, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
                                        SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
-                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, block_expert_ptr, used_ptr,
-                                       stride_se, num_experts, 1, CONSUMERS, num_warps,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
+                                       block_expert_ptr, used_ptr, stride_se, num_experts, 1, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
                                        SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
@@ -1035,13 +1034,13 @@ if _GLUON_ERROR is None:
         else:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
-                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, block_expert_ptr, used_ptr,
-                                       stride_se, num_experts, 0, CONSUMERS, num_warps,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
+                                       block_expert_ptr, used_ptr, stride_se, num_experts, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
                                        SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
-                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, block_expert_ptr, used_ptr,
-                                       stride_se, num_experts, 1, CONSUMERS, num_warps,
+                                       out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
+                                       block_expert_ptr, used_ptr, stride_se, num_experts, 1, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
                                        SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,

@@ -612,7 +612,7 @@ def grouped_slot_mm(a, w, a_scale, w_scale, plan: RoutePlan, activation="none", 
     (gated: ``act(gate) * up`` of the expert's [gate; up] rows), e the expert of s's block (the run
     of no expert computed as the last expert's: its rows come with zero scales); rows from
     ``used`` on are zeros. a (C, K) from ``gather_slots`` (or a slot-ordered GEMM output,
-    quantized), a_scale (C,) float32. On sm_90 with Gluon: ``gemm_gluon.gluon_grouped_mm``;
+    quantized), a_scale (C,) float32. On sm_90 with Gluon (a 2-byte output): ``gemm_gluon.gluon_grouped_mm``;
     else the persistent Triton kernel in slot order. ``reference.grouped_slot_mm`` is the twin."""
     capacity, K = a.shape
     num_experts, rows, _ = w.shape
@@ -621,11 +621,12 @@ def grouped_slot_mm(a, w, a_scale, w_scale, plan: RoutePlan, activation="none", 
         raise ValueError(f"a_scale must hold one float32 per slot ({capacity}), got {a_scale.dtype} "
                          f"{tuple(a_scale.shape)}: pass gather_slots' scales")
     if not slot_order_takes(plan, w) or capacity != plan.rows.numel():
-        raise ValueError(f"the slot-order GEMM needs 128-row blocks, a TMA-ready weight and the plan's {plan.rows.numel()} "
-                         f"slots (got {plan.block_m}-row blocks, {capacity} rows); use grouped_scaled_mm")
+        raise ValueError(f"the slot-order GEMM needs 128-row blocks, a TMA-ready weight and the plan's "
+                         f"{plan.rows.numel()} slots (got {plan.block_m}-row blocks, {capacity} rows); "
+                         "use grouped_scaled_mm")
     from quantkit.kernels import gemm_gluon
 
-    if a.is_cuda and n_out % 8 == 0 and gemm_gluon.available():
+    if a.is_cuda and n_out % 8 == 0 and out_dtype in (torch.bfloat16, torch.float16) and gemm_gluon.available():
         out = torch.empty(capacity, n_out, dtype=out_dtype, device=a.device)
         gemm_gluon.gluon_grouped_mm(a, w, a_scale, w_scale, plan.block_expert, plan.used, activation, gated, out=out)
         return _zero_tail(out, plan)

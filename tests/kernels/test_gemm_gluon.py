@@ -157,9 +157,9 @@ COMPILE_CASES = [(name, dtype, "fused") for name in list(gemm_gluon.CONFIGS) + l
 COMPILE_CASES += [(name, dtype, "plain") for name, cfg in gemm_gluon.CONFIGS.items()
                   if cfg.store_warp or cfg.lean_start for dtype in ("fp8e4nv", "i8")]
 # The grouped (mixture of experts) form of the configs it runs: plain and gated SiLU.
-COMPILE_CASES += [(name, dtype, "grouped") for name in ("coop2_128x256_g16", "coop_128x256", "pp_128x128",
-                                                          "gated_coop2_128x128", "gated_coop_128x128", "gated_pp_128x64")
-                  for dtype in ("fp8e4nv", "i8")]
+GROUPED_COMPILED = ("coop2_128x256_g16", "coop_128x256", "pp_128x128", "gated_coop2_128x128", "gated_coop_128x128",
+                    "gated_pp_128x64")
+COMPILE_CASES += [(name, dtype, "grouped") for name in GROUPED_COMPILED for dtype in ("fp8e4nv", "i8")]
 # Every config and dtype compiled in one fresh process. Not in this one: under TRITON_INTERPRET=1,
 # once other tests had run interpreted Triton kernels, Gluon's compiler ended up in Triton's
 # interpreter (tl.cdiv raising inside triton/runtime/interpreter.py) or not depending on the order

@@ -362,20 +362,23 @@ def test_gather_slots_matches_its_twin(dtype, per_token):
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)
-@pytest.mark.parametrize("gated,activation", [(False, "none"), (True, "silu"), (False, "gelu")])
-def test_grouped_slot_mm_equals_the_pair_order_kernel_row_for_row(dtype, gated, activation):
+@pytest.mark.parametrize("gated,activation,out_dtype", [(False, "none", torch.bfloat16), (True, "silu", torch.bfloat16),
+                                                        (False, "gelu", torch.float32), (True, "gelu", torch.float16)])
+def test_grouped_slot_mm_equals_the_pair_order_kernel_row_for_row(dtype, gated, activation, out_dtype):
     """The slot-order GEMM (the persistent kernel with its rows by TMA) gives each routed pair's
     row of grouped_scaled_mm bit for bit, zeros for the pairs of no expert and the padding, and
     its twin's rows (INT8 plain exactly)."""
     a, a_scale, w, w_scale, routed, plan = _slot_case(dtype, gated, seed=23)
     a_slots, scales, _ = moe.gather_slots(a, a_scale, plan, 3, w.shape[0])
-    out = moe.grouped_slot_mm(a_slots, w, scales, w_scale, plan, activation, gated)
-    pairs = moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 3, activation, gated, plan=plan)
+    out = moe.grouped_slot_mm(a_slots, w, scales, w_scale, plan, activation, gated, out_dtype)
+    assert out.dtype == out_dtype
+    pairs = moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 3, activation, gated, out_dtype, plan=plan)
     used = int(plan.used)
     assert out.shape == (plan.rows.numel(), w.shape[1] // (2 if gated else 1))
     assert torch.equal(out[plan.slots.long()], pairs)
     assert torch.equal(out[:used][plan.rows[:used] < 0], torch.zeros_like(out[:used][plan.rows[:used] < 0]))
-    ref = reference.grouped_slot_mm(a_slots, w, scales, w_scale, plan.block_expert, used, 128, activation, gated)
+    ref = reference.grouped_slot_mm(a_slots, w, scales, w_scale, plan.block_expert, used, 128, activation, gated,
+                                    out_dtype)
     assert torch.equal(out[used:], torch.zeros_like(out[used:]))
     if dtype == torch.int8 and activation == "none":
         assert torch.equal(out, ref)
