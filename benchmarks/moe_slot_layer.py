@@ -34,6 +34,14 @@ def graph_us(fn) -> float:
     return round(1e3 * triton.testing.do_bench_cudagraph(fn, rep=50), 2)
 
 
+def record(report: dict, row: dict, out_path: str) -> None:
+    """Append ``row``, print it and rewrite the JSON file (a run cut short keeps its rows)."""
+    report["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    with open(out_path, "w") as handle:
+        json.dump(report, handle, indent=1)
+
+
 def pair_order(enabled: bool) -> None:
     """Route every layer call through the pair-order path (True) or restore the slot-order rule."""
     ops.moe_slot_order = (lambda plan: False) if enabled else SLOT_ORDER
@@ -122,10 +130,7 @@ def main(out_path: str, deadline_s: float = 480.0) -> None:
                              pair_vs_bf16=round(2 * row["bf16_us"] / (timings["pair"] + timings["pair_again"]), 3))
             if tokens in (3072, 8192):
                 row[name]["checks"] = kernel_checks(module, hidden, index, weights)
-        report["rows"].append(row)
-        print(json.dumps(row), flush=True)
-        with open(out_path, "w") as handle:
-            json.dump(report, handle, indent=1)
+        record(report, row, out_path)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ A3B's expert shapes (``moe_kernels.layer``). Writes JSON to the path given."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_kernels import layer, routing  # noqa: E402
-from moe_slot_layer import graph_us  # noqa: E402
+from moe_slot_layer import graph_us, record  # noqa: E402
 from quantkit.bench.common import environment_metadata  # noqa: E402
 from quantkit.kernels import moe  # noqa: E402
 
@@ -39,10 +38,7 @@ def main(out_path: str) -> None:
             timings["rows128_speedup"] = round((timings["default"] + timings["default_again"])
                                                / (timings["rows128"] + timings["rows128_again"]), 3)
             row[name] = timings
-        report["rows"].append(row)
-        print(json.dumps(row), flush=True)
-        with open(out_path, "w") as handle:
-            json.dump(report, handle, indent=1)
+        record(report, row, out_path)
 
 
 if __name__ == "__main__":
