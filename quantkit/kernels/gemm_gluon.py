@@ -1345,7 +1345,7 @@ GROUPED_CONFIGS = {False: "coop2_128x256_g16", True: "gated_coop2_128x128"}
 
 def grouped_takes(config: GluonConfig, block_m: int) -> bool:
     """``config`` can run a grouped GEMM of ``block_m``-row expert blocks."""
-    return config.block_m == block_m and not config.tail_halves
+    return config.block_m == block_m and not (config.tail_halves or config.prologue_loads)
 
 
 def gluon_grouped_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
@@ -1364,6 +1364,9 @@ def gluon_grouped_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_
         config = config_named(config or GROUPED_CONFIGS[gated])
     experts, rows, K = w.shape
     N = rows // 2 if gated else rows
+    if tuple(w_scale.shape) != (experts, rows) or not w_scale.is_contiguous() or w_scale.dtype != torch.float32:
+        raise ValueError(f"w_scale must be a contiguous float32 ({experts}, {rows}) tensor (one per expert row), got "
+                         f"{w_scale.dtype} {tuple(w_scale.shape)}")
     _check(a, w.view(experts * rows, K), a_scale, w_scale.reshape(-1), None, activation,
            out.dtype if out is not None else torch.bfloat16, gated)
     if config.gated != gated or not grouped_takes(config, config.block_m) or not w.is_contiguous():

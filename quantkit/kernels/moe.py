@@ -13,7 +13,9 @@ needs no unsort.
 
 At prefill sizes the weight tiles come by TMA (``_grouped_tma_kernel``: the stacked weight
 described as one (E * rows, K) matrix; ``default_config`` says when); the gathered activation
-rows are loaded by address in both kernels (Hopper's TMA has no row gather).
+rows are loaded by address in both kernels (Hopper's TMA has no row gather). At 128-row blocks a
+layer instead keeps its rows in the plan's slot order between its two GEMMs (``gather_slots``,
+``grouped_slot_mm``, ``combine``: the "slot order" section below).
 
 ``reference.grouped_scaled_mm`` is the torch twin and the test oracle.
 """
@@ -610,13 +612,18 @@ def grouped_slot_mm(a, w, a_scale, w_scale, plan: RoutePlan, activation="none", 
                     out_dtype=torch.bfloat16) -> torch.Tensor:
     """(C, N) in slot order: row s below ``used`` is ``act(a[s] @ w[e].T * a_scale[s] * w_scale[e])``
     (gated: ``act(gate) * up`` of the expert's [gate; up] rows), e the expert of s's block (the run
-    of no expert computed as the last expert's: its rows come with zero scales); rows from
+    of no expert comes out zero: its rows have zero scales); rows from
     ``used`` on are zeros. a (C, K) from ``gather_slots`` (or a slot-ordered GEMM output,
     quantized), a_scale (C,) float32. On sm_90 with Gluon (a 2-byte output): ``gemm_gluon.gluon_grouped_mm``;
     else the persistent Triton kernel in slot order. ``reference.grouped_slot_mm`` is the twin."""
     capacity, K = a.shape
     num_experts, rows, _ = w.shape
     n_out = rows // 2 if gated else rows
+    if a.dtype != w.dtype or w.shape[2] != K or tuple(w_scale.shape) != (num_experts, rows) \
+            or not w_scale.is_contiguous() or w_scale.dtype != torch.float32:
+        raise ValueError(f"a ({a.dtype}, K={K}) and w ({w.dtype}, {tuple(w.shape)}) must share dtype and K, and "
+                         f"w_scale must be a contiguous float32 ({num_experts}, {rows}) tensor, got "
+                         f"{w_scale.dtype} {tuple(w_scale.shape)}")
     if a_scale.numel() != capacity or a_scale.dtype != torch.float32:
         raise ValueError(f"a_scale must hold one float32 per slot ({capacity}), got {a_scale.dtype} "
                          f"{tuple(a_scale.shape)}: pass gather_slots' scales")

@@ -455,3 +455,10 @@ def test_slot_order_cached_launches_repeat_tritons_arguments(monkeypatch):
     for name, kernel in kernels.items():
         assert len(kernel.triton_calls) == 1 and len(kernel.compiled.runs) == 2, name
         _check_direct_launch_repeats_triton_path(kernel, arg_names[name], 2)
+
+
+def test_slot_order_refuses_mismatched_scales_in_one_line():
+    a, a_scale, w, w_scale, routed, plan = _slot_case(torch.int8, False, seed=29)
+    a_slots, scales, _ = moe.gather_slots(a, a_scale, plan, 3, w.shape[0])
+    with pytest.raises(ValueError, match="w_scale must be a contiguous float32"):
+        moe.grouped_slot_mm(a_slots, w, scales, w_scale.reshape(-1), plan)
