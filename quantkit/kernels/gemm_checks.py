@@ -145,3 +145,8 @@ def check_grouped_args(a, w, a_scale, w_scale, experts, row_div, activation, out
                          f"pair), got {getattr(row_scale, 'dtype', type(row_scale).__name__)} "
                          f"{tuple(getattr(row_scale, 'shape', ()))}")
     return experts.numel(), n_out, K
+
+
+def tma_ready(w: torch.Tensor) -> bool:
+    """A stacked expert weight TMA can move whole: contiguous, a 16-byte aligned base, K a multiple of 16."""
+    return w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[-1] % 16 == 0

@@ -1343,9 +1343,11 @@ def _run(cfg: GluonConfig, a, w, a_scale, w_scale, bias, activation, out_dtype, 
 GROUPED_CONFIGS = {False: "coop2_128x256_g16", True: "gated_coop2_128x128"}
 
 
-def grouped_takes(config: GluonConfig, block_m: int) -> bool:
-    """``config`` can run a grouped GEMM of ``block_m``-row expert blocks."""
-    return config.block_m == block_m and not (config.tail_halves or config.prologue_loads)
+def grouped_takes(config: GluonConfig) -> bool:
+    """``config`` can run a grouped GEMM (expert blocks of ``config.block_m`` rows): no half tiles
+    (their split needs the tile count on the host) and no copies from the prologue (it reads the
+    first tile's expert before knowing whether the routing left the program a tile)."""
+    return not (config.tail_halves or config.prologue_loads)
 
 
 def gluon_grouped_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
@@ -1369,7 +1371,7 @@ def gluon_grouped_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_
                          f"{w_scale.dtype} {tuple(w_scale.shape)}")
     _check(a, w.view(experts * rows, K), a_scale, w_scale.reshape(-1), None, activation,
            out.dtype if out is not None else torch.bfloat16, gated)
-    if config.gated != gated or not grouped_takes(config, config.block_m) or not w.is_contiguous():
+    if config.gated != gated or not grouped_takes(config) or not w.is_contiguous():
         raise ValueError(f"{config.name} cannot run this grouped GEMM (gated={gated}, contiguous weight "
                          f"{w.is_contiguous()}): pass a {'gated ' if gated else ''}config without tail_halves")
     M = a.shape[0]

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from quantkit.kernels.gemm_checks import ACTIVATION_CODES, check_grouped_args
+from quantkit.kernels.gemm_checks import ACTIVATION_CODES, check_grouped_args, tma_ready
 from quantkit.kernels.gemm_epilogue import apply_activation, dot_accumulate, tile_mainloop
 from quantkit.kernels.launch import (INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, int_spec,
                                      next_power_of_2, num_sms)
@@ -605,7 +605,7 @@ _COMBINE = CachedLaunch(_combine_kernel)
 def slot_order_takes(plan: RoutePlan, *weights: torch.Tensor) -> bool:
     """The slot-order path serves this plan and these stacked weights: 128-row blocks (prefill
     sizes), and TMA can take each weight and its rows (K a multiple of 16, 16-byte aligned)."""
-    return plan.block_m == 128 and all(tma_eligible(w) and w.is_contiguous() for w in weights)
+    return plan.block_m == 128 and all(tma_ready(w) for w in weights)
 
 
 def grouped_slot_mm(a, w, a_scale, w_scale, plan: RoutePlan, activation="none", gated=False,
@@ -633,11 +633,10 @@ def grouped_slot_mm(a, w, a_scale, w_scale, plan: RoutePlan, activation="none", 
                          "use grouped_scaled_mm")
     from quantkit.kernels import gemm_gluon
 
+    out = torch.empty(capacity, n_out, dtype=out_dtype, device=a.device)
     if a.is_cuda and n_out % 8 == 0 and out_dtype in (torch.bfloat16, torch.float16) and gemm_gluon.available():
-        out = torch.empty(capacity, n_out, dtype=out_dtype, device=a.device)
         gemm_gluon.gluon_grouped_mm(a, w, a_scale, w_scale, plan.block_expert, plan.used, activation, gated, out=out)
         return _zero_tail(out, plan)
-    out = torch.empty(capacity, n_out, dtype=out_dtype, device=a.device)
     config = default_config(192 * num_experts, num_experts, K, gated, out_dtype)  # the 128-row default's tiles
     block_n, block_k = config["block_n"], config["block_k"]
     w_desc = TensorDescriptor.from_tensor(w.view(-1, K), [block_n, block_k])

@@ -13,7 +13,7 @@ import importlib
 import torch
 
 from quantkit.kernels import reference
-from quantkit.kernels.gemm_checks import check_grouped_args, check_scaled_mm_args
+from quantkit.kernels.gemm_checks import check_grouped_args, check_scaled_mm_args, tma_ready  # noqa: F401
 from quantkit.kernels.quant_checks import (check_activation_input, check_per_tensor_scale, check_quant_dtype,
                                            check_rms_norm_args)
 
@@ -104,11 +104,6 @@ def moe_route_plan(experts, num_experts, backend="torch"):
     if is_triton(backend):
         return _triton_ops().moe_route_plan(experts, num_experts)
     return None
-
-
-def tma_ready(w: torch.Tensor) -> bool:
-    """A stacked expert weight TMA can move: contiguous, a 16-byte aligned base, K a multiple of 16."""
-    return w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[-1] % 16 == 0
 
 
 def moe_slot_order(plan) -> bool:
