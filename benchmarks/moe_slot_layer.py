@@ -53,7 +53,7 @@ SLOT_ORDER = ops.moe_slot_order
 def kernel_checks(module, hidden, index, weights) -> dict:
     grouped = module.__dict__["_grouped"]
     experts = index.reshape(-1).contiguous()
-    plan = moe.plan_for(experts, 128)
+    plan = moe.plan_for(experts, 128, slot_order=True)
     assert plan.block_m == 128
     q, scale = ops.quantize_per_token(hidden, grouped.quant_dtype, backend="triton")
     flat_weights = weights.reshape(-1).float().contiguous()

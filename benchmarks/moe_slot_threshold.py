@@ -19,8 +19,8 @@ from quantkit.kernels import moe  # noqa: E402
 DEFAULT = moe.block_m_for
 
 
-def lowered(pairs: int, experts: int) -> int:
-    return 128 if pairs / max(experts, 1) >= 64 else DEFAULT(pairs, experts)
+def lowered(pairs: int, experts: int, slot_order: bool = False) -> int:
+    return 128 if pairs / max(experts, 1) >= 64 else DEFAULT(pairs, experts, slot_order)
 
 
 def main(out_path: str) -> None:

@@ -47,16 +47,19 @@ class RoutePlan(NamedTuple):
     slots: torch.Tensor | None = None  # (P,) int32: each pair's slot (rows' inverse; the slot-order path's)
 
 
-def block_m_for(pairs: int, experts: int) -> int:
+def block_m_for(pairs: int, experts: int, slot_order: bool = False) -> int:
     """Rows per block: about the pairs an expert gets on average (a decode step routes a handful
-    of tokens to each of its experts, a prefill hundreds), 16 to 128. 128-row blocks (a layer's
-    slot-order path) from 96 pairs an expert where the Gluon kernel runs them (run s35g, H200: the
-    layer 1.08-1.11x the 64-row path at 96 pairs, 0.94-0.96x at 64), else from 192 (the Triton
-    kernels, runs s33c/d)."""
-    from quantkit.kernels import gemm_gluon
-
+    of tokens to each of its experts, a prefill hundreds), 16 to 128. 128-row blocks from 192 pairs
+    an expert (the Triton kernels, runs s33c/d: the pair-order 128-row kernels read 0.82-1.05x the
+    64-row ones at 128 pairs), from 96 for a layer that runs them in slot order on the Gluon kernel
+    (``slot_order``, where ``gemm_gluon.available()``; run s35g, H200: the layer 1.08-1.11x the
+    64-row path at 96 pairs, 0.94-0.96x at 64)."""
     average = pairs / max(experts, 1)
-    rows128 = 96 if gemm_gluon.available() else 192
+    rows128 = 192
+    if slot_order and average >= 96:
+        from quantkit.kernels import gemm_gluon
+
+        rows128 = 96 if gemm_gluon.available() else 192
     return 16 if average <= 16 else 32 if average < 32 else 64 if average < rows128 else 128
 
 
@@ -424,10 +427,12 @@ def fallback_config(config: dict) -> dict:
             "num_stages": 3}
 
 
-def plan_for(experts: torch.Tensor, num_experts: int) -> RoutePlan:
+def plan_for(experts: torch.Tensor, num_experts: int, slot_order: bool = False) -> RoutePlan:
     """The routing plan the grouped GEMMs' default tiles use for ``experts``: an MoE layer makes it
-    once and passes it to both of its GEMMs."""
-    return route_plan(experts, num_experts, block_m_for(experts.numel(), num_experts))
+    once and passes it to both of its GEMMs. ``slot_order``: the layer runs 128-row plans in slot
+    order where the Gluon kernel can (``block_m_for``); a pair-order GEMM given such a plan with
+    fewer than 192 pairs an expert plans again for its own blocks."""
+    return route_plan(experts, num_experts, block_m_for(experts.numel(), num_experts, slot_order))
 
 
 def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="none", gated=False,

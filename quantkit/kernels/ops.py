@@ -98,11 +98,13 @@ def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="no
                                        row_scale)
 
 
-def moe_route_plan(experts, num_experts, backend="torch"):
+def moe_route_plan(experts, num_experts, slot_order=False, backend="torch"):
     """The routing plan of a mixture of experts' (token, slot) pairs for ``grouped_scaled_mm``
-    (made once per layer, passed to both of its GEMMs); None on the torch backend, which needs none."""
+    (made once per layer, passed to both of its GEMMs); None on the torch backend, which needs none.
+    ``slot_order``: the layer runs 128-row plans in slot order and its GEMMs fit the Gluon kernel
+    (2-byte outputs), which takes 128-row blocks from fewer pairs an expert (``moe.block_m_for``)."""
     if is_triton(backend):
-        return _triton_ops().moe_route_plan(experts, num_experts)
+        return _triton_ops().moe_route_plan(experts, num_experts, slot_order)
     return None
 
 

@@ -94,15 +94,15 @@ def _(a, w, a_scale, w_scale, experts, row_div, activation, gated, out_dtype, ro
 
 
 @torch.library.custom_op("quantkit::moe_route_plan", mutates_args=())
-def _moe_route_plan_op(experts: torch.Tensor, num_experts: int
+def _moe_route_plan_op(experts: torch.Tensor, num_experts: int, slot_order: bool
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    plan = moe.plan_for(experts, num_experts)
+    plan = moe.plan_for(experts, num_experts, slot_order)
     return plan.rows, plan.block_expert, plan.used, plan.slots
 
 
 @_moe_route_plan_op.register_fake
-def _(experts, num_experts):
-    block_m = moe.block_m_for(experts.numel(), num_experts)
+def _(experts, num_experts, slot_order):
+    block_m = moe.block_m_for(experts.numel(), num_experts, slot_order)
     capacity = moe.plan_capacity(experts.numel(), num_experts, block_m)
     return (experts.new_empty((capacity,), dtype=torch.int32), experts.new_empty((capacity // block_m,), dtype=torch.int32),
             experts.new_empty((1,), dtype=torch.int32), experts.new_empty((experts.numel(),), dtype=torch.int32))
@@ -249,11 +249,11 @@ def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="no
                                  rows, blocks, used, block_m)
 
 
-def moe_route_plan(experts, num_experts):
+def moe_route_plan(experts, num_experts, slot_order=False):
     if direct_launch(experts, "experts"):
-        return moe.plan_for(experts, num_experts)
-    rows, blocks, used, slots = _moe_route_plan_op(experts, num_experts)
-    return moe.RoutePlan(rows, blocks, used, moe.block_m_for(experts.numel(), num_experts), slots)
+        return moe.plan_for(experts, num_experts, slot_order)
+    rows, blocks, used, slots = _moe_route_plan_op(experts, num_experts, slot_order)
+    return moe.RoutePlan(rows, blocks, used, moe.block_m_for(experts.numel(), num_experts, slot_order), slots)
 
 
 def moe_gather_slots(a, a_scale, plan, row_div, num_experts, weights):

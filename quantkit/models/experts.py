@@ -177,7 +177,10 @@ class UnstackedExperts(nn.Module):
                 return ops.quantize_per_token(x, grouped.quant_dtype, backend=grouped.backend)
             return ops.quantize_per_tensor(x, static_scale, grouped.quant_dtype, backend=grouped.backend), static_scale
 
-        plan = ops.moe_route_plan(experts, self.num_experts, backend=grouped.backend)  # for both GEMMs
+        # One plan for both GEMMs; its blocks from fewer pairs an expert where the Gluon kernel
+        # runs the slot-order GEMMs (2-byte outputs).
+        gluon_slots = grouped.slot_order and hidden_states.dtype in (torch.bfloat16, torch.float16)
+        plan = ops.moe_route_plan(experts, self.num_experts, gluon_slots, backend=grouped.backend)
         q, scale = quantize(hidden_states.contiguous(), grouped.in13)
         if grouped.slot_order and ops.moe_slot_order(plan):
             # Prefill sizes: the rows in the plan's slot order from the first GEMM's input to the

@@ -336,6 +336,25 @@ def _slot_case(dtype, gated, seed, per_token=True, tokens=141, slots=3, experts=
     return a, a_scale, w, w_scale, routed, moe.plan_for(routed, experts)
 
 
+@pytest.mark.parametrize("gluon", [False, True])
+def test_128_row_blocks_from_96_pairs_only_for_gluon_slot_order(gluon, monkeypatch):
+    """The lower 128-row threshold (96 pairs an expert) is the Gluon slot-order path's; pair-order
+    GEMMs and the Triton slot-order kernel keep 64-row blocks up to 192 pairs."""
+    from quantkit.kernels import gemm_gluon
+
+    monkeypatch.setattr(gemm_gluon, "available", lambda: gluon)
+    experts = 7
+    rows128 = 128 if gluon else 64
+    for average, pair_order, slot_order in ((31, 32, 32), (95, 64, 64), (96, 64, rows128), (191, 64, rows128),
+                                            (192, 128, 128)):
+        pairs = average * experts
+        assert moe.block_m_for(pairs, experts) == pair_order, average
+        assert moe.block_m_for(pairs, experts, slot_order=True) == slot_order, average
+    routed = torch.randint(0, experts, (100 * experts,), generator=torch.Generator().manual_seed(3))
+    assert moe.plan_for(routed, experts).block_m == 64
+    assert moe.plan_for(routed, experts, slot_order=True).block_m == (128 if gluon else 64)
+
+
 @pytest.mark.parametrize("block_m", [16, 128])
 def test_route_plan_slots_invert_its_rows(block_m):
     routed = torch.randint(0, 9, (301,), generator=torch.Generator().manual_seed(block_m))
@@ -416,7 +435,7 @@ def test_moe_ops_pass_opcheck():
     y = moe.grouped_slot_mm(a_slots, w, scales, w_scale, plan, "silu", True)
     index = (plan.rows, plan.block_expert, plan.used, plan.block_m)
     cases = [
-        (triton_ops._moe_route_plan_op, (routed, w.shape[0])),
+        (triton_ops._moe_route_plan_op, (routed, w.shape[0], True)),
         (triton_ops._grouped_scaled_mm_op, (a, w, a_scale, w_scale, routed, 3, "silu", True, torch.bfloat16, None,
                                            *index)),
         (triton_ops._moe_gather_slots_op, (a, a_scale, weights, *index, 3, w.shape[0])),
