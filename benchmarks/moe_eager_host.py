@@ -5,6 +5,11 @@ replay, then a cProfile of the slot-order and pair-order paths at one token coun
 Qwen3-30B-A3B's expert shapes (``moe_kernels.layer``), random weights and routing. An eager call
 is host-bound when its enqueue time is above its graph time. Writes ``<out>.json`` and the
 profiles as ``<out>_profile_<dtype>_<path>.txt``.
+
+    python benchmarks/moe_eager_host.py OUT.json [--no-profile] [--tokens 1,512,2048]
+
+Run twice with another checkout's package first on PYTHONPATH, it compares two versions' host
+time in one process lifetime each (same machine, same session).
 """
 
 from __future__ import annotations
@@ -64,13 +69,15 @@ def profile(fn, path: Path, calls: int = 50) -> None:
     path.write_text(text.getvalue())
 
 
-def main(out_path: str, profile_tokens: int = 2048) -> None:
+def main(out_path: str, profile_tokens: int | None = 2048, token_counts=TOKENS) -> None:
+    import quantkit
+
     report = {**environment_metadata(), "transformers": transformers.__version__, "gluon": gemm_gluon.available(),
-              "calls": CALLS, "rows": []}
+              "package": str(Path(quantkit.__file__).parent), "calls": CALLS, "rows": []}
     modules = {"bf16": layer(None), "fp8": layer("fp8"), "int8": layer("int8")}
     base = Path(out_path).with_suffix("")
     with torch.no_grad():
-        for tokens in TOKENS:
+        for tokens in token_counts:
             hidden, index, weights = routing(tokens)
             row = {"tokens": tokens}
             for name, module in modules.items():
@@ -87,4 +94,10 @@ def main(out_path: str, profile_tokens: int = 2048) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    args = sys.argv[1:]
+    tokens = TOKENS
+    if "--tokens" in args:
+        tokens = tuple(int(t) for t in args.pop(args.index("--tokens") + 1).split(","))
+        args.remove("--tokens")
+    profile_at = None if "--no-profile" in args else 2048
+    main([a for a in args if a != "--no-profile"][0], profile_at, tokens)

@@ -56,14 +56,14 @@ def kernel_checks(module, hidden, index, weights) -> dict:
     plan = moe.plan_for(experts, 128, slot_order=True)
     assert plan.block_m == 128
     q, scale = ops.quantize_per_token(hidden, grouped.quant_dtype, backend="triton")
-    flat_weights = weights.reshape(-1).float().contiguous()
-    got = moe.gather_slots(q, scale, plan, 8, 128, flat_weights)
+    flat_weights = weights.reshape(-1).contiguous()
+    got = moe.gather_slots(q, scale, plan, 8, 128)
     used = int(plan.used)
-    ref = reference.gather_slots(q, scale, plan.rows, plan.block_expert, used, 128, 8, 128, flat_weights)
+    ref = reference.gather_slots(q, scale, plan.rows, plan.block_expert, used, 128, 8, 128)
     checks = {"gather_equal": all(torch.equal(g.view(torch.int8) if g.element_size() == 1 else g,
                                               r.view(torch.int8) if r.element_size() == 1 else r)
                                   for g, r in zip(got, ref))}
-    a13, s13, _ = got
+    a13, s13 = got
     gluon = moe.grouped_slot_mm(a13, grouped.w13, s13, grouped.s13, plan, "silu", True)
     available = gemm_gluon.available
     gemm_gluon.available = lambda: False
@@ -81,6 +81,9 @@ def kernel_checks(module, hidden, index, weights) -> dict:
     checks["down_rel_err_vs_twin"] = ((down.float() - down_ref.float()).norm() / down_ref.float().norm()).item()
     combined = moe.combine(down, plan.slots, hidden.shape[0], 8)
     checks["combine_equal"] = bool(torch.equal(combined, reference.combine(down, plan.slots, hidden.shape[0], 8)))
+    weighted = moe.combine(down, plan.slots, hidden.shape[0], 8, flat_weights)
+    checks["combine_weighted_equal"] = bool(torch.equal(
+        weighted, reference.combine(down, plan.slots, hidden.shape[0], 8, flat_weights)))
     # The layer: slot order against pair order, and a CUDA-graph replay against the eager call.
     with torch.no_grad():
         slot_out = module(hidden, index, weights)

@@ -150,3 +150,11 @@ def check_grouped_args(a, w, a_scale, w_scale, experts, row_div, activation, out
 def tma_ready(w: torch.Tensor) -> bool:
     """A stacked expert weight TMA can move whole: contiguous, a 16-byte aligned base, K a multiple of 16."""
     return w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[-1] % 16 == 0
+
+
+def check_combine_weights(weights: torch.Tensor | None, tokens: int, k: int) -> None:
+    """A mixture of experts' routing weights for its combine: one per (token, slot) pair, float, contiguous."""
+    if weights is not None and (weights.numel() != tokens * k or not weights.is_floating_point()
+                                or not weights.is_contiguous()):
+        raise ValueError(f"weights must be a contiguous float tensor of tokens * k = {tokens * k} routing weights, "
+                         f"got {weights.dtype} {tuple(weights.shape)}")

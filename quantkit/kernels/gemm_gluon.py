@@ -95,6 +95,7 @@ import weakref
 import torch
 import triton
 
+from quantkit.kernels.call_cache import SignatureCache
 from quantkit.kernels.gemm_tma import _Descriptor, _graph_bench_ms, refuse_tuning_in_capture
 from quantkit.kernels.launch import aligned, cdiv, int_spec, launch_hooks_active, num_sms, rotated_medians
 from quantkit.kernels.reference import ACTIVATIONS
@@ -402,9 +403,16 @@ SUPPORTED_TRITON = ("3.6", "3.9")
 def available() -> bool:
     """True when this process can run the Gluon kernels: a Hopper (sm_90) GPU and the Gluon of a
     triton in SUPPORTED_TRITON (the versions they were written and compiled against). Never raises."""
-    if _GLUON_ERROR is not None or not torch.cuda.is_available():
+    if _GLUON_ERROR is not None or not _cuda_available():
         return False
     return _available_on(torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_available() -> bool:
+    # torch.cuda.is_available() asks NVML or the driver each time (~1-2 us; an MoE layer's eager
+    # call asked five times); whether this process sees a GPU does not change.
+    return torch.cuda.is_available()
 
 
 @functools.cache
@@ -1381,15 +1389,35 @@ def gluon_grouped_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_
         out = torch.empty(M, N, device=a.device, dtype=torch.bfloat16)
     if out.shape != (M, N) or out.stride(1) != 1 or (out.stride(0) * out.element_size()) % 16:
         raise ValueError(f"out must be ({M}, {N}) with 16-byte rows, got {tuple(out.shape)}")
-    key = (config, M, N, a.device, activation)
-    call = _GROUPED_CALLS.get(key)
-    if call is None:
-        call = _GROUPED_CALLS[key] = GluonCall(config, M, N, a.device, False, activation, grouped=True)
-    call(a, w.view(experts * rows, K), out, a_scale, w_scale, w_scale,
-         (block_expert, used, rows, w_scale.stride(0), experts))
+    grouped_call(config, M, N, a.device, activation)(a, w, out, a_scale, w_scale, block_expert, used)
     return out
 
 
-# The grouped form's launches by (config, rows, columns, device, activation): a layer calls it with
-# the same plan capacity again and again (eager prefill is host-bound at a few thousand tokens).
-_GROUPED_CALLS: dict = {}
+class GroupedCall:
+    """``gluon_grouped_mm``'s launch for one (config, rows, columns, device, activation), for
+    callers that validated the call's signature once (``moe.grouped_slot_mm`` keeps one per
+    signature): ``call(a, w (E, rows, K), out, a_scale, w_scale (E, rows), block_expert, used)``."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, config: GluonConfig, M: int, N: int, device: torch.device, activation: str) -> None:
+        self.call = GluonCall(config, M, N, device, False, activation, grouped=True)
+
+    def __call__(self, a, w, out, a_scale, w_scale, block_expert, used) -> None:
+        experts, rows, K = w.shape
+        self.call(a, w.view(experts * rows, K), out, a_scale, w_scale, w_scale,
+                  (block_expert, used, rows, w_scale.stride(0), experts))
+
+
+def grouped_call(config: GluonConfig, M: int, N: int, device: torch.device, activation: str) -> GroupedCall:
+    """The ``GroupedCall`` of this launch shape, made once (a layer calls with the same plan
+    capacity again and again; a server sees many, so the cache is bounded)."""
+    key = (config, M, N, device, activation)
+    call = _GROUPED_CALLS.get(key)
+    if call is None:
+        call = _GROUPED_CALLS.add(key, GroupedCall(config, M, N, device, activation))
+    return call
+
+
+# The grouped form's launches by (config, rows, columns, device, activation).
+_GROUPED_CALLS = SignatureCache(max_entries=64)

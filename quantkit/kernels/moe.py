@@ -30,7 +30,8 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from quantkit.kernels.gemm_checks import ACTIVATION_CODES, check_grouped_args, tma_ready
+from quantkit.kernels.call_cache import SignatureCache
+from quantkit.kernels.gemm_checks import ACTIVATION_CODES, check_combine_weights, check_grouped_args, tma_ready
 from quantkit.kernels.gemm_epilogue import apply_activation, dot_accumulate, tile_mainloop
 from quantkit.kernels.launch import (INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, int_spec,
                                      next_power_of_2, num_sms)
@@ -497,13 +498,12 @@ def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="no
 
 
 @triton.jit
-def _gather_slots_kernel(a_ptr, a_scale_ptr, weights_ptr, rows_ptr, block_expert_ptr, used_ptr, out_ptr,
-                         scale_out_ptr, weight_out_ptr, K, ROW_DIV, num_experts, stride_am,
-                         A_PER_TOKEN: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr,
+def _gather_slots_kernel(a_ptr, a_scale_ptr, rows_ptr, block_expert_ptr, used_ptr, out_ptr, scale_out_ptr, K,
+                         ROW_DIV, num_experts, stride_am, A_PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Rows BLOCK_R slots at a time: slot s of a routed pair p gets row p // ROW_DIV of a, its
-    scale and (HAS_WEIGHTS) the pair's routing weight; a padding slot, one of the run of no
-    expert or one from used on, zeros (the capacity is a multiple of BLOCK_R)."""
+    """Rows BLOCK_R slots at a time: slot s of a routed pair p gets row p // ROW_DIV of a and its
+    scale; a padding slot, one of the run of no expert or one from used on, zeros (the capacity is
+    a multiple of BLOCK_R)."""
     slots = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     pairs = tl.load(rows_ptr + slots)
     live = slots < tl.load(used_ptr)
@@ -514,9 +514,6 @@ def _gather_slots_kernel(a_ptr, a_scale_ptr, weights_ptr, rows_ptr, block_expert
     else:
         scale = tl.load(a_scale_ptr) + tl.zeros((BLOCK_R,), dtype=tl.float32)
     tl.store(scale_out_ptr + slots, tl.where(routed, scale, 0.0))
-    if HAS_WEIGHTS:
-        weight = tl.load(weights_ptr + tl.where(routed, pairs, 0))
-        tl.store(weight_out_ptr + slots, tl.where(routed, weight, 0.0))
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + offs_k
@@ -525,28 +522,25 @@ def _gather_slots_kernel(a_ptr, a_scale_ptr, weights_ptr, rows_ptr, block_expert
         tl.store(out_ptr + slots.to(tl.int64)[:, None] * K + cols[None, :], row, mask=(cols < K)[None, :])
 
 
-def gather_slots(a, a_scale, plan: RoutePlan, row_div: int, num_experts: int, weights=None):
-    """(a_slots (C, K), scale_slots (C,) float32, weight_slots (C,) float32 or None), C the plan's
-    capacity: each routed pair's row of ``a`` (row ``pair // row_div``) and scale in its slot, and
-    (given ``weights`` (P,) float32) its routing weight; zeros in padding slots, in those of the
+def gather_slots(a, a_scale, plan: RoutePlan, row_div: int, num_experts: int):
+    """(a_slots (C, K), scale_slots (C,) float32), C the plan's capacity: each routed pair's row of
+    ``a`` (row ``pair // row_div``) and scale in its slot; zeros in padding slots, in those of the
     pairs of no expert (their GEMM rows come out zero) and from ``used`` on.
     ``reference.gather_slots`` is the twin."""
     capacity = plan.rows.numel()
     K = a.shape[1]
     out = torch.empty(capacity, K, dtype=a.dtype, device=a.device)
     scales = torch.empty(capacity, dtype=torch.float32, device=a.device)
-    weight_slots = torch.empty(capacity, dtype=torch.float32, device=a.device) if weights is not None else None
     block_r = min(64 if INTERPRETED else 16, plan.block_m)
     raw = a.view(torch.int8) if a.element_size() == 1 else a  # bytes moved as they are (no fp8 casts)
-    pointers = (raw, a_scale, weights if weights is not None else scales, plan.rows, plan.block_expert, plan.used,
-                out.view(torch.int8) if a.element_size() == 1 else out, scales,
-                weight_slots if weight_slots is not None else scales)
+    pointers = (raw, a_scale, plan.rows, plan.block_expert, plan.used,
+                out.view(torch.int8) if a.element_size() == 1 else out, scales)
     ints = (K, row_div, num_experts, raw.stride(0))
-    constexprs = dict(A_PER_TOKEN=a_scale.numel() > 1, HAS_WEIGHTS=weights is not None, BLOCK_M=plan.block_m,
-                      BLOCK_R=block_r, BLOCK_K=min(next_power_of_2(K), 512))
-    _GATHER(("gather", tuple(t.dtype for t in pointers), aligned(*pointers), _spec(ints), *constexprs.values()),
+    constexprs = dict(A_PER_TOKEN=a_scale.numel() > 1, BLOCK_M=plan.block_m, BLOCK_R=block_r,
+                      BLOCK_K=min(next_power_of_2(K), 512))
+    _GATHER(("gather", raw.dtype, a_scale.dtype, aligned(*pointers), _spec(ints), *constexprs.values()),
             (cdiv(capacity, block_r),), (*pointers, *ints), constexprs, 4, 3)
-    return out, scales, weight_slots
+    return out, scales
 
 
 @triton.jit
@@ -574,31 +568,42 @@ def _zero_tail(out: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
 
 
 @triton.jit
-def _combine_kernel(y_ptr, slots_ptr, out_ptr, H, SLOTS: tl.constexpr, INTERPRETED: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
-    """One token's output columns: the sum in float32 of its SLOTS rows of y, in slot order."""
+def _combine_kernel(y_ptr, slots_ptr, weights_ptr, out_ptr, H, SLOTS: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+                    INTERPRETED: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One token's output columns: the sum in float32 of its SLOTS rows of y, in slot order, each
+    times its pair's weight (HAS_WEIGHTS; launched without FMA contraction, as the twin rounds)."""
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(SLOTS):
-        slot = tl.load(slots_ptr + token * SLOTS + j).to(tl.int64)
-        acc += tl.load(y_ptr + slot * H + cols, mask=mask, other=0.0).to(tl.float32)
+        pair = token * SLOTS + j
+        slot = tl.load(slots_ptr + pair).to(tl.int64)
+        row = tl.load(y_ptr + slot * H + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHTS:
+            row = row * tl.load(weights_ptr + pair).to(tl.float32)
+        acc += row
     tl.store(out_ptr + token.to(tl.int64) * H + cols, cast_for_store(acc, out_ptr.dtype.element_ty, INTERPRETED),
              mask=mask)
 
 
-def combine(y: torch.Tensor, slots: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
+def combine(y: torch.Tensor, slots: torch.Tensor, tokens: int, k: int, weights: torch.Tensor | None = None
+            ) -> torch.Tensor:
     """(tokens, H): each token's k rows of the slot-ordered ``y`` (C, H) summed in float32 (its
-    pairs' slots, ``RoutePlan.slots``, j = 0 .. k-1 in turn), cast once to y's dtype.
+    pairs' slots, ``RoutePlan.slots``, j = 0 .. k-1 in turn), each times its pair's routing weight
+    (``weights`` (tokens * k,), any float dtype) if given, cast once to y's dtype.
     ``reference.combine`` is the twin."""
+    check_combine_weights(weights, tokens, k)
     H = y.shape[1]
     out = torch.empty(tokens, H, dtype=y.dtype, device=y.device)
     if tokens == 0 or H == 0:
         return out
-    constexprs = dict(SLOTS=k, INTERPRETED=INTERPRETED, BLOCK_H=min(next_power_of_2(H), 1024))
-    _COMBINE(("combine", y.dtype, slots.dtype, aligned(y, slots, out), _spec((H,)), *constexprs.values()),
-             (tokens, cdiv(H, constexprs["BLOCK_H"])), (y, slots, out, H), constexprs, 4, 3)
+    pointers = (y, slots, weights if weights is not None else slots, out)
+    constexprs = dict(SLOTS=k, HAS_WEIGHTS=weights is not None, INTERPRETED=INTERPRETED,
+                      BLOCK_H=min(next_power_of_2(H), 1024))
+    _COMBINE(("combine", y.dtype, slots.dtype, pointers[2].dtype, aligned(*pointers), _spec((H,)),
+              *constexprs.values()), (tokens, cdiv(H, constexprs["BLOCK_H"])), (*pointers, H), constexprs, 4, 3,
+             options=dict(enable_fp_fusion=False))
     return out
 
 
@@ -613,6 +618,13 @@ def slot_order_takes(plan: RoutePlan, *weights: torch.Tensor) -> bool:
     return plan.block_m == 128 and all(tma_ready(w) for w in weights)
 
 
+# Validated slot-order GEMM calls that the Gluon kernel runs, by signature (every tensor's shape,
+# strides, dtype and device, the plan's sizes, the flags; call_cache.SignatureCache): a layer's
+# eager call repeats two signatures per token count, and a repeat goes straight to the kernel's
+# launch (checks, kernel choice and config lookups skipped). Pointer alignment is checked per call.
+_SLOT_CALLS = SignatureCache()
+
+
 def grouped_slot_mm(a, w, a_scale, w_scale, plan: RoutePlan, activation="none", gated=False,
                     out_dtype=torch.bfloat16) -> torch.Tensor:
     """(C, N) in slot order: row s below ``used`` is ``act(a[s] @ w[e].T * a_scale[s] * w_scale[e])``
@@ -621,6 +633,15 @@ def grouped_slot_mm(a, w, a_scale, w_scale, plan: RoutePlan, activation="none", 
     ``used`` on are zeros. a (C, K) from ``gather_slots`` (or a slot-ordered GEMM output,
     quantized), a_scale (C,) float32. On sm_90 with Gluon (a 2-byte output): ``gemm_gluon.gluon_grouped_mm``;
     else the persistent Triton kernel in slot order. ``reference.grouped_slot_mm`` is the twin."""
+    signature = (a.shape, a.stride(), a.dtype, a.device, w.shape, w.stride(), w.dtype, w.device, a_scale.shape,
+                 a_scale.stride(), a_scale.dtype, a_scale.device, w_scale.shape, w_scale.stride(), w_scale.dtype,
+                 w_scale.device, plan.rows.shape, plan.block_expert.shape, plan.block_m, activation, gated, out_dtype)
+    entry = _SLOT_CALLS.get(signature)
+    if entry is not None and a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0:
+        n_out, call = entry
+        out = torch.empty(a.shape[0], n_out, dtype=out_dtype, device=a.device)
+        call(a, w, out, a_scale, w_scale, plan.block_expert, plan.used)
+        return _zero_tail(out, plan)
     capacity, K = a.shape
     num_experts, rows, _ = w.shape
     n_out = rows // 2 if gated else rows
@@ -640,7 +661,10 @@ def grouped_slot_mm(a, w, a_scale, w_scale, plan: RoutePlan, activation="none", 
 
     out = torch.empty(capacity, n_out, dtype=out_dtype, device=a.device)
     if a.is_cuda and n_out % 8 == 0 and out_dtype in (torch.bfloat16, torch.float16) and gemm_gluon.available():
-        gemm_gluon.gluon_grouped_mm(a, w, a_scale, w_scale, plan.block_expert, plan.used, activation, gated, out=out)
+        config = gemm_gluon.config_named(gemm_gluon.GROUPED_CONFIGS[gated])
+        gemm_gluon.gluon_grouped_mm(a, w, a_scale, w_scale, plan.block_expert, plan.used, activation, gated, out=out,
+                                    config=config)  # validates the call, then launches
+        _SLOT_CALLS.add(signature, (n_out, gemm_gluon.grouped_call(config, capacity, n_out, a.device, activation)))
         return _zero_tail(out, plan)
     config = default_config(192 * num_experts, num_experts, K, gated, out_dtype)  # the 128-row default's tiles
     block_n, block_k = config["block_n"], config["block_k"]

@@ -13,7 +13,8 @@ import importlib
 import torch
 
 from quantkit.kernels import reference
-from quantkit.kernels.gemm_checks import check_grouped_args, check_scaled_mm_args, tma_ready  # noqa: F401
+from quantkit.kernels.gemm_checks import (check_combine_weights, check_grouped_args, check_scaled_mm_args,  # noqa: F401
+                                          tma_ready)
 from quantkit.kernels.quant_checks import (check_activation_input, check_per_tensor_scale, check_quant_dtype,
                                            check_rms_norm_args)
 
@@ -114,13 +115,13 @@ def moe_slot_order(plan) -> bool:
     return plan is not None and plan.block_m == 128
 
 
-def moe_gather_slots(a, a_scale, plan, row_div, num_experts, weights, backend="torch"):
-    """(a_slots, scales, weight_slots): each routed pair's row of ``a`` (row ``pair // row_div``),
-    scale and routing weight in its slot of ``plan``, zeros elsewhere; see ``reference.gather_slots``."""
+def moe_gather_slots(a, a_scale, plan, row_div, num_experts, backend="torch"):
+    """(a_slots, scales): each routed pair's row of ``a`` (row ``pair // row_div``) and scale in its
+    slot of ``plan``, zeros elsewhere; see ``reference.gather_slots``."""
     if is_triton(backend):
-        return _triton_ops().moe_gather_slots(a, a_scale, plan, row_div, num_experts, weights)
+        return _triton_ops().moe_gather_slots(a, a_scale, plan, row_div, num_experts)
     return reference.gather_slots(a, a_scale, plan.rows, plan.block_expert, int(plan.used), plan.block_m, row_div,
-                                  num_experts, weights)
+                                  num_experts)
 
 
 def grouped_slot_mm(a, w, a_scale, w_scale, plan, activation="none", gated=False, out_dtype=torch.bfloat16,
@@ -133,11 +134,13 @@ def grouped_slot_mm(a, w, a_scale, w_scale, plan, activation="none", gated=False
                                      activation, gated, out_dtype)
 
 
-def moe_combine(y, slots, tokens, k, backend="torch"):
-    """(tokens, H): each token's k slot rows of ``y`` summed in float32; see ``reference.combine``."""
+def moe_combine(y, slots, tokens, k, weights=None, backend="torch"):
+    """(tokens, H): each token's k slot rows of ``y``, times the pairs' routing ``weights`` if given,
+    summed in float32; see ``reference.combine``."""
     if is_triton(backend):
-        return _triton_ops().moe_combine(y, slots, tokens, k)
-    return reference.combine(y, slots, tokens, k)
+        return _triton_ops().moe_combine(y, slots, tokens, k, weights)
+    check_combine_weights(weights, tokens, k)
+    return reference.combine(y, slots, tokens, k, weights)
 
 
 def quantize_per_token(x, dtype, backend="torch"):

@@ -235,25 +235,19 @@ def gather_slots(
     block_m: int,
     row_div: int,
     num_experts: int,
-    weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A mixture of experts' rows in slot order (the plan of ``moe.route_plan``: ``rows`` (C,) the
     pair of each slot, -1 for padding; ``block_expert`` each block's expert, num_experts for the
     pairs of none; the first ``used`` slots filled). Slot s of a routed pair p: row p // row_div of
-    ``a``, its scale (``a_scale`` per row or one value) and ``weights[p]``; other slots zeros.
-    Returns (a_slots (C, K), scales (C,) float32, weight_slots (C,) or None); slots from ``used``
-    on are zeros."""
+    ``a`` and its scale (``a_scale`` per row or one value); other slots zeros. Returns
+    (a_slots (C, K), scales (C,) float32); slots from ``used`` on are zeros."""
     slots = torch.arange(rows.numel(), device=rows.device)
     routed = (rows >= 0) & (block_expert[slots // block_m] < num_experts) & (slots < used)
     src = torch.where(routed, rows, 0).long() // row_div
     out = torch.zeros(rows.numel(), a.shape[1], dtype=a.dtype, device=a.device)
     out[routed] = a[src[routed]]
     scale = a_scale.reshape(-1)[src] if a_scale.numel() > 1 else a_scale.reshape(-1).expand(rows.numel())
-    scales = torch.where(routed, scale.float(), 0.0)
-    weight_slots = None
-    if weights is not None:
-        weight_slots = torch.where(routed, weights.float()[torch.where(routed, rows, 0).long()], 0.0)
-    return out, scales, weight_slots
+    return out, torch.where(routed, scale.float(), 0.0)
 
 
 def grouped_slot_mm(
@@ -284,10 +278,14 @@ def grouped_slot_mm(
     return out
 
 
-def combine(y: torch.Tensor, slots: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
-    """(tokens, H): token t's rows ``y[slots[t * k + j]]``, j = 0 .. k-1, summed in float32 in that
-    order, cast once to y's dtype."""
-    rows = y[slots.long()].float().view(tokens, k, -1)
+def combine(y: torch.Tensor, slots: torch.Tensor, tokens: int, k: int, weights: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """(tokens, H): token t's rows ``y[slots[t * k + j]]``, j = 0 .. k-1, each in float32 times the
+    pair's ``weights[t * k + j]`` if given, summed in that order, cast once to y's dtype."""
+    rows = y[slots.long()].float()
+    if weights is not None:
+        rows = rows * weights.reshape(-1, 1).float()
+    rows = rows.view(tokens, k, -1)
     total = rows[:, 0].clone()
     for j in range(1, k):
         total += rows[:, j]

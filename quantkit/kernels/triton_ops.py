@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from quantkit.kernels import gemm, moe, quant
-from quantkit.kernels.gemm_checks import check_grouped_args
+from quantkit.kernels.gemm_checks import check_combine_weights, check_grouped_args
 
 
 # ---------------------------------------------------------------------------------------------- GEMMs
@@ -109,18 +109,16 @@ def _(experts, num_experts, slot_order):
 
 
 @torch.library.custom_op("quantkit::moe_gather_slots", mutates_args=())
-def _moe_gather_slots_op(a: torch.Tensor, a_scale: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
-                         block_expert: torch.Tensor, used: torch.Tensor, block_m: int, row_div: int, num_experts: int
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return moe.gather_slots(a, a_scale, moe.RoutePlan(rows, block_expert, used, block_m), row_div, num_experts,
-                            weights)
+def _moe_gather_slots_op(a: torch.Tensor, a_scale: torch.Tensor, rows: torch.Tensor, block_expert: torch.Tensor,
+                         used: torch.Tensor, block_m: int, row_div: int, num_experts: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    return moe.gather_slots(a, a_scale, moe.RoutePlan(rows, block_expert, used, block_m), row_div, num_experts)
 
 
 @_moe_gather_slots_op.register_fake
-def _(a, a_scale, weights, rows, block_expert, used, block_m, row_div, num_experts):
+def _(a, a_scale, rows, block_expert, used, block_m, row_div, num_experts):
     capacity = rows.shape[0]
-    return (a.new_empty((capacity, a.shape[1])), a_scale.new_empty((capacity,), dtype=torch.float32),
-            a_scale.new_empty((capacity,), dtype=torch.float32))
+    return a.new_empty((capacity, a.shape[1])), a_scale.new_empty((capacity,), dtype=torch.float32)
 
 
 @torch.library.custom_op("quantkit::grouped_slot_mm", mutates_args=())
@@ -137,12 +135,14 @@ def _(a, w, a_scale, w_scale, rows, block_expert, used, block_m, activation, gat
 
 
 @torch.library.custom_op("quantkit::moe_combine", mutates_args=())
-def _moe_combine_op(y: torch.Tensor, slots: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
-    return moe.combine(y, slots, tokens, k)
+def _moe_combine_op(y: torch.Tensor, slots: torch.Tensor, tokens: int, k: int, weights: torch.Tensor | None
+                    ) -> torch.Tensor:
+    return moe.combine(y, slots, tokens, k, weights)
 
 
 @_moe_combine_op.register_fake
-def _(y, slots, tokens, k):
+def _(y, slots, tokens, k, weights):
+    check_combine_weights(weights, tokens, k)
     return y.new_empty((tokens, y.shape[1]))
 
 
@@ -256,10 +256,10 @@ def moe_route_plan(experts, num_experts, slot_order=False):
     return moe.RoutePlan(rows, blocks, used, moe.block_m_for(experts.numel(), num_experts, slot_order), slots)
 
 
-def moe_gather_slots(a, a_scale, plan, row_div, num_experts, weights):
+def moe_gather_slots(a, a_scale, plan, row_div, num_experts):
     if direct_launch(a, "a"):
-        return moe.gather_slots(a, a_scale, plan, row_div, num_experts, weights)
-    return _moe_gather_slots_op(a, a_scale, weights, plan.rows, plan.block_expert, plan.used, plan.block_m, row_div,
+        return moe.gather_slots(a, a_scale, plan, row_div, num_experts)
+    return _moe_gather_slots_op(a, a_scale, plan.rows, plan.block_expert, plan.used, plan.block_m, row_div,
                                 num_experts)
 
 
@@ -270,10 +270,10 @@ def grouped_slot_mm(a, w, a_scale, w_scale, plan, activation="none", gated=False
                                activation, gated, out_dtype)
 
 
-def moe_combine(y, slots, tokens, k):
+def moe_combine(y, slots, tokens, k, weights=None):
     if direct_launch(y, "y"):
-        return moe.combine(y, slots, tokens, k)
-    return _moe_combine_op(y, slots, tokens, k)
+        return moe.combine(y, slots, tokens, k, weights)
+    return _moe_combine_op(y, slots, tokens, k, weights)
 
 
 def quantize_per_token(x, dtype):

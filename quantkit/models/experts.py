@@ -184,17 +184,20 @@ class UnstackedExperts(nn.Module):
         q, scale = quantize(hidden_states.contiguous(), grouped.in13)
         if grouped.slot_order and ops.moe_slot_order(plan):
             # Prefill sizes: the rows in the plan's slot order from the first GEMM's input to the
-            # second's output (whole expert blocks, both operands by TMA), each pair's routing
-            # weight folded into the second GEMM's row scale, then each token's k rows summed.
+            # second's output (whole expert blocks, both operands by TMA), then each token's k
+            # rows, times their routing weights, summed in float32.
             backend = grouped.backend
-            a13, s13, weights = ops.moe_gather_slots(q, scale, plan, slots, self.num_experts,
-                                                     top_k_weights.reshape(-1).float().contiguous(), backend=backend)
+            a13, s13 = ops.moe_gather_slots(q, scale, plan, slots, self.num_experts, backend=backend)
             hidden = ops.grouped_slot_mm(a13, grouped.w13, s13, grouped.s13, plan, grouped.activation, True,
                                          hidden_states.dtype, backend=backend)
             q, scale = quantize(hidden, grouped.in2)
-            out = ops.grouped_slot_mm(q, grouped.w2, (scale * weights).contiguous(), grouped.s2, plan, "none", False,
-                                      hidden_states.dtype, backend=backend)
-            return inference_only(hidden_states, ops.moe_combine(out, plan.slots, tokens, slots, backend=backend))
+            if grouped.in2 is not None:  # a static input scale: the slot-order GEMM takes one per row
+                scale = scale.reshape(1).expand(q.shape[0]).contiguous()
+            out = ops.grouped_slot_mm(q, grouped.w2, scale, grouped.s2, plan, "none", False, hidden_states.dtype,
+                                      backend=backend)
+            return inference_only(hidden_states, ops.moe_combine(out, plan.slots, tokens, slots,
+                                                                 top_k_weights.reshape(-1).contiguous(),
+                                                                 backend=backend))
         hidden = ops.grouped_scaled_mm(q, grouped.w13, scale, grouped.s13, experts, slots, grouped.activation,
                                        True, hidden_states.dtype, plan=plan, backend=grouped.backend)
         q, scale = quantize(hidden, grouped.in2)

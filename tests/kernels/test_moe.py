@@ -367,17 +367,16 @@ def test_route_plan_slots_invert_its_rows(block_m):
 @pytest.mark.parametrize("per_token", [True, False], ids=["per-token", "static"])
 def test_gather_slots_matches_its_twin(dtype, per_token):
     a, a_scale, w, w_scale, routed, plan = _slot_case(dtype, True, seed=21, per_token=per_token)
-    weights = torch.rand(routed.numel(), generator=torch.Generator().manual_seed(22)) + 0.1
-    got = moe.gather_slots(a, a_scale, plan, 3, w.shape[0], weights)
-    ref = reference.gather_slots(a, a_scale, plan.rows, plan.block_expert, int(plan.used), 128, 3, w.shape[0], weights)
+    got = moe.gather_slots(a, a_scale, plan, 3, w.shape[0])
+    ref = reference.gather_slots(a, a_scale, plan.rows, plan.block_expert, int(plan.used), 128, 3, w.shape[0])
     used = int(plan.used)
     assert used < plan.rows.numel()  # slots past the routing's, zeroed too
     for g, r in zip(got, ref):
         assert torch.equal(g.view(torch.int8) if g.dtype == dtype else g, r.view(torch.int8) if r.dtype == dtype else r)
-    # The pairs of no expert and the padding: zero rows, scales and weights.
+    # The pairs of no expert and the padding: zero rows and scales.
     unrouted = (routed >= w.shape[0]).nonzero().flatten()
     assert unrouted.numel() and (got[1][plan.slots[unrouted].long()] == 0).all()
-    assert (got[2][:used][plan.rows[:used] < 0] == 0).all()
+    assert (got[1][:used][plan.rows[:used] < 0] == 0).all() and (got[1][used:] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)
@@ -388,7 +387,7 @@ def test_grouped_slot_mm_equals_the_pair_order_kernel_row_for_row(dtype, gated, 
     row of grouped_scaled_mm bit for bit, zeros for the pairs of no expert and the padding, and
     its twin's rows (INT8 plain exactly)."""
     a, a_scale, w, w_scale, routed, plan = _slot_case(dtype, gated, seed=23)
-    a_slots, scales, _ = moe.gather_slots(a, a_scale, plan, 3, w.shape[0])
+    a_slots, scales = moe.gather_slots(a, a_scale, plan, 3, w.shape[0])
     out = moe.grouped_slot_mm(a_slots, w, scales, w_scale, plan, activation, gated, out_dtype)
     assert out.dtype == out_dtype
     pairs = moe.grouped_scaled_mm(a, w, a_scale, w_scale, routed, 3, activation, gated, out_dtype, plan=plan)
@@ -405,14 +404,23 @@ def test_grouped_slot_mm_equals_the_pair_order_kernel_row_for_row(dtype, gated, 
         torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=1e-3 * ref.float().abs().max().item())
 
 
-def test_combine_sums_each_tokens_slots_in_order():
+@pytest.mark.parametrize("weight_dtype", [None, torch.float32, torch.bfloat16])
+def test_combine_sums_each_tokens_slots_in_order(weight_dtype):
+    """Each token's k slot rows, each times its pair's routing weight when given (any float dtype),
+    summed in float32: its twin's result exactly, and a float64 sum's to the output's rounding."""
     gen = torch.Generator().manual_seed(24)
     routed = torch.randint(0, 3, (61 * 4,), generator=gen)
     plan = moe.route_plan(routed, 3, 128)
     y = (torch.randn(plan.rows.numel(), 130, generator=gen) * 3).to(torch.bfloat16)
-    got = moe.combine(y, plan.slots, 61, 4)
-    assert torch.equal(got, reference.combine(y, plan.slots, 61, 4))
-    torch.testing.assert_close(got.float(), y[plan.slots.long()].float().view(61, 4, 130).sum(1), rtol=2 ** -8, atol=0)
+    weights = None if weight_dtype is None else (torch.rand(61 * 4, generator=gen) + 0.05).to(weight_dtype)
+    got = moe.combine(y, plan.slots, 61, 4, weights)
+    assert got.dtype == torch.bfloat16 and got.shape == (61, 130)
+    assert torch.equal(got, reference.combine(y, plan.slots, 61, 4, weights))
+    rows = y[plan.slots.long()].double() * (1 if weights is None else weights.double()[:, None])
+    torch.testing.assert_close(got.double(), rows.view(61, 4, 130).sum(1), rtol=2 ** -8, atol=0)
+    for bad in (torch.rand(61 * 4 - 1), torch.randint(0, 3, (61 * 4,)), torch.rand(61 * 8)[::2]):
+        with pytest.raises(ValueError, match="tokens \\* k = 244 routing weights"):
+            moe.combine(y, plan.slots, 61, 4, bad)
 
 
 def test_slot_order_refuses_other_plans_in_one_line():
@@ -430,17 +438,18 @@ def test_moe_ops_pass_opcheck():
     from quantkit.kernels import triton_ops
 
     a, a_scale, w, w_scale, routed, plan = _slot_case(torch.int8, True, seed=26)
-    weights = torch.rand(routed.numel(), generator=torch.Generator().manual_seed(27))
-    a_slots, scales, weight_slots = moe.gather_slots(a, a_scale, plan, 3, w.shape[0], weights)
+    weights = torch.rand(routed.numel(), generator=torch.Generator().manual_seed(27)).to(torch.bfloat16)
+    a_slots, scales = moe.gather_slots(a, a_scale, plan, 3, w.shape[0])
     y = moe.grouped_slot_mm(a_slots, w, scales, w_scale, plan, "silu", True)
     index = (plan.rows, plan.block_expert, plan.used, plan.block_m)
     cases = [
         (triton_ops._moe_route_plan_op, (routed, w.shape[0], True)),
         (triton_ops._grouped_scaled_mm_op, (a, w, a_scale, w_scale, routed, 3, "silu", True, torch.bfloat16, None,
                                            *index)),
-        (triton_ops._moe_gather_slots_op, (a, a_scale, weights, *index, 3, w.shape[0])),
+        (triton_ops._moe_gather_slots_op, (a, a_scale, *index, 3, w.shape[0])),
         (triton_ops._grouped_slot_mm_op, (a_slots, w, scales, w_scale, *index, "silu", True, torch.bfloat16)),
-        (triton_ops._moe_combine_op, (y, plan.slots, a.shape[0], 3)),
+        (triton_ops._moe_combine_op, (y, plan.slots, a.shape[0], 3, weights)),
+        (triton_ops._moe_combine_op, (y, plan.slots, a.shape[0], 3, None)),
     ]
     for op, args in cases:
         result = torch.library.opcheck(op, args)
@@ -466,9 +475,9 @@ def test_slot_order_cached_launches_repeat_tritons_arguments(monkeypatch):
     weights = torch.rand(routed.numel())
     y = torch.randn(plan.rows.numel(), 40).to(torch.bfloat16)
     for _ in range(3):
-        moe.gather_slots(a, a_scale, plan, 3, w.shape[0], weights)
+        moe.gather_slots(a, a_scale, plan, 3, w.shape[0])
         moe._zero_tail(y, plan)
-        moe.combine(y, plan.slots, a.shape[0], 3)
+        moe.combine(y, plan.slots, a.shape[0], 3, weights)
     arg_names = {"_GATHER": moe._gather_slots_kernel.arg_names, "_ZERO_TAIL": moe._zero_tail_kernel.arg_names,
                  "_COMBINE": moe._combine_kernel.arg_names}
     for name, kernel in kernels.items():
@@ -478,6 +487,6 @@ def test_slot_order_cached_launches_repeat_tritons_arguments(monkeypatch):
 
 def test_slot_order_refuses_mismatched_scales_in_one_line():
     a, a_scale, w, w_scale, routed, plan = _slot_case(torch.int8, False, seed=29)
-    a_slots, scales, _ = moe.gather_slots(a, a_scale, plan, 3, w.shape[0])
+    a_slots, scales = moe.gather_slots(a, a_scale, plan, 3, w.shape[0])
     with pytest.raises(ValueError, match="w_scale must be a contiguous float32"):
         moe.grouped_slot_mm(a_slots, w, scales, w_scale.reshape(-1), plan)
