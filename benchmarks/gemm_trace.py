@@ -51,8 +51,8 @@ PROGRAM_STAMPS = f"trace_ptr + gl.num_programs(0) * {2 * MAX_TILES * 5} + gl.pro
 
 # (old, new, count): the lines added to gemm_gluon.py for the traced copy.
 SUBSTITUTIONS = [
-    ("a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, CONSUMER: gl.constexpr,",
-     "a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, trace_ptr, CONSUMER: gl.constexpr,", 1),
+    ("                            num_experts, CONSUMER: gl.constexpr,",
+     "                            num_experts, trace_ptr, CONSUMER: gl.constexpr,", 1),
     ("    @gluon.jit\n    def _halves(x):",
      "    @gluon.jit\n    def _clock(dummy):\n"
      "        return gl.inline_asm_elementwise(\"mov.u64 $0, %clock64;\", \"=l,r\", [dummy], dtype=gl.int64,\n"
@@ -85,26 +85,27 @@ SUBSTITUTIONS = [
      "        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)\n", 1),
     ("    def _load_partition(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,",
      "    def _load_partition(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K, trace_ptr,", 1),
-    ("ready_bars, empty_bars, M, N, K,\n                                   GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES)),",
-     "ready_bars, empty_bars, M, N, K,\n                                   trace_ptr, GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES)),",
+    ("(_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,\n",
+     "(_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K, trace_ptr,\n",
      4),
     # The first copy: the loader's, or the prologue's (prologue_loads).
-    ("                    _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, slot, off_m, off_n, ki, N, GATED)\n",
+    ("                    _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, slot, off_m, w_row, ki, N, GATED)\n",
      "                    if step == 0:\n"
      f"                        gl.store({PROGRAM_STAMPS} + 3, _clock(M))\n"
-     "                    _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, slot, off_m, off_n, ki, N, GATED)\n",
+     "                    _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, slot, off_m, w_row, ki, N, GATED)\n",
      1),
     ("            for s in gl.static_range(PROLOGUE_LOADS):\n                if s < k_steps:\n",
      f"            gl.store({PROGRAM_STAMPS} + 3, _clock(M))\n"
      "            for s in gl.static_range(PROLOGUE_LOADS):\n                if s < k_steps:\n", 1),
-    ("bias_ptr, M, N, K,\n                          HAS_BIAS: gl.constexpr,",
-     "bias_ptr, M, N, K, trace_ptr,\n                          HAS_BIAS: gl.constexpr,", 1),
-    ("a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 0, CONSUMERS,",
-     "a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, trace_ptr, 0, CONSUMERS,", 4),
-    ("a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, 1, CONSUMERS,",
-     "a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, trace_ptr, 1, CONSUMERS,", 2),
-    ('@gluon.jit(do_not_specialize=["M", "N", "K"])', '@gluon.jit(do_not_specialize=["M", "N", "K", "trace_ptr"])', 1),
-    ("_scaled_mm_kernel.arg_names[9:]", "_scaled_mm_kernel.arg_names[10:]", 1),  # GluonCall's constexpr tail
+    ("rows_per_expert, stride_se, num_experts,\n                          HAS_BIAS: gl.constexpr,",
+     "rows_per_expert, stride_se, num_experts, trace_ptr,\n                          HAS_BIAS: gl.constexpr,", 1),
+    ("block_expert_ptr, used_ptr, stride_se, num_experts, 0, CONSUMERS,",
+     "block_expert_ptr, used_ptr, stride_se, num_experts, trace_ptr, 0, CONSUMERS,", 4),
+    ("block_expert_ptr, used_ptr, stride_se, num_experts, 1, CONSUMERS,",
+     "block_expert_ptr, used_ptr, stride_se, num_experts, trace_ptr, 1, CONSUMERS,", 2),
+    ('@gluon.jit(do_not_specialize=["M", "N", "K", "rows_per_expert", "stride_se", "num_experts"])',
+     '@gluon.jit(do_not_specialize=["M", "N", "K", "rows_per_expert", "stride_se", "num_experts", "trace_ptr"])', 1),
+    ("_scaled_mm_kernel.arg_names[14:]", "_scaled_mm_kernel.arg_names[15:]", 1),  # GluonCall's constexpr tail
 ]
 
 
@@ -149,7 +150,8 @@ def launcher(mod, name, M, N, K, traced):
     out_desc = mod._descriptor(out, [config.stored_rows, call.chunk_n])
 
     def run():
-        args = (a_desc, w_desc, out_desc, a_scale, w_scale, w_scale, M, N, K)
+        # The grouped form's five arguments as the dense GEMM passes them (GluonCall: unused).
+        args = (a_desc, w_desc, out_desc, a_scale, w_scale, w_scale, M, N, K, a_scale, a_scale, 0, 0, 0)
         if traced:
             mod._scaled_mm_kernel[call.grid](*args, trace, **call.constexprs)
         else:
