@@ -75,11 +75,14 @@ SMALL_M_SPLIT_K_CONFIGS = [
 # At M = 1 the autotuner's pick with them admitted, against its pick without them: 1.06-1.28x
 # (L2 rotated) / 0.99-1.16x (L2 flushed) at 4096x14336, 4096x4096 and 6144x4096, 0.97-1.03x at
 # 28672x4096 (already 448+ unsplit programs) and the gated 14336x4096. At M = 16 the unsplit tiles
-# already fill the GPU: 0.95-1.02x, split configs picked on noise. So the pool admits them for
-# M <= SPLIT_K_MAX_M only.
+# already fill the GPU: 0.95-1.02x, split configs picked on noise. So the pool admitted them for
+# M <= 8 only. On an H200 (2026-11-28, session 36, results/gemm_splitk_s36_h200.*) at M = 16 the
+# unsplit pick at 4096x14336 FP8 took 25.3 us (rotate) / 26.9 us (flush), 1.27x / 1.47x bf16, and
+# every 4-way split config 19.1-19.4 / 23.3-24.2 us (1.67-1.70x bf16); at the other points the best
+# split config was 0.98-1.05x the unsplit pick. So the pool admits them up to M = 16.
 # Explicit ``config={..., "SPLIT_K": s}`` works at every M.
 SMALL_M_SPLIT_K = True
-SPLIT_K_MAX_M = 8
+SPLIT_K_MAX_M = 16
 
 # 17 <= M <= 128: still mostly weight-bound; tiles that cover M in one or two row-tiles.
 MEDIUM_M_CONFIGS = [

@@ -96,12 +96,11 @@ def test_split_configs_join_the_pool_only_at_decode_sizes(monkeypatch):
     limit = gemm_configs.SPLIT_K_MAX_M
     # A power of two: the autotune key buckets M by powers of two, so one bucket never spans it.
     assert gemm_configs.m_bucket(limit) == limit
-    for M in (1, 3, limit):
+    assert limit == 16  # every decode size (M <= 16) since session 36's H200 run
+    for M in (1, 3, 9, limit):
         assert gemm_configs._prune_configs(configs, {"M": M}) == gemm_configs.SMALL_M_CONFIGS + split
     assert gemm_configs._prune_configs(configs, {"M": 1, "GATED": True}) == gemm_configs.SMALL_M_CONFIGS + split
-    for M in (limit + 1, 16):
-        assert gemm_configs._prune_configs(configs, {"M": M}) == gemm_configs.SMALL_M_CONFIGS
-    assert not any("SPLIT_K" in c.kwargs for c in gemm_configs._prune_configs(configs, {"M": 17}))
+    assert not any("SPLIT_K" in c.kwargs for c in gemm_configs._prune_configs(configs, {"M": limit + 1}))
     monkeypatch.setattr(gemm_configs, "SMALL_M_SPLIT_K", False)
     assert gemm_configs._prune_configs(configs, {"M": 1}) == gemm_configs.SMALL_M_CONFIGS
 
