@@ -169,14 +169,9 @@ def test_optimize_runs_the_experts_as_two_grouped_gemms(backend, scheme):
         assert torch.equal(qmodel(input_ids=ids).logits, logits)
 
 
-@pytest.mark.parametrize("scheme", ["fp8-static", "int8"])
-def test_prefill_sizes_keep_the_rows_in_slot_order(scheme, monkeypatch):
-    """Over 192 pairs an expert (128-row blocks) the grouped layer gathers the tokens into the
-    plan's slots once, runs both GEMMs over whole expert blocks and sums each token's rows from
-    their slots: the pair-order path's output to float32 rounding (the routing weight multiplies
-    the second GEMM's row scale instead of its output), pairs of no expert included."""
-    from quantkit.kernels import ops
-
+def _grouped_qwen3_experts(scheme: str):
+    """A one-layer Qwen3-MoE's experts (2 of 48, hidden 64), quantized with ``scheme`` on the
+    Triton backend and stacked for the grouped GEMMs (``optimize``)."""
     config = transformers.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=48, num_experts=2,
                                          num_experts_per_tok=2, **{**COMMON, "num_hidden_layers": 1})
     torch.manual_seed(0)
@@ -184,6 +179,19 @@ def test_prefill_sizes_keep_the_rows_in_slot_order(scheme, monkeypatch):
     qconfig = quantkit.QuantConfig.preset(scheme, backend="triton")
     quantkit.optimize(quantkit.quantize(model, qconfig, _ids(7, (2, 24)), progress=False), attention=False, rope=False)
     experts = model.model.layers[0].mlp.experts
+    return experts
+
+
+@pytest.mark.parametrize("scheme", ["fp8-static", "int8"])
+def test_prefill_sizes_keep_the_rows_in_slot_order(scheme, monkeypatch):
+    """Over 192 pairs an expert (128-row blocks) the grouped layer gathers the tokens into the
+    plan's slots once, runs both GEMMs over whole expert blocks and sums each token's rows from
+    their slots: the pair-order path's output to float32 rounding (the combine multiplies each
+    rounded row by its routing weight; the pair-order GEMM rounds the weighted row), pairs of no
+    expert included."""
+    from quantkit.kernels import ops
+
+    experts = _grouped_qwen3_experts(scheme)
     gen = torch.Generator().manual_seed(11)
     tokens = 197  # 394 pairs over 2 experts
     hidden = torch.randn(tokens, 64, generator=gen)
@@ -334,13 +342,7 @@ def test_grouped_experts_compile_fullgraph(scheme, tokens):
     """The grouped layer traces as one graph (route plan, gather, both GEMMs, quantizations and the
     combine as opaque ops) at a decode size and at a prefill size (slot order: 197 pairs an
     expert), and the compiled call gives the eager result."""
-    config = transformers.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=48, num_experts=2,
-                                         num_experts_per_tok=2, **{**COMMON, "num_hidden_layers": 1})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    qconfig = quantkit.QuantConfig.preset(scheme, backend="triton")
-    quantkit.optimize(quantkit.quantize(model, qconfig, _ids(7, (2, 24)), progress=False), attention=False, rope=False)
-    experts = model.model.layers[0].mlp.experts
+    experts = _grouped_qwen3_experts(scheme)
     gen = torch.Generator().manual_seed(12)
     hidden = torch.randn(tokens, 64, generator=gen)
     index = torch.randint(0, 2, (tokens, 2), generator=gen)
