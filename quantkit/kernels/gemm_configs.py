@@ -76,10 +76,11 @@ SMALL_M_SPLIT_K_CONFIGS = [
 # (L2 rotated) / 0.99-1.16x (L2 flushed) at 4096x14336, 4096x4096 and 6144x4096, 0.97-1.03x at
 # 28672x4096 (already 448+ unsplit programs) and the gated 14336x4096. At M = 16 the unsplit tiles
 # already fill the GPU: 0.95-1.02x, split configs picked on noise. So the pool admitted them for
-# M <= 8 only. On an H200 (2026-11-28, session 36, results/gemm_splitk_s36_h200.*) at M = 16 the
+# M <= 8 only. On an H200 (2026-11-28, session 36, results/gemm_splitk_s36{a,b}_h200.*) at M = 16 the
 # unsplit pick at 4096x14336 FP8 took 25.3 us (rotate) / 26.9 us (flush), 1.27x / 1.47x bf16, and
-# every 4-way split config 19.1-19.4 / 23.3-24.2 us (1.67-1.70x bf16); at the other points the best
-# split config was 0.98-1.05x the unsplit pick. So the pool admits them up to M = 16.
+# the 4-way split configs 19.1-20.0 / 23.3-24.2 us (1.61-1.70x bf16); at the other points the best
+# split config was 0.89-1.05x the unsplit pick (the tuner keeps the faster). So the pool admits them
+# up to M = 16.
 # Explicit ``config={..., "SPLIT_K": s}`` works at every M.
 SMALL_M_SPLIT_K = True
 SPLIT_K_MAX_M = 16
