@@ -47,7 +47,8 @@ def split_configs(limit: int | None = None) -> list[dict]:
 
 def config_name(cfg: dict) -> str:
     split = f" S{cfg['SPLIT_K']}" if cfg.get("SPLIT_K", 1) > 1 else ""
-    return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']}s{cfg['num_stages']}{split}"
+    swap = " swap" if cfg.get("SWAP_AB") else ""
+    return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']}s{cfg['num_stages']}{split}{swap}"
 
 
 def arrivals_zero() -> bool:
@@ -201,9 +202,11 @@ def _operands(kind, M, N, K, dtype, device, copies):
     return x, bf16_weights, a, sa, weights, sw
 
 
-def time_point(kind, M, N, K, dtype_name, timers: dict, rounds, device="cuda", config_limit=None) -> list[dict]:
+def time_point(kind, M, N, K, dtype_name, timers: dict, rounds, device="cuda", config_limit=None,
+               configs: list[dict] | None = None) -> list[dict]:
     """Check, then time every op of one (kind, M, N, K, dtype) point with each of ``timers``
-    (name -> timer, as TIMERS); one row per op."""
+    (name -> timer, as TIMERS); one row per op. ``configs``: the explicit configs timed beside the
+    picks (default: every small-M split config; ``config_limit`` the first so many)."""
     dtype = DTYPES[dtype_name]
     rows_w = 2 * N if kind == "gated" else N
     copies = max(2, -(-ROTATE_BYTES // (rows_w * K))) if "rotate" in timers else 1
@@ -229,7 +232,8 @@ def time_point(kind, M, N, K, dtype_name, timers: dict, rounds, device="cuda", c
              "auto_split_on": tuned_pick(quantkit_op(None)(weights[0]), on=True)}
     ops = {"bf16_F.linear": (bf16_make, None)}
     ops.update({name: (quantkit_op(cfg), cfg) for name, cfg in picks.items()})
-    ops.update({f"split {config_name(cfg)}": (quantkit_op(cfg), cfg) for cfg in split_configs(config_limit)})
+    candidates = split_configs(config_limit) if configs is None else configs[:config_limit]
+    ops.update({f"split {config_name(cfg)}": (quantkit_op(cfg), cfg) for cfg in candidates})
     base = {"kind": kind, "M": M, "N": N, "K": K, "dtype": dtype_name, "weight_bytes": rows_w * K}
     rows = {op: {**base, "op": op, "config": config_name(cfg) if cfg else "cuBLAS",
                  "splits": gemm_configs.split_k_plan(K, cfg["BLOCK_K"], cfg.get("SPLIT_K", 1)) if cfg else None}
@@ -320,10 +324,11 @@ def print_point(rows, timers):
 
 
 def run_split_k_benchmark(out_dir, device="cuda", points=None, ms=SPLIT_K_MS, timers=None, rounds=3,
-                          config_limit=None, deadline_left=None) -> dict:
-    """Time every point; writes gemm_splitk.json/.csv (rows, summary with the verdict) under out_dir
+                          config_limit=None, deadline_left=None, configs=None, name="gemm_splitk") -> dict:
+    """Time every point; writes {name}.json/.csv (rows, summary with the verdict) under out_dir
     after each point. ``timers``: name -> timer (default TIMERS); ``deadline_left()`` (seconds
-    left, optional): points that no longer fit are skipped. Returns the summary."""
+    left, optional): points that no longer fit are skipped; ``configs``: the explicit configs to
+    time (``time_point``). Returns the summary."""
     timers = timers or TIMERS
     meta = environment_metadata()
     meta.update(timers=list(timers), rounds=rounds, skipped_for_deadline=[])
@@ -334,13 +339,13 @@ def run_split_k_benchmark(out_dir, device="cuda", points=None, ms=SPLIT_K_MS, ti
                 if deadline_left is not None and deadline_left() < 30:
                     meta["skipped_for_deadline"].append(f"{kind} M={M} {N}x{K} {dtype_name}")
                     continue
-                point_rows = time_point(kind, M, N, K, dtype_name, timers, rounds, device, config_limit)
+                point_rows = time_point(kind, M, N, K, dtype_name, timers, rounds, device, config_limit, configs)
                 print_point(point_rows, timers)
                 rows.extend(point_rows)
                 meta["summary"] = summarize(rows, timers)
-                write_results(rows, out_dir, "gemm_splitk", meta)
+                write_results(rows, out_dir, name, meta)
     meta["summary"] = summary = summarize(rows, timers)
-    write_results(rows, out_dir, "gemm_splitk", meta)
+    write_results(rows, out_dir, name, meta)
     print(f"split-K verdict: turn SMALL_M_SPLIT_K {'ON' if summary['turn_on'] else 'off'} ({summary['rule']})",
           flush=True)
     return summary

@@ -88,6 +88,7 @@ def _scaled_mm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     if SPLIT_K == 1:
         tile_id = tl.program_id(0)
@@ -105,9 +106,17 @@ def _scaled_mm_kernel(
     # (vectorized) and the extra results are simply not stored.
     rows_a = offs_m % M
     rows_w = offs_n % N
-    a_ptrs = a_ptr + rows_a.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    # Loaded as a (BLOCK_K, BLOCK_N) tile of the (N, K) weight: K-contiguous B for tl.dot.
-    w_ptrs = w_ptr + rows_w.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    if SWAP_AB:
+        # Decode: the product is computed transposed, (w @ a.T).T, so the weight's BLOCK_N rows
+        # fill the MMA's M side (64 rows per warpgroup instruction on Hopper) and the BLOCK_M
+        # (<= 16) tokens its N side; the weight tile is the (BLOCK_N, BLOCK_K) first operand, the
+        # activation a K-contiguous (BLOCK_K, BLOCK_M) second operand.
+        a_ptrs = a_ptr + rows_a.to(tl.int64)[None, :] * stride_am + offs_k[:, None]
+        w_ptrs = w_ptr + rows_w.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    else:
+        a_ptrs = a_ptr + rows_a.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+        # Loaded as a (BLOCK_K, BLOCK_N) tile of the (N, K) weight: K-contiguous B for tl.dot.
+        w_ptrs = w_ptr + rows_w.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
     if SPLIT_K == 1:
         k_begin = 0
         k_end = K
@@ -119,8 +128,14 @@ def _scaled_mm_kernel(
         k_end = (split_id + 1) * k_tiles // SPLIT_K * BLOCK_K
         a_ptrs += k_begin
         w_ptrs += k_begin
-    acc, acc_up = tile_mainloop(a_ptrs, w_ptrs, N * stride_wn, offs_k, K, k_begin, k_end, BLOCK_M, BLOCK_N, BLOCK_K,
-                                IS_INT8, GATED, EVEN_K, FP8_FAST_ACCUM, FP8_PROMOTE_K)
+    if SWAP_AB:
+        acc_t, acc_up_t = tile_mainloop(w_ptrs, a_ptrs, N * stride_wn, offs_k, K, k_begin, k_end, BLOCK_N, BLOCK_M,
+                                        BLOCK_K, IS_INT8, GATED, EVEN_K, FP8_FAST_ACCUM, FP8_PROMOTE_K, True)
+        acc = tl.trans(acc_t)
+        acc_up = tl.trans(acc_up_t)
+    else:
+        acc, acc_up = tile_mainloop(a_ptrs, w_ptrs, N * stride_wn, offs_k, K, k_begin, k_end, BLOCK_M, BLOCK_N,
+                                    BLOCK_K, IS_INT8, GATED, EVEN_K, FP8_FAST_ACCUM, FP8_PROMOTE_K, False)
 
     if SPLIT_K == 1:
         store_tile(acc, acc_up, offs_m, offs_n, M, N, out_ptr, stride_om, a_scale_ptr, w_scale_ptr, bias_ptr,
@@ -225,7 +240,8 @@ def _tiled_plan(config: dict, flags: tuple, gated: bool, fp8_fast_accum: bool, K
     # the count, is part of every key this plan is cached under).
     constexprs = dict(zip(FLAG_NAMES, flags), GATED=gated, INTERPRETED=INTERPRETED, EVEN_K=K % cfg["BLOCK_K"] == 0,
                       FP8_FAST_ACCUM=fp8_fast_accum, FP8_PROMOTE_K=min(cfg["BLOCK_K"], 128),
-                      **{**cfg, "SPLIT_K": split_k_plan(K, cfg["BLOCK_K"], cfg.get("SPLIT_K", 1))})
+                      **{**cfg, "SPLIT_K": split_k_plan(K, cfg["BLOCK_K"], cfg.get("SPLIT_K", 1)),
+                         "SWAP_AB": bool(cfg.get("SWAP_AB", False))})
     # Sorted: two configs with the same values under different keys must not share a binary.
     config_key = (*sorted(cfg.items()), num_warps, num_stages)
     return cfg["BLOCK_M"], cfg["BLOCK_N"], constexprs, num_warps, num_stages, config_key

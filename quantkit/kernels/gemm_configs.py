@@ -18,10 +18,12 @@ from quantkit.kernels.launch import cdiv, next_power_of_2
 MAX_SPLIT_K = 16
 
 
-def _cfg(bm, bn, bk, warps, stages, group_m=8, split_k=1):
+def _cfg(bm, bn, bk, warps, stages, group_m=8, split_k=1, swap_ab=False):
     kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m}
     if split_k > 1:
         kwargs["SPLIT_K"] = split_k
+    if swap_ab:
+        kwargs["SWAP_AB"] = True
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
@@ -162,4 +164,9 @@ def _split_k(args):
     return split_k_plan(args["K"], args["BLOCK_K"], args.get("SPLIT_K", 1))
 
 
-HEURISTICS = {"EVEN_K": _even_k, "FP8_PROMOTE_K": _fp8_promote_k, "SPLIT_K": _split_k}
+def _swap_ab(args):
+    # The config's SWAP_AB (False when it has none).
+    return bool(args.get("SWAP_AB", False))
+
+
+HEURISTICS = {"EVEN_K": _even_k, "FP8_PROMOTE_K": _fp8_promote_k, "SPLIT_K": _split_k, "SWAP_AB": _swap_ab}

@@ -53,17 +53,19 @@ def dot_accumulate(a, b, acc, IS_INT8: tl.constexpr, FP8_FAST_ACCUM: tl.constexp
 @triton.jit
 def tile_mainloop(a_ptrs, w_ptrs, up_offset, offs_k, K, k_begin, k_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, IS_INT8: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
-                  FP8_FAST_ACCUM: tl.constexpr, FP8_PROMOTE_K: tl.constexpr):
-    """The K loop of one (BLOCK_M, BLOCK_N) output tile over [k_begin, k_end): ``a_ptrs`` a
-    (BLOCK_M, BLOCK_K) tile of rows of a, ``w_ptrs`` a (BLOCK_K, BLOCK_N) K-contiguous tile of the
-    (N, K) weight; the gated form also accumulates the up half, ``up_offset`` elements further.
-    Returns (acc, acc_up); acc_up is an unused stand-in (compiled away) unless GATED."""
+                  FP8_FAST_ACCUM: tl.constexpr, FP8_PROMOTE_K: tl.constexpr, UP_IN_A: tl.constexpr):
+    """The K loop of one (BLOCK_M, BLOCK_N) product tile over [k_begin, k_end): ``a_ptrs`` a
+    (BLOCK_M, BLOCK_K) K-contiguous tile of the first operand's rows, ``w_ptrs`` a (BLOCK_K, BLOCK_N)
+    K-contiguous tile of the second's. Usually the first is the activation and the second the
+    (N, K) weight; swapped (``UP_IN_A``, the tiled kernel's SWAP_AB) the weight comes first. The
+    gated form also accumulates the up half, ``up_offset`` elements further in the weight's
+    operand. Returns (acc, acc_up); acc_up is an unused stand-in (compiled away) unless GATED."""
     if IS_INT8:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = acc
-    w_up_ptrs = w_ptrs + up_offset
+    up_ptrs = (a_ptrs if UP_IN_A else w_ptrs) + up_offset
     for k_start in range(k_begin, k_end, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -74,12 +76,19 @@ def tile_mainloop(a_ptrs, w_ptrs, up_offset, offs_k, K, k_begin, k_end, BLOCK_M:
             w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
         acc = dot_accumulate(a, w, acc, IS_INT8, FP8_FAST_ACCUM, FP8_PROMOTE_K)
         if GATED:
-            if EVEN_K:
-                w_up = tl.load(w_up_ptrs)
+            if UP_IN_A:
+                if EVEN_K:
+                    up = tl.load(up_ptrs)
+                else:
+                    up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
+                acc_up = dot_accumulate(up, w, acc_up, IS_INT8, FP8_FAST_ACCUM, FP8_PROMOTE_K)
             else:
-                w_up = tl.load(w_up_ptrs, mask=k_mask[:, None], other=0.0)
-            acc_up = dot_accumulate(a, w_up, acc_up, IS_INT8, FP8_FAST_ACCUM, FP8_PROMOTE_K)
-            w_up_ptrs += BLOCK_K
+                if EVEN_K:
+                    up = tl.load(up_ptrs)
+                else:
+                    up = tl.load(up_ptrs, mask=k_mask[:, None], other=0.0)
+                acc_up = dot_accumulate(a, up, acc_up, IS_INT8, FP8_FAST_ACCUM, FP8_PROMOTE_K)
+            up_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     return acc, acc_up

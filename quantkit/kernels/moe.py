@@ -260,7 +260,7 @@ def _grouped_kernel(
     a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + rows_w.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
     acc, acc_up = tile_mainloop(a_ptrs, w_ptrs, N * stride_wn, offs_k, K, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                                IS_INT8, GATED, EVEN_K, True, 0)
+                                IS_INT8, GATED, EVEN_K, True, 0, False)
     out = _dequant_rows(acc, acc_up, expert, out_rows, offs_n, N, ROW_DIV, a_scale_ptr, w_scale_ptr, row_scale_ptr,
                         stride_se, A_PER_TOKEN, ROW_SCALE, ACTIVATION, GATED)
     tl.store(out_ptrs, cast_for_store(out, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
