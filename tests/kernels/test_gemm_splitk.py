@@ -1,7 +1,9 @@
-"""Split-K of the tiled GEMM (gemm.py, SPLIT_K) under the CPU interpreter.
+"""Split-K and swapped operands of the tiled GEMM's decode configs (gemm.py, SPLIT_K and SWAP_AB)
+under the CPU interpreter.
 
 Each output tile is computed as SPLIT_K K-slices by as many programs; the last slice to arrive
-sums the partial tiles in slice order and runs the epilogue. Outputs are poisoned before each
+sums the partial tiles in slice order and runs the epilogue. SWAP_AB computes each tile as
+(w @ a.T).T (the weight rows as the MMA's first operand); the tests run with it off and on. Outputs are poisoned before each
 launch, the INT8 accumulator is compared exactly with an integer matmul, FP8 against the
 reference twin, and every launch must leave the arrival counters at zero. Interpreter cost is
 per program: 16 x 64 x 64 tiles and shapes of a few tiles keep each launch to a few programs.
@@ -24,9 +26,12 @@ N = 70  # two 64-wide N tiles, the second 6 columns wide
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
 
-def _config(split_k):
-    return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4, "SPLIT_K": split_k, "num_warps": 4,
-            "num_stages": 2}
+SWAPS = [pytest.param(False, id="mma_a"), pytest.param(True, id="swap_ab")]
+
+
+def _config(split_k, swap=False):
+    return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4, "SPLIT_K": split_k, "SWAP_AB": swap,
+            "num_warps": 4, "num_stages": 2}
 
 
 def _operands(M, K, dtype, seed, rows=N):
@@ -108,36 +113,39 @@ def test_split_configs_join_the_pool_only_at_decode_sizes(monkeypatch):
 # ---------------------------------------------------------------------------------------------- kernel
 
 
+@pytest.mark.parametrize("swap", SWAPS)
 @pytest.mark.parametrize("K,split_k,splits", K_CASES)
 @pytest.mark.parametrize("M", M_VALUES)
-def test_split_k_int8_accumulator_is_exact(M, K, split_k, splits):
+def test_split_k_int8_accumulator_is_exact(M, K, split_k, splits, swap):
     assert gemm_configs.split_k_plan(K, 64, split_k) == splits
     a, _, w, _, _ = _operands(M, K, torch.int8, seed=M + K)
-    acc = gemm.int8_matmul_accumulator(a, w, config=_config(split_k), out=_poisoned(M, N, torch.int32))
+    acc = gemm.int8_matmul_accumulator(a, w, config=_config(split_k, swap), out=_poisoned(M, N, torch.int32))
     assert torch.equal(acc, reference.int8_matmul_exact(a, w))
     assert _counters_zero(), "the last slice of each tile resets its arrival counter"
 
 
+@pytest.mark.parametrize("swap", SWAPS)
 @pytest.mark.parametrize("activation", reference.ACTIVATIONS)
 @pytest.mark.parametrize("has_bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("dtype", QDTYPES)
-def test_split_k_every_epilogue(dtype, has_bias, activation):
+def test_split_k_every_epilogue(dtype, has_bias, activation, swap):
     M, K = 13, 208
     a, a_scale, w, w_scale, bias = _operands(M, K, dtype, seed=3)
     b = bias if has_bias else None
-    out = gemm.scaled_mm(a, w, a_scale, w_scale, b, activation, torch.float32, config=_config(3),
+    out = gemm.scaled_mm(a, w, a_scale, w_scale, b, activation, torch.float32, config=_config(3, swap),
                          out=_poisoned(M, N, torch.float32))
     _assert_close(out, reference.scaled_mm(a, w, a_scale, w_scale, b, activation, torch.float32), torch.float32)
     assert _counters_zero()
 
 
+@pytest.mark.parametrize("swap", SWAPS)
 @pytest.mark.parametrize("K,split_k,splits", K_CASES)
 @pytest.mark.parametrize("M", [1, 16])
 @pytest.mark.parametrize("dtype", QDTYPES)
-def test_split_k_out_dtypes_scalar_scales_and_repeat(dtype, M, K, split_k, splits):
+def test_split_k_out_dtypes_scalar_scales_and_repeat(dtype, M, K, split_k, splits, swap):
     a, a_scale, w, w_scale, bias = _operands(M, K, dtype, seed=7 * M + K)
     for out_dtype in (torch.bfloat16, torch.float32):
-        outs = [gemm.scaled_mm(a, w, a_scale, w_scale, bias, "gelu_tanh", out_dtype, config=_config(split_k),
+        outs = [gemm.scaled_mm(a, w, a_scale, w_scale, bias, "gelu_tanh", out_dtype, config=_config(split_k, swap),
                                out=_poisoned(M, N, out_dtype)) for _ in range(2)]
         ref = reference.scaled_mm(a, w, a_scale, w_scale, bias, "gelu_tanh", out_dtype)
         _assert_close(outs[0], ref, out_dtype)
@@ -145,29 +153,30 @@ def test_split_k_out_dtypes_scalar_scales_and_repeat(dtype, M, K, split_k, split
         assert _counters_zero()
     # Scalar (per-tensor) scales take the epilogue's other branch.
     sa, sw = a_scale.amax().reshape(1), w_scale[:1].clone()
-    out = gemm.scaled_mm(a, w, sa, sw, None, "relu", torch.float32, config=_config(split_k),
+    out = gemm.scaled_mm(a, w, sa, sw, None, "relu", torch.float32, config=_config(split_k, swap),
                          out=_poisoned(M, N, torch.float32))
     _assert_close(out, reference.scaled_mm(a, w, sa, sw, None, "relu", torch.float32), torch.float32)
 
 
 @pytest.mark.parametrize("M", M_VALUES)
 def test_split_k_int8_matches_the_unsplit_kernel_bit_for_bit(M):
-    # Exact int32 sums and the same epilogue arithmetic: split and unsplit agree to the bit, and
-    # with a bf16 output and no activation, so does the reference.
+    # Exact int32 sums and the same epilogue arithmetic: split and unsplit, swapped or not, agree
+    # to the bit, and with a bf16 output and no activation, so does the reference.
     K = 208
     a, a_scale, w, w_scale, bias = _operands(M, K, torch.int8, seed=2 * M)
-    outs = [gemm.scaled_mm(a, w, a_scale, w_scale, bias, "none", torch.bfloat16, config=_config(s),
-                           out=_poisoned(M, N, torch.bfloat16)) for s in (1, 3)]
-    assert torch.equal(outs[0], outs[1])
-    assert torch.equal(outs[1], reference.scaled_mm(a, w, a_scale, w_scale, bias, "none", torch.bfloat16))
+    outs = [gemm.scaled_mm(a, w, a_scale, w_scale, bias, "none", torch.bfloat16, config=_config(s, swap),
+                           out=_poisoned(M, N, torch.bfloat16)) for s in (1, 3) for swap in (False, True)]
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+    assert torch.equal(outs[0], reference.scaled_mm(a, w, a_scale, w_scale, bias, "none", torch.bfloat16))
 
 
+@pytest.mark.parametrize("swap", SWAPS)
 @pytest.mark.parametrize("K,split_k,splits", K_CASES)
 @pytest.mark.parametrize("M", [1, 13])
 @pytest.mark.parametrize("dtype", QDTYPES)
-def test_split_k_gated(dtype, M, K, split_k, splits):
+def test_split_k_gated(dtype, M, K, split_k, splits, swap):
     a, a_scale, w, w_scale, _ = _operands(M, K, dtype, seed=5 * M + K, rows=2 * N)
-    out = gemm.gated_scaled_mm(a, w, a_scale, w_scale, "silu", torch.float32, config=_config(split_k),
+    out = gemm.gated_scaled_mm(a, w, a_scale, w_scale, "silu", torch.float32, config=_config(split_k, swap),
                                out=_poisoned(M, N, torch.float32))
     _assert_close(out, reference.gated_scaled_mm(a, w, a_scale, w_scale, "silu", torch.float32), torch.float32)
     assert _counters_zero()
@@ -179,10 +188,11 @@ def test_split_k_gated(dtype, M, K, split_k, splits):
         torch.testing.assert_close(out, unsplit, rtol=1e-5, atol=1e-5)
 
 
-def test_split_k_gated_bf16_out_and_gelu():
+@pytest.mark.parametrize("swap", SWAPS)
+def test_split_k_gated_bf16_out_and_gelu(swap):
     M, K = 16, 208
     a, a_scale, w, w_scale, _ = _operands(M, K, torch.float8_e4m3fn, seed=9, rows=2 * N)
-    out = gemm.gated_scaled_mm(a, w, a_scale, w_scale, "gelu", torch.bfloat16, config=_config(4),
+    out = gemm.gated_scaled_mm(a, w, a_scale, w_scale, "gelu", torch.bfloat16, config=_config(4, swap),
                                out=_poisoned(M, N, torch.bfloat16))
     _assert_close(out, reference.gated_scaled_mm(a, w, a_scale, w_scale, "gelu", torch.bfloat16), torch.bfloat16)
     assert _counters_zero()
@@ -233,3 +243,62 @@ def test_autotuner_path_clips_split_k_through_the_heuristic(monkeypatch):
         assert _counters_zero()
     (tuned,) = gemm._TUNED_TILED.values()
     assert tuned["SPLIT_K"] == 8 and list(gemm._TILED_PLANS.values())[0][2]["SPLIT_K"] == 5
+
+
+# ---------------------------------------------------------------------------------------------- swapped operands
+
+
+def test_swap_ab_configs_are_decode_configs():
+    """SWAP_AB puts the tokens on the MMA's N side: only in the M <= 16 pools, with a 16-row token
+    tile, and both unsplit and split (so the autotuner can pick either)."""
+    configs = gemm._scaled_mm_autotuned.configs
+    swapped = [c for c in configs if c.kwargs.get("SWAP_AB")]
+    assert swapped and all(c.kwargs["BLOCK_M"] == 16 for c in swapped)
+    assert {c.kwargs.get("SPLIT_K", 1) > 1 for c in swapped} == {False, True}
+    decode = gemm_configs._prune_configs(configs, {"M": 16})
+    assert all(c in decode for c in swapped)
+    for M in (17, 128, 129, 4096):
+        assert not any(c.kwargs.get("SWAP_AB") for c in gemm_configs._prune_configs(configs, {"M": M}))
+    assert gemm_configs.HEURISTICS["SWAP_AB"]({"BLOCK_K": 64}) is False
+
+
+def test_swap_ab_fuzz_random_shapes_tiles_and_flags():
+    """60 seeded random decode calls through swapped configs of random tiles and splits, every
+    dtype, scale kind, bias, activation, gating and output dtype, against the reference; INT8 raw
+    accumulators exactly."""
+    import random
+
+    rng = random.Random(37)
+    for case in range(60):
+        dtype = rng.choice([torch.int8, torch.float8_e4m3fn])
+        M, n = rng.choice([1, 2, 5, 9, 13, 16]), rng.choice([1, 17, 40, 70, 96])
+        K = 16 * rng.randint(1, 14)
+        config = {"BLOCK_M": 16, "BLOCK_N": rng.choice([16, 32, 64]), "BLOCK_K": rng.choice([32, 64, 128]),
+                  "GROUP_M": rng.choice([1, 4]), "SPLIT_K": rng.choice([1, 1, 2, 3, 5]), "SWAP_AB": True,
+                  "num_warps": 4, "num_stages": 2}
+        gated = rng.random() < 0.25
+        activation = rng.choice(reference.ACTIVATIONS)
+        out_dtype = rng.choice([torch.float32, torch.bfloat16])
+        gen = torch.Generator().manual_seed(case)
+        a, a_scale = reference.quantize_per_token(torch.randn(M, K, generator=gen) * 2, dtype)
+        w, w_scale = reference.quantize_per_channel(torch.randn(2 * n if gated else n, K, generator=gen), dtype)
+        if rng.random() < 0.3:
+            a_scale = a_scale.amax().reshape(1)
+        bias = torch.randn(n, generator=gen) if not gated and rng.random() < 0.5 else None
+        ctx = f"case {case}: {dtype} M={M} N={n} K={K} {config} gated={gated} {activation} {out_dtype}"
+        if dtype == torch.int8 and not gated and rng.random() < 0.3:
+            acc = gemm.int8_matmul_accumulator(a, w, config=config, out=_poisoned(M, n, torch.int32))
+            assert torch.equal(acc, reference.int8_matmul_exact(a, w)), ctx
+            continue
+        if gated:
+            out = gemm.gated_scaled_mm(a, w, a_scale, w_scale, activation, out_dtype, config=config,
+                                       out=_poisoned(M, n, out_dtype))
+            ref = reference.gated_scaled_mm(a, w, a_scale, w_scale, activation, torch.float32)
+        else:
+            out = gemm.scaled_mm(a, w, a_scale, w_scale, bias, activation, out_dtype, config=config,
+                                 out=_poisoned(M, n, out_dtype))
+            ref = reference.scaled_mm(a, w, a_scale, w_scale, bias, activation, torch.float32)
+        # ref in fp32: the kernel's one extra rounding is to out_dtype.
+        assert not out.isnan().any(), ctx
+        torch.testing.assert_close(out.float(), ref.float(), rtol=RTOL[out_dtype], atol=1e-5, msg=lambda m: f"{ctx}\n{m}")
+        assert _counters_zero(), ctx

@@ -290,8 +290,8 @@ def test_tiled_split_k_launch_grid_workspace_and_key(gemm_gpu_mode):
                                                                cfg)) == (1, 2), (gated, cfg)
             run = tiled.compiled.runs[-1]
             assert run[:3] == (programs, 1, 1)
-            partials, arrivals, constexpr_split = run[9 + 6], run[9 + 7], run[-1]
-            assert constexpr_split == cfg.get("SPLIT_K", 1)
+            partials, arrivals, constexpr_split, swap_ab = run[9 + 6], run[9 + 7], run[-2], run[-1]
+            assert constexpr_split == cfg.get("SPLIT_K", 1) and swap_ab is False
             assert partials.dtype == torch.int32 and arrivals.dtype == torch.int32
             if cfg is split:
                 slot = (2 if gated else 1) * 16 * 64
@@ -301,7 +301,7 @@ def test_tiled_split_k_launch_grid_workspace_and_key(gemm_gpu_mode):
     assert _launches(tiled, lambda: gemm._launch_tiled(a2, w2, torch.empty(M, N, dtype=torch.bfloat16), sa2, sw2,
                                                        None, flags, False, False, split)) == (1, 2)
     run = tiled.compiled.runs[-1]
-    assert run[0] == 64 * 2 and run[-1] == 2
+    assert run[0] == 64 * 2 and run[-2] == 2
 
 
 def test_tiled_autotuner_path_sizes_the_split_workspace(gemm_gpu_mode, monkeypatch):
