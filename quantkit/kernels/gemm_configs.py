@@ -76,16 +76,6 @@ SMALL_M_SPLIT_K_CONFIGS = [
     _cfg(16, 64, 256, 4, 4, split_k=4, swap_ab=True),
     _cfg(16, 128, 128, 4, 6, split_k=4, swap_ab=True),
 ]
-# SWAP_AB (the last config of SMALL_M_CONFIGS and the last three above): the tile is computed as
-# (w @ a.T).T, BLOCK_N weight rows on the MMA's M side (one 64-row wgmma per warpgroup on Hopper)
-# and the BLOCK_M = 16 token rows on its N side, where the other decode configs give triton a
-# 16-row token tile and so mma.sync. Measured on an H200 (2026-11-29, session 37,
-# `benchmarks/gemm_swap_ab.py`, results/gemm_swap_ab_s37a_h200.*; rotate / flush timers), FP8 at
-# M = 16 against bf16: 6144x4096 1.71 / 1.68x (16x64x256 unsplit) where the pick without them read
-# 1.49 / 1.55x; 4096x4096 1.71 / 1.78x (S2) against 1.54 / 1.70x; 28672x4096 1.84 / 1.76x (unsplit)
-# against 1.74 / 1.68x; 4096x14336 1.78 / 1.74x (S2 / S4) against 1.68 / 1.71x. INT8 and M = 4
-# gain less (0.95-1.10x the pick), the gated MLP front half nothing (1.00-1.04x). These four
-# were the best of twelve candidates; the autotuner times them beside the others.
 # Measured on an H100 (2026-11-24, `benchmarks/gemm.py --split-k`, results/gemm_splitk_s7_h100.*):
 # every split config passed the GPU checks (INT8 exact, counters back at zero, repeats bit-equal).
 # At M = 1 the autotuner's pick with them admitted, against its pick without them: 1.06-1.28x
@@ -100,6 +90,17 @@ SMALL_M_SPLIT_K_CONFIGS = [
 # Explicit ``config={..., "SPLIT_K": s}`` works at every M.
 SMALL_M_SPLIT_K = True
 SPLIT_K_MAX_M = 16
+# SWAP_AB (the last config of SMALL_M_CONFIGS and the last three above): the tile is computed as
+# (w @ a.T).T, BLOCK_N weight rows on the MMA's M side (one 64-row wgmma per warpgroup on Hopper)
+# and the BLOCK_M = 16 token rows on its N side, where the other decode configs give triton a
+# 16-row token tile and so mma.sync. Measured on an H200 (2026-11-29, session 37,
+# `benchmarks/gemm_swap_ab.py`, results/gemm_swap_ab_s37a_h200.*; rotate / flush timers), FP8 at
+# M = 16 against bf16: 6144x4096 1.71 / 1.68x (16x64x256 unsplit) where the pick without them read
+# 1.49 / 1.55x; 4096x4096 1.71 / 1.78x (S2) against 1.54 / 1.70x; 28672x4096 1.84 / 1.76x (unsplit)
+# against 1.70 / 1.67x; 4096x14336 1.78 / 1.74x (S2 / S4) against 1.68 / 1.71x. The best swapped
+# candidate against the pick, M = 16 and 4: FP8 1.02-1.15x, INT8 0.98-1.09x, the gated MLP front
+# half 0.98-1.05x. These four were the best of twelve candidates; the autotuner times them beside
+# the others (standard run s37: it picked one at 15 of the M = 16 keys).
 
 # 17 <= M <= 128: still mostly weight-bound; tiles that cover M in one or two row-tiles.
 MEDIUM_M_CONFIGS = [
