@@ -58,13 +58,15 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--ms", default="16,4")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--candidates", type=int, default=None,
+                        help="time only the first so many candidates (0: bf16 and the two picks only)")
     parser.add_argument("--deadline", type=float, default=None, help="seconds from start; later points are skipped")
     parser.add_argument("--smoke", action="store_true", help="CPU dry run: one tiny point, one candidate")
     args = parser.parse_args()
     start = time.time()
     device = "cpu" if INTERPRETED else "cuda"
     ms = [int(m) for m in args.ms.split(",")]
-    points, timers, limit = SPLIT_K_POINTS, TIMERS, None
+    points, timers, limit = SPLIT_K_POINTS, TIMERS, args.candidates
     if args.smoke:
         points, ms, limit = [("plain", 96, 272), ("gated", 64, 160)], [5], 2
         timers = {"wall": _wall_ms}
