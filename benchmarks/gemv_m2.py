@@ -33,7 +33,8 @@ def main() -> None:
                 x, bf16_weights, a, sa, weights, sw = _operands(kind, M, N, K, dtype, "cuda", copies)
                 ops = {"bf16": (lambda w: lambda: F.linear(x, w), bf16_weights)}
                 for kernel in ("gemv", "tiled"):
-                    ops[kernel] = ((lambda k: lambda w: lambda: gemm.scaled_mm(a, w, sa, sw, kernel=k))(kernel), weights)
+                    make = (lambda k: lambda w: lambda: gemm.scaled_mm(a, w, sa, sw, kernel=k))(kernel)
+                    ops[kernel] = (make, weights)
                 ref = reference.scaled_mm(a, weights[0], sa, sw, None, "none", torch.float32)
                 errs = {k: _rel_err(ops[k][0](weights[0])(), ref) for k in ("gemv", "tiled")}
                 row = {"M": M, "N": N, "K": K, "dtype": dtype_name, **{f"rel_err_{k}": v for k, v in errs.items()}}
@@ -47,7 +48,8 @@ def main() -> None:
                         row[f"{n}_ms_{t}"] = statistics.median(samples[n])
                     for n in ("gemv", "tiled"):
                         row[f"{n}_x_bf16_{t}"] = row[f"bf16_ms_{t}"] / row[f"{n}_ms_{t}"]
-                print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+                print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                      flush=True)
                 rows.append(row)
                 write_results(rows, args.out, "gemv_m2", environment_metadata())
 

@@ -3,8 +3,8 @@ under the CPU interpreter.
 
 Each output tile is computed as SPLIT_K K-slices by as many programs; the last slice to arrive
 sums the partial tiles in slice order and runs the epilogue. SWAP_AB computes each tile as
-(w @ a.T).T (the weight rows as the MMA's first operand); the tests run with it off and on. Outputs are poisoned before each
-launch, the INT8 accumulator is compared exactly with an integer matmul, FP8 against the
+(w @ a.T).T (the weight rows as the MMA's first operand); the tests run with it off and on.
+Outputs are poisoned before each launch, the INT8 accumulator is compared exactly with an integer matmul, FP8 against the
 reference twin, and every launch must leave the arrival counters at zero. Interpreter cost is
 per program: 16 x 64 x 64 tiles and shapes of a few tiles keep each launch to a few programs.
 """
@@ -300,5 +300,6 @@ def test_swap_ab_fuzz_random_shapes_tiles_and_flags():
             ref = reference.scaled_mm(a, w, a_scale, w_scale, bias, activation, torch.float32)
         # ref in fp32: the kernel's one extra rounding is to out_dtype.
         assert not out.isnan().any(), ctx
-        torch.testing.assert_close(out.float(), ref.float(), rtol=RTOL[out_dtype], atol=1e-5, msg=lambda m: f"{ctx}\n{m}")
+        torch.testing.assert_close(out.float(), ref.float(), rtol=RTOL[out_dtype], atol=1e-5,
+                                   msg=lambda m: f"{ctx}\n{m}")
         assert _counters_zero(), ctx
