@@ -4,9 +4,10 @@ under the CPU interpreter.
 Each output tile is computed as SPLIT_K K-slices by as many programs; the last slice to arrive
 sums the partial tiles in slice order and runs the epilogue. SWAP_AB computes each tile as
 (w @ a.T).T (the weight rows as the MMA's first operand); the tests run with it off and on.
-Outputs are poisoned before each launch, the INT8 accumulator is compared exactly with an integer matmul, FP8 against the
-reference twin, and every launch must leave the arrival counters at zero. Interpreter cost is
-per program: 16 x 64 x 64 tiles and shapes of a few tiles keep each launch to a few programs.
+Outputs are poisoned before each launch, the INT8 accumulator is compared exactly with an
+integer matmul, FP8 against the reference twin, and every launch must leave the arrival counters
+at zero. Interpreter cost is per program: 16 x 64 x 64 tiles and shapes of a few tiles keep each
+launch to a few programs.
 """
 
 import pytest
