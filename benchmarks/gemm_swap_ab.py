@@ -9,8 +9,9 @@ warpgroup on Hopper) and the <= 16 tokens its N side, instead of a 16-row token 
 Per point (M in --ms at the Llama-3-8B projections and the gated MLP front half, FP8 and INT8,
 plain dequant epilogue, bf16 out) ``gemm_splitk.time_point`` checks every op against the
 reference (INT8 bit for bit against the unsplit pick), then times bf16, the pick without and
-with today's split configs ("auto", "auto_split_on") and every candidate below with the rotate
-and flush timers in rotated rounds. Writes gemm_swap_ab.json/.csv under --out.
+with today's split configs ("auto", "auto_split_on"; both may be SWAP_AB configs since they joined
+the decode pool: ``--no-swap-picks`` tunes them without, as run s37a did) and every candidate
+below with the rotate and flush timers in rotated rounds. Writes gemm_swap_ab.json/.csv under --out.
 """
 
 import argparse
@@ -23,6 +24,7 @@ import torch
 from quantkit.bench.common import environment_metadata
 from quantkit.bench.gemm import write_results
 from quantkit.bench.gemm_splitk import SPLIT_K_POINTS, TIMERS, print_point, time_point
+from quantkit.kernels import gemm_configs
 from quantkit.kernels.launch import INTERPRETED
 
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); BLOCK_M = 16 tokens.
@@ -62,7 +64,12 @@ def main() -> None:
                         help="time only the first so many candidates (0: bf16 and the two picks only)")
     parser.add_argument("--deadline", type=float, default=None, help="seconds from start; later points are skipped")
     parser.add_argument("--smoke", action="store_true", help="CPU dry run: one tiny point, one candidate")
+    parser.add_argument("--no-swap-picks", action="store_true",
+                        help="tune the picks without the SWAP_AB configs (the pool before session 37, run s37a's "
+                             "baseline); the candidates are timed either way")
     args = parser.parse_args()
+    if args.no_swap_picks:
+        gemm_configs.SMALL_M_SWAP_AB = False
     start = time.time()
     device = "cpu" if INTERPRETED else "cuda"
     ms = [int(m) for m in args.ms.split(",")]
@@ -71,7 +78,7 @@ def main() -> None:
         points, ms, limit = [("plain", 96, 272), ("gated", 64, 160)], [5], 2
         timers = {"wall": _wall_ms}
     meta = environment_metadata()
-    meta.update(timers=list(timers), rounds=args.rounds, skipped=[], errors=[])
+    meta.update(timers=list(timers), rounds=args.rounds, skipped=[], errors=[], swap_picks=not args.no_swap_picks)
     rows = []
     for kind, N, K in points:
         for M in ms:

@@ -467,7 +467,8 @@ def _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config,
 # the call's launch object (TiledCall, gemm_tma.PersistentCall, gemm_gluon.GluonCall, _GemvCall),
 # so a repeated call skips validation, the kernel choice, the plan and key lookups (CPU: ~27 ->
 # ~12 us per call, benchmarks/NOTES-e2e.md, session 6b). Settings read when an entry is made
-# (PERSISTENT_MIN_M, GLUON_MIN_M, GLUON_GATED_MIN_M, GEMV_MAX_M, gemm_configs.SMALL_M_SPLIT_K):
+# (PERSISTENT_MIN_M, GLUON_MIN_M, GLUON_GATED_MIN_M, GEMV_MAX_M, gemm_configs.SMALL_M_SPLIT_K and
+# SMALL_M_SWAP_AB):
 # clear _CALLS after changing them.
 _CALLS = SignatureCache()
 

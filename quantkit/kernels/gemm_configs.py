@@ -1,10 +1,10 @@
 """Launch configs of the tiled GEMM kernel (``gemm._scaled_mm_kernel``): the autotune sets per M
-family, the small-M split-K set (kept out of the autotune pool until it is measured, see
-SMALL_M_SPLIT_K), the split plan and the autotuner's pruning and heuristics.
+family, the small-M split-K set (in the decode pool while SMALL_M_SPLIT_K is on), the split plan
+and the autotuner's pruning and heuristics.
 
 A config is a ``triton.Config`` of BLOCK_M / BLOCK_N / BLOCK_K / GROUP_M (+ SPLIT_K for the split
-set) with num_warps / num_stages; ``launch.config_dict`` turns one into the explicit-config dict
-``gemm.scaled_mm(config=...)`` takes.
+set, + SWAP_AB for the swapped-operand decode configs) with num_warps / num_stages;
+``launch.config_dict`` turns one into the explicit-config dict ``gemm.scaled_mm(config=...)`` takes.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ def _cfg(bm, bn, bk, warps, stages, group_m=8, split_k=1, swap_ab=False):
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
-# Decode (M <= 16): bandwidth-bound on the weight. A 16-row tile wastes no MMA rows worth
-# mentioning; narrow N tiles and long K tiles give 64..512 programs, each with several
-# K-steps of weight in flight, so the whole chip streams the weight.
+# Decode (M <= 16): bandwidth-bound on the weight. A 16-row token tile pads M by at most 15 rows;
+# narrow N tiles and long K tiles give 64..512 programs, each with several K-steps of weight in
+# flight, so the whole chip streams the weight. Triton runs a 16-row tl.dot on mma.sync, though;
+# the SWAP_AB configs (last) put the weight rows on the MMA's M side instead (note below).
 SMALL_M_CONFIGS = [
     _cfg(16, 32, 256, 4, 4),
     _cfg(16, 32, 512, 4, 4),
@@ -91,8 +92,8 @@ SMALL_M_SPLIT_K_CONFIGS = [
 SMALL_M_SPLIT_K = True
 SPLIT_K_MAX_M = 16
 # SWAP_AB (the last config of SMALL_M_CONFIGS and the last three above): the tile is computed as
-# (w @ a.T).T, BLOCK_N weight rows on the MMA's M side (one 64-row wgmma per warpgroup on Hopper)
-# and the BLOCK_M = 16 token rows on its N side, where the other decode configs give triton a
+# (w @ a.T).T, BLOCK_N weight rows on the MMA's M side (Hopper's wgmma takes 64 rows per
+# warpgroup instruction) and the BLOCK_M = 16 token rows on its N side, where the other decode configs give triton a
 # 16-row token tile and so mma.sync. Measured on an H200 (2026-11-29, session 37,
 # `benchmarks/gemm_swap_ab.py`, results/gemm_swap_ab_s37a_h200.*; rotate / flush timers), FP8 at
 # M = 16 against bf16: 6144x4096 1.71 / 1.68x (16x64x256 unsplit) where the pick without them read
@@ -100,7 +101,10 @@ SPLIT_K_MAX_M = 16
 # against 1.70 / 1.67x; 4096x14336 1.78 / 1.74x (S2 / S4) against 1.68 / 1.71x. The best swapped
 # candidate against the pick, M = 16 and 4: FP8 1.02-1.15x, INT8 0.98-1.09x, the gated MLP front
 # half 0.98-1.05x. These four were the best of twelve candidates; the autotuner times them beside
-# the others (standard run s37: it picked one at 15 of the M = 16 keys).
+# the others (standard run s37: it picked one at 15 of the M = 16 keys). SMALL_M_SWAP_AB = False
+# takes them out of the pool (benchmarks/gemm_swap_ab.py --no-swap-picks: the baseline of s37a);
+# explicit ``config={..., "SWAP_AB": True}`` works at every M.
+SMALL_M_SWAP_AB = True
 
 # 17 <= M <= 128: still mostly weight-bound; tiles that cover M in one or two row-tiles.
 MEDIUM_M_CONFIGS = [
@@ -158,6 +162,8 @@ def _prune_configs(configs, named_args, **kwargs):
         family = SMALL_M_CONFIGS + (SMALL_M_SPLIT_K_CONFIGS if split else [])
     else:
         family = MEDIUM_M_CONFIGS if M <= 128 else LARGE_M_CONFIGS
+    if not SMALL_M_SWAP_AB:
+        family = [c for c in family if not c.kwargs.get("SWAP_AB")]
     wanted = {id(c) for c in family}
     pool = [c for c in configs if id(c) in wanted]
     if gated:

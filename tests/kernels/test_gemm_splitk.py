@@ -218,15 +218,17 @@ def test_whichever_slice_arrives_last_combines_in_slice_order(last_slice):
     arrivals.zero_()
 
 
-def test_autotuner_path_clips_split_k_through_the_heuristic(monkeypatch):
+@pytest.mark.parametrize("index,requested,swap", [(3, 8, False), (-2, 4, True)], ids=["S8", "S4_swap_ab"])
+def test_autotuner_path_clips_split_k_through_the_heuristic(monkeypatch, index, requested, swap):
     """triton's own Autotuner + Heuristics (one config: several do not run under the interpreter)
-    around the kernel, as on the GPU's first call of a decode key: the config asks for 8 slices,
-    K = 1040 has 5 steps of 256, so the heuristic passes 5, the grid launches 2 tiles x 5 slices
-    and the workspace fits; the cached plan of the next call clips the same way."""
+    around the kernel, as on the GPU's first call of a decode key: the config asks for 8 (4)
+    slices, K = 1040 has 5 steps of 256, so the heuristic passes 5 (4), the grid launches 2 tiles
+    x that many slices and the workspace fits; the cached plan of the next call clips the same way
+    and keeps the config's SWAP_AB."""
     import triton
 
-    config = gemm_configs.SMALL_M_SPLIT_K_CONFIGS[3]  # 16x64x256, SPLIT_K 8
-    assert config.kwargs["SPLIT_K"] == 8
+    config = gemm_configs.SMALL_M_SPLIT_K_CONFIGS[index]  # 16x64x256, SPLIT_K 8 / 4 swapped
+    assert config.kwargs["SPLIT_K"] == requested and config.kwargs.get("SWAP_AB", False) is swap
     tuner = triton.autotune(configs=[config], key=["N", "K"])(
         triton.heuristics(gemm_configs.HEURISTICS)(gemm._scaled_mm_kernel))
     monkeypatch.setattr(gemm, "_scaled_mm_autotuned", tuner)
@@ -243,13 +245,15 @@ def test_autotuner_path_clips_split_k_through_the_heuristic(monkeypatch):
         assert torch.equal(out, reference.int8_matmul_exact(a, w))
         assert _counters_zero()
     (tuned,) = gemm._TUNED_TILED.values()
-    assert tuned["SPLIT_K"] == 8 and list(gemm._TILED_PLANS.values())[0][2]["SPLIT_K"] == 5
+    (plan,) = gemm._TILED_PLANS.values()
+    assert tuned["SPLIT_K"] == requested and plan[2]["SPLIT_K"] == min(requested, 5)
+    assert plan[2]["SWAP_AB"] is swap
 
 
 # ---------------------------------------------------------------------------------------------- swapped operands
 
 
-def test_swap_ab_configs_are_decode_configs():
+def test_swap_ab_configs_are_decode_configs(monkeypatch):
     """SWAP_AB puts the tokens on the MMA's N side: only in the M <= 16 pools, with a 16-row token
     tile, and both unsplit and split (so the autotuner can pick either)."""
     configs = gemm._scaled_mm_autotuned.configs
@@ -261,20 +265,26 @@ def test_swap_ab_configs_are_decode_configs():
     for M in (17, 128, 129, 4096):
         assert not any(c.kwargs.get("SWAP_AB") for c in gemm_configs._prune_configs(configs, {"M": M}))
     assert gemm_configs.HEURISTICS["SWAP_AB"]({"BLOCK_K": 64}) is False
+    assert gemm_configs.HEURISTICS["SWAP_AB"]({"BLOCK_K": 64, "SWAP_AB": True}) is True
+    monkeypatch.setattr(gemm_configs, "SMALL_M_SWAP_AB", False)  # the switch takes them out, nothing else
+    assert gemm_configs._prune_configs(configs, {"M": 16}) == [c for c in decode if c not in swapped]
 
 
 def test_swap_ab_fuzz_random_shapes_tiles_and_flags():
-    """60 seeded random decode calls through swapped configs of random tiles and splits, every
-    dtype, scale kind, bias, activation, gating and output dtype, against the reference; INT8 raw
-    accumulators exactly."""
+    """60 seeded random calls (mostly decode sizes, some of several row tiles) through swapped
+    configs of random tiles and splits, every dtype, scale kind, bias, activation, gating and output
+    dtype, against the reference; INT8 raw accumulators exactly."""
     import random
 
     rng = random.Random(37)
     for case in range(60):
         dtype = rng.choice([torch.int8, torch.float8_e4m3fn])
-        M, n = rng.choice([1, 2, 5, 9, 13, 16]), rng.choice([1, 17, 40, 70, 96])
+        # Mostly decode sizes; every fifth case several row tiles (explicit configs take any M).
+        M = rng.choice([20, 40]) if case % 5 == 4 else rng.choice([1, 2, 5, 9, 13, 16])
+        n = rng.choice([1, 17, 40, 70, 96])
         K = 16 * rng.randint(1, 14)
-        config = {"BLOCK_M": 16, "BLOCK_N": rng.choice([16, 32, 64]), "BLOCK_K": rng.choice([32, 64, 128]),
+        config = {"BLOCK_M": rng.choice([16, 32]), "BLOCK_N": rng.choice([16, 32, 64]),
+                  "BLOCK_K": rng.choice([32, 64, 128]),
                   "GROUP_M": rng.choice([1, 4]), "SPLIT_K": rng.choice([1, 1, 2, 3, 5]), "SWAP_AB": True,
                   "num_warps": 4, "num_stages": 2}
         gated = rng.random() < 0.25

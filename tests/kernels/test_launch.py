@@ -283,17 +283,21 @@ def test_tiled_split_k_launch_grid_workspace_and_key(gemm_gpu_mode):
     unsplit = config_dict(gemm.SMALL_M_CONFIGS[2])  # 16x64x256
     split = config_dict(gemm.SMALL_M_SPLIT_K_CONFIGS[3])  # 16x64x256, SPLIT_K 8
     assert {k: v for k, v in split.items() if k != "SPLIT_K"} == unsplit
+    # The swapped decode configs: the same tiles, SWAP_AB=True reaches the kernel as a constexpr.
+    swapped = config_dict(gemm.SMALL_M_CONFIGS[-1])  # 16x64x256, swapped
+    swapped_split = config_dict(gemm.SMALL_M_SPLIT_K_CONFIGS[-2])  # 16x64x256, SPLIT_K 4, swapped
+    assert swapped == {**unsplit, "SWAP_AB": True} and swapped_split == {**split, "SPLIT_K": 4, "SWAP_AB": True}
     for gated, weight, scale in ((False, w, sw), (True, torch.cat([w, w]), torch.cat([sw, sw]))):
-        for cfg, programs in ((unsplit, 64), (split, 64 * 8)):
+        for cfg, programs in ((unsplit, 64), (split, 64 * 8), (swapped, 64), (swapped_split, 64 * 4)):
             out = torch.empty(M, N, dtype=torch.bfloat16)
             assert _launches(tiled, lambda: gemm._launch_tiled(a, weight, out, sa, scale, None, flags, gated, False,
                                                                cfg)) == (1, 2), (gated, cfg)
             run = tiled.compiled.runs[-1]
             assert run[:3] == (programs, 1, 1)
             partials, arrivals, constexpr_split, swap_ab = run[9 + 6], run[9 + 7], run[-2], run[-1]
-            assert constexpr_split == cfg.get("SPLIT_K", 1) and swap_ab is False
+            assert constexpr_split == cfg.get("SPLIT_K", 1) and swap_ab is cfg.get("SWAP_AB", False)
             assert partials.dtype == torch.int32 and arrivals.dtype == torch.int32
-            if cfg is split:
+            if cfg.get("SPLIT_K", 1) > 1:
                 slot = (2 if gated else 1) * 16 * 64
                 assert partials.numel() >= programs * slot and arrivals.numel() >= programs
     # A K too short for 8 slices: the plan's count (2) reaches the kernel and the grid.
