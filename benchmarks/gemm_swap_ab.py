@@ -2,6 +2,7 @@
 against today's autotuned pick and bf16 F.linear, on the GPU, one process.
 
     PYTHONUNBUFFERED=1 QUANTKIT_COMMIT=<sha> python benchmarks/gemm_swap_ab.py --out $OUT/swap --deadline 500
+    ... gemm_swap_ab.py --out $OUT/swap32 --ms 32,24 --block-m 32     # swapped tiles at medium M
     TRITON_INTERPRET=1 python benchmarks/gemm_swap_ab.py --out /tmp/swap --smoke    # CPU dry run
 
 SWAP_AB computes (w @ a.T).T: the weight's BLOCK_N rows fill the MMA's M side (a 64-row wgmma per
@@ -38,12 +39,12 @@ CANDIDATES = [
 SMEM_LIMIT = 220 * 1024
 
 
-def candidates(gated: bool) -> list[dict]:
+def candidates(gated: bool, block_m: int = 16) -> list[dict]:
     out = []
     for bn, bk, split, warps, stages in CANDIDATES:
-        if stages * ((2 if gated else 1) * bn + 16) * bk > SMEM_LIMIT:
+        if stages * ((2 if gated else 1) * bn + block_m) * bk > SMEM_LIMIT:
             continue
-        out.append({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "SPLIT_K": split, "SWAP_AB": True,
+        out.append({"BLOCK_M": block_m, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "SPLIT_K": split, "SWAP_AB": True,
                     "num_warps": warps, "num_stages": stages})
     return out
 
@@ -64,6 +65,9 @@ def main() -> None:
                         help="time only the first so many candidates (0: bf16 and the two picks only)")
     parser.add_argument("--deadline", type=float, default=None, help="seconds from start; later points are skipped")
     parser.add_argument("--smoke", action="store_true", help="CPU dry run: one tiny point, one candidate")
+    parser.add_argument("--block-m", type=int, default=16,
+                        help="token rows of the candidates' tiles (32: swapped tiles for 17 <= M <= 32, the "
+                             "medium pool's sizes; not yet measured)")
     parser.add_argument("--no-swap-picks", action="store_true",
                         help="tune the picks without the SWAP_AB configs (the pool before session 37, run s37a's "
                              "baseline); the candidates are timed either way")
@@ -75,10 +79,11 @@ def main() -> None:
     ms = [int(m) for m in args.ms.split(",")]
     points, timers, limit = SPLIT_K_POINTS, TIMERS, args.candidates
     if args.smoke:
-        points, ms, limit = [("plain", 96, 272), ("gated", 64, 160)], [5], 2
+        points, ms, limit = [("plain", 96, 272), ("gated", 64, 160)], [5 if args.block_m <= 16 else 20], 2
         timers = {"wall": _wall_ms}
     meta = environment_metadata()
-    meta.update(timers=list(timers), rounds=args.rounds, skipped=[], errors=[], swap_picks=not args.no_swap_picks)
+    meta.update(timers=list(timers), rounds=args.rounds, skipped=[], errors=[], swap_picks=not args.no_swap_picks,
+                block_m=args.block_m)
     rows = []
     for kind, N, K in points:
         for M in ms:
@@ -89,7 +94,7 @@ def main() -> None:
                     continue
                 try:
                     point_rows = time_point(kind, M, N, K, dtype_name, timers, args.rounds, device, limit,
-                                            candidates(kind == "gated"))
+                                            candidates(kind == "gated", args.block_m))
                 except Exception:  # noqa: BLE001 - a point that fails is recorded, the rest still run
                     meta["errors"].append(f"{label}: {traceback.format_exc(limit=-3)}")
                     print(f"{label}: FAILED\n{traceback.format_exc()}", flush=True)
