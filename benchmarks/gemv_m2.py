@@ -7,7 +7,6 @@ the reference first, then timed by gemm_splitk's rotate and flush timers in rota
 """
 
 import argparse
-import statistics
 
 import kernels_only  # noqa: F401  (quantkit without its __init__)
 import torch
@@ -17,6 +16,7 @@ from quantkit.bench.common import environment_metadata
 from quantkit.bench.gemm import _rel_err, fp8_fast_accum_tolerance, write_results
 from quantkit.bench.gemm_splitk import ROTATE_BYTES, SPLIT_K_POINTS, TIMERS, _operands
 from quantkit.kernels import gemm, reference
+from quantkit.kernels.launch import rotated_medians
 
 
 def main() -> None:
@@ -42,14 +42,10 @@ def main() -> None:
                 if bad:  # a wrong kernel is not timed
                     raise SystemExit(f"M={M} {N}x{K} {dtype_name}: rel. error of {bad} above {bound:.1e}: {errs}")
                 row = {"M": M, "N": N, "K": K, "dtype": dtype_name, **{f"rel_err_{k}": v for k, v in errs.items()}}
-                names = list(ops)
                 for t, timer in TIMERS.items():
-                    samples = {n: [] for n in names}
-                    for r in range(args.rounds):
-                        for n in names[r % len(names):] + names[:r % len(names)]:
-                            samples[n].append(timer(*ops[n]))
-                    for n in names:
-                        row[f"{n}_ms_{t}"] = statistics.median(samples[n])
+                    medians, _ = rotated_medians(ops, lambda op: timer(*op), args.rounds)
+                    for n, ms in medians.items():
+                        row[f"{n}_ms_{t}"] = ms
                     for n in ("gemv", "tiled"):
                         row[f"{n}_x_bf16_{t}"] = row[f"bf16_ms_{t}"] / row[f"{n}_ms_{t}"]
                 print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),

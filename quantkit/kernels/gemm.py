@@ -243,7 +243,7 @@ def _tiled_plan(config: dict, flags: tuple, gated: bool, fp8_fast_accum: bool, K
     constexprs = dict(zip(FLAG_NAMES, flags), GATED=gated, INTERPRETED=INTERPRETED, EVEN_K=K % cfg["BLOCK_K"] == 0,
                       FP8_FAST_ACCUM=fp8_fast_accum, FP8_PROMOTE_K=min(cfg["BLOCK_K"], 128),
                       **{**cfg, "SPLIT_K": split_k_plan(K, cfg["BLOCK_K"], cfg.get("SPLIT_K", 1)),
-                         "SWAP_AB": bool(cfg.get("SWAP_AB", False))})
+                         "SWAP_AB": HEURISTICS["SWAP_AB"](cfg)})
     # Sorted: two configs with the same values under different keys must not share a binary.
     config_key = (*sorted(cfg.items()), num_warps, num_stages)
     return cfg["BLOCK_M"], cfg["BLOCK_N"], constexprs, num_warps, num_stages, config_key

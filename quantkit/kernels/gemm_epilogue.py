@@ -76,17 +76,16 @@ def tile_mainloop(a_ptrs, w_ptrs, up_offset, offs_k, K, k_begin, k_end, BLOCK_M:
             w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
         acc = dot_accumulate(a, w, acc, IS_INT8, FP8_FAST_ACCUM, FP8_PROMOTE_K)
         if GATED:
+            # The up tile stands in for the weight's operand: same shape, same K mask.
+            if EVEN_K:
+                up = tl.load(up_ptrs)
+            elif UP_IN_A:
+                up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
+            else:
+                up = tl.load(up_ptrs, mask=k_mask[:, None], other=0.0)
             if UP_IN_A:
-                if EVEN_K:
-                    up = tl.load(up_ptrs)
-                else:
-                    up = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
                 acc_up = dot_accumulate(up, w, acc_up, IS_INT8, FP8_FAST_ACCUM, FP8_PROMOTE_K)
             else:
-                if EVEN_K:
-                    up = tl.load(up_ptrs)
-                else:
-                    up = tl.load(up_ptrs, mask=k_mask[:, None], other=0.0)
                 acc_up = dot_accumulate(a, up, acc_up, IS_INT8, FP8_FAST_ACCUM, FP8_PROMOTE_K)
             up_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
