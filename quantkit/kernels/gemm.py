@@ -40,8 +40,8 @@ per eager call); decode sizes
 (M <= 16) get GEMV-like configs (a 16-row tile, narrow N tiles, long K tiles, deep pipelines) so
 that enough programs stream the weight to saturate memory bandwidth, among them SWAP_AB configs
 that compute the tile as (w @ a.T).T: the weight's BLOCK_N rows on the MMA's M side (a 64-row
-wgmma per warpgroup on Hopper) and the <= 16 tokens on its N side (``gemm_configs``). Under the interpreter one
-fixed config is used (autotune with several configs fails there; cost is per program).
+wgmma per warpgroup on Hopper) and the <= 16 tokens on its N side (``gemm_configs``). Under the
+interpreter one fixed config is used (autotune with several configs fails there; cost is per program).
 
 FP8 accumulation: ``fp8_fast_accum=True`` (the default) lets Hopper's FP8 tensor cores accumulate
 a whole K loop without promotion, like ``torch._scaled_mm(use_fast_accum=True)``, vLLM's and

@@ -93,8 +93,8 @@ SMALL_M_SPLIT_K = True
 SPLIT_K_MAX_M = 16
 # SWAP_AB (the last config of SMALL_M_CONFIGS and the last three above): the tile is computed as
 # (w @ a.T).T, BLOCK_N weight rows on the MMA's M side (Hopper's wgmma takes 64 rows per
-# warpgroup instruction) and the BLOCK_M = 16 token rows on its N side, where the other decode configs give triton a
-# 16-row token tile and so mma.sync. Measured on an H200 (2026-11-29, session 37,
+# warpgroup instruction) and the BLOCK_M = 16 token rows on its N side, where the other decode
+# configs give triton a 16-row token tile and so mma.sync. Measured on an H200 (2026-11-29, session 37,
 # `benchmarks/gemm_swap_ab.py`, results/gemm_swap_ab_s37a_h200.*; rotate / flush timers), FP8 at
 # M = 16 against bf16: 6144x4096 1.71 / 1.68x (16x64x256 unsplit) where the pick without them read
 # 1.49 / 1.55x; 4096x4096 1.71 / 1.78x (S2) against 1.54 / 1.70x; 28672x4096 1.84 / 1.76x (unsplit)
