@@ -103,6 +103,48 @@ def run_split_k_checks(record, device="cuda", small=False) -> None:
         _check_graph_capture(record, N, K, gen)
 
 
+# Promoted FP8 (fp8_fast_accum=False) adds the MMA's partial sums into fp32 every FP8_PROMOTE_K
+# products. Relative error of an fp32 output against float64 (the norm ratio of common.rel_err).
+PROMOTED_FP32_BOUND = 1e-4
+
+
+def run_promoted_checks(record, device="cuda", small=False) -> None:
+    """Every decode config (the small-M pool, split and swapped ones included) in the promoted FP8
+    mode, plain (bias + gelu_tanh) and gated, fp32 output, M = 1 and 13, on the split checks'
+    masked-K shape: within PROMOTED_FP32_BOUND of float64. The fast mode's error on the same
+    inputs is recorded beside it (``fast_rel_err``): promotion that silently did not happen reads
+    as the fast error."""
+    N, K = (40, 1040) if small else (200, 4160)
+    gen = torch.Generator(device=device).manual_seed(7)
+    dtype = torch.float8_e4m3fn
+    a, sa = reference.quantize_per_token(torch.randn(16, K, device=device, generator=gen), dtype)
+    w, sw = reference.quantize_per_channel(torch.randn(2 * N, K, device=device, generator=gen), dtype)
+    bias = torch.randn(N, device=device, generator=gen).to(torch.bfloat16)
+    configs = [config_dict(c) for c in gemm.SMALL_M_CONFIGS + gemm.SMALL_M_SPLIT_K_CONFIGS]
+    for cfg in configs[-2:] if small else configs:
+        for gated in (False, True):
+            for M in (1, 13):
+                def run(fast):
+                    out = torch.full((M, N), float("nan"), device=device)
+                    if gated:
+                        return gemm.gated_scaled_mm(a[:M], w, sa[:M], sw, "silu", torch.float32, config=cfg, out=out,
+                                                    fp8_fast_accum=fast)
+                    return gemm.scaled_mm(a[:M], w[:N], sa[:M], sw[:N], bias, "gelu_tanh", torch.float32, config=cfg,
+                                          out=out, fp8_fast_accum=fast)
+
+                if gated:
+                    gate, up = w[:N], w[N:]
+                    exact = (reference.fp64_scaled_mm(a[:M], gate, sa[:M], sw[:N], None, "silu")
+                             * reference.fp64_scaled_mm(a[:M], up, sa[:M], sw[N:], None, "none"))
+                else:
+                    exact = reference.fp64_scaled_mm(a[:M], w[:N], sa[:M], sw[:N], bias, "gelu_tanh")
+                promoted = run(False)
+                err, fast_err = _rel_err(promoted, exact), _rel_err(run(True), exact)
+                record(f"promoted_fp8_gated={gated}", not promoted.isnan().any() and err < PROMOTED_FP32_BOUND,
+                       config=config_name(cfg), M=M, N=N, K=K, rel_err=err, fast_rel_err=fast_err,
+                       bound=PROMOTED_FP32_BOUND)
+
+
 def _check_graph_capture(record, N, K, gen) -> None:
     """A split launch captured in a CUDA graph (the workspace exists after the eager warm-up):
     replayed on new inputs it equals an eager launch and leaves the counters at zero."""
