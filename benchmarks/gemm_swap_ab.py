@@ -67,9 +67,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU dry run: one tiny point, one candidate")
     parser.add_argument("--block-m", type=int, default=16,
                         help="token rows of the candidates' tiles (32: swapped tiles for 17 <= M <= 32, the "
-                             "medium pool's sizes; not yet measured)")
+                             "medium pool's sizes: run s38a, whose picks had no swapped configs there yet)")
     parser.add_argument("--no-swap-picks", action="store_true",
-                        help="tune the picks without the SWAP_AB configs (the pool before session 37, run s37a's "
+                        help="tune the picks without the SWAP_AB configs (the pools before sessions 37 and 38, run s37a's "
                              "baseline); the candidates are timed either way")
     args = parser.parse_args()
     if args.no_swap_picks:

@@ -20,8 +20,9 @@ leaves SMs idle); each slice stores its int32 / fp32 partial tile in gemm_tma's 
 workspace and the last to arrive sums them in slice order (deterministic, INT8 exact), runs the
 epilogue and resets its tile's counter (``gemm_epilogue.split_arrive`` / ``split_sum``, shared
 with the persistent kernel's split tail). SPLIT_K = 1 compiles to the unsplit kernel. The autotuner
-considers the split configs for M <= ``gemm_configs.SPLIT_K_MAX_M`` (16: measured, M = 1 gains on an
-H100 and FP8 at M = 16 with a long K on an H200; ``gemm_configs.SMALL_M_SPLIT_K`` switches them off).
+considers the split configs for M <= ``gemm_configs.SPLIT_K_MAX_M`` (32: measured, M = 1 gains on an
+H100, FP8 at M = 16 with a long K on an H200, and swapped split tiles at 17 <= M <= 32 with a long
+K or N = 4096 on an H200; ``gemm_configs.SMALL_M_SPLIT_K`` switches them off).
 
 Four kernels behind ``kernel="auto"`` (``_pick_kernel``), each with the same semantics and epilogue:
 - M <= GEMV_MAX_M (1): the tensor-core-free GEMV of ``gemv.py`` (a weight stream; gated too);
@@ -40,7 +41,8 @@ per eager call); decode sizes
 (M <= 16) get GEMV-like configs (a 16-row tile, narrow N tiles, long K tiles, deep pipelines) so
 that enough programs stream the weight to saturate memory bandwidth, among them SWAP_AB configs
 that compute the tile as (w @ a.T).T: the weight's BLOCK_N rows on the MMA's M side (a 64-row
-wgmma per warpgroup on Hopper) and the <= 16 tokens on its N side (``gemm_configs``). Under the
+wgmma per warpgroup on Hopper) and the <= 16 tokens on its N side (``gemm_configs``; with 32-token
+tiles also for 17 <= M <= ``gemm_configs.SWAP_AB_MAX_M``, 32). Under the
 interpreter one fixed config is used (autotune with several configs fails there; cost is per program).
 
 FP8 accumulation: ``fp8_fast_accum=True`` (the default) lets Hopper's FP8 tensor cores accumulate
@@ -62,8 +64,8 @@ from quantkit.kernels.call_cache import SignatureCache
 from quantkit.kernels.gemm_checks import (  # noqa: F401 - re-exported: gemm's API
     ACTIVATION_CODES, K_ALIGNMENT, MAX_INT8_K, OUT_DTYPES, check_scaled_mm_args)
 from quantkit.kernels.gemm_configs import (  # noqa: F401 - the config sets are part of gemm's API
-    ALL_CONFIGS, HEURISTICS, INTERPRETER_CONFIG, LARGE_M_CONFIGS, MEDIUM_M_CONFIGS, SMALL_M_CONFIGS,
-    SMALL_M_SPLIT_K_CONFIGS, _prune_configs, m_bucket, split_k_plan, split_k_programs)
+    ALL_CONFIGS, HEURISTICS, INTERPRETER_CONFIG, LARGE_M_CONFIGS, MEDIUM_M_CONFIGS, MEDIUM_M_SWAP_CONFIGS,
+    SMALL_M_CONFIGS, SMALL_M_SPLIT_K_CONFIGS, _prune_configs, m_bucket, split_k_plan, split_k_programs)
 from quantkit.kernels.gemm_epilogue import grouped_tile, split_arrive, split_sum, store_tile, tile_mainloop
 from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, config_dict
 

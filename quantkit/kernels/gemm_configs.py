@@ -89,8 +89,10 @@ SMALL_M_SPLIT_K_CONFIGS = [
 # split config was 0.89-1.05x the unsplit pick (the tuner keeps the faster). So the pool admits them
 # up to M = 16.
 # Explicit ``config={..., "SPLIT_K": s}`` works at every M.
+# Session 38 (below) added swapped split configs for 17 <= M <= 32, so the pool admits split
+# configs up to M = 32; the only ones above M = 16 are those swapped ones.
 SMALL_M_SPLIT_K = True
-SPLIT_K_MAX_M = 16
+SPLIT_K_MAX_M = 32
 # SWAP_AB (the last config of SMALL_M_CONFIGS and the last three above): the tile is computed as
 # (w @ a.T).T, BLOCK_N weight rows on the MMA's M side (Hopper's wgmma takes 64 rows per
 # warpgroup instruction) and the BLOCK_M = 16 token rows on its N side, where the other decode
@@ -102,9 +104,24 @@ SPLIT_K_MAX_M = 16
 # candidate against the pick, M = 16 and 4: FP8 1.02-1.15x, INT8 0.98-1.09x, the gated MLP front
 # half 0.98-1.05x. These four were the best of twelve candidates; the autotuner times them beside
 # the others (standard run s37: it picked one at 15 of the M = 16 keys). SMALL_M_SWAP_AB = False
-# takes them out of the pool (benchmarks/gemm_swap_ab.py --no-swap-picks: the baseline of s37a);
-# explicit ``config={..., "SWAP_AB": True}`` works at every M.
+# takes them out of the pool (benchmarks/gemm_swap_ab.py --no-swap-picks: the baseline of s37a),
+# with the medium ones below; explicit ``config={..., "SWAP_AB": True}`` works at every M.
 SMALL_M_SWAP_AB = True
+
+# 17 <= M <= 32: the medium pool's tiles have 32 or 64 token rows, and a 32-row tl.dot again runs on
+# mma.sync. Swapped 32-token tiles (wgmma n = 32), measured on an H200 (2026-11-29, session 38,
+# `benchmarks/gemm_swap_ab.py --ms 32,24 --block-m 32`, results/gemm_swap_ab_s38a_h200.*; twelve
+# candidates, rotate / flush timers) against the medium pool's pick (64x64x256 or 64x128x128):
+# 1.04-1.07x at 6144x4096, 1.08-1.18x at 4096x4096 (S2), 1.23-1.33x at 4096x14336 (S2 / S4), FP8 and
+# INT8; 0.99-1.03x at 28672x4096 and on the gated MLP front half (the pick already streams the
+# weight). Against bf16 the best reads 1.61-1.77x where the pick read 1.27-1.60x. These three were
+# the fastest candidates at every point.
+MEDIUM_M_SWAP_CONFIGS = [
+    _cfg(32, 64, 256, 4, 4, swap_ab=True),
+    _cfg(32, 64, 256, 4, 4, split_k=2, swap_ab=True),
+    _cfg(32, 64, 256, 4, 4, split_k=4, swap_ab=True),
+]
+SWAP_AB_MAX_M = 32
 
 # 17 <= M <= 128: still mostly weight-bound; tiles that cover M in one or two row-tiles.
 MEDIUM_M_CONFIGS = [
@@ -125,7 +142,8 @@ LARGE_M_CONFIGS = [
     _cfg(128, 64, 128, 4, 4),
 ]
 # Every config the autotuner knows; _prune_configs picks each call's family.
-ALL_CONFIGS = SMALL_M_CONFIGS + SMALL_M_SPLIT_K_CONFIGS + MEDIUM_M_CONFIGS + LARGE_M_CONFIGS
+ALL_CONFIGS = (SMALL_M_CONFIGS + SMALL_M_SPLIT_K_CONFIGS + MEDIUM_M_CONFIGS + LARGE_M_CONFIGS
+               + MEDIUM_M_SWAP_CONFIGS)
 
 # One config under the interpreter: big tiles (cost is per program), K tile 64 so test shapes
 # exercise both the multi-step K loop and the masked K tail.
@@ -158,10 +176,13 @@ def _prune_configs(configs, named_args, **kwargs):
     M = named_args["M"]
     gated = named_args.get("GATED", kwargs.get("GATED", False))
     if M <= 16:
-        split = SMALL_M_SPLIT_K and M <= SPLIT_K_MAX_M
-        family = SMALL_M_CONFIGS + (SMALL_M_SPLIT_K_CONFIGS if split else [])
+        family = SMALL_M_CONFIGS + SMALL_M_SPLIT_K_CONFIGS
+    elif M <= 128:
+        family = MEDIUM_M_CONFIGS + (MEDIUM_M_SWAP_CONFIGS if M <= SWAP_AB_MAX_M else [])
     else:
-        family = MEDIUM_M_CONFIGS if M <= 128 else LARGE_M_CONFIGS
+        family = LARGE_M_CONFIGS
+    if not (SMALL_M_SPLIT_K and M <= SPLIT_K_MAX_M):
+        family = [c for c in family if c.kwargs.get("SPLIT_K", 1) == 1]
     if not SMALL_M_SWAP_AB:
         family = [c for c in family if not c.kwargs.get("SWAP_AB")]
     wanted = {id(c) for c in family}

@@ -102,13 +102,17 @@ def test_split_configs_join_the_pool_only_at_decode_sizes(monkeypatch):
     limit = gemm_configs.SPLIT_K_MAX_M
     # A power of two: the autotune key buckets M by powers of two, so one bucket never spans it.
     assert gemm_configs.m_bucket(limit) == limit
-    assert limit == 16  # every decode size (M <= 16) since session 36's H200 run
-    for M in (1, 3, 9, limit):
+    assert limit == 32  # every decode size (M <= 16) since session 36, the medium swapped ones since 38
+    for M in (1, 3, 9, 16):
         assert gemm_configs._prune_configs(configs, {"M": M}) == gemm_configs.SMALL_M_CONFIGS + split
     assert gemm_configs._prune_configs(configs, {"M": 1, "GATED": True}) == gemm_configs.SMALL_M_CONFIGS + split
+    medium = gemm_configs.MEDIUM_M_CONFIGS + gemm_configs.MEDIUM_M_SWAP_CONFIGS
+    for M in (17, 24, limit):  # above 16 the only split configs are the swapped 32-token ones
+        assert gemm_configs._prune_configs(configs, {"M": M}) == medium
     assert not any("SPLIT_K" in c.kwargs for c in gemm_configs._prune_configs(configs, {"M": limit + 1}))
     monkeypatch.setattr(gemm_configs, "SMALL_M_SPLIT_K", False)
     assert gemm_configs._prune_configs(configs, {"M": 1}) == gemm_configs.SMALL_M_CONFIGS
+    assert gemm_configs._prune_configs(configs, {"M": 24}) == [c for c in medium if "SPLIT_K" not in c.kwargs]
 
 
 # ---------------------------------------------------------------------------------------------- kernel
@@ -254,20 +258,27 @@ def test_autotuner_path_clips_split_k_through_the_heuristic(monkeypatch, index, 
 
 
 def test_swap_ab_configs_are_decode_configs(monkeypatch):
-    """SWAP_AB puts the tokens on the MMA's N side: only in the M <= 16 pools, with a 16-row token
-    tile, and both unsplit and split (so the autotuner can pick either)."""
+    """SWAP_AB puts the tokens on the MMA's N side: only in the pools up to M = 32, with a 16-row
+    token tile for M <= 16 and a 32-row one above, both unsplit and split (so the autotuner can
+    pick either)."""
     configs = gemm._scaled_mm_autotuned.configs
     swapped = [c for c in configs if c.kwargs.get("SWAP_AB")]
-    assert swapped and all(c.kwargs["BLOCK_M"] == 16 for c in swapped)
-    assert {c.kwargs.get("SPLIT_K", 1) > 1 for c in swapped} == {False, True}
-    decode = gemm_configs._prune_configs(configs, {"M": 16})
-    assert all(c in decode for c in swapped)
-    for M in (17, 128, 129, 4096):
+    assert gemm_configs.SWAP_AB_MAX_M == gemm_configs.m_bucket(gemm_configs.SWAP_AB_MAX_M) == 32
+    for M, block_m in ((16, 16), (32, 32)):
+        pool = gemm_configs._prune_configs(configs, {"M": M})
+        ours = [c for c in swapped if c.kwargs["BLOCK_M"] == block_m]
+        assert ours and [c for c in pool if c.kwargs.get("SWAP_AB")] == ours
+        assert {c.kwargs.get("SPLIT_K", 1) > 1 for c in ours} == {False, True}
+    assert {c.kwargs["BLOCK_M"] for c in swapped} == {16, 32}
+    for M in (33, 128, 129, 4096):
         assert not any(c.kwargs.get("SWAP_AB") for c in gemm_configs._prune_configs(configs, {"M": M}))
     assert gemm_configs.HEURISTICS["SWAP_AB"]({"BLOCK_K": 64}) is False
     assert gemm_configs.HEURISTICS["SWAP_AB"]({"BLOCK_K": 64, "SWAP_AB": True}) is True
+    decode, medium = (gemm_configs._prune_configs(configs, {"M": M}) for M in (16, 24))
     monkeypatch.setattr(gemm_configs, "SMALL_M_SWAP_AB", False)  # the switch takes them out, nothing else
     assert gemm_configs._prune_configs(configs, {"M": 16}) == [c for c in decode if c not in swapped]
+    assert gemm_configs._prune_configs(configs, {"M": 24}) == gemm_configs.MEDIUM_M_CONFIGS
+    assert medium == gemm_configs.MEDIUM_M_CONFIGS + gemm_configs.MEDIUM_M_SWAP_CONFIGS
 
 
 def test_swap_ab_fuzz_random_shapes_tiles_and_flags():
