@@ -69,8 +69,8 @@ def main() -> None:
                         help="token rows of the candidates' tiles (32: swapped tiles for 17 <= M <= 32, the "
                              "medium pool's sizes: run s38a, whose picks had no swapped configs there yet)")
     parser.add_argument("--no-swap-picks", action="store_true",
-                        help="tune the picks without the SWAP_AB configs (the pools before sessions 37 and 38, run s37a's "
-                             "baseline); the candidates are timed either way")
+                        help="tune the picks without the SWAP_AB configs (the pools before sessions 37 and 38, "
+                             "run s37a's baseline); the candidates are timed either way")
     args = parser.parse_args()
     if args.no_swap_picks:
         gemm_configs.SMALL_M_SWAP_AB = False
