@@ -3,6 +3,7 @@ against today's autotuned pick and bf16 F.linear, on the GPU, one process.
 
     PYTHONUNBUFFERED=1 QUANTKIT_COMMIT=<sha> python benchmarks/gemm_swap_ab.py --out $OUT/swap --deadline 500
     ... gemm_swap_ab.py --out $OUT/swap32 --ms 32,24 --block-m 32     # swapped tiles at medium M
+    ... gemm_swap_ab.py --out $OUT/m64 --ms 64,128 --block-m 64 --orientations swap,plain   # + unswapped splits
     TRITON_INTERPRET=1 python benchmarks/gemm_swap_ab.py --out /tmp/swap --smoke    # CPU dry run
 
 SWAP_AB computes (w @ a.T).T: the weight's BLOCK_N rows fill the MMA's M side (a 64-row wgmma per
@@ -39,13 +40,15 @@ CANDIDATES = [
 SMEM_LIMIT = 220 * 1024
 
 
-def candidates(gated: bool, block_m: int = 16) -> list[dict]:
+def candidates(gated: bool, block_m: int = 16, orientations=(True,)) -> list[dict]:
+    """The CANDIDATES with ``block_m`` token rows, swapped and / or not (``orientations``: SWAP_AB values)."""
     out = []
-    for bn, bk, split, warps, stages in CANDIDATES:
-        if stages * ((2 if gated else 1) * bn + block_m) * bk > SMEM_LIMIT:
-            continue
-        out.append({"BLOCK_M": block_m, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "SPLIT_K": split, "SWAP_AB": True,
-                    "num_warps": warps, "num_stages": stages})
+    for swap in orientations:
+        for bn, bk, split, warps, stages in CANDIDATES:
+            if stages * ((2 if gated else 1) * bn + block_m) * bk > SMEM_LIMIT:
+                continue
+            out.append({"BLOCK_M": block_m, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "SPLIT_K": split,
+                        "SWAP_AB": swap, "num_warps": warps, "num_stages": stages})
     return out
 
 
@@ -68,6 +71,9 @@ def main() -> None:
     parser.add_argument("--block-m", type=int, default=16,
                         help="token rows of the candidates' tiles (32: swapped tiles for 17 <= M <= 32, the "
                              "medium pool's sizes: run s38a, whose picks had no swapped configs there yet)")
+    parser.add_argument("--orientations", default="swap",
+                        help="comma list of swap,plain: time the candidates swapped and / or not (plain: the "
+                             "same tiles and splits with the tokens on the MMA's M side, e.g. split-K at M = 64)")
     parser.add_argument("--no-swap-picks", action="store_true",
                         help="tune the picks without the SWAP_AB configs (the pools before sessions 37 and 38, "
                              "run s37a's baseline); the candidates are timed either way")
@@ -77,13 +83,15 @@ def main() -> None:
     start = time.time()
     device = "cpu" if INTERPRETED else "cuda"
     ms = [int(m) for m in args.ms.split(",")]
+    names = {"swap": True, "plain": False}
+    orientations = tuple(names[o] for o in args.orientations.split(","))
     points, timers, limit = SPLIT_K_POINTS, TIMERS, args.candidates
     if args.smoke:
         points, ms, limit = [("plain", 96, 272), ("gated", 64, 160)], [5 if args.block_m <= 16 else 20], 2
         timers = {"wall": _wall_ms}
     meta = environment_metadata()
     meta.update(timers=list(timers), rounds=args.rounds, skipped=[], errors=[], swap_picks=not args.no_swap_picks,
-                block_m=args.block_m)
+                block_m=args.block_m, orientations=args.orientations)
     rows = []
     for kind, N, K in points:
         for M in ms:
@@ -94,7 +102,7 @@ def main() -> None:
                     continue
                 try:
                     point_rows = time_point(kind, M, N, K, dtype_name, timers, args.rounds, device, limit,
-                                            candidates(kind == "gated", args.block_m))
+                                            candidates(kind == "gated", args.block_m, orientations))
                 except Exception:  # noqa: BLE001 - a point that fails is recorded, the rest still run
                     meta["errors"].append(f"{label}: {traceback.format_exc(limit=-3)}")
                     print(f"{label}: FAILED\n{traceback.format_exc()}", flush=True)
