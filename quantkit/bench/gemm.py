@@ -552,8 +552,8 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False, parts=CHECK_PAR
             w, sw = reference.quantize_per_channel(torch.randn(N, K, device=device), dtype)
             w2, sw2 = torch.cat([w, w.flip(0)]), torch.cat([sw, sw.flip(0)])
             persistent = [] if gated else gemm_tma.PERSISTENT_CONFIGS
-            pools = (gemm.SMALL_M_CONFIGS + gemm.MEDIUM_M_CONFIGS + gemm.MEDIUM_M_SWAP_CONFIGS + gemm.LARGE_M_CONFIGS
-                     + persistent)
+            pools = (gemm.SMALL_M_CONFIGS + gemm.MEDIUM_M_CONFIGS + gemm.MEDIUM_M_SWAP_CONFIGS
+                     + gemm.MEDIUM_M_SPLIT_K_CONFIGS + gemm.LARGE_M_CONFIGS + persistent)
             for cfg in pools if not small else []:
                 # Persistent configs carry EPILOGUE_SPLIT, which routes them to the TMA kernel.
                 config = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}

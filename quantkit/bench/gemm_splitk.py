@@ -46,8 +46,9 @@ def split_configs(limit: int | None = None) -> list[dict]:
 
 
 def pool_split_configs() -> list[dict]:
-    """Every split config the autotuner's pools hold: the decode set and the medium swapped ones."""
-    medium = [c for c in gemm.MEDIUM_M_SWAP_CONFIGS if c.kwargs.get("SPLIT_K", 1) > 1]
+    """Every split config the autotuner's pools hold: the decode set and the medium ones."""
+    medium = gemm.MEDIUM_M_SWAP_CONFIGS + gemm.MEDIUM_M_SPLIT_K_CONFIGS
+    medium = [c for c in medium if c.kwargs.get("SPLIT_K", 1) > 1]
     return split_configs() + [config_dict(c) for c in medium]
 
 
@@ -68,9 +69,9 @@ def arrivals_zero() -> bool:
 
 def run_split_k_checks(record, device="cuda", small=False) -> None:
     """Every split config of the pools, INT8 and FP8, plain and gated, on a shape with a masked K
-    tail and an N tail: INT8 accumulator exact at M = 1, 13, 16, 29 (one binary: M is not
-    specialized; 29 is two row tiles of the 16-token configs), outputs at M = 1, 13, 29 within
-    tolerance of the reference, a second launch bit-equal to the first, counters at zero.
+    tail and an N tail: INT8 accumulator exact at M = 1, 13, 16, 29, 61 (one binary: M is not
+    specialized; 29 and 61 are several row tiles of the smaller tiles), outputs at M = 1, 13, 29, 61
+    within tolerance of the reference, a second launch bit-equal to the first, counters at zero.
     ``record(name, ok, **info)`` raises on a failure (bench.gemm.run_gpu_checks's)."""
     # K = 4160: 17 steps of 256 / 9 of 512 with a 64-wide masked tail, so 8 slices get 2-3 / 1-2
     # steps each; N = 200: a partial last N tile for BLOCK_N 32, 64 and 128.
@@ -78,20 +79,20 @@ def run_split_k_checks(record, device="cuda", small=False) -> None:
     gen = torch.Generator(device=device).manual_seed(6)
     for cfg in split_configs(2) if small else pool_split_configs():
         for dtype_name, dtype in DTYPES.items():
-            a, sa = reference.quantize_per_token(torch.randn(32, K, device=device, generator=gen), dtype)
+            a, sa = reference.quantize_per_token(torch.randn(64, K, device=device, generator=gen), dtype)
             w, sw = reference.quantize_per_channel(torch.randn(2 * N, K, device=device, generator=gen), dtype)
             bias = torch.randn(N, device=device, generator=gen).to(torch.bfloat16)
             info = {"config": config_name(cfg), "N": N, "K": K,
                     "splits": gemm_configs.split_k_plan(K, cfg["BLOCK_K"], cfg["SPLIT_K"])}
             if dtype == torch.int8:
-                for M in (1, 13, 16, 29):
+                for M in (1, 13, 16, 29, 61):
                     out = torch.full((M, N), -7, dtype=torch.int32, device=device)
                     acc = gemm.int8_matmul_accumulator(a[:M], w[:N], config=cfg, out=out)
                     record("split_k_int8_acc_exact", torch.equal(acc, reference.int8_matmul_exact(a[:M], w[:N]))
                            and arrivals_zero(), M=M, **info)
             bound = 1e-5 if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
             for gated in (False, True):
-                for M in (1, 13, 29):
+                for M in (1, 13, 29, 61):
                     if gated:
                         def run():
                             return gemm.gated_scaled_mm(a[:M], w, sa[:M], sw, "silu", torch.float32, config=cfg,
@@ -120,21 +121,22 @@ PROMOTED_FP32_BOUND = 3e-4
 
 def run_promoted_checks(record, device="cuda", small=False) -> None:
     """Every decode config (the small-M pool, split and swapped ones included, and the medium
-    swapped ones) in the promoted FP8 mode, plain (bias + gelu_tanh) and gated, fp32 output,
-    M = 1, 13 and 29, on the split checks' masked-K shape: within PROMOTED_FP32_BOUND of float64.
+    swapped and split ones) in the promoted FP8 mode, plain (bias + gelu_tanh) and gated, fp32
+    output, M = 1, 13, 29 and 61, on the split checks' masked-K shape: within PROMOTED_FP32_BOUND of float64.
     The fast mode's error on the same inputs is recorded beside it (``fast_rel_err``): promotion
     that silently did not happen on a wgmma (swapped) tile reads as the fast error."""
     N, K = (40, 1040) if small else (200, 4160)
     gen = torch.Generator(device=device).manual_seed(7)
     dtype = torch.float8_e4m3fn
-    a, sa = reference.quantize_per_token(torch.randn(32, K, device=device, generator=gen), dtype)
+    a, sa = reference.quantize_per_token(torch.randn(64, K, device=device, generator=gen), dtype)
     w, sw = reference.quantize_per_channel(torch.randn(2 * N, K, device=device, generator=gen), dtype)
     bias = torch.randn(N, device=device, generator=gen).to(torch.bfloat16)
-    pools = gemm.SMALL_M_CONFIGS + gemm.SMALL_M_SPLIT_K_CONFIGS + gemm.MEDIUM_M_SWAP_CONFIGS
+    pools = (gemm.SMALL_M_CONFIGS + gemm.SMALL_M_SPLIT_K_CONFIGS + gemm.MEDIUM_M_SWAP_CONFIGS
+             + gemm.MEDIUM_M_SPLIT_K_CONFIGS)
     configs = [config_dict(c) for c in pools]
     for cfg in configs[-2:] if small else configs:
         for gated in (False, True):
-            for M in (1, 13, 29):
+            for M in (1, 13, 29, 61):
                 def run(fast):
                     out = torch.full((M, N), float("nan"), device=device)
                     if gated:

@@ -20,9 +20,10 @@ leaves SMs idle); each slice stores its int32 / fp32 partial tile in gemm_tma's 
 workspace and the last to arrive sums them in slice order (deterministic, INT8 exact), runs the
 epilogue and resets its tile's counter (``gemm_epilogue.split_arrive`` / ``split_sum``, shared
 with the persistent kernel's split tail). SPLIT_K = 1 compiles to the unsplit kernel. The autotuner
-considers the split configs for M <= ``gemm_configs.SPLIT_K_MAX_M`` (32: measured, M = 1 gains on an
-H100, FP8 at M = 16 with a long K on an H200, and swapped split tiles at 17 <= M <= 32 with a long
-K or N = 4096 on an H200; ``gemm_configs.SMALL_M_SPLIT_K`` switches them off).
+considers the split configs for M <= ``gemm_configs.SPLIT_K_MAX_M`` (64: measured, M = 1 gains on an
+H100; on an H200 FP8 at M = 16 with a long K, swapped split tiles at 17 <= M <= 32 and a 2-way split
+of 64-row tiles at M = 64, both with a long K or N = 4096; ``gemm_configs.SMALL_M_SPLIT_K`` switches
+them off).
 
 Four kernels behind ``kernel="auto"`` (``_pick_kernel``), each with the same semantics and epilogue:
 - M <= GEMV_MAX_M (1): the tensor-core-free GEMV of ``gemv.py`` (a weight stream; gated too);
@@ -64,8 +65,9 @@ from quantkit.kernels.call_cache import SignatureCache
 from quantkit.kernels.gemm_checks import (  # noqa: F401 - re-exported: gemm's API
     ACTIVATION_CODES, K_ALIGNMENT, MAX_INT8_K, OUT_DTYPES, check_scaled_mm_args)
 from quantkit.kernels.gemm_configs import (  # noqa: F401 - the config sets are part of gemm's API
-    ALL_CONFIGS, HEURISTICS, INTERPRETER_CONFIG, LARGE_M_CONFIGS, MEDIUM_M_CONFIGS, MEDIUM_M_SWAP_CONFIGS,
-    SMALL_M_CONFIGS, SMALL_M_SPLIT_K_CONFIGS, _prune_configs, m_bucket, split_k_plan, split_k_programs)
+    ALL_CONFIGS, HEURISTICS, INTERPRETER_CONFIG, LARGE_M_CONFIGS, MEDIUM_M_CONFIGS, MEDIUM_M_SPLIT_K_CONFIGS,
+    MEDIUM_M_SWAP_CONFIGS, SMALL_M_CONFIGS, SMALL_M_SPLIT_K_CONFIGS, _prune_configs, m_bucket, split_k_plan,
+    split_k_programs)
 from quantkit.kernels.gemm_epilogue import grouped_tile, split_arrive, split_sum, store_tile, tile_mainloop
 from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, config_dict
 

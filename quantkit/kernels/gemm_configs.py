@@ -89,10 +89,10 @@ SMALL_M_SPLIT_K_CONFIGS = [
 # split config was 0.89-1.05x the unsplit pick (the tuner keeps the faster). So the pool admits them
 # up to M = 16.
 # Explicit ``config={..., "SPLIT_K": s}`` works at every M.
-# Session 38 (below) added swapped split configs for 17 <= M <= 32, so the pool admits split
-# configs up to M = 32; the only ones above M = 16 are those swapped ones.
+# Session 38 (below) added split configs for 17 <= M <= 64 (swapped ones up to 32, one 64-row one),
+# so the pool admits split configs up to M = 64.
 SMALL_M_SPLIT_K = True
-SPLIT_K_MAX_M = 32
+SPLIT_K_MAX_M = 64
 # SWAP_AB (the last config of SMALL_M_CONFIGS and the last three above): the tile is computed as
 # (w @ a.T).T, BLOCK_N weight rows on the MMA's M side (Hopper's wgmma takes 64 rows per
 # warpgroup instruction) and the BLOCK_M = 16 token rows on its N side, where the other decode
@@ -122,6 +122,13 @@ MEDIUM_M_SWAP_CONFIGS = [
     _cfg(32, 64, 256, 4, 4, split_k=4, swap_ab=True),
 ]
 SWAP_AB_MAX_M = 32
+# 33 <= M <= 64: the 64-row tiles already run on wgmma (swapped 64-token tiles measured 0.99-1.01x
+# in session 38), but 64x64x256 launches N / 64 programs, 64 at N = 4096, on 132 SMs. A 2-way split
+# (same run, results/gemm_swap_ab_s38b_h200.*, M = 64) against the medium pick: 1.18-1.27x at
+# 4096x14336 and 1.00-1.07x at 4096x4096, FP8 and INT8; at M = 128 no split candidate beat the pick.
+MEDIUM_M_SPLIT_K_CONFIGS = [
+    _cfg(64, 64, 256, 4, 4, split_k=2),
+]
 
 # 17 <= M <= 128: still mostly weight-bound; tiles that cover M in one or two row-tiles.
 MEDIUM_M_CONFIGS = [
@@ -143,7 +150,7 @@ LARGE_M_CONFIGS = [
 ]
 # Every config the autotuner knows; _prune_configs picks each call's family.
 ALL_CONFIGS = (SMALL_M_CONFIGS + SMALL_M_SPLIT_K_CONFIGS + MEDIUM_M_CONFIGS + LARGE_M_CONFIGS
-               + MEDIUM_M_SWAP_CONFIGS)
+               + MEDIUM_M_SWAP_CONFIGS + MEDIUM_M_SPLIT_K_CONFIGS)
 
 # One config under the interpreter: big tiles (cost is per program), K tile 64 so test shapes
 # exercise both the multi-step K loop and the masked K tail.
@@ -178,7 +185,7 @@ def _prune_configs(configs, named_args, **kwargs):
     if M <= 16:
         family = SMALL_M_CONFIGS + SMALL_M_SPLIT_K_CONFIGS
     elif M <= 128:
-        family = MEDIUM_M_CONFIGS + (MEDIUM_M_SWAP_CONFIGS if M <= SWAP_AB_MAX_M else [])
+        family = MEDIUM_M_CONFIGS + (MEDIUM_M_SWAP_CONFIGS if M <= SWAP_AB_MAX_M else []) + MEDIUM_M_SPLIT_K_CONFIGS
     else:
         family = LARGE_M_CONFIGS
     if not (SMALL_M_SPLIT_K and M <= SPLIT_K_MAX_M):

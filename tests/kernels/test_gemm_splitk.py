@@ -102,17 +102,22 @@ def test_split_configs_join_the_pool_only_at_decode_sizes(monkeypatch):
     limit = gemm_configs.SPLIT_K_MAX_M
     # A power of two: the autotune key buckets M by powers of two, so one bucket never spans it.
     assert gemm_configs.m_bucket(limit) == limit
-    assert limit == 32  # every decode size (M <= 16) since session 36, the medium swapped ones since 38
+    assert limit == 64  # every decode size (M <= 16) since session 36, the medium ones since 38
     for M in (1, 3, 9, 16):
         assert gemm_configs._prune_configs(configs, {"M": M}) == gemm_configs.SMALL_M_CONFIGS + split
     assert gemm_configs._prune_configs(configs, {"M": 1, "GATED": True}) == gemm_configs.SMALL_M_CONFIGS + split
-    medium = gemm_configs.MEDIUM_M_CONFIGS + gemm_configs.MEDIUM_M_SWAP_CONFIGS
-    for M in (17, 24, limit):  # above 16 the only split configs are the swapped 32-token ones
-        assert gemm_configs._prune_configs(configs, {"M": M}) == medium
+    medium, swapped = gemm_configs.MEDIUM_M_CONFIGS, gemm_configs.MEDIUM_M_SWAP_CONFIGS
+    medium_split = gemm_configs.MEDIUM_M_SPLIT_K_CONFIGS
+    for M in (17, 24, 32):  # the swapped 32-token ones, unsplit and split, and the 64-row split one
+        assert gemm_configs._prune_configs(configs, {"M": M}) == medium + swapped + medium_split
+    for M in (33, limit):
+        assert gemm_configs._prune_configs(configs, {"M": M}) == medium + medium_split
     assert not any("SPLIT_K" in c.kwargs for c in gemm_configs._prune_configs(configs, {"M": limit + 1}))
     monkeypatch.setattr(gemm_configs, "SMALL_M_SPLIT_K", False)
     assert gemm_configs._prune_configs(configs, {"M": 1}) == gemm_configs.SMALL_M_CONFIGS
-    assert gemm_configs._prune_configs(configs, {"M": 24}) == [c for c in medium if "SPLIT_K" not in c.kwargs]
+    unsplit = [c for c in medium + swapped if "SPLIT_K" not in c.kwargs]
+    assert gemm_configs._prune_configs(configs, {"M": 24}) == unsplit
+    assert gemm_configs._prune_configs(configs, {"M": 64}) == medium
 
 
 # ---------------------------------------------------------------------------------------------- kernel
@@ -277,8 +282,9 @@ def test_swap_ab_configs_are_decode_configs(monkeypatch):
     decode, medium = (gemm_configs._prune_configs(configs, {"M": M}) for M in (16, 24))
     monkeypatch.setattr(gemm_configs, "SMALL_M_SWAP_AB", False)  # the switch takes them out, nothing else
     assert gemm_configs._prune_configs(configs, {"M": 16}) == [c for c in decode if c not in swapped]
-    assert gemm_configs._prune_configs(configs, {"M": 24}) == gemm_configs.MEDIUM_M_CONFIGS
-    assert medium == gemm_configs.MEDIUM_M_CONFIGS + gemm_configs.MEDIUM_M_SWAP_CONFIGS
+    assert gemm_configs._prune_configs(configs, {"M": 24}) == (gemm_configs.MEDIUM_M_CONFIGS
+                                                               + gemm_configs.MEDIUM_M_SPLIT_K_CONFIGS)
+    assert [c for c in medium if c.kwargs.get("SWAP_AB")] == gemm_configs.MEDIUM_M_SWAP_CONFIGS
 
 
 def test_swap_ab_fuzz_random_shapes_tiles_and_flags():
