@@ -135,8 +135,8 @@ ADD_RMS_SHORT = {  # K = 4096, with residual
     "whole_w4_evict": {"chunk_k": 0, "num_warps": 4, "evict": True},
 }
 # Round 3 (session 38, H200): the RMSNorm + quant kernel at K = 4096 read 75-78 % of a same-size copy
-# in the H200 standard runs (its lowest point): rows per program and warps there; the other ops'
-# defaults only.
+# in the H200 standard runs (its lowest point): rows per program, warps and eviction hints there,
+# the hints at K = 14336 and with a residual too; per-token quantization's defaults only.
 R3_RMS_SHORT = {  # K = 4096, no residual
     "default": {},
     "whole_w8": {"chunk_k": 0, "num_warps": 8},
@@ -147,10 +147,13 @@ R3_RMS_SHORT = {  # K = 4096, no residual
     "whole_w4_evict": {"chunk_k": 0, "num_warps": 4, "evict": True},
 }
 DEFAULT_ONLY = {"default": {}}
+R3_RMS_LONG = {"default": {}, "whole_w8_evict": {"chunk_k": 0, "num_warps": 8, "evict": True}}  # K = 14336
+R3_ADD_RMS_SHORT = {"default": {}, "whole_w4_evict": {"chunk_k": 0, "num_warps": 4, "evict": True}}
+R3_ADD_RMS_LONG = {"default": {}, "whole_w16_evict": {"chunk_k": 0, "num_warps": 16, "evict": True}}
 ROUNDS = {
     1: (R1_PER_TOKEN_LONG, R1_PER_TOKEN_SHORT, R1_RMS_LONG, R1_RMS_SHORT, R1_ADD_RMS_LONG, R1_ADD_RMS_SHORT),
     2: (PER_TOKEN_LONG, PER_TOKEN_SHORT, RMS_LONG, RMS_SHORT, ADD_RMS_LONG, ADD_RMS_SHORT),
-    3: (DEFAULT_ONLY, DEFAULT_ONLY, DEFAULT_ONLY, R3_RMS_SHORT, DEFAULT_ONLY, DEFAULT_ONLY),
+    3: (DEFAULT_ONLY, DEFAULT_ONLY, R3_RMS_LONG, R3_RMS_SHORT, R3_ADD_RMS_LONG, R3_ADD_RMS_SHORT),
 }
 OPS = ("quantize_per_token", "rms_norm_quant", "add_rms_norm_quant")
 # Per-token tie rows are float32 (exact ulp offsets), a separate compile per variant: probe the
@@ -401,7 +404,8 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--deadline", type=float, default=200.0, help="stop (writing results) before this many seconds")
     parser.add_argument("--round", type=int, default=2, choices=sorted(ROUNDS),
-                        help="variant set: 1 = the first GPU run's, 2 = after its defaults were set, 3 = session 38's K = 4096 norm")
+                        help="variant set: 1 = the first GPU run's, 2 = after its defaults were set, "
+                             "3 = session 38's norm variants (H200)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU interpreter: checks the script runs")
     args = parser.parse_args()
