@@ -271,6 +271,9 @@ def test_launch_defaults_follow_the_h100_measurements():
     assert quant.per_token_launch_config(4096)["single_pass"]
     assert quant._norm_row_warps(4096, False) == quant._norm_row_warps(4096, True) == 4
     assert quant._norm_row_warps(16384, False) == 8 and quant._norm_row_warps(16384, True) == 16
+    # H200 (session 38): eviction hints help the norm without a residual and cost with one.
+    assert all(quant.rms_norm_launch_config(K)["evict"] for K in (4096, 14336))
+    assert not any(quant.rms_norm_launch_config(K, True)["evict"] for K in (4096, 14336))
 
 
 def test_zero_row_gets_min_scale_and_zeros():
