@@ -119,12 +119,14 @@ def run_split_k_checks(record, device="cuda", small=False) -> None:
 PROMOTED_FP32_BOUND = 3e-4
 
 
-def run_promoted_checks(record, device="cuda", small=False) -> None:
+def run_promoted_checks(record, device="cuda", small=False, compare_fast=False) -> None:
     """Every decode config (the small-M pool, split and swapped ones included, and the medium
     swapped and split ones) in the promoted FP8 mode, plain (bias + gelu_tanh) and gated, fp32
-    output, M = 1, 13, 29 and 61, on the split checks' masked-K shape: within PROMOTED_FP32_BOUND of float64.
-    The fast mode's error on the same inputs is recorded beside it (``fast_rel_err``): promotion
-    that silently did not happen on a wgmma (swapped) tile reads as the fast error."""
+    output, M = 1, 13, 29 and 61, on the split checks' masked-K shape: within PROMOTED_FP32_BOUND
+    of float64, which lies below every fast-mode reading of run s38a, so promotion that silently
+    did not happen on a wgmma tile fails. ``compare_fast`` also runs the fast mode on the same
+    inputs and records its error (``fast_rel_err``; twice the compiles, so the standard run's
+    checks leave it out)."""
     N, K = (40, 1040) if small else (200, 4160)
     gen = torch.Generator(device=device).manual_seed(7)
     dtype = torch.float8_e4m3fn
@@ -152,10 +154,10 @@ def run_promoted_checks(record, device="cuda", small=False) -> None:
                 else:
                     exact = reference.fp64_scaled_mm(a[:M], w[:N], sa[:M], sw[:N], bias, "gelu_tanh")
                 promoted = run(False)
-                err, fast_err = _rel_err(promoted, exact), _rel_err(run(True), exact)
+                err = _rel_err(promoted, exact)
+                fast = {"fast_rel_err": _rel_err(run(True), exact)} if compare_fast else {}
                 record(f"promoted_fp8_gated={gated}", not promoted.isnan().any() and err < PROMOTED_FP32_BOUND,
-                       config=config_name(cfg), M=M, N=N, K=K, rel_err=err, fast_rel_err=fast_err,
-                       bound=PROMOTED_FP32_BOUND)
+                       config=config_name(cfg), M=M, N=N, K=K, rel_err=err, bound=PROMOTED_FP32_BOUND, **fast)
 
 
 def _check_graph_capture(record, N, K, gen) -> None:
