@@ -119,14 +119,14 @@ def run_split_k_checks(record, device="cuda", small=False) -> None:
 PROMOTED_FP32_BOUND = 3e-4
 
 
-def run_promoted_checks(record, device="cuda", small=False, compare_fast=False) -> None:
+def run_promoted_checks(record, device="cuda", small=False, compare_fast=False, share=(0, 1)) -> None:
     """Every decode config (the small-M pool, split and swapped ones included, and the medium
     swapped and split ones) in the promoted FP8 mode, plain (bias + gelu_tanh) and gated, fp32
     output, M = 1, 13, 29 and 61, on the split checks' masked-K shape: within PROMOTED_FP32_BOUND
     of float64, which lies below every fast-mode reading of run s38a, so promotion that silently
     did not happen on a wgmma tile fails. ``compare_fast`` also runs the fast mode on the same
     inputs and records its error (``fast_rel_err``; twice the compiles, so the standard run's
-    checks leave it out)."""
+    checks leave it out). ``share`` (i, n): only configs[i::n], so n processes split the compiles."""
     N, K = (40, 1040) if small else (200, 4160)
     gen = torch.Generator(device=device).manual_seed(7)
     dtype = torch.float8_e4m3fn
@@ -135,7 +135,7 @@ def run_promoted_checks(record, device="cuda", small=False, compare_fast=False) 
     bias = torch.randn(N, device=device, generator=gen).to(torch.bfloat16)
     pools = (gemm.SMALL_M_CONFIGS + gemm.SMALL_M_SPLIT_K_CONFIGS + gemm.MEDIUM_M_SWAP_CONFIGS
              + gemm.MEDIUM_M_SPLIT_K_CONFIGS)
-    configs = [config_dict(c) for c in pools]
+    configs = [config_dict(c) for c in pools][share[0]::share[1]]
     for cfg in configs[-2:] if small else configs:
         for gated in (False, True):
             for M in (1, 13, 29, 61):
