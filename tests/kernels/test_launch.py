@@ -308,11 +308,20 @@ def test_tiled_split_k_launch_grid_workspace_and_key(gemm_gpu_mode):
     assert run[0] == 64 * 2 and run[-2] == 2
 
 
+def _fresh_split_workspace(monkeypatch):
+    """The split workspace is one growing buffer per device: start from none, so a size assertion
+    sees what this launch asked for, not what an earlier test left."""
+    for name in ("_SPLIT_WORKSPACE", "_NO_SPLIT_ARGS"):
+        monkeypatch.setattr(gemm_tma, name, {})
+    monkeypatch.setattr(gemm_tma, "_RETIRED_WORKSPACES", [])
+
+
 def test_tiled_autotuner_path_sizes_the_split_workspace(gemm_gpu_mode, monkeypatch):
     """With SMALL_M_SPLIT_K on, the autotuner's first call for a decode key gets a workspace for
     the largest split config of its pool and a grid of tiles x slices; off, no split workspace."""
     from quantkit.kernels import gemm, gemm_configs
 
+    _fresh_split_workspace(monkeypatch)
     calls = []
 
     class FakeTuner:
@@ -335,6 +344,42 @@ def test_tiled_autotuner_path_sizes_the_split_workspace(gemm_gpu_mode, monkeypat
     assert grid({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 8}) == (512,)
     assert grid({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256}) == (64,)
     assert gemm._TUNED_TILED and list(gemm._TUNED_TILED.values())[0]["SPLIT_K"] == 4
+
+
+@pytest.mark.parametrize("M,best,programs,elements", [
+    # 17 <= M <= 32: the swapped 32x64x256 S4 has the most programs (64 N tiles x 4), and it and
+    # the 64x64x256 S2 need the most partial elements (256 x 32 x 64 = 128 x 64 x 64).
+    (24, -1, 256, 256 * 32 * 64),
+    # 33 <= M <= 64: only the 64-row 2-way split config.
+    (48, 0, 128, 128 * 64 * 64),
+])
+def test_tiled_autotuner_path_sizes_the_medium_split_workspace(gemm_gpu_mode, monkeypatch, M, best, programs,
+                                                               elements):
+    """The medium pools' split configs (session 38) get a workspace sized for the largest of them
+    at the tuning key's M, as the decode pool's do."""
+    from quantkit.kernels import gemm, gemm_configs
+
+    _fresh_split_workspace(monkeypatch)
+    calls = []
+    pick = (gemm_configs.MEDIUM_M_SWAP_CONFIGS if best < 0 else gemm_configs.MEDIUM_M_SPLIT_K_CONFIGS)[best]
+
+    class FakeTuner:
+        configs = gemm.ALL_CONFIGS
+        best_config = pick
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
+
+    monkeypatch.setattr(gemm, "_scaled_mm_autotuned", FakeTuner())
+    N, K = 4096, 14336
+    a, sa, w, sw = _quantized(M, N, K, torch.int8)
+    flags = (True, True, True, False, 0, False)
+    gemm._launch_tiled(a, w, torch.empty(M, N, dtype=torch.bfloat16), sa, sw, None, flags, False, False, None)
+    (grid, args, kwargs), = calls
+    partials, arrivals = args[6], args[7]
+    assert partials.dtype == torch.int32 and partials.numel() >= elements and arrivals.numel() >= programs
+    assert grid(pick.all_kwargs()) == (launch.cdiv(M, pick.kwargs["BLOCK_M"]) * (N // 64) * pick.kwargs["SPLIT_K"],)
+    assert list(gemm._TUNED_TILED.values())[0]["SPLIT_K"] == pick.kwargs["SPLIT_K"]
 
 
 def test_autotune_timer_uses_graph_replay_and_falls_back_to_do_bench(monkeypatch):
