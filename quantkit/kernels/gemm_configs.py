@@ -114,8 +114,8 @@ SMALL_M_SWAP_AB = True
 # candidates, rotate / flush timers) against the medium pool's pick (64x64x256 or 64x128x128):
 # 1.04-1.07x at 6144x4096, 1.08-1.18x at 4096x4096 (S2), 1.23-1.33x at 4096x14336 (S2 / S4), FP8 and
 # INT8; 0.99-1.03x at 28672x4096 and on the gated MLP front half (the pick already streams the
-# weight). Against bf16 the best reads 1.61-1.77x where the pick read 1.27-1.60x. These three were
-# the fastest candidates at every point.
+# weight). At the first three shapes the best reads 1.61-1.77x bf16 where the pick read 1.27-1.60x.
+# These three were the fastest candidates at every point.
 MEDIUM_M_SWAP_CONFIGS = [
     _cfg(32, 64, 256, 4, 4, swap_ab=True),
     _cfg(32, 64, 256, 4, 4, split_k=2, swap_ab=True),
@@ -124,8 +124,9 @@ MEDIUM_M_SWAP_CONFIGS = [
 SWAP_AB_MAX_M = 32
 # 33 <= M <= 64: the 64-row tiles already run on wgmma (swapped 64-token tiles measured 0.99-1.01x
 # in session 38), but 64x64x256 launches N / 64 programs, 64 at N = 4096, on 132 SMs. A 2-way split
-# (same run, results/gemm_swap_ab_s38b_h200.*, M = 64) against the medium pick: 1.18-1.27x at
-# 4096x14336 and 1.00-1.07x at 4096x4096, FP8 and INT8; at M = 128 no split candidate beat the pick.
+# (session 38, run s38b, results/gemm_swap_ab_s38b_h200.*, M = 64) against the medium pick:
+# 1.18-1.27x at 4096x14336 and 1.00-1.07x at 4096x4096, FP8 and INT8; at M = 128 no candidate beat
+# the pick with both timers, so the pool keeps it to M <= 64.
 MEDIUM_M_SPLIT_K_CONFIGS = [
     _cfg(64, 64, 256, 4, 4, split_k=2),
 ]
