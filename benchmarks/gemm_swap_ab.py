@@ -1,5 +1,8 @@
-"""Decode GEMMs with swapped operands (issue 3, M <= 16): the tiled kernel's SWAP_AB configs
-against today's autotuned pick and bf16 F.linear, on the GPU, one process.
+"""Swapped-operand GEMM tiles at decode and medium batch sizes (issue 3), timed on the GPU.
+
+The tiled kernel's SWAP_AB configs (16-token tiles for M <= 16 by default; --block-m 32 / 64 for
+larger M, and with --orientations the same tiles unswapped too) against today's autotuned pick and
+bf16 F.linear, in one process.
 
     PYTHONUNBUFFERED=1 QUANTKIT_COMMIT=<sha> python benchmarks/gemm_swap_ab.py --out $OUT/swap --deadline 500
     ... gemm_swap_ab.py --out $OUT/swap32 --ms 32,24 --block-m 32     # swapped tiles at medium M
@@ -29,7 +32,7 @@ from quantkit.bench.gemm_splitk import SPLIT_K_POINTS, TIMERS, print_point, time
 from quantkit.kernels import gemm_configs
 from quantkit.kernels.launch import INTERPRETED
 
-# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); BLOCK_M = 16 tokens.
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); BLOCK_M = --block-m tokens (16 by default).
 CANDIDATES = [
     (64, 256, 1, 4, 4), (64, 256, 2, 4, 4), (64, 256, 4, 4, 4), (128, 256, 2, 4, 4), (128, 256, 4, 4, 4),
     (128, 128, 4, 4, 6), (128, 256, 8, 4, 3), (64, 512, 4, 4, 3), (256, 128, 4, 8, 4), (128, 256, 4, 8, 4),

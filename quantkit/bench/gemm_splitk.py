@@ -1,5 +1,7 @@
-"""Split-K at decode sizes (issue 3): GPU checks of every small-M split-K config, and the timing
-that decides ``gemm_configs.SMALL_M_SPLIT_K`` (``benchmarks/gemm.py --split-k``).
+"""Split-K at decode sizes (issue 3): GPU checks of every split config of the autotuner's pools (the
+decode set, and since session 38 the medium ones) and of every decode config in the promoted FP8
+mode, and the timing at M = 1 and 16 that decided ``gemm_configs.SMALL_M_SPLIT_K``
+(``benchmarks/gemm.py --split-k``).
 
 Per point (M = 1 and 16 at the four Llama-3-8B projections and the gated MLP front half, FP8 and
 INT8, plain dequant epilogue, bf16 out), in one process and with ratios from the same run:
@@ -114,28 +116,35 @@ def run_split_k_checks(record, device="cuda", small=False) -> None:
 # Promoted FP8 (fp8_fast_accum=False) adds the MMA's partial sums into fp32 every FP8_PROMOTE_K
 # products. Relative error of an fp32 output against float64 (the norm ratio of common.rel_err) at
 # the checks' K = 4160, H200 (session 38, results/gemm_promoted_s38a_h200.json): mma.sync tiles
-# (16-token, unswapped) 0.8-5.2e-7, exact fp32 in both modes; swapped (wgmma) tiles 1.2-1.9e-4
+# (16-token, unswapped) 0.7-5.2e-7, exact fp32 in both modes; swapped (wgmma) tiles 1.2-1.9e-4
 # promoted against 5.3e-4-1.9e-3 fast, whose accumulator keeps fewer mantissa bits within a chunk.
 PROMOTED_FP32_BOUND = 3e-4
+
+
+def promoted_configs() -> list[dict]:
+    """The configs the promoted checks cover: the decode pool (split and swapped ones included) and
+    the medium swapped and split ones."""
+    pools = (gemm.SMALL_M_CONFIGS + gemm.SMALL_M_SPLIT_K_CONFIGS + gemm.MEDIUM_M_SWAP_CONFIGS
+             + gemm.MEDIUM_M_SPLIT_K_CONFIGS)
+    return [config_dict(c) for c in pools]
 
 
 def run_promoted_checks(record, device="cuda", small=False, compare_fast=False, share=(0, 1)) -> None:
     """Every decode config (the small-M pool, split and swapped ones included, and the medium
     swapped and split ones) in the promoted FP8 mode, plain (bias + gelu_tanh) and gated, fp32
     output, M = 1, 13, 29 and 61, on the split checks' masked-K shape: within PROMOTED_FP32_BOUND
-    of float64, which lies below every fast-mode reading of run s38a, so promotion that silently
-    did not happen on a wgmma tile fails. ``compare_fast`` also runs the fast mode on the same
-    inputs and records its error (``fast_rel_err``; twice the compiles, so the standard run's
-    checks leave it out). ``share`` (i, n): only configs[i::n], so n processes split the compiles."""
+    of float64, which lies below every fast-mode reading of a wgmma tile in run s38a, so promotion
+    that silently did not happen there fails (mma.sync tiles accumulate fp32 in both modes).
+    ``compare_fast`` also runs the fast mode on the same inputs and records its error
+    (``fast_rel_err``; twice the compiles, so the standard run's checks leave it out).
+    ``share`` (i, n): only configs[i::n], so n processes split the compiles."""
     N, K = (40, 1040) if small else (200, 4160)
     gen = torch.Generator(device=device).manual_seed(7)
     dtype = torch.float8_e4m3fn
     a, sa = reference.quantize_per_token(torch.randn(64, K, device=device, generator=gen), dtype)
     w, sw = reference.quantize_per_channel(torch.randn(2 * N, K, device=device, generator=gen), dtype)
     bias = torch.randn(N, device=device, generator=gen).to(torch.bfloat16)
-    pools = (gemm.SMALL_M_CONFIGS + gemm.SMALL_M_SPLIT_K_CONFIGS + gemm.MEDIUM_M_SWAP_CONFIGS
-             + gemm.MEDIUM_M_SPLIT_K_CONFIGS)
-    configs = [config_dict(c) for c in pools][share[0]::share[1]]
+    configs = promoted_configs()[share[0]::share[1]]
     for cfg in configs[-2:] if small else configs:
         for gated in (False, True):
             for M in (1, 13, 29, 61):

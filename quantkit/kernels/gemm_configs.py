@@ -1,6 +1,7 @@
 """Launch configs of the tiled GEMM kernel (``gemm._scaled_mm_kernel``): the autotune sets per M
-family, the small-M split-K set (in the decode pool while SMALL_M_SPLIT_K is on), the split plan
-and the autotuner's pruning and heuristics.
+family, the split-K sets (the decode one, and the medium ones of M <= 64, in the pools while
+SMALL_M_SPLIT_K is on), the swapped-operand sets, the split plan and the autotuner's pruning and
+heuristics.
 
 A config is a ``triton.Config`` of BLOCK_M / BLOCK_N / BLOCK_K / GROUP_M (+ SPLIT_K for the split
 set, + SWAP_AB for the swapped-operand decode configs) with num_warps / num_stages;
@@ -122,9 +123,10 @@ MEDIUM_M_SWAP_CONFIGS = [
     _cfg(32, 64, 256, 4, 4, split_k=4, swap_ab=True),
 ]
 SWAP_AB_MAX_M = 32
-# 33 <= M <= 64: the 64-row tiles already run on wgmma (swapped 64-token tiles measured 0.99-1.01x
-# in session 38), but 64x64x256 launches N / 64 programs, 64 at N = 4096, on 132 SMs. A 2-way split
-# (session 38, run s38b, results/gemm_swap_ab_s38b_h200.*, M = 64) against the medium pick:
+# 33 <= M <= 64: the 64-row tiles already run on wgmma (the best swapped 64-token tile read
+# 0.98-1.03x the best unswapped one in session 38), but 64x64x256 launches N / 64 programs, 64 at
+# N = 4096, on 132 SMs. A 2-way split (session 38, run s38b, results/gemm_swap_ab_s38b_h200.*,
+# M = 64) against the medium pick:
 # 1.18-1.27x at 4096x14336 and 1.00-1.07x at 4096x4096, FP8 and INT8; at M = 128 no candidate beat
 # the pick with both timers, so the pool keeps it to M <= 64.
 MEDIUM_M_SPLIT_K_CONFIGS = [

@@ -462,7 +462,7 @@ def rms_norm_launch_config(K: int, has_residual: bool = False) -> dict:
     Eviction hints (the row and the output streamed, the weight kept) without a residual only:
     H200, 2026-11-29 (session 38, ``benchmarks/quant_s4.py --round 3``, results/quant_s38{a,b}_h200.json),
     M = 4096: 1.06-1.09x at K = 4096 (where the kernel had read 75-78 % of a same-size copy) and
-    1.01-1.03x at K = 14336; with a residual they cost 3-5 %. Two rows per program or 2 / 8 warps
+    1.01-1.03x at K = 14336; with a residual they cost 3-9 %. Two rows per program or 2 / 8 warps
     were no faster.
     """
     return {"rows": 1, "num_warps": None, "chunk_k": 0, "passes": 2, "fast_divide": True, "stages": 1,

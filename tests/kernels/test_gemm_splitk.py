@@ -94,7 +94,7 @@ def test_every_slice_gets_at_least_one_k_step_and_all_steps_are_covered():
             assert [k for b, e in bounds for k in range(b, e)] == list(range(k_tiles))
 
 
-def test_split_configs_join_the_pool_only_at_decode_sizes(monkeypatch):
+def test_split_configs_join_the_pool_only_up_to_m_64(monkeypatch):
     configs = gemm._scaled_mm_autotuned.configs
     split = gemm_configs.SMALL_M_SPLIT_K_CONFIGS
     assert all(c in configs for c in split) and all(c.kwargs["SPLIT_K"] > 1 for c in split)
@@ -118,6 +118,27 @@ def test_split_configs_join_the_pool_only_at_decode_sizes(monkeypatch):
     unsplit = [c for c in medium + swapped if "SPLIT_K" not in c.kwargs]
     assert gemm_configs._prune_configs(configs, {"M": 24}) == unsplit
     assert gemm_configs._prune_configs(configs, {"M": 64}) == medium
+
+
+def test_gpu_check_lists_cover_the_pools():
+    """The GPU checks' config lists are written out by hand (bench.gemm_splitk): every split config
+    of ALL_CONFIGS is in the split checks, every swapped or split config in the promoted ones, and
+    the three promoted shares of the standard run together cover the list once."""
+    from quantkit.bench import gemm as bench_gemm
+    from quantkit.bench import gemm_splitk
+    from quantkit.kernels.launch import config_dict
+
+    def names(configs):
+        return [gemm_splitk.config_name(c) for c in configs]
+
+    split = [config_dict(c) for c in gemm.ALL_CONFIGS if c.kwargs.get("SPLIT_K", 1) > 1]
+    assert sorted(names(gemm_splitk.pool_split_configs())) == sorted(names(split))
+    special = [config_dict(c) for c in gemm.ALL_CONFIGS if c.kwargs.get("SPLIT_K", 1) > 1 or c.kwargs.get("SWAP_AB")]
+    promoted = names(gemm_splitk.promoted_configs())
+    assert set(names(special)) <= set(promoted) and len(set(promoted)) == len(promoted)
+    n = len(bench_gemm.PROMOTED_PARTS)
+    shares = [name for i in range(n) for name in names(gemm_splitk.promoted_configs()[i::n])]
+    assert sorted(shares) == sorted(promoted)
 
 
 # ---------------------------------------------------------------------------------------------- kernel

@@ -346,6 +346,7 @@ def test_tiled_autotuner_path_sizes_the_split_workspace(gemm_gpu_mode, monkeypat
     assert gemm._TUNED_TILED and list(gemm._TUNED_TILED.values())[0]["SPLIT_K"] == 4
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 @pytest.mark.parametrize("M,best,programs,elements", [
     # 17 <= M <= 32: the swapped 32x64x256 S4 has the most programs (64 N tiles x 4), and it and
     # the 64x64x256 S2 need the most partial elements (256 x 32 x 64 = 128 x 64 x 64).
@@ -354,13 +355,16 @@ def test_tiled_autotuner_path_sizes_the_split_workspace(gemm_gpu_mode, monkeypat
     (48, 0, 128, 128 * 64 * 64),
 ])
 def test_tiled_autotuner_path_sizes_the_medium_split_workspace(gemm_gpu_mode, monkeypatch, M, best, programs,
-                                                               elements):
+                                                               elements, gated):
     """The medium pools' split configs (session 38) get a workspace sized for the largest of them
-    at the tuning key's M, as the decode pool's do."""
+    at the tuning key's M (gated: two partial tiles per program), as the decode pool's do."""
     from quantkit.kernels import gemm, gemm_configs
 
     _fresh_split_workspace(monkeypatch)
-    calls = []
+    requests, calls = [], []
+    ask = gemm_tma._workspace_args
+    monkeypatch.setattr(gemm_tma, "_workspace_args",
+                        lambda a, slots, tile_elems: requests.append((slots, tile_elems)) or ask(a, slots, tile_elems))
     pick = (gemm_configs.MEDIUM_M_SWAP_CONFIGS if best < 0 else gemm_configs.MEDIUM_M_SPLIT_K_CONFIGS)[best]
 
     class FakeTuner:
@@ -372,14 +376,16 @@ def test_tiled_autotuner_path_sizes_the_medium_split_workspace(gemm_gpu_mode, mo
 
     monkeypatch.setattr(gemm, "_scaled_mm_autotuned", FakeTuner())
     N, K = 4096, 14336
-    a, sa, w, sw = _quantized(M, N, K, torch.int8)
-    flags = (True, True, True, False, 0, False)
-    gemm._launch_tiled(a, w, torch.empty(M, N, dtype=torch.bfloat16), sa, sw, None, flags, False, False, None)
+    a, sa, w, sw = _quantized(M, 2 * N if gated else N, K, torch.int8)
+    flags = (True, True, True, False, 2 if gated else 0, False)
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    gemm._launch_tiled(a, w, out, sa, sw, None, flags, gated, False, None)
     (grid, args, kwargs), = calls
-    partials, arrivals = args[6], args[7]
-    assert partials.dtype == torch.int32 and partials.numel() >= elements and arrivals.numel() >= programs
+    (slots, tile_elems), = requests
+    copies = 2 if gated else 1
+    assert slots == programs and slots * tile_elems == copies * elements
+    assert args[6].dtype == torch.int32 and args[6].numel() >= copies * elements
     assert grid(pick.all_kwargs()) == (launch.cdiv(M, pick.kwargs["BLOCK_M"]) * (N // 64) * pick.kwargs["SPLIT_K"],)
-    assert list(gemm._TUNED_TILED.values())[0]["SPLIT_K"] == pick.kwargs["SPLIT_K"]
 
 
 def test_autotune_timer_uses_graph_replay_and_falls_back_to_do_bench(monkeypatch):

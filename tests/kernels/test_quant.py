@@ -157,6 +157,7 @@ RMS_VARIANTS = {
     "whole_row_rows2": {"chunk_k": 0, "rows": 2},
     "whole_row_ieee_division": {"chunk_k": 0, "fast_divide": False},
     "whole_row_evict": {"chunk_k": 0, "evict": True},
+    "whole_row_no_evict": {"chunk_k": 0, "evict": False},  # the default has hints without a residual
     "chunked_two_pass": {"chunk_k": 128, "passes": 2},
     "chunked_three_pass": {"chunk_k": 128, "passes": 3},
     "chunked_pipelined_evict": {"chunk_k": 64, "passes": 2, "stages": 3, "evict": True},
