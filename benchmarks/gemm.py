@@ -43,8 +43,8 @@ import torch  # noqa: E402
 
 from quantkit.bench import gemm as bench_gemm  # noqa: E402
 from quantkit.bench.gemm import (  # noqa: E402
-    CHECK_PARTS, DEFAULT_MS, EPILOGUES, LLAMA3_8B_SHAPES, PROMOTED_PARTS, adaptive_graph_ms, bench_ms,
-    point_seconds, run_gemm_benchmark, run_gpu_checks, timed_ops)
+    CHECK_PARTS, DEFAULT_MS, EPILOGUES, LLAMA3_8B_SHAPES, PROMOTED_PARTS, SPLIT_K_PARTS, adaptive_graph_ms,
+    bench_ms, point_seconds, run_gemm_benchmark, run_gpu_checks, timed_ops)
 from quantkit.bench import gemm_splitk  # noqa: E402
 from quantkit.kernels import gemm, gemm_tma, reference  # noqa: E402
 from quantkit.kernels.launch import config_dict  # noqa: E402
@@ -279,7 +279,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    check_parts = ("configs_split_k", *PROMOTED_PARTS) if args.split_k else CHECK_PARTS
+    check_parts = (*SPLIT_K_PARTS, *PROMOTED_PARTS) if args.split_k else CHECK_PARTS
     if args.split_k:
         skip.update({"quant", "gemm", "gated"})  # the split-K round only
     split_points, split_extra = gemm_splitk.SPLIT_K_POINTS, {}

@@ -451,10 +451,13 @@ def _grid_steps(q, ref_q):
     return (ordinal(q) - ordinal(ref_q)).abs()
 
 
-# The promoted-FP8 checks compile every decode config once: in three parts (configs[i::3]) so the
-# standard run's check workers finish beside its compile jobs (one part took ~100 s on the H200).
+# The split-K checks compile every pool split config five times (13 configs since session 38), the
+# promoted-FP8 checks every decode config once (22): each in three parts (configs[i::3]), so the
+# standard run's check workers finish beside its compile jobs (the promoted checks in one part took
+# ~100 s on the H200).
+SPLIT_K_PARTS = tuple(f"configs_split_k{i}" for i in range(3))
 PROMOTED_PARTS = tuple(f"configs_promoted{i}" for i in range(3))
-CHECK_PARTS = ("grid", "configs_int8", "configs_fp8", "configs_split_k", *PROMOTED_PARTS, "compile")
+CHECK_PARTS = ("grid", "configs_int8", "configs_fp8", *SPLIT_K_PARTS, *PROMOTED_PARTS, "compile")
 
 
 def run_gpu_checks(all_configs=True, device="cuda", small=False, parts=CHECK_PARTS) -> list[dict]:
@@ -464,8 +467,8 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False, parts=CHECK_PAR
     Also compiles a small quantize -> GEMM module with torch.compile(fullgraph=True) and
     replays it inside a CUDA graph. ``parts`` (of CHECK_PARTS: the epilogue/shape grid with the
     quantization kernels, every autotune config for INT8 / FP8, every small-M split-K config
-    (``gemm_splitk.run_split_k_checks``), every decode config in the promoted FP8 mode in three
-    shares (``gemm_splitk.run_promoted_checks``), torch.compile + CUDA graph) lets separate processes run
+    (``gemm_splitk.run_split_k_checks``) and every decode config in the promoted FP8 mode
+    (``gemm_splitk.run_promoted_checks``), each in three shares, torch.compile + CUDA graph) lets separate processes run
     them side by side.
     """
     from quantkit.kernels import quant
@@ -590,14 +593,13 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False, parts=CHECK_PAR
                 record(f"config_{dtype}_gated={gated}", _rel_err(out, ref) < bound, config=str(cfg),
                        out_dtype=str(out_dtype), rel_err=_rel_err(out, ref), bound=bound)
 
-    if "configs_split_k" in parts:
-        from quantkit.bench.gemm_splitk import run_split_k_checks
+    from quantkit.bench.gemm_splitk import run_promoted_checks, run_split_k_checks
 
-        run_split_k_checks(record, device=device, small=small)
+    for index, part in enumerate(SPLIT_K_PARTS):
+        if part in parts:
+            run_split_k_checks(record, device=device, small=small, share=(index, len(SPLIT_K_PARTS)))
     for index, part in enumerate(PROMOTED_PARTS):
         if part in parts:
-            from quantkit.bench.gemm_splitk import run_promoted_checks
-
             run_promoted_checks(record, device=device, small=small, share=(index, len(PROMOTED_PARTS)))
 
     # torch.compile(fullgraph=True) + CUDA graph capture of quantize -> GEMM.

@@ -69,17 +69,18 @@ def arrivals_zero() -> bool:
 # ---------------------------------------------------------------------------------------------- checks
 
 
-def run_split_k_checks(record, device="cuda", small=False) -> None:
+def run_split_k_checks(record, device="cuda", small=False, share=(0, 1)) -> None:
     """Every split config of the pools, INT8 and FP8, plain and gated, on a shape with a masked K
     tail and an N tail: INT8 accumulator exact at M = 1, 13, 16, 29, 61 (one binary: M is not
     specialized; 29 and 61 are several row tiles of the smaller tiles), outputs at M = 1, 13, 29, 61
     within tolerance of the reference, a second launch bit-equal to the first, counters at zero.
-    ``record(name, ok, **info)`` raises on a failure (bench.gemm.run_gpu_checks's)."""
+    ``record(name, ok, **info)`` raises on a failure (bench.gemm.run_gpu_checks's). ``share`` (i, n):
+    only configs[i::n] (and the CUDA-graph check in share 0), so n processes split the compiles."""
     # K = 4160: 17 steps of 256 / 9 of 512 with a 64-wide masked tail, so 8 slices get 2-3 / 1-2
     # steps each; N = 200: a partial last N tile for BLOCK_N 32, 64 and 128.
     N, K = (40, 1040) if small else (200, 4160)
     gen = torch.Generator(device=device).manual_seed(6)
-    for cfg in split_configs(2) if small else pool_split_configs():
+    for cfg in (split_configs(2) if small else pool_split_configs())[share[0]::share[1]]:
         for dtype_name, dtype in DTYPES.items():
             a, sa = reference.quantize_per_token(torch.randn(64, K, device=device, generator=gen), dtype)
             w, sw = reference.quantize_per_channel(torch.randn(2 * N, K, device=device, generator=gen), dtype)
@@ -109,7 +110,7 @@ def run_split_k_checks(record, device="cuda", small=False) -> None:
                     err = _rel_err(first, ref)
                     record(f"split_k_{dtype_name}_gated={gated}", not first.isnan().any() and err < bound
                            and torch.equal(first, second) and arrivals_zero(), M=M, rel_err=err, bound=bound, **info)
-    if device == "cuda":
+    if device == "cuda" and share[0] == 0:
         _check_graph_capture(record, N, K, gen)
 
 

@@ -123,7 +123,7 @@ def test_split_configs_join_the_pool_only_up_to_m_64(monkeypatch):
 def test_gpu_check_lists_cover_the_pools():
     """The GPU checks' config lists are written out by hand (bench.gemm_splitk): every split config
     of ALL_CONFIGS is in the split checks, every swapped or split config in the promoted ones, and
-    the three promoted shares of the standard run together cover the list once."""
+    the standard run's shares of each (separate check processes) together cover its list once."""
     from quantkit.bench import gemm as bench_gemm
     from quantkit.bench import gemm_splitk
     from quantkit.kernels.launch import config_dict
@@ -136,9 +136,11 @@ def test_gpu_check_lists_cover_the_pools():
     special = [config_dict(c) for c in gemm.ALL_CONFIGS if c.kwargs.get("SPLIT_K", 1) > 1 or c.kwargs.get("SWAP_AB")]
     promoted = names(gemm_splitk.promoted_configs())
     assert set(names(special)) <= set(promoted) and len(set(promoted)) == len(promoted)
-    n = len(bench_gemm.PROMOTED_PARTS)
-    shares = [name for i in range(n) for name in names(gemm_splitk.promoted_configs()[i::n])]
-    assert sorted(shares) == sorted(promoted)
+    for parts, configs in ((bench_gemm.PROMOTED_PARTS, gemm_splitk.promoted_configs()),
+                           (bench_gemm.SPLIT_K_PARTS, gemm_splitk.pool_split_configs())):
+        n = len(parts)
+        assert n > 1 and set(parts) <= set(bench_gemm.CHECK_PARTS)
+        assert sorted(name for i in range(n) for name in names(configs[i::n])) == sorted(names(configs))
 
 
 # ---------------------------------------------------------------------------------------------- kernel
