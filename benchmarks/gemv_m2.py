@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.bench.common import environment_metadata
-from quantkit.bench.gemm import _rel_err, fp8_fast_accum_tolerance, write_results
+from quantkit.bench.gemm import _rel_err, output_bound, write_results
 from quantkit.bench.gemm_splitk import ROTATE_BYTES, SPLIT_K_POINTS, TIMERS, _operands
 from quantkit.kernels import gemm, reference
 from quantkit.kernels.launch import rotated_medians
@@ -37,7 +37,7 @@ def main() -> None:
                     ops[kernel] = (make, weights)
                 ref = reference.scaled_mm(a, weights[0], sa, sw, None, "none", torch.float32)
                 errs = {k: _rel_err(ops[k][0](weights[0])(), ref) for k in ("gemv", "tiled")}
-                bound = 4e-3 if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
+                bound = output_bound(dtype, K)
                 bad = [k for k, err in errs.items() if not err < bound]
                 if bad:  # a wrong kernel is not timed
                     raise SystemExit(f"M={M} {N}x{K} {dtype_name}: rel. error of {bad} above {bound:.1e}: {errs}")

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.bench.common import environment_metadata
-from quantkit.bench.gemm import _rel_err, adaptive_graph_ms, fp8_fast_accum_tolerance, write_results
+from quantkit.bench.gemm import _rel_err, adaptive_graph_ms, fp8_fast_accum_tolerance, output_bound, write_results
 from quantkit.kernels import gemm, gemm_configs, gemm_tma, reference
 from quantkit.kernels.launch import INTERPRETED, capture_graph, config_dict, median_replay_ms
 
@@ -310,7 +310,7 @@ def time_point(kind, M, N, K, dtype_name, timers: dict, rounds, device="cuda", c
     ref = (reference.gated_scaled_mm(a, weights[0], sa, sw, "silu", torch.float32) if kind == "gated"
            else reference.scaled_mm(a, weights[0], sa, sw, None, "none", torch.float32))
     unsplit = quantkit_op(picks["auto"])(weights[0])().clone()
-    bound = 4e-3 if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
+    bound = output_bound(dtype, K)
     for op, (make, cfg) in ops.items():
         if cfg is None:
             continue
