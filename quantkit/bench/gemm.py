@@ -451,7 +451,7 @@ def _grid_steps(q, ref_q):
     return (ordinal(q) - ordinal(ref_q)).abs()
 
 
-# The split-K checks compile every pool split config five times (13 configs since session 38), the
+# The split-K checks compile every pool split config five times (14 configs since session 38), the
 # promoted-FP8 checks every decode config once (22): each in three parts (configs[i::3]), so the
 # standard run's check workers finish beside its compile jobs (the promoted checks in one part took
 # ~100 s on the H200).
@@ -558,9 +558,9 @@ def run_gpu_checks(all_configs=True, device="cuda", small=False, parts=CHECK_PAR
             w, sw = reference.quantize_per_channel(torch.randn(N, K, device=device), dtype)
             w2, sw2 = torch.cat([w, w.flip(0)]), torch.cat([sw, sw.flip(0)])
             persistent = [] if gated else gemm_tma.PERSISTENT_CONFIGS
-            pools = (gemm.SMALL_M_CONFIGS + gemm.MEDIUM_M_CONFIGS + gemm.MEDIUM_M_SWAP_CONFIGS
-                     + gemm.MEDIUM_M_SPLIT_K_CONFIGS + gemm.LARGE_M_CONFIGS + persistent)
-            for cfg in pools if not small else []:
+            # The split configs have their own checks (configs_split_k*).
+            unsplit = [c for c in gemm.ALL_CONFIGS if c.kwargs.get("SPLIT_K", 1) == 1]
+            for cfg in unsplit + persistent if not small else []:
                 # Persistent configs carry EPILOGUE_SPLIT, which routes them to the TMA kernel.
                 config = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 

@@ -49,9 +49,7 @@ def split_configs(limit: int | None = None) -> list[dict]:
 
 def pool_split_configs() -> list[dict]:
     """Every split config the autotuner's pools hold: the decode set and the medium ones."""
-    medium = gemm.MEDIUM_M_SWAP_CONFIGS + gemm.MEDIUM_M_SPLIT_K_CONFIGS
-    medium = [c for c in medium if c.kwargs.get("SPLIT_K", 1) > 1]
-    return split_configs() + [config_dict(c) for c in medium]
+    return [config_dict(c) for c in gemm.ALL_CONFIGS if c.kwargs.get("SPLIT_K", 1) > 1]
 
 
 def config_name(cfg: dict) -> str:
