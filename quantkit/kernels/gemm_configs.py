@@ -126,9 +126,8 @@ SWAP_AB_MAX_M = 32
 # 33 <= M <= 64: the 64-row tiles already run on wgmma (the best swapped 64-token tile read
 # 0.98-1.03x the best unswapped one in session 38), but 64x64x256 launches N / 64 programs, 64 at
 # N = 4096, on 132 SMs. A 2-way split (session 38, run s38b, results/gemm_swap_ab_s38b_h200.*,
-# M = 64) against the medium pick:
-# 1.18-1.27x at 4096x14336 and 1.00-1.07x at 4096x4096, FP8 and INT8; at M = 128 no candidate beat
-# the pick with both timers, so the pool keeps it to M <= 64.
+# M = 64) against the medium pick: 1.18-1.27x at 4096x14336 and 1.00-1.07x at 4096x4096, FP8 and
+# INT8; at M = 128 no candidate beat the pick with both timers, so the pool keeps it to M <= 64.
 MEDIUM_M_SPLIT_K_CONFIGS = [
     _cfg(64, 64, 256, 4, 4, split_k=2),
 ]
