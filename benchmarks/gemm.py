@@ -5,9 +5,10 @@
     TRITON_INTERPRET=1 python benchmarks/gemm.py --out /tmp/g --smoke   # CPU dry run, tiny shapes
     PYTHONUNBUFFERED=1 QUANTKIT_COMMIT=<sha> python benchmarks/gemm.py --split-k --out $OUT/splitk --deadline 540
 
-``--split-k`` runs only the small-M split-K round (quantkit/bench/gemm_splitk.py): the GPU checks
-of every split config, then M = 1 and 16 at the Llama-3-8B shapes and the gated MLP, the best
-split config vs today's autotuned pick vs bf16 F.linear, and the verdict on
+``--split-k`` runs only the split-K round (quantkit/bench/gemm_splitk.py): the GPU checks of every
+split config, then M = 1, 16, 32 and 64 at the Llama-3-8B shapes and the gated MLP, the split
+configs the pool admits at each M vs the autotuned pick with and without them vs bf16 F.linear,
+and the verdict on
 ``gemm_configs.SMALL_M_SPLIT_K`` (gemm_splitk.json/.csv); with ``--smoke`` a CPU dry run of it.
 
 Each point's ops (quantkit FP8 / INT8, bf16 F.linear, the torch baselines) are timed in --rounds
@@ -92,16 +93,17 @@ def _configs(family, M, dtype_name, gated):
     return gemm_tma._prune_by_dtype(gemm_tma.PERSISTENT_CONFIGS, {}, IS_INT8=dtype_name == "int8")
 
 
-def compile_jobs(calls, sms, extra_tiled=()):
+def compile_jobs(calls, sms, extra_tiled=None):
     """(tuning keys, unique compile jobs) for the calls: each tuning key autotunes every config of
-    its pool (plus ``extra_tiled`` configs for tiled calls, e.g. the split-K set the split-K round
-    times explicitly), and each (config, flags, dtype, specialization) compiles once."""
+    its pool (plus, for tiled calls, the config dicts ``extra_tiled(M, gated)`` returns, e.g. the
+    split configs the split-K round times explicitly), and each (config, flags, dtype,
+    specialization) compiles once."""
     keys, jobs, seen = set(), [], set()
     for M, N, K, dtype_name, has_bias, activation, gated in calls:
         family = _family(M, dtype_name, gated)
         keys.add((family, N, K, gemm.m_bucket(M), dtype_name, has_bias, activation, gated))
-        for c in _configs(family, M, dtype_name, gated) + (list(extra_tiled) if family == "tiled" else []):
-            cfg = config_dict(c)
+        extra = extra_tiled(M, gated) if extra_tiled is not None and family == "tiled" else []
+        for cfg in [config_dict(c) for c in _configs(family, M, dtype_name, gated)] + extra:
             if family == "tiled":
                 spec = ("even_k", K % cfg["BLOCK_K"] == 0, "split", gemm.split_k_plan(K, cfg["BLOCK_K"],
                                                                                       cfg.get("SPLIT_K", 1)))
@@ -296,10 +298,10 @@ def main():
     if not args.no_precompile:
         sms = gemm_tma.INTERPRETER_NUM_SMS if args.smoke else torch.cuda.get_device_properties(0).multi_processor_count
         if args.split_k:
-            # Every call of the split-K round: today's decode pool (its "auto") and the split set.
+            # Every call of the split-K round: the pool at each M (its "auto") and the split configs it admits.
             calls = [(M, N, K, d, False, "silu" if kind == "gated" else "none", kind == "gated")
                      for kind, N, K in split_points for M in gemm_splitk.SPLIT_K_MS for d in DTYPES]
-            _, gemm_jobs = compile_jobs(calls, sms, extra_tiled=gemm.SMALL_M_SPLIT_K_CONFIGS)
+            _, gemm_jobs = compile_jobs(calls, sms, extra_tiled=gemm_splitk.split_candidates)
         else:
             calls = gemm_calls(shapes if "gemm" not in skip else [], ms, epilogues, "gated" not in skip)
             _, gemm_jobs = compile_jobs(calls, sms)

@@ -1,15 +1,16 @@
-"""Split-K at decode sizes (issue 3): GPU checks of every split config of the autotuner's pools (the
-decode set, and since session 38 the medium ones) and of every decode config in the promoted FP8
-mode, and the timing at M = 1 and 16 that decided ``gemm_configs.SMALL_M_SPLIT_K``
+"""Split-K at decode and medium batch sizes (issue 3): GPU checks of every split config of the
+autotuner's pools (the decode set, and since session 38 the medium ones) and of every decode config
+in the promoted FP8 mode, and the timing that decides ``gemm_configs.SMALL_M_SPLIT_K``
 (``benchmarks/gemm.py --split-k``).
 
-Per point (M = 1 and 16 at the four Llama-3-8B projections and the gated MLP front half, FP8 and
-INT8, plain dequant epilogue, bf16 out), in one process and with ratios from the same run:
+Per point (M = 1, 16, 32 and 64 at the four Llama-3-8B projections and the gated MLP front half,
+FP8 and INT8, plain dequant epilogue, bf16 out), in one process and with ratios from the same run:
 - bf16 ``F.linear`` (cuBLAS; gated: one GEMM over the stacked weight + act * mul);
-- "auto": the autotuner's pick from today's pool (SMALL_M_SPLIT_K off), launched as an explicit
-  config (the same binary and plan the cached path launches);
-- "auto_split_on": the autotuner's pick with the split configs admitted (what turning it on gives);
-- every config of SMALL_M_SPLIT_K_CONFIGS.
+- "auto": the autotuner's pick from the pool with the switch off (no split configs), launched as
+  an explicit config (the same binary and plan the cached path launches);
+- "auto_split_on": the autotuner's pick with the split configs admitted (what the switch gives);
+- every split config the pool admits at that M (``split_candidates``: the decode set at M <= 16,
+  the medium ones above).
 Before timing, every quantkit output at the point is checked against the reference (rel. error),
 INT8 split outputs bit for bit against the unsplit pick's (exact int32 sums, same epilogue), and
 the arrival counters must be back at zero; a failing op is recorded and not timed.
@@ -33,7 +34,9 @@ from quantkit.bench.gemm import _rel_err, adaptive_graph_ms, fp8_fast_accum_tole
 from quantkit.kernels import gemm, gemm_configs, gemm_tma, reference
 from quantkit.kernels.launch import INTERPRETED, capture_graph, config_dict, median_replay_ms
 
-SPLIT_K_MS = (1, 16)
+# The switch governs the decode split set (M <= 16) and the medium one (17 <= M <= SPLIT_K_MAX_M):
+# the round times both, at the top of each range.
+SPLIT_K_MS = (1, 16, 32, 64)
 # (kind, N, K): the Llama-3-8B projections (qkv, o, gate+up stacked, down) and the gated MLP
 # front half (N = 14336 outputs of a 2 x 14336 x 4096 weight).
 SPLIT_K_POINTS = [("plain", 6144, 4096), ("plain", 4096, 4096), ("plain", 28672, 4096), ("plain", 4096, 14336),
@@ -50,6 +53,18 @@ def split_configs(limit: int | None = None) -> list[dict]:
 def pool_split_configs() -> list[dict]:
     """Every split config the autotuner's pools hold: the decode set and the medium ones."""
     return [config_dict(c) for c in gemm.ALL_CONFIGS if c.kwargs.get("SPLIT_K", 1) > 1]
+
+
+def split_candidates(M: int, gated: bool = False) -> list[dict]:
+    """The split configs the autotuner's pool admits at ``M`` while SMALL_M_SPLIT_K is on (the
+    decode set at M <= 16, the medium swapped and 64-row ones up to SPLIT_K_MAX_M, none above)."""
+    saved = gemm_configs.SMALL_M_SPLIT_K
+    gemm_configs.SMALL_M_SPLIT_K = True
+    try:
+        pool = gemm_configs._prune_configs(gemm.ALL_CONFIGS, {"M": M, "GATED": gated})
+    finally:
+        gemm_configs.SMALL_M_SPLIT_K = saved
+    return [config_dict(c) for c in pool if c.kwargs.get("SPLIT_K", 1) > 1]
 
 
 def config_name(cfg: dict) -> str:
@@ -271,7 +286,8 @@ def time_point(kind, M, N, K, dtype_name, timers: dict, rounds, device="cuda", c
                configs: list[dict] | None = None) -> list[dict]:
     """Check, then time every op of one (kind, M, N, K, dtype) point with each of ``timers``
     (name -> timer, as TIMERS); one row per op. ``configs``: the explicit configs timed beside the
-    picks (default: every small-M split config; ``config_limit`` the first so many)."""
+    picks (default: the split configs the pool admits at M, ``split_candidates``; ``config_limit``
+    the first so many)."""
     dtype = DTYPES[dtype_name]
     rows_w = 2 * N if kind == "gated" else N
     copies = max(2, -(-ROTATE_BYTES // (rows_w * K))) if "rotate" in timers else 1
@@ -297,7 +313,7 @@ def time_point(kind, M, N, K, dtype_name, timers: dict, rounds, device="cuda", c
              "auto_split_on": tuned_pick(quantkit_op(None)(weights[0]), on=True)}
     ops = {"bf16_F.linear": (bf16_make, None)}
     ops.update({name: (quantkit_op(cfg), cfg) for name, cfg in picks.items()})
-    candidates = split_configs(config_limit) if configs is None else configs[:config_limit]
+    candidates = (split_candidates(M, kind == "gated") if configs is None else configs)[:config_limit]
     ops.update({f"split {config_name(cfg)}": (quantkit_op(cfg), cfg) for cfg in candidates})
     base = {"kind": kind, "M": M, "N": N, "K": K, "dtype": dtype_name, "weight_bytes": rows_w * K}
     rows = {op: {**base, "op": op, "config": config_name(cfg) if cfg else "cuBLAS",

@@ -120,6 +120,30 @@ def test_split_configs_join_the_pool_only_up_to_m_64(monkeypatch):
     assert gemm_configs._prune_configs(configs, {"M": 64}) == medium
 
 
+def test_split_round_times_what_the_pool_admits_at_each_m(monkeypatch):
+    """The split-K round (bench.gemm_splitk) times, at each of its M, the split configs the pool
+    admits there, whatever the switch says now, and its M reach the top of each split range."""
+    from quantkit.bench import gemm_splitk
+    from quantkit.kernels.launch import config_dict
+
+    def dicts(configs):
+        return [config_dict(c) for c in configs]
+
+    medium_split = gemm_configs.MEDIUM_M_SPLIT_K_CONFIGS
+    swapped_split = [c for c in gemm_configs.MEDIUM_M_SWAP_CONFIGS if c.kwargs.get("SPLIT_K", 1) > 1]
+    for switch in (True, False):
+        monkeypatch.setattr(gemm_configs, "SMALL_M_SPLIT_K", switch)
+        assert gemm_splitk.split_candidates(1) == dicts(gemm_configs.SMALL_M_SPLIT_K_CONFIGS)
+        assert gemm_splitk.split_candidates(16, gated=True) == dicts(gemm_configs.SMALL_M_SPLIT_K_CONFIGS)
+        assert gemm_splitk.split_candidates(32) == dicts(swapped_split + medium_split)
+        assert gemm_splitk.split_candidates(64) == dicts(medium_split)
+        assert gemm_splitk.split_candidates(gemm_configs.SPLIT_K_MAX_M + 1) == []
+        assert gemm_configs.SMALL_M_SPLIT_K is switch  # restored
+    assert len(swapped_split) == 2 and len(medium_split) == 1
+    tops = {16, gemm_configs.SWAP_AB_MAX_M, gemm_configs.SPLIT_K_MAX_M}
+    assert tops <= set(gemm_splitk.SPLIT_K_MS)
+
+
 def test_gpu_check_lists_cover_the_pools():
     """The GPU checks' config lists are written out by hand (bench.gemm_splitk): every split config
     of ALL_CONFIGS is in the split checks, every swapped or split config in the promoted ones, and
