@@ -144,6 +144,24 @@ def test_split_round_times_what_the_pool_admits_at_each_m(monkeypatch):
     assert tops <= set(gemm_splitk.SPLIT_K_MS)
 
 
+def test_split_verdict_ignores_points_where_both_picks_are_one_config():
+    from quantkit.bench import gemm_splitk
+
+    def point(M, off, on, ms_off, ms_on):
+        base = {"kind": "plain", "N": 4096, "K": 4096, "M": M, "dtype": "fp8"}
+        return [{**base, "op": "auto", "pick": off, "ms_flush": ms_off},
+                {**base, "op": "auto_split_on", "pick": on, "ms_flush": ms_on},
+                {**base, "op": "split a", "ms_flush": ms_on * 1.3}]
+
+    gain = point(1, "a", "b S4", 0.0120, 0.0100)           # 1.20x where the split pick differs
+    same = point(16, "c", "c", 0.0100, 0.0105)             # one config, 0.95x: noise
+    summary = gemm_splitk.summarize(gain + same, ["flush"])
+    assert summary["turn_on"] and [p["flush"]["on_vs_off"] for p in summary["points"]] == pytest.approx([1.2, 1 / 1.05])
+    loss = point(32, "d", "d S2", 0.0100, 0.0105)          # a different pick 5 % slower: off
+    assert not gemm_splitk.summarize(gain + same + loss, ["flush"])["turn_on"]
+    assert not gemm_splitk.summarize(same, ["flush"])["turn_on"]  # no point where the picks differ
+
+
 def test_gpu_check_lists_cover_the_pools():
     """The GPU checks' config lists are written out by hand (bench.gemm_splitk): every split config
     of ALL_CONFIGS is in the split checks, every swapped or split config in the promoted ones, and
