@@ -50,21 +50,7 @@ def paired_graph_ms(fn, reps: int = 10, pairs: int = 15) -> float:
     """GPU ms of one ``fn()``: the graphs of ``_graph_bench_ms`` (reps x (flush, fn) and reps x
     flush), replayed as ``pairs`` back-to-back pairs in alternating order; the median of the
     per-pair differences / reps. A drift of the flush time cancels within a pair."""
-    flush = torch.empty(gemm_tma._FLUSH_BYTES, dtype=torch.int8, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    graphs = {}
-    with torch.cuda.stream(side):
-        fn()
-        for name, with_fn in (("flush", False), ("both", True)):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=side):
-                for _ in range(reps):
-                    flush.zero_()
-                    if with_fn:
-                        fn()
-            graphs[name] = graph
-    torch.cuda.current_stream().wait_stream(side)
+    graphs, _flush = gemm_tma.flush_graphs(fn, reps)
     for graph in graphs.values():
         graph.replay()
     diffs = []

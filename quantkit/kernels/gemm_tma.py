@@ -416,24 +416,33 @@ _GRAPH_BENCH_REPLAYS = 5
 _FLUSH_BYTES = 256 << 20
 
 
-def _graph_bench_ms(fn) -> float:
-    """GPU milliseconds of one ``fn()``: ``_GRAPH_BENCH_REPS`` x (L2 flush, fn) captured in a CUDA
-    graph, minus a graph of the flushes alone, median of a few replays (no host time inside)."""
+def flush_graphs(fn, reps: int) -> tuple[dict, torch.Tensor]:
+    """The autotuner timer's two CUDA graphs: ``"both"`` holds ``reps`` x (L2 flush, fn),
+    ``"flush"`` the flushes alone; captured on a side stream after one eager ``fn()`` (which
+    compiles, and fails on a config that does not fit, outside the capture). Returns the graphs and
+    the flush buffer, which must outlive them."""
     flush = torch.empty(_FLUSH_BYTES, dtype=torch.int8, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     graphs = {}
     with torch.cuda.stream(side):
-        fn()  # compiles (and fails on a config that does not fit) outside the capture
+        fn()
         for name, with_fn in (("flush", False), ("both", True)):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=side):
-                for _ in range(_GRAPH_BENCH_REPS):
+                for _ in range(reps):
                     flush.zero_()
                     if with_fn:
                         fn()
             graphs[name] = graph
     torch.cuda.current_stream().wait_stream(side)
+    return graphs, flush
+
+
+def _graph_bench_ms(fn) -> float:
+    """GPU milliseconds of one ``fn()``: ``_GRAPH_BENCH_REPS`` x (L2 flush, fn) captured in a CUDA
+    graph, minus a graph of the flushes alone, median of a few replays (no host time inside)."""
+    graphs, _flush = flush_graphs(fn, _GRAPH_BENCH_REPS)
     times = {name: median_replay_ms(graph, _GRAPH_BENCH_REPLAYS) for name, graph in graphs.items()}
     return max(times["both"] - times["flush"], 1e-6) / _GRAPH_BENCH_REPS
 
