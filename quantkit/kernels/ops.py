@@ -4,6 +4,8 @@ Modules call these functions with an explicit ``backend`` chosen once (at conver
 ``"triton"`` runs the Triton kernels (registered torch.library custom ops, so they trace under
 torch.compile and capture in CUDA graphs), ``"torch"`` runs the pure-torch twins in
 ``reference.py``. Nothing here sniffs devices per call or catches exceptions to fall back.
+Choose the backend with ``resolve_backend`` (or build the module for it): choosing "triton" imports
+the kernel modules, which a torch.compile trace could not do, so the first call may be traced.
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     device = torch.device(device)
     if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
-    if backend == "triton" and not triton_available():
+        backend = "triton" if device.type == "cuda" and triton_available() else "torch"
+    elif backend == "triton" and not triton_available():
         raise ValueError("backend='triton' needs the triton package; install it or use backend='torch'")
+    if backend == "triton":
+        load_triton_kernels()
     return backend
 
 
@@ -52,6 +56,19 @@ def kernel_module(name: str):
     if module is None:
         module = _KERNEL_MODULES[name] = importlib.import_module(f"quantkit.kernels.{name}")
     return module
+
+
+# Every module kernel_module loads. torch.compile cannot trace an import, so whoever chooses the
+# "triton" backend (resolve_backend, a QuantLinear built for it) loads them all at that moment:
+# a model's first forward may then be a traced one (torch.compile(fullgraph=True) before any
+# eager call).
+TRITON_KERNEL_MODULES = ("triton_ops", "attention", "rope", "norm")
+
+
+def load_triton_kernels() -> None:
+    """Import the Triton-side kernel modules now (once), outside any torch.compile trace."""
+    for name in TRITON_KERNEL_MODULES:
+        kernel_module(name)
 
 
 def _triton_ops():

@@ -154,6 +154,8 @@ class QuantLinear(QuantizedBuffers):
         if backend == "triton" and in_features % K_ALIGNMENT:
             raise ValueError(f"in_features={in_features} is not a multiple of {K_ALIGNMENT}, which the Triton kernels "
                              "need; use backend='torch' for this layer (layer_backend picks it)")
+        if backend == "triton":
+            ops.load_triton_kernels()  # before a first forward that torch.compile may trace
         self.in_features = in_features
         self.out_features = out_features
         self.quant_dtype = quant_dtype

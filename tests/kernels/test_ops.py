@@ -61,6 +61,40 @@ def test_module_compiles_fullgraph(dtype):
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
 
 
+_COMPILE_FIRST = """
+import torch
+from quantkit.kernels import ops, reference
+from quantkit.nn.linear import QuantLinear
+
+torch.manual_seed(0)
+layer = QuantLinear.from_linear(torch.nn.Linear(64, 48), torch.int8, backend="triton")
+backend = ops.resolve_backend("triton", "cpu")
+w, w_scale = reference.quantize_per_channel(torch.randn(32, 48), torch.float8_e4m3fn)
+
+def f(x):
+    q, s = ops.quantize_per_token(layer(x), torch.float8_e4m3fn, backend=backend)
+    return ops.scaled_mm(q, w, s, w_scale, None, "silu", torch.float32, backend=backend)
+
+x = torch.randn(13, 64)
+compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(x)  # the first call of anything
+assert torch.equal(compiled, f(x))
+print("compiled first: ok")
+"""
+
+
+def test_fullgraph_compile_before_any_eager_call():
+    """A model's first forward may be a traced one: choosing the "triton" backend (resolve_backend,
+    a QuantLinear built for it) imports the kernel modules then, since torch.compile cannot trace
+    the lazy import. A fresh process, so no earlier test has imported them."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE_FIRST], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "compiled first: ok" in run.stdout, run.stderr[-3000:]
+
+
 def test_triton_and_torch_backends_agree_through_ops():
     for dtype in (torch.int8, torch.float8_e4m3fn):
         x, a, a_scale, w, w_scale, bias = _operands(dtype)
