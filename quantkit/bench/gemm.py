@@ -3,10 +3,12 @@
 Every baseline does the same math as the fused kernel, unfused:
 - bf16 ``F.linear`` (cuBLAS; bias folded into the GEMM by torch) + activation,
 - FP8 ``torch._scaled_mm`` rowwise scales (dequant inside cuBLAS) + bias + activation,
-- INT8 ``torch._int_mm`` (int32 out) + dequant + bias + activation (``_int_mm`` needs M > 16).
+- INT8 ``torch._int_mm`` (int32 out) + dequant + bias + activation. ``_int_mm`` refuses M <= 16,
+  so there the INT8 rows have no ``_int_mm`` ratio (their bf16 ratio stands).
 
-Timing: ``triton.testing.do_bench`` medians; do_bench clears the L2 before every repetition, so
-each run reads its weight from memory (the decode case) and no input rotation is needed.
+Timing: CUDA-graph replays with the L2 flushed before every call (``bench_graph_ms`` /
+``adaptive_graph_ms``), so each call reads its weight from memory (the decode case), without the
+eager launch's host time; every point's ops in rotating order over ``rounds`` rounds, medians.
 Results: one row per (op, shape, M, epilogue) with time, TFLOP/s and ratios, written to CSV and
 JSON with the GPU name, torch/triton versions, commit and date, plus a PNG of TFLOP/s vs M.
 """

@@ -535,11 +535,14 @@ def scaled_mm(a, w, a_scale, w_scale, bias=None, activation="none", out_dtype=to
     """
     signature = None
     if config is None and out is None and not INTERPRETED:
-        signature = (a.shape, a.stride(), a.dtype, a.device, w.shape, w.stride(), w.dtype, w.device,
-                     a_scale.shape, a_scale.stride(), a_scale.dtype, a_scale.device,
-                     w_scale.shape, w_scale.stride(), w_scale.dtype, w_scale.device,
-                     None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
-                     activation, out_dtype, fp8_fast_accum, kernel, False)
+        try:
+            signature = (a.shape, a.stride(), a.dtype, a.device, w.shape, w.stride(), w.dtype, w.device,
+                         a_scale.shape, a_scale.stride(), a_scale.dtype, a_scale.device,
+                         w_scale.shape, w_scale.stride(), w_scale.dtype, w_scale.device,
+                         None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
+                         activation, out_dtype, fp8_fast_accum, kernel, False)
+        except AttributeError:  # an argument is not a tensor: the checks below name it
+            signature = None
         entry = _CALLS.get(signature)
         if entry is not None:
             return _cached_call(entry, a, w, a_scale, w_scale, bias)
@@ -560,10 +563,13 @@ def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype
     """
     signature = None
     if config is None and out is None and not INTERPRETED:
-        signature = (a.shape, a.stride(), a.dtype, a.device, w_gate_up.shape, w_gate_up.stride(), w_gate_up.dtype,
-                     w_gate_up.device, a_scale.shape, a_scale.stride(), a_scale.dtype, a_scale.device,
-                     w_scale.shape, w_scale.stride(), w_scale.dtype, w_scale.device, None,
-                     activation, out_dtype, fp8_fast_accum, kernel, True)
+        try:
+            signature = (a.shape, a.stride(), a.dtype, a.device, w_gate_up.shape, w_gate_up.stride(),
+                         w_gate_up.dtype, w_gate_up.device, a_scale.shape, a_scale.stride(), a_scale.dtype,
+                         a_scale.device, w_scale.shape, w_scale.stride(), w_scale.dtype, w_scale.device, None,
+                         activation, out_dtype, fp8_fast_accum, kernel, True)
+        except AttributeError:  # an argument is not a tensor: the checks below name it
+            signature = None
         entry = _CALLS.get(signature)
         if entry is not None:
             return _cached_call(entry, a, w_gate_up, a_scale, w_scale, None)

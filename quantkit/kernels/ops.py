@@ -183,6 +183,6 @@ def rms_norm_quant_per_token(x, weight, eps, dtype, residual=None, offset=0.0, b
     """RMSNorm (+ residual add, + Gemma's 1 + w) fused with per-token quantization."""
     if is_triton(backend):
         return _triton_ops().rms_norm_quant_per_token(x, weight, eps, dtype, residual, offset)
-    check_rms_norm_args(x, weight, residual, layout=False, eps=eps)
+    check_rms_norm_args(x, weight, residual, layout=False, eps=eps, offset=offset)
     check_quant_dtype(dtype)
     return reference.rms_norm_quant_per_token(x, weight, eps, dtype, residual, offset)

@@ -29,7 +29,7 @@ from quantkit.kernels.launch import (INTERPRETED, CachedLaunch, aligned, cdiv, c
 from quantkit.kernels.quant_checks import (MAX_SINGLE_PASS_K,  # noqa: F401 (re-exported)
                                            check_activation_input, check_per_tensor_scale, check_quant_dtype,
                                            check_rms_norm_args)
-from quantkit.kernels.reference import FP8_MAX, INT8_MAX, MIN_SCALE, check_eps, qmax_of  # noqa: F401 (re-exported)
+from quantkit.kernels.reference import FP8_MAX, INT8_MAX, MIN_SCALE, check_eps, check_offset, qmax_of  # noqa: F401 (re-exported)
 
 # Chunk width of the static quantizer (and of the per-token kernel's short-row configs).
 CHUNK_K = 4096
@@ -530,14 +530,19 @@ def _per_token_plan(K: int, x_dtype: torch.dtype, dtype: torch.dtype, config: di
 
 def quantize_per_token(x: torch.Tensor, dtype: torch.dtype, out=None, out_scale=None,
                        config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) float -> (q (M, K) dtype, scale (M,) fp32); one read of x when K <= 16384.
+    """(M, K) float -> (q (M, K) dtype, scale (M,) fp32). A row of K <= SINGLE_PASS_PER_TOKEN_K is
+    read once (kept in registers); a longer one in two passes over PER_TOKEN_CHUNK_K-wide chunks,
+    the second mostly from L2 (measured faster at K = 14336, NOTES-quant.md).
 
     ``out`` / ``out_scale`` receive the results when given (tests poison them); ``config``
     overrides ``per_token_launch_config`` (benchmarks, tests).
     """
     cacheable = out is None and out_scale is None and config is None
     if cacheable:
-        signature = (x.shape, x.stride(), x.dtype, x.device, dtype)
+        try:
+            signature = (x.shape, x.stride(), x.dtype, x.device, dtype)
+        except AttributeError:  # x is not a tensor: the checks below name it
+            signature = None
         call = _PER_TOKEN_CALLS.get(signature)
         if call is not None:
             q_shape, scale_shape, device, key, grid, tail, constexprs, num_warps = call
@@ -609,12 +614,16 @@ def rms_norm_quant_per_token(
     """
     cacheable = out is None and out_scale is None and out_residual is None and config is None
     if cacheable:
-        signature = (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype, weight.device,
-                     dtype, None if residual is None else (residual.shape, residual.stride(), residual.dtype,
-                                                          residual.device))
+        try:
+            signature = (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype,
+                         weight.device, dtype, None if residual is None else (residual.shape, residual.stride(),
+                                                                             residual.dtype, residual.device))
+        except AttributeError:  # an argument is not a tensor: the checks below name it
+            signature = None
         call = _RMS_CALLS.get(signature)
-        # Any eps but a plain non-negative finite float takes the checked path below.
-        if call is not None and type(eps) is float and 0.0 <= eps < math.inf:
+        # Any eps but a plain non-negative finite float, or offset but a finite int / float, takes the checked path.
+        if call is not None and type(eps) is float and 0.0 <= eps < math.inf and type(offset) in (float, int) \
+                and -math.inf < offset < math.inf:
             shape, scale_shape, device, key, grid, strides, launch, constexprs, num_warps = call
             q = torch.empty(*shape, dtype=dtype, device=device)  # separate ints: see quantize_per_token
             scale = torch.empty(*scale_shape, dtype=torch.float32, device=device)
@@ -628,7 +637,7 @@ def rms_norm_quant_per_token(
                    (x, residual_arg, new_residual_arg, weight, q, scale, *strides, float(eps), float(offset)),
                    constexprs, num_warps, 3)
             return q, scale, new_residual
-    check_rms_norm_args(x, weight, residual, eps=eps)
+    check_rms_norm_args(x, weight, residual, eps=eps, offset=offset)
     check_quant_dtype(dtype)
     _check_runnable(x)
     M, K = x.shape

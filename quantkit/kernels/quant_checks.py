@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.kernels.reference import QUANT_DTYPES, check_eps
+from quantkit.kernels.reference import QUANT_DTYPES, check_eps, check_offset
 
 # A whole row stays in registers up to this many elements (one read of the input); longer rows
 # take two passes (the second mostly hits L2).
@@ -34,9 +34,14 @@ def check_activation_input(x: torch.Tensor, name: str = "x", layout: bool = True
         raise ValueError(f"{name} has stride {x.stride()} along K; the kernel needs unit stride: pass {name}.contiguous()")
 
 
-def check_rms_norm_args(x, weight, residual, layout: bool = True, eps: float = 0.0) -> None:
+def check_rms_norm_args(x, weight, residual, layout: bool = True, eps: float = 0.0, offset: float = 0.0) -> None:
     check_eps(eps)
+    check_offset(offset)
     check_activation_input(x, layout=layout)
+    for name, tensor in (("weight", weight), ("residual", residual)):
+        if not (isinstance(tensor, torch.Tensor) or (name == "residual" and tensor is None)):
+            raise TypeError(f"{name} is a {type(tensor).__name__}; pass a tensor"
+                            + (" (or None)" if name == "residual" else ""))
     K = x.shape[1]
     if weight.dim() != 1 or weight.shape[0] != K:
         raise ValueError(f"weight has shape {tuple(weight.shape)}; RMSNorm over K={K} needs shape ({K},)")

@@ -74,6 +74,16 @@ def check_eps(eps: float) -> None:
         raise ValueError(f"eps={eps!r} must be a finite number >= 0 (models use about 1e-6)")
 
 
+def check_offset(offset: float) -> None:
+    """An RMSNorm weight offset (Gemma's 1 + w: 1.0; else 0.0) must be a finite number."""
+    try:
+        ok = not isinstance(offset, (bool, str)) and abs(float(offset)) < float("inf")
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"offset={offset!r} must be a finite number (1.0 for Gemma's (1 + w) weights, else 0.0)")
+
+
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The fp32 scale that maps a clipping magnitude onto the format's largest value."""
     amax = amax.float()

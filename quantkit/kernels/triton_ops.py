@@ -186,7 +186,7 @@ def _rms_norm_quant_op(
 
 @_rms_norm_quant_op.register_fake
 def _(x, weight, eps, dtype, offset):
-    quant.check_rms_norm_args(x, weight, None)
+    quant.check_rms_norm_args(x, weight, None, eps=eps, offset=offset)
     quant.check_quant_dtype(dtype)
     M, K = x.shape
     return x.new_empty((M, K), dtype=dtype), x.new_empty((M,), dtype=torch.float32)
@@ -202,7 +202,7 @@ def _add_rms_norm_quant_op(
 
 @_add_rms_norm_quant_op.register_fake
 def _(x, residual, weight, eps, dtype, offset):
-    quant.check_rms_norm_args(x, weight, residual)
+    quant.check_rms_norm_args(x, weight, residual, eps=eps, offset=offset)
     quant.check_quant_dtype(dtype)
     M, K = x.shape
     return (
@@ -290,8 +290,9 @@ def quantize_per_tensor(x, scale, dtype):
 
 def rms_norm_quant_per_token(x, weight, eps, dtype, residual=None, offset=0.0):
     if direct_launch(x):
-        return quant.rms_norm_quant_per_token(x, weight, eps, dtype, residual, float(offset))
+        return quant.rms_norm_quant_per_token(x, weight, eps, dtype, residual, offset)
     quant.check_eps(eps)  # before float() would take "1e-6" or True
+    quant.check_offset(offset)
     if residual is None:
         q, scale = _rms_norm_quant_op(x, weight, float(eps), dtype, float(offset))
         return q, scale, None

@@ -115,6 +115,33 @@ def test_fake_impl_rejects_bad_input_while_tracing():
         torch.compile(f, fullgraph=True, backend="aot_eager")(a, w[:, :48].contiguous())
 
 
+def test_fake_impls_validate_like_the_kernels():
+    """Each registered op's fake implementation (what torch.compile traces with) refuses the bad
+    calls the kernel refuses: run under FakeTensorMode, where only the fake runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, a, a_scale, w, w_scale, bias = _operands(torch.int8)
+    _, _, _, w3, w3_scale, _ = _operands(torch.int8, rows=3)
+    weight = torch.randn(64)
+    cases = [
+        (triton_ops._scaled_mm_op, (a, w[:, :48], a_scale, w_scale, None, "none", torch.float32), "K mismatch"),
+        (triton_ops._scaled_mm_op, (a, w, a_scale[:5], w_scale, bias, "none", torch.float32), "a_scale"),
+        (triton_ops._gated_scaled_mm_op, (a, w3, a_scale, w3_scale, "silu", torch.float32), "has 3 rows"),
+        (triton_ops._quantize_per_token_op, (x[None], torch.int8), "must be 2-D"),
+        (triton_ops._quantize_per_tensor_op, (x, torch.tensor([0.1, 0.2]), torch.int8), "2 elements"),
+        (triton_ops._rms_norm_quant_op, (x, torch.randn(7), 1e-6, torch.int8, 0.0), "weight has shape"),
+        (triton_ops._rms_norm_quant_op, (x, weight, -1.0, torch.int8, 0.0), "eps=-1.0"),
+        (triton_ops._add_rms_norm_quant_op, (x, x[:3], weight, 1e-6, torch.int8, 1.0), "residual shape"),
+        (triton_ops._add_rms_norm_quant_op, (x, x, weight, 1e-6, torch.int8, float("inf")), "offset=inf"),
+    ]
+    for op, args, message in cases:
+        with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises((ValueError, TypeError), match=message):
+            op(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True):  # and a good call gets the kernel's shapes
+        out = triton_ops._gated_scaled_mm_op(a, w, a_scale, w_scale, "silu", torch.bfloat16)
+        assert out.shape == (13, 16) and out.dtype == torch.bfloat16
+
+
 def test_resolve_backend():
     assert ops.resolve_backend("auto", "cpu") == "torch"
     with pytest.raises(ValueError, match="backend='cuda'"):
@@ -165,6 +192,35 @@ def test_both_backends_refuse_the_same_bad_calls(backend):
         (lambda: ops.scaled_mm(a, w, 0.5, w_scale, backend=backend), "a_scale is a float"),
         (lambda: ops.scaled_mm(a, w, a_scale, w_scale, 0.0, backend=backend), "bias is a float"),
         (lambda: ops.quantize_per_token(x.tolist(), torch.int8, backend=backend), "must be a"),
+        (lambda: ops.rms_norm_quant_per_token(x, torch.randn(64), 1e-6, torch.int8, None, "1", backend=backend),
+         "offset='1'"),
+        (lambda: ops.rms_norm_quant_per_token(x, torch.randn(64), 1e-6, torch.int8, None, float("nan"),
+                                              backend=backend), "offset=nan"),
+        (lambda: ops.rms_norm_quant_per_token(x, [1.0] * 64, 1e-6, torch.int8, backend=backend), "weight is a list"),
+        (lambda: ops.rms_norm_quant_per_token(x, torch.randn(64), 1e-6, torch.int8, 0.0, backend=backend),
+         "residual is a float"),
+    ]
+    for call, message in cases:
+        with pytest.raises((ValueError, TypeError), match=message):
+            call()
+
+
+def test_cached_launch_path_names_a_non_tensor_argument(monkeypatch):
+    """On a GPU the launchers key a signature cache on their arguments' shapes before validating
+    (off under the interpreter): a non-tensor scale, bias, weight or residual must still get the
+    checks' error, not an AttributeError from building the key."""
+    from quantkit.kernels import gemm, quant
+
+    monkeypatch.setattr(gemm, "INTERPRETED", False)
+    x, a, a_scale, w, w_scale, bias = _operands(torch.int8)
+    _, _, _, w2, w2_scale, _ = _operands(torch.int8, rows=64)
+    cases = [
+        (lambda: gemm.scaled_mm(a, w, 0.5, w_scale), "a_scale is a float"),
+        (lambda: gemm.scaled_mm(a, w, a_scale, w_scale, bias.tolist()), "bias is a list"),
+        (lambda: gemm.gated_scaled_mm(a, w2, a_scale, 2.0), "w_scale is a float"),
+        (lambda: quant.quantize_per_token(x.tolist(), torch.int8), "must be a"),
+        (lambda: quant.rms_norm_quant_per_token(x, [1.0] * 64, 1e-6, torch.int8), "weight is a list"),
+        (lambda: quant.rms_norm_quant_per_token(x, torch.randn(64), 1e-6, torch.int8, 1.0), "residual is a float"),
     ]
     for call, message in cases:
         with pytest.raises((ValueError, TypeError), match=message):
