@@ -150,11 +150,12 @@ def test_gated_pairs_gate_with_its_own_up_rows():
 
 
 def test_fuzz_random_shapes_and_flags():
-    """>= 200 seeded random combinations of shape, dtype, scales, bias, activation, gating, out dtype."""
+    """>= 200 seeded random combinations of shape, dtype, scales, bias, activation, gating, out dtype,
+    kernel (tiled or persistent TMA) and FP8 accumulation mode."""
     rng = random.Random(1234)
-    for case in range(200):
+    for case in range(240):
         dtype = rng.choice([torch.int8, torch.float8_e4m3fn])
-        M = rng.choice([1, 2, 3, 5, 13, 16, 17, 31, 64, 65, 100])
+        M = rng.choice([1, 2, 3, 5, 13, 16, 17, 31, 64, 65, 100, 128, 257])
         N = rng.choice([1, 3, 16, 33, 64, 65, 100])
         K = 16 * rng.randint(1, 12)
         gated = rng.random() < 0.25
@@ -167,12 +168,18 @@ def test_fuzz_random_shapes_and_flags():
         if rng.random() < 0.3:
             w_scale = w_scale[:1].clone()
         bias = bias * 0.1 if has_bias else None
-        ctx = f"case {case}: {dtype} M={M} N={N} K={K} gated={gated} act={activation} bias={has_bias} {out_dtype}"
+        kernel = rng.choice(["auto", "auto", "tiled", "persistent"])
+        if kernel == "persistent" and N * out_dtype.itemsize % 16:
+            kernel = "tiled"  # TMA needs 16-byte output rows (test_bad_kernel_choice_raises)
+        fast = rng.random() < 0.7  # FP8 only: fast or promoted accumulation
+        ctx = (f"case {case}: {dtype} M={M} N={N} K={K} gated={gated} act={activation} bias={has_bias} {out_dtype} "
+               f"kernel={kernel} fast={fast}")
+        flags = {"kernel": kernel, "fp8_fast_accum": fast, "out": _poisoned(M, N, out_dtype)}
         if gated:
-            out = gemm.gated_scaled_mm(a, w, a_scale, w_scale, activation, out_dtype, out=_poisoned(M, N, out_dtype))
+            out = gemm.gated_scaled_mm(a, w, a_scale, w_scale, activation, out_dtype, **flags)
             ref = reference.gated_scaled_mm(a, w, a_scale, w_scale, activation, torch.float32)
         else:
-            out = gemm.scaled_mm(a, w, a_scale, w_scale, bias, activation, out_dtype, out=_poisoned(M, N, out_dtype))
+            out = gemm.scaled_mm(a, w, a_scale, w_scale, bias, activation, out_dtype, **flags)
             ref = reference.scaled_mm(a, w, a_scale, w_scale, bias, activation, torch.float32)
         assert not out.isnan().any(), ctx
         # ref is fp32; the kernel's one extra rounding is to out_dtype.
