@@ -36,7 +36,8 @@ from quantkit.bench.gemm import adaptive_graph_ms  # noqa: E402
 from quantkit.kernels import gemm, gemm_configs, gemm_tma, reference  # noqa: E402
 from quantkit.kernels.launch import config_dict  # noqa: E402
 
-import gemm as gemm_script  # noqa: E402  (benchmarks/gemm.py: its precompile pool; a spawned worker imports it by this name)
+# benchmarks/gemm.py, for its precompile pool (a spawned worker imports it by this name).
+import gemm as gemm_script  # noqa: E402
 
 DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 # (M, N, K, dtype): the two mispicks of run s39a first, then decode and medium points around them.

@@ -29,7 +29,9 @@ from quantkit.kernels.launch import (INTERPRETED, CachedLaunch, aligned, cdiv, c
 from quantkit.kernels.quant_checks import (MAX_SINGLE_PASS_K,  # noqa: F401 (re-exported)
                                            check_activation_input, check_per_tensor_scale, check_quant_dtype,
                                            check_rms_norm_args)
-from quantkit.kernels.reference import FP8_MAX, INT8_MAX, MIN_SCALE, check_eps, check_offset, qmax_of  # noqa: F401 (re-exported)
+# Re-exported: check_eps and check_offset for triton_ops, the constants for callers.
+from quantkit.kernels.reference import (FP8_MAX, INT8_MAX, MIN_SCALE, check_eps, check_offset,  # noqa: F401
+                                        qmax_of)
 
 # Chunk width of the static quantizer (and of the per-token kernel's short-row configs).
 CHUNK_K = 4096
@@ -621,7 +623,8 @@ def rms_norm_quant_per_token(
         except AttributeError:  # an argument is not a tensor: the checks below name it
             signature = None
         call = _RMS_CALLS.get(signature)
-        # Any eps but a plain non-negative finite float, or offset but a finite int / float, takes the checked path.
+        # Any eps but a plain non-negative finite float, or any offset but a finite int or float, takes
+        # the checked path below.
         if call is not None and type(eps) is float and 0.0 <= eps < math.inf and type(offset) in (float, int) \
                 and -math.inf < offset < math.inf:
             shape, scale_shape, device, key, grid, strides, launch, constexprs, num_warps = call
