@@ -58,13 +58,7 @@ def pool_split_configs() -> list[dict]:
 def split_candidates(M: int, gated: bool = False) -> list[dict]:
     """The split configs the autotuner's pool admits at ``M`` while SMALL_M_SPLIT_K is on (the
     decode set at M <= 16, the medium swapped and 64-row ones up to SPLIT_K_MAX_M, none above)."""
-    saved = gemm_configs.SMALL_M_SPLIT_K
-    gemm_configs.SMALL_M_SPLIT_K = True
-    try:
-        pool = gemm_configs._prune_configs(gemm.ALL_CONFIGS, {"M": M, "GATED": gated})
-    finally:
-        gemm_configs.SMALL_M_SPLIT_K = saved
-    return [config_dict(c) for c in pool if c.kwargs.get("SPLIT_K", 1) > 1]
+    return [config_dict(c) for c in gemm_configs.pool_configs(M, gated, split_k=True) if c.kwargs.get("SPLIT_K", 1) > 1]
 
 
 def config_name(cfg: dict) -> str:

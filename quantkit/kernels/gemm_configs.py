@@ -187,25 +187,31 @@ def split_k_programs(M: int, N: int, K: int, config: dict) -> tuple[int, int]:
     return splits, cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"]) * splits
 
 
-def _prune_configs(configs, named_args, **kwargs):
-    M = named_args["M"]
-    gated = named_args.get("GATED", kwargs.get("GATED", False))
+def pool_configs(M: int, gated: bool = False, split_k: bool | None = None) -> list:
+    """The configs the autotuner times at ``M`` (a family of ALL_CONFIGS, in its order): the
+    decode, medium or large set, the split configs while ``split_k`` (default: SMALL_M_SPLIT_K)
+    is on and M <= SPLIT_K_MAX_M, the swapped ones while SMALL_M_SWAP_AB is on."""
     if M <= 16:
         family = SMALL_M_CONFIGS + SMALL_M_SPLIT_K_CONFIGS
     elif M <= 128:
         family = MEDIUM_M_CONFIGS + (MEDIUM_M_SWAP_CONFIGS if M <= SWAP_AB_MAX_M else []) + MEDIUM_M_SPLIT_K_CONFIGS
     else:
         family = LARGE_M_CONFIGS
-    if not (SMALL_M_SPLIT_K and M <= SPLIT_K_MAX_M):
+    if not ((SMALL_M_SPLIT_K if split_k is None else split_k) and M <= SPLIT_K_MAX_M):
         family = [c for c in family if c.kwargs.get("SPLIT_K", 1) == 1]
     if not SMALL_M_SWAP_AB:
         family = [c for c in family if not c.kwargs.get("SWAP_AB")]
-    wanted = {id(c) for c in family}
-    pool = [c for c in configs if id(c) in wanted]
     if gated:
         # Two accumulators: keep the tile's registers (and shared memory) in budget.
-        pool = [c for c in pool if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128] or pool[:1]
-    return pool
+        family = [c for c in family if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128] or family[:1]
+    return family
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """The autotuner's early prune: ``configs`` narrowed to ``pool_configs`` of the call's M."""
+    gated = named_args.get("GATED", kwargs.get("GATED", False))
+    wanted = {id(c) for c in pool_configs(named_args["M"], gated)}
+    return [c for c in configs if id(c) in wanted]
 
 
 def _even_k(args):

@@ -64,23 +64,25 @@ def cast_to_quantized(x_scaled: torch.Tensor, dtype: torch.dtype, activation: bo
     return x_scaled.to(torch.float8_e4m3fn)
 
 
+def _finite_number(value) -> float | None:
+    """``value`` as a float if it is a finite real number (not a bool or a string), else None."""
+    try:
+        number = None if isinstance(value, (bool, str)) else float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if number is not None and math.isfinite(number) else None
+
+
 def check_eps(eps: float) -> None:
     """A norm's epsilon must be a finite number >= 0 (a negative one makes rsqrt NaN for flat rows)."""
-    try:
-        ok = not isinstance(eps, (bool, str)) and 0.0 <= float(eps) < float("inf")
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
+    number = _finite_number(eps)
+    if number is None or number < 0.0:
         raise ValueError(f"eps={eps!r} must be a finite number >= 0 (models use about 1e-6)")
 
 
 def check_offset(offset: float) -> None:
     """An RMSNorm weight offset (Gemma's 1 + w: 1.0; else 0.0) must be a finite number."""
-    try:
-        ok = not isinstance(offset, (bool, str)) and abs(float(offset)) < float("inf")
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
+    if _finite_number(offset) is None:
         raise ValueError(f"offset={offset!r} must be a finite number (1.0 for Gemma's (1 + w) weights, else 0.0)")
 
 
