@@ -8,8 +8,10 @@ clock the board's power limit leaves it (then the op that moves fewer bytes per 
 Each op is captured as a CUDA graph of CALLS back-to-back calls (warm L2, no flushes: the
 steady state of a long prefill) and replayed for --seconds; CUDA events give the time per call,
 ``nvidia-smi -lms 50`` sampled meanwhile gives SM clock, power and the clock-event reasons, read
-over the window minus its first 0.3 s. Rounds rotate the op order. Ops come from
-benchmarks/gemm_gluon.py's ``point_ops`` (the same operands, baselines and Gluon configs, plain
+over the window minus its first 0.3 s. Rounds rotate the op order. ``--flush``: each call in the
+graph is preceded by the standard benchmark's L2 flush (a 256 MB memset), the regime its timings
+run in, and a "flush" op times the flushes alone (op time = its row's time minus the flush row's).
+Ops come from benchmarks/gemm_gluon.py's ``point_ops`` (the same operands, baselines and Gluon configs, plain
 epilogue). Results: gemm_power.json / .txt under --out.
 """
 
@@ -28,6 +30,7 @@ import gemm_gluon as bench  # noqa: E402  (sets up the quantkit package stub, as
 import torch  # noqa: E402
 
 CALLS = 20
+FLUSH_BYTES = 256 << 20  # gemm_tma's timer flush
 QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 
 
@@ -49,13 +52,16 @@ def read_samples(path: Path) -> list[tuple[datetime.datetime, float, float, floa
     return samples
 
 
-def run_op(fn, seconds: float) -> tuple[float, datetime.datetime, datetime.datetime]:
-    """us per call over ``seconds`` of graph replays, and the window's local start / end."""
+def run_op(fn, seconds: float, flush: torch.Tensor | None = None) -> tuple[float, datetime.datetime, datetime.datetime]:
+    """us per call over ``seconds`` of graph replays, and the window's local start / end; with
+    ``flush``, each call is preceded by zeroing it (the L2 flush)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(CALLS):
+            if flush is not None:
+                flush.zero_()
             fn()
     graph.replay()
     torch.cuda.synchronize()
@@ -98,6 +104,8 @@ def main() -> None:
     parser.add_argument("--configs", default="", help="Gluon configs to build (default: all)")
     parser.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE",
                         help="as gemm_gluon.py --variant: Gluon config variants (ops gluon_<dtype>_<name>[FIELD=VALUE])")
+    parser.add_argument("--flush", action="store_true",
+                        help="an L2 flush before every call (the standard benchmark's regime), and a flush-only op")
     parser.add_argument("--eager-calls", type=int, default=0,
                         help="no timing: call each op this many times, eagerly (a target for ncu)")
     args = parser.parse_args()
@@ -116,6 +124,7 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     smi_path = args.out / "nvidia_smi_samples.csv"
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda") if args.flush else None
     sampler = start_sampler(smi_path)
     time.sleep(0.5)
     rows = []
@@ -123,11 +132,13 @@ def main() -> None:
         for point in args.points.split(","):
             M, N, K = (int(v) for v in point.split(":"))
             ops = bench.point_ops(M, N, K, {"fp8": True, "int8": True})
-            names = [name for name in args.ops.split(",") if name in ops]
+            if flush is not None:
+                ops["flush"] = lambda: None
+            names = [name for name in args.ops.split(",") if name in ops] + (["flush"] if flush is not None else [])
             for r in range(args.rounds):
                 order = names[r % len(names):] + names[:r % len(names)]
                 for name in order:
-                    us, start, stop = run_op(ops[name], args.seconds)
+                    us, start, stop = run_op(ops[name], args.seconds, flush)
                     rows.append({"M": M, "N": N, "K": K, "op": name, "round": r, "us": us,
                                  "tflops": 2.0 * M * N * K / us / 1e6, "start": start.isoformat(),
                                  "stop": stop.isoformat()})
@@ -142,7 +153,8 @@ def main() -> None:
     for row in rows:
         row.update(window_stats(samples, datetime.datetime.fromisoformat(row["start"]),
                                 datetime.datetime.fromisoformat(row["stop"])))
-    meta = {**bench.metadata(), "calls_per_graph": CALLS, "seconds": args.seconds, "smi_samples": len(samples)}
+    meta = {**bench.metadata(), "calls_per_graph": CALLS, "seconds": args.seconds, "smi_samples": len(samples),
+            "flush": args.flush}
     (args.out / "gemm_power.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [f"{meta['gpu']} torch {meta['torch']} triton {meta['triton']} commit {meta['commit']} {meta['date']}", "",
              "| M | N x K | op | round | us | TFLOP/s | SM MHz (min) | W | max C | clock-event reasons |",
