@@ -258,6 +258,9 @@ def point_ops(M, N, K, passed):
             config = None if cfg_name == "auto" else cfg_name
             ops[f"gluon_{name}_{cfg_name}"] = (
                 lambda a=a, w=w, s=a_scale, t=w_scale, c=config: gemm_gluon.gluon_scaled_mm(a, w, s, t, bias_arg, config=c))
+        # What kernel="gluon" runs: the tuner's pick among gemm_gluon.candidates.
+        ops[f"gluon_{name}_tuned"] = (
+            lambda a=a, w=w, s=a_scale, t=w_scale: gemm.scaled_mm(a, w, s, t, bias_arg, kernel="gluon"))
     return ops
 
 
@@ -404,9 +407,9 @@ def gated_point_ops(M, N, K, passed, dtypes):
             ops[f"gluon_{name}_{cfg_name}"] = (
                 lambda a=a, w=w, s=a_scale, t=w_scale, c=cfg_name: gemm_gluon.gluon_gated_scaled_mm(a, w, s, t, "silu",
                                                                                                      config=c))
-        if dtype == torch.int8:
-            ops[f"gluon_{name}_gated_auto"] = (
-                lambda a=a, w=w, s=a_scale, t=w_scale: gemm.gated_scaled_mm(a, w, s, t, "silu", kernel="gluon"))
+        # The tuner's pick among the gated candidates (what kernel="gluon" runs), INT8 and FP8.
+        ops[f"gluon_{name}_gated_auto"] = (
+            lambda a=a, w=w, s=a_scale, t=w_scale: gemm.gated_scaled_mm(a, w, s, t, "silu", kernel="gluon"))
     return ops
 
 
