@@ -52,7 +52,8 @@ def read_samples(path: Path) -> list[tuple[datetime.datetime, float, float, floa
     return samples
 
 
-def run_op(fn, seconds: float, flush: torch.Tensor | None = None) -> tuple[float, datetime.datetime, datetime.datetime]:
+def run_op(fn, seconds: float, flush: torch.Tensor | None = None
+           ) -> tuple[float, datetime.datetime, datetime.datetime]:
     """us per call over ``seconds`` of graph replays, and the window's local start / end; with
     ``flush``, each call is preceded by zeroing it (the L2 flush)."""
     fn()

@@ -687,6 +687,33 @@ def test_auto_pick_routes_to_gluon(gluon_capable, monkeypatch, dtype, M, gated, 
         assert gemm._pick_kernel("gluon", a, w, out, gated, None, flags, True) == "gluon"
 
 
+@pytest.mark.parametrize("M, N, K, gated, expected", [
+    (96, 28672, 4096, False, "gluon"),   # a large weight from GLUON_LARGE_WEIGHT_MIN_M rows
+    (95, 28672, 4096, False, "tiled"),
+    (129, 8192, 4096, False, "gluon"),   # exactly GLUON_LARGE_WEIGHT elements
+    (129, 8191, 4096, False, "tiled"),
+    (200, 6144, 4096, False, "tiled"),   # a smaller weight waits for GLUON_MIN_M
+    (96, 14336, 4096, True, "gluon"),    # gated: the stacked 2N x K weight counts
+    (255, 2048, 640, True, "tiled"),
+    (64, 14336, 4096, True, "tiled"),
+], ids=["plain-96", "plain-95", "plain-at-bound", "plain-below-bound", "plain-6144", "gated-96", "gated-small",
+        "gated-64"])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_auto_pick_takes_gluon_early_for_a_large_weight(gluon_capable, monkeypatch, dtype, M, N, K, gated, expected):
+    from quantkit.kernels import gemm
+
+    monkeypatch.setattr(gemm, "INTERPRETED", False)
+    a = torch.empty(M, K, dtype=dtype)
+    w = torch.empty(2 * N if gated else N, K, dtype=dtype)
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    flags = (dtype == torch.int8, True, True, False, 2 if gated else 0, False)
+    assert gemm.gluon_sized(M, w.numel(), gated) == (expected == "gluon")
+    assert gemm._pick_kernel("auto", a, w, out, gated, None, flags, True) == expected
+    # The promoted FP8 mode has no Gluon form.
+    if dtype == torch.float8_e4m3fn:
+        assert gemm._pick_kernel("auto", a, w, out, gated, None, flags, False) == "tiled"
+
+
 def test_gated_scaled_mm_launches_the_gluon_gated_call_and_caches_it(gluon_capable, monkeypatch):
     """gemm.gated_scaled_mm (INT8, M >= GLUON_GATED_MIN_M) asks gemm_gluon.tuned_call for a gated call
     once per signature and launches it with the stacked weight and the (M, N) output; the second
