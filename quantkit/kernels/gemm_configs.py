@@ -147,7 +147,7 @@ MEDIUM_M_CONFIGS = [
     _cfg(128, 128, 128, 8, 4),
     _cfg(64, 256, 128, 8, 3),
 ]
-# M > 128: compute-bound; large wgmma tiles, 3-4 stage pipelines.
+# M > 128: compute-bound; large wgmma tiles, 3-4 stage pipelines (with the medium set up to 256).
 LARGE_M_CONFIGS = [
     _cfg(128, 256, 128, 8, 3),
     _cfg(256, 128, 128, 8, 3),
@@ -156,6 +156,13 @@ LARGE_M_CONFIGS = [
     _cfg(128, 256, 64, 8, 4),
     _cfg(128, 64, 128, 4, 4),
 ]
+# 129 <= M <= 256 (one tuning bucket): both sets. Measured on an H200 (session 40,
+# benchmarks/gemm_medium_pool.py, results/gemm_medium_pool_s40_h200.*) at M = 192, every config of
+# both given explicitly, the best medium config against the best large one, FP8 / INT8: 1.38x / 1.39x
+# at 640x2048 (Gemma-3-270M's down projection; 64x64x256: 5.9 / 6.4 us, the large set's autotuned
+# pick 8.4 / 9.0), 1.07x / 1.03x at 4096x4096 (64x128x256), 1.00x / 1.01x at 6144x4096. Larger
+# weights run on the Gluon kernel there (gemm.gluon_sized).
+MEDIUM_LARGE_MAX_M = 256
 # Every config the autotuner knows; _prune_configs picks each call's family.
 ALL_CONFIGS = (SMALL_M_CONFIGS + SMALL_M_SPLIT_K_CONFIGS + MEDIUM_M_CONFIGS + LARGE_M_CONFIGS
                + MEDIUM_M_SWAP_CONFIGS + MEDIUM_M_SPLIT_K_CONFIGS)
@@ -195,6 +202,8 @@ def pool_configs(M: int, gated: bool = False, split_k: bool | None = None) -> li
         family = SMALL_M_CONFIGS + SMALL_M_SPLIT_K_CONFIGS
     elif M <= 128:
         family = MEDIUM_M_CONFIGS + (MEDIUM_M_SWAP_CONFIGS if M <= SWAP_AB_MAX_M else []) + MEDIUM_M_SPLIT_K_CONFIGS
+    elif M <= MEDIUM_LARGE_MAX_M:
+        family = MEDIUM_M_CONFIGS + LARGE_M_CONFIGS
     else:
         family = LARGE_M_CONFIGS
     if not ((SMALL_M_SPLIT_K if split_k is None else split_k) and M <= SPLIT_K_MAX_M):

@@ -120,6 +120,24 @@ def test_split_configs_join_the_pool_only_up_to_m_64(monkeypatch):
     assert gemm_configs._prune_configs(configs, {"M": 64}) == medium
 
 
+def test_pool_families_follow_the_tuning_buckets():
+    """Each autotune bucket of M (powers of two) gets one family: medium up to 128, medium + large
+    for 129..256 (session 40), large above; gated calls keep tiles of at most 128 x 128."""
+    configs = gemm._scaled_mm_autotuned.configs
+    medium, large = gemm_configs.MEDIUM_M_CONFIGS, gemm_configs.LARGE_M_CONFIGS
+    limit = gemm_configs.MEDIUM_LARGE_MAX_M
+    assert gemm_configs.m_bucket(limit) == limit and gemm_configs.m_bucket(129) == limit
+    for M in (65, 100, 128):
+        assert gemm_configs._prune_configs(configs, {"M": M}) == medium
+    for M in (129, 192, 255, limit):
+        assert gemm_configs._prune_configs(configs, {"M": M}) == medium + large
+        gated = gemm_configs._prune_configs(configs, {"M": M, "GATED": True})
+        assert gated == [c for c in medium + large if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
+        assert any(c in gated for c in medium) and any(c in gated for c in large)
+    for M in (limit + 1, 512, 4096):
+        assert gemm_configs._prune_configs(configs, {"M": M}) == large
+
+
 def test_split_round_times_what_the_pool_admits_at_each_m(monkeypatch):
     """The split-K round (bench.gemm_splitk) times, at each of its M, the split configs the pool
     admits there, whatever the switch says now, and its M reach the top of each split range."""
