@@ -223,14 +223,16 @@ GLUON_MIN_M = 256
 GLUON_GATED_MIN_M = 256
 # Below those, from GLUON_LARGE_WEIGHT_MIN_M rows on, kernel="auto" takes the Gluon kernel for a
 # weight of at least GLUON_LARGE_WEIGHT elements (N x K; gated: the stacked 2N x K), plain and gated.
-# Measured on an H200 (session 40, benchmarks/gemm_gluon.py, results/gemm_gluon_s40_medium_h200.*),
-# the Gluon kernel's tuned pick against the tiled kernel's, FP8 / INT8: at M = 129..255, where the
-# tiled pool is the large-M one, 1.10-1.22x / 1.27-1.36x at 28672x4096 and 1.05-1.13x / 1.11-1.26x
-# at 4096x14336 (58.7M elements); the gated 2 x 14336 x 4096 1.10-1.11x / 1.25-1.26x; at M = 96
+# Measured on an H200 (session 40, benchmarks/gemm_gluon.py, results/gemm_gluon_s40_medium_h200.* and
+# gemm_gluon_gated_s40_medium_h200.*), the Gluon kernel's tuned pick against the tiled kernel's
+# autotuned one, FP8 / INT8: at M = 129..255 (tiled pool then: the large-M one) 1.10-1.22x /
+# 1.27-1.36x at 28672x4096 and 1.05-1.13x / 1.11-1.26x at 4096x14336 (58.7M elements); the gated 2 x 14336 x 4096 1.10-1.11x / 1.25-1.26x; at M = 96
 # and 128 1.06-1.08x / 1.09-1.11x at 28672x4096, 1.02x / 1.05x at 14336x4096, gated 1.03-1.04x /
 # 1.02-1.03x; gated M = 64 0.92x / 0.94x (so from 96). Smaller weights lose on the Gluon kernel:
-# 4096x4096 and 6144x4096 (16.8M, 25.2M) FP8 0.88-0.99x at M = 129..255, and 0.69-0.96x at the
-# Gemma-3-270M sizes (640x2048, 1024x640, gated 2 x 2048 x 640), so the bound is 2^25 = 33.6M.
+# 4096x4096 and 6144x4096 (16.8M, 25.2M) FP8 0.88-0.99x at M = 129..255 in that run (at 6144x4096
+# the Gluon tuner's FP8 pick varies: 1.08-1.10x in two later runs, gemm_medium_pool_s40*), and
+# 0.69-1.02x at the Gemma-3-270M sizes (640x2048, 1024x640, gated 2 x 2048 x 640), so the bound
+# is 2^25 = 33.6M.
 GLUON_LARGE_WEIGHT_MIN_M = 96
 GLUON_LARGE_WEIGHT = 1 << 25
 # kernel="auto" takes the tensor-core-free GEMV (gemv.py) up to this M: measured on an H100 at
