@@ -27,8 +27,8 @@ them off).
 
 Four kernels behind ``kernel="auto"`` (``_pick_kernel``), each with the same semantics and epilogue:
 - M <= GEMV_MAX_M (1): the tensor-core-free GEMV of ``gemv.py`` (a weight stream; gated too);
-- M >= GLUON_MIN_M (gated: GLUON_GATED_MIN_M), or M >= GLUON_LARGE_WEIGHT_MIN_M with a weight of
-  >= GLUON_LARGE_WEIGHT elements (``gluon_sized``), on an sm_90 GPU with triton 3.6 or 3.9: the
+- M >= GLUON_MIN_M (gated: GLUON_GATED_MIN_M), or M >= GLUON_WIDE_MIN_M with >= GLUON_WIDE_N
+  output columns (``gluon_sized``), on an sm_90 GPU with triton 3.6 or 3.9: the
   warp-specialized Gluon kernel of ``gemm_gluon.py`` (asynchronous wgmma, int32 for INT8), where
   ``gluon_takes`` allows it: INT8, and FP8 with fast accumulation, plain and gated;
 - otherwise M >= PERSISTENT_MIN_M with 16-byte aligned operands: the persistent TMA kernel of
@@ -221,20 +221,20 @@ GLUON_MIN_M = 256
 # it tuned by the graph timer 1.05x / 1.13x / 1.18x at M = 256 / 1024 / 4096 (session 13,
 # results/gemm_gluon_gated_s13_fp8_pinned_h100.*).
 GLUON_GATED_MIN_M = 256
-# Below those, from GLUON_LARGE_WEIGHT_MIN_M rows on, kernel="auto" takes the Gluon kernel for a
-# weight of at least GLUON_LARGE_WEIGHT elements (N x K; gated: the stacked 2N x K), plain and gated.
-# Measured on an H200 (session 40, benchmarks/gemm_gluon.py, results/gemm_gluon_s40_medium_h200.* and
-# gemm_gluon_gated_s40_medium_h200.*), the Gluon kernel's tuned pick against the tiled kernel's
-# autotuned one, FP8 / INT8: at M = 129..255 (tiled pool then: the large-M one) 1.10-1.22x /
-# 1.27-1.36x at 28672x4096 and 1.05-1.13x / 1.11-1.26x at 4096x14336 (58.7M elements); the gated 2 x 14336 x 4096 1.10-1.11x / 1.25-1.26x; at M = 96
-# and 128 1.06-1.08x / 1.09-1.11x at 28672x4096, 1.02x / 1.05x at 14336x4096, gated 1.03-1.04x /
-# 1.02-1.03x; gated M = 64 0.92x / 0.94x (so from 96). Smaller weights lose on the Gluon kernel:
-# 4096x4096 and 6144x4096 (16.8M, 25.2M) FP8 0.88-0.99x at M = 129..255 in that run (at 6144x4096
-# the Gluon tuner's FP8 pick varies: 1.08-1.10x in two later runs, gemm_medium_pool_s40*), and
-# 0.69-1.02x at the Gemma-3-270M sizes (640x2048, 1024x640, gated 2 x 2048 x 640), so the bound
-# is 2^25 = 33.6M.
-GLUON_LARGE_WEIGHT_MIN_M = 96
-GLUON_LARGE_WEIGHT = 1 << 25
+# Below those, from GLUON_WIDE_MIN_M rows on, kernel="auto" takes the Gluon kernel for an output of
+# at least GLUON_WIDE_N columns (gated: N, the outputs), plain and gated: enough 128-column tiles
+# to spread over the SMs at these few rows. Measured on an H200 (session 40, benchmarks/gemm_gluon.py,
+# results/gemm_gluon_s40_medium_h200.*, gemm_gluon_gated_s40_medium_h200.*), the Gluon kernel's tuned
+# pick against the tiled kernel's autotuned one, FP8 / INT8, at M = 96 and 128: 1.06-1.08x /
+# 1.09-1.11x at 28672x4096, 1.02x / 1.05x at 14336x4096, the gated 2 x 14336 x 4096 1.03-1.04x /
+# 1.02-1.03x; gated M = 64 0.92x / 0.94x (so from 96). At M = 129..255 against the large-M tiled
+# pool of then: 1.10-1.22x / 1.27-1.36x at 28672x4096, gated 1.10-1.11x / 1.25-1.26x. Narrow outputs
+# lose on it: at M = 128, 4096x14336 (32 tiles) 0.78x (session 38, results/gemm_gluon_s38_m128_h200.*;
+# a first form of this rule, by weight size, took it there: 39.9 us in session 40's standard run
+# against 30.9 us tiled in session 39's), 4096x4096 0.73x,
+# 6144x4096 0.99x, and the Gemma-3-270M sizes (640x2048, 1024x640, gated 2 x 2048 x 640) 0.69-1.02x.
+GLUON_WIDE_MIN_M = 96
+GLUON_WIDE_N = 8192
 # kernel="auto" takes the tensor-core-free GEMV (gemv.py) up to this M: measured on an H100 at
 # M = 1, the four Llama-3-8B shapes, both dtypes: 1.18-1.33x the tiled split-K kernel with the L2
 # flushed, 1.09-1.41x with rotated weights; at M = 4 it was slower (0.65-0.87x), M = 2 unmeasured
@@ -368,21 +368,20 @@ def gluon_takes(a, w, out, gated, flags, pointers: bool = True) -> bool:
             and a.shape[1] % 16 == 0 and tma_ok and gemm_gluon.available())
 
 
-def gluon_sized(M: int, weight_elements: int, gated: bool) -> bool:
-    """Whether kernel="auto" wants the Gluon kernel for M rows and a weight of this many elements
-    (gated: the stacked [gate; up] weight's), where ``gluon_takes`` allows it: from GLUON_MIN_M
-    (gated: GLUON_GATED_MIN_M) rows, and from GLUON_LARGE_WEIGHT_MIN_M for a weight of at least
-    GLUON_LARGE_WEIGHT elements."""
+def gluon_sized(M: int, N: int, gated: bool) -> bool:
+    """Whether kernel="auto" wants the Gluon kernel for M rows and N output columns (gated: N
+    outputs), where ``gluon_takes`` allows it: from GLUON_MIN_M (gated: GLUON_GATED_MIN_M) rows, and
+    from GLUON_WIDE_MIN_M for at least GLUON_WIDE_N columns."""
     if M >= (GLUON_GATED_MIN_M if gated else GLUON_MIN_M):
         return True
-    return M >= GLUON_LARGE_WEIGHT_MIN_M and weight_elements >= GLUON_LARGE_WEIGHT
+    return M >= GLUON_WIDE_MIN_M and N >= GLUON_WIDE_N
 
 
 def _gluon_sized(a, w, gated, fp8_fast_accum) -> bool:
     """``gluon_sized`` for this call, in the forms the Gluon kernel has: INT8, and FP8 with fast
     accumulation, plain and gated."""
     form = a.dtype == torch.int8 or fp8_fast_accum
-    return form and not INTERPRETED and gluon_sized(a.shape[0], w.shape[0] * w.shape[1], gated)
+    return form and not INTERPRETED and gluon_sized(a.shape[0], w.shape[0] // 2 if gated else w.shape[0], gated)
 
 
 def _flags(a, a_scale, w_scale, bias, activation, raw_acc) -> tuple:
@@ -496,7 +495,7 @@ def _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config,
 # the call's launch object (TiledCall, gemm_tma.PersistentCall, gemm_gluon.GluonCall, _GemvCall),
 # so a repeated call skips validation, the kernel choice, the plan and key lookups (CPU: ~27 ->
 # ~12 us per call, benchmarks/NOTES-e2e.md, session 6b). Settings read when an entry is made
-# (PERSISTENT_MIN_M, GLUON_MIN_M, GLUON_GATED_MIN_M, GLUON_LARGE_WEIGHT*, GEMV_MAX_M, gemm_configs.SMALL_M_SPLIT_K and
+# (PERSISTENT_MIN_M, GLUON_MIN_M, GLUON_GATED_MIN_M, GLUON_WIDE_*, GEMV_MAX_M, gemm_configs.SMALL_M_SPLIT_K and
 # SMALL_M_SWAP_AB):
 # clear _CALLS after changing them.
 _CALLS = SignatureCache()
@@ -582,8 +581,8 @@ def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype
     """``act(gate) * up`` for a stacked (2N, K) [gate; up] weight -> (M, N), one GEMM, one write.
 
     ``kernel`` as for ``scaled_mm``: "auto" takes the Gluon kernel's gated mode for INT8 and for
-    FP8 with fast accumulation from GLUON_GATED_MIN_M rows (from GLUON_LARGE_WEIGHT_MIN_M for a
-    stacked weight of >= GLUON_LARGE_WEIGHT elements) where it runs (sm_90, triton 3.6 / 3.9; per-row
+    FP8 with fast accumulation from GLUON_GATED_MIN_M rows (from GLUON_WIDE_MIN_M for >= GLUON_WIDE_N
+    outputs) where it runs (sm_90, triton 3.6 / 3.9; per-row
     and per-column scales), else the persistent TMA kernel from PERSISTENT_MIN_M rows for INT8 (for
     FP8 the tiled kernel measured faster).
     """

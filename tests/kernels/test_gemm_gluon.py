@@ -688,18 +688,20 @@ def test_auto_pick_routes_to_gluon(gluon_capable, monkeypatch, dtype, M, gated, 
 
 
 @pytest.mark.parametrize("M, N, K, gated, expected", [
-    (96, 28672, 4096, False, "gluon"),   # a large weight from GLUON_LARGE_WEIGHT_MIN_M rows
+    (96, 28672, 4096, False, "gluon"),   # wide outputs from GLUON_WIDE_MIN_M rows
     (95, 28672, 4096, False, "tiled"),
-    (129, 8192, 4096, False, "gluon"),   # exactly GLUON_LARGE_WEIGHT elements
+    (129, 8192, 4096, False, "gluon"),   # exactly GLUON_WIDE_N columns
     (129, 8191, 4096, False, "tiled"),
-    (200, 6144, 4096, False, "tiled"),   # a smaller weight waits for GLUON_MIN_M
-    (96, 14336, 4096, True, "gluon"),    # gated: the stacked 2N x K weight counts
+    (128, 4096, 14336, False, "tiled"),  # a large weight, but 32 tiles of 128 columns at M = 128
+    (200, 6144, 4096, False, "tiled"),   # narrower outputs wait for GLUON_MIN_M
+    (96, 14336, 4096, True, "gluon"),    # gated: N outputs (the stacked weight has 2N rows)
+    (200, 6144, 4096, True, "tiled"),    # 2N = 12288 rows, 6144 outputs
     (255, 2048, 640, True, "tiled"),
     (64, 14336, 4096, True, "tiled"),
-], ids=["plain-96", "plain-95", "plain-at-bound", "plain-below-bound", "plain-6144", "gated-96", "gated-small",
-        "gated-64"])
+], ids=["plain-96", "plain-95", "plain-at-bound", "plain-below-bound", "plain-narrow-long-k", "plain-6144",
+        "gated-96", "gated-6144", "gated-small", "gated-64"])
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
-def test_auto_pick_takes_gluon_early_for_a_large_weight(gluon_capable, monkeypatch, dtype, M, N, K, gated, expected):
+def test_auto_pick_takes_gluon_early_for_wide_outputs(gluon_capable, monkeypatch, dtype, M, N, K, gated, expected):
     from quantkit.kernels import gemm
 
     monkeypatch.setattr(gemm, "INTERPRETED", False)
@@ -707,7 +709,7 @@ def test_auto_pick_takes_gluon_early_for_a_large_weight(gluon_capable, monkeypat
     w = torch.empty(2 * N if gated else N, K, dtype=dtype)
     out = torch.empty(M, N, dtype=torch.bfloat16)
     flags = (dtype == torch.int8, True, True, False, 2 if gated else 0, False)
-    assert gemm.gluon_sized(M, w.numel(), gated) == (expected == "gluon")
+    assert gemm.gluon_sized(M, N, gated) == (expected == "gluon")
     assert gemm._pick_kernel("auto", a, w, out, gated, None, flags, True) == expected
     # The promoted FP8 mode has no Gluon form.
     if dtype == torch.float8_e4m3fn:
