@@ -194,6 +194,10 @@ def split_k_programs(M: int, N: int, K: int, config: dict) -> tuple[int, int]:
     return splits, cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"]) * splits
 
 
+def _signature(config) -> tuple:
+    return tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages
+
+
 def pool_configs(M: int, gated: bool = False, split_k: bool | None = None) -> list:
     """The configs the autotuner times at ``M`` (a family of ALL_CONFIGS, in its order): the
     decode, medium or large set, the split configs while ``split_k`` (default: SMALL_M_SPLIT_K)
@@ -203,7 +207,8 @@ def pool_configs(M: int, gated: bool = False, split_k: bool | None = None) -> li
     elif M <= 128:
         family = MEDIUM_M_CONFIGS + (MEDIUM_M_SWAP_CONFIGS if M <= SWAP_AB_MAX_M else []) + MEDIUM_M_SPLIT_K_CONFIGS
     elif M <= MEDIUM_LARGE_MAX_M:
-        family = MEDIUM_M_CONFIGS + LARGE_M_CONFIGS
+        medium = {_signature(c) for c in MEDIUM_M_CONFIGS}
+        family = MEDIUM_M_CONFIGS + [c for c in LARGE_M_CONFIGS if _signature(c) not in medium]
     else:
         family = LARGE_M_CONFIGS
     if not ((SMALL_M_SPLIT_K if split_k is None else split_k) and M <= SPLIT_K_MAX_M):
@@ -213,7 +218,25 @@ def pool_configs(M: int, gated: bool = False, split_k: bool | None = None) -> li
     if gated:
         # Two accumulators: keep the tile's registers (and shared memory) in budget.
         family = [c for c in family if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128] or family[:1]
-    return family
+    return [c for c in family if pipeline_shared_memory(c, gated) <= SHARED_MEMORY_LIMIT] or family[:1]
+
+
+# Shared memory a block may opt into on sm_90 (227 KB): the largest of the GPUs the configs are
+# tuned for; a config over it fails to compile everywhere.
+SHARED_MEMORY_LIMIT = 232448
+
+
+def pipeline_shared_memory(config, gated: bool = False) -> int:
+    """Bytes of triton's pipeline buffers for a tiled config: per stage the 1-byte A tile and the
+    weight tile (twice when gated). A tile whose MMA side has 64 rows (BLOCK_M, or BLOCK_N when
+    SWAP_AB) runs on wgmma and keeps num_stages buffers; 16- and 32-row tiles run on mma.sync and
+    keep num_stages - 1. Checked against triton 3.6 on an H200: the gated 64x128x256 s3 asked for
+    245760 bytes (3 x 80 KB) and failed in every precompile of sessions 36-40, while the gated
+    16x128x256 s4 (4 x 68 KB by the first count, 3 x 68 KB by the second) compiles."""
+    kw = config.kwargs
+    mma_rows = kw["BLOCK_N"] if kw.get("SWAP_AB") else kw["BLOCK_M"]
+    buffers = config.num_stages if mma_rows >= 64 else config.num_stages - 1
+    return buffers * kw["BLOCK_K"] * (kw["BLOCK_M"] + (2 if gated else 1) * kw["BLOCK_N"])
 
 
 def _prune_configs(configs, named_args, **kwargs):

@@ -129,13 +129,37 @@ def test_pool_families_follow_the_tuning_buckets():
     assert gemm_configs.m_bucket(limit) == limit and gemm_configs.m_bucket(129) == limit
     for M in (65, 100, 128):
         assert gemm_configs._prune_configs(configs, {"M": M}) == medium
+    signature = gemm_configs._signature
+    both = medium + [c for c in large if signature(c) not in {signature(m) for m in medium}]
+    assert len(both) == len({signature(c) for c in both}) > len(medium)  # each config timed once
     for M in (129, 192, 255, limit):
-        assert gemm_configs._prune_configs(configs, {"M": M}) == medium + large
+        assert gemm_configs._prune_configs(configs, {"M": M}) == both
         gated = gemm_configs._prune_configs(configs, {"M": M, "GATED": True})
-        assert gated == [c for c in medium + large if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
+        assert gated == [c for c in both if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128
+                         and gemm_configs.pipeline_shared_memory(c, True) <= gemm_configs.SHARED_MEMORY_LIMIT]
         assert any(c in gated for c in medium) and any(c in gated for c in large)
     for M in (limit + 1, 512, 4096):
         assert gemm_configs._prune_configs(configs, {"M": M}) == large
+
+
+def test_pools_leave_out_configs_over_the_shared_memory_limit():
+    """The gated 64x128x256 s3 tile needs 3 x 80 KB of pipeline buffers on wgmma, over sm_90's
+    227 KB, and never compiled (sessions 36-40): no pool times it gated; plain it fits and stays.
+    16-row tiles keep one buffer less (mma.sync): the gated 16x128x256 s4 compiles and stays."""
+    limit = gemm_configs.SHARED_MEMORY_LIMIT
+    wide = next(c for c in gemm_configs.MEDIUM_M_CONFIGS if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],
+                                                             c.kwargs["BLOCK_K"], c.num_stages) == (64, 128, 256, 3))
+    assert gemm_configs.pipeline_shared_memory(wide, gated=True) == 245760 > limit
+    assert gemm_configs.pipeline_shared_memory(wide) == 147456
+    decode = next(c for c in gemm_configs.SMALL_M_CONFIGS if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) == (128, 256))
+    assert gemm_configs.pipeline_shared_memory(decode, gated=True) == 3 * 256 * (16 + 2 * 128) <= limit
+    for M in (1, 16, 24, 64, 128, 192, 256, 512, 4096):
+        for gated in (False, True):
+            pool = gemm_configs.pool_configs(M, gated, split_k=True)
+            assert pool and all(gemm_configs.pipeline_shared_memory(c, gated) <= limit for c in pool)
+        assert (wide in gemm_configs.pool_configs(M)) == (wide in gemm_configs.MEDIUM_M_CONFIGS and 16 < M <= 256)
+        assert wide not in gemm_configs.pool_configs(M, gated=True)
+    assert decode in gemm_configs.pool_configs(1, gated=True)
 
 
 def test_split_round_times_what_the_pool_admits_at_each_m(monkeypatch):
