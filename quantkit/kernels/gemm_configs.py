@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import triton
 
-from quantkit.kernels.launch import cdiv, next_power_of_2
+from quantkit.kernels.launch import SHARED_MEMORY_LIMIT, cdiv, next_power_of_2
 
 # Largest SPLIT_K a config may ask for: the combine unrolls one load of every slice's partial
 # tile, and past 16 slices the partials' traffic outgrows what the split gains.
@@ -218,12 +218,8 @@ def pool_configs(M: int, gated: bool = False, split_k: bool | None = None) -> li
     if gated:
         # Two accumulators: keep the tile's registers (and shared memory) in budget.
         family = [c for c in family if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128] or family[:1]
+    # A config over sm_90's shared memory fails to compile everywhere.
     return [c for c in family if pipeline_shared_memory(c, gated) <= SHARED_MEMORY_LIMIT] or family[:1]
-
-
-# Shared memory a block may opt into on sm_90 (227 KB): the largest of the GPUs the configs are
-# tuned for; a config over it fails to compile everywhere.
-SHARED_MEMORY_LIMIT = 232448
 
 
 def pipeline_shared_memory(config, gated: bool = False) -> int:

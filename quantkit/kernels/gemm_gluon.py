@@ -97,7 +97,8 @@ import triton
 
 from quantkit.kernels.call_cache import SignatureCache
 from quantkit.kernels.gemm_tma import _Descriptor, _graph_bench_ms, refuse_tuning_in_capture
-from quantkit.kernels.launch import aligned, cdiv, int_spec, launch_hooks_active, num_sms, rotated_medians
+from quantkit.kernels.launch import (SHARED_MEMORY_LIMIT, aligned, cdiv, int_spec, launch_hooks_active, num_sms,
+                                     rotated_medians)
 from quantkit.kernels.reference import ACTIVATIONS
 
 try:
@@ -242,7 +243,7 @@ class GluonConfig:
         return ring + staging + (2 * self.stages + self.consumers + 3) * 8 + 1024  # barriers, alignment slack
 
 
-SHARED_LIMIT = 232448  # 227 KB: an H100's shared memory per block (opt-in maximum)
+SHARED_LIMIT = SHARED_MEMORY_LIMIT  # 227 KB: an H100's shared memory per block (opt-in maximum)
 
 CONFIGS = {
     # 128x256 tiles, two warpgroups on 64 rows each: the shape of the Triton kernel's best FP8

@@ -36,6 +36,9 @@ from triton import knobs
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
+# Shared memory a block may opt into on sm_90 (227 KB): the GPUs the GEMM configs are tuned for.
+SHARED_MEMORY_LIMIT = 232448
+
 # Set to False to send every launch through triton's own path (benchmarks compare the two).
 ENABLED = True
 
