@@ -231,8 +231,8 @@ GLUON_GATED_MIN_M = 256
 # pool of then: 1.10-1.22x / 1.27-1.36x at 28672x4096, gated 1.10-1.11x / 1.25-1.26x. Narrow outputs
 # lose on it: at M = 128, 4096x14336 (32 tiles) 0.78x (session 38, results/gemm_gluon_s38_m128_h200.*;
 # a first form of this rule, by weight size, took it there: 39.9 us in session 40's standard run
-# against 30.9 us tiled in session 39's), 4096x4096 0.73x,
-# 6144x4096 0.99x, and the Gemma-3-270M sizes (640x2048, 1024x640, gated 2 x 2048 x 640) 0.69-1.02x.
+# against 30.9 us tiled in session 39's), 4096x4096 0.73x, 6144x4096 0.99x, and the Gemma-3-270M
+# sizes (640x2048, 1024x640, gated 2 x 2048 x 640) 0.69-1.02x.
 GLUON_WIDE_MIN_M = 96
 GLUON_WIDE_N = 8192
 # kernel="auto" takes the tensor-core-free GEMV (gemv.py) up to this M: measured on an H100 at
@@ -495,9 +495,8 @@ def _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config,
 # the call's launch object (TiledCall, gemm_tma.PersistentCall, gemm_gluon.GluonCall, _GemvCall),
 # so a repeated call skips validation, the kernel choice, the plan and key lookups (CPU: ~27 ->
 # ~12 us per call, benchmarks/NOTES-e2e.md, session 6b). Settings read when an entry is made
-# (PERSISTENT_MIN_M, GLUON_MIN_M, GLUON_GATED_MIN_M, GLUON_WIDE_*, GEMV_MAX_M, gemm_configs.SMALL_M_SPLIT_K and
-# SMALL_M_SWAP_AB):
-# clear _CALLS after changing them.
+# (PERSISTENT_MIN_M, GLUON_MIN_M, GLUON_GATED_MIN_M, GLUON_WIDE_*, GEMV_MAX_M,
+# gemm_configs.SMALL_M_SPLIT_K and SMALL_M_SWAP_AB): clear _CALLS after changing them.
 _CALLS = SignatureCache()
 
 
@@ -582,9 +581,9 @@ def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype
 
     ``kernel`` as for ``scaled_mm``: "auto" takes the Gluon kernel's gated mode for INT8 and for
     FP8 with fast accumulation from GLUON_GATED_MIN_M rows (from GLUON_WIDE_MIN_M for >= GLUON_WIDE_N
-    outputs) where it runs (sm_90, triton 3.6 / 3.9; per-row
-    and per-column scales), else the persistent TMA kernel from PERSISTENT_MIN_M rows for INT8 (for
-    FP8 the tiled kernel measured faster).
+    outputs) where it runs (sm_90, triton 3.6 / 3.9; per-row and per-column scales), else the
+    persistent TMA kernel from PERSISTENT_MIN_M rows for INT8 (for FP8 the tiled kernel measured
+    faster).
     """
     signature = None
     if config is None and out is None and not INTERPRETED:

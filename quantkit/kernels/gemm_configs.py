@@ -228,7 +228,7 @@ def pipeline_shared_memory(config, gated: bool = False) -> int:
     SWAP_AB) runs on wgmma and keeps num_stages buffers; 16- and 32-row tiles run on mma.sync and
     keep num_stages - 1. Checked against triton 3.6 on an H200: the gated 64x128x256 s3 asked for
     245760 bytes (3 x 80 KB) and failed in every precompile of sessions 36-40, while the gated
-    16x128x256 s4 (4 x 68 KB by the first count, 3 x 68 KB by the second) compiles."""
+    16x128x256 s4 (68 KB a stage: 272 KB with num_stages buffers, 204 KB with one less) compiles."""
     kw = config.kwargs
     mma_rows = kw["BLOCK_N"] if kw.get("SWAP_AB") else kw["BLOCK_M"]
     buffers = config.num_stages if mma_rows >= 64 else config.num_stages - 1
