@@ -6,9 +6,10 @@
 Per point (M:N:K; plain epilogue, bf16 out) and dtype (FP8 fast accumulation, INT8): bf16 F.linear,
 ``torch._scaled_mm`` rowwise (FP8), what ``kernel="auto"`` runs, the tiled kernel's autotuned pick
 (``kernel="tiled"``), the Gluon kernel's tuned pick (``kernel="gluon"``, where it runs) and every
-config of the medium and the large tiled pools given explicitly (not with ``--picks-only``). Every quantkit op's output is
-checked against ``reference.scaled_mm`` first (relative Frobenius error <= 5e-3 FP8 / 2.5e-3 INT8);
-an op that fails to compile or to match is reported and not timed. Timer: the standard benchmark's
+config of the medium and the large tiled pools given explicitly (not with ``--picks-only``). Every
+quantkit op's output is checked against ``reference.scaled_mm`` first (relative Frobenius error
+<= 5e-3 FP8 / 2.5e-3 INT8); an op that fails to compile or to match is reported and not timed.
+Timer: the standard benchmark's
 (CUDA graph of L2 flush + call, minus the flushes), rounds in rotated order, medians.
 Results: gemm_medium_pool.json / .txt under --out.
 """
@@ -22,26 +23,20 @@ import kernels_only  # noqa: F401  (quantkit without its __init__)
 import torch
 import torch.nn.functional as F
 
-from quantkit.bench.common import environment_metadata
-from quantkit.bench.gemm import adaptive_graph_ms
+from quantkit.bench.common import environment_metadata, rel_err
+from quantkit.bench.gemm import _make_operands, adaptive_graph_ms
+from quantkit.bench.gemm_splitk import config_name
 from quantkit.kernels import gemm, gemm_configs, reference
 from quantkit.kernels.launch import config_dict, rotated_medians
 
 FP8 = torch.float8_e4m3fn
 TOLERANCE = {FP8: 5e-3, torch.int8: 2.5e-3}
-
-
-def config_name(config: dict) -> str:
-    return "cfg_{BLOCK_M}x{BLOCK_N}x{BLOCK_K}_w{num_warps}_s{num_stages}".format(**config)
+PREFIX = "cfg "  # explicit tiled configs: PREFIX + gemm_splitk.config_name (s40 result files: cfg_64x64x256_w4_s4)
 
 
 def point_ops(M: int, N: int, K: int, dtype: torch.dtype, explicit_configs: bool = True) -> tuple[dict, dict]:
     """(name -> callable, name -> error message) for one point and dtype, outputs checked."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
-    w_bf16 = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K**-0.5).to(torch.bfloat16)
-    a, a_scale = reference.quantize_per_token(x, dtype)
-    w, w_scale = reference.quantize_per_channel(w_bf16, dtype)
+    x, w_bf16, _, a, a_scale, w, w_scale = _make_operands(M, N, K, dtype, "cuda")
     expected = reference.scaled_mm(a, w, a_scale, w_scale).float()
     ops = {"bf16": lambda: F.linear(x, w_bf16)}
     if dtype == FP8:
@@ -53,7 +48,7 @@ def point_ops(M: int, N: int, K: int, dtype: torch.dtype, explicit_configs: bool
     configs = {}
     for cfg in (gemm_configs.MEDIUM_M_CONFIGS + gemm_configs.LARGE_M_CONFIGS) if explicit_configs else []:
         explicit = config_dict(cfg)
-        configs.setdefault(config_name(explicit), explicit)
+        configs.setdefault(PREFIX + config_name(explicit), explicit)
     for name, explicit in configs.items():
         mine[name] = lambda c=explicit: gemm.scaled_mm(a, w, a_scale, w_scale, config=c, kernel="tiled")
     errors = {}
@@ -64,7 +59,7 @@ def point_ops(M: int, N: int, K: int, dtype: torch.dtype, explicit_configs: bool
         except Exception as error:  # a config that does not fit, the Gluon kernel where it cannot run
             errors[name] = f"{type(error).__name__}: {error}"[:300]
             continue
-        rel = ((out - expected).norm() / expected.norm()).item()
+        rel = rel_err(out, expected)
         if not rel <= TOLERANCE[dtype]:
             errors[name] = f"relative error {rel:.3g} > {TOLERANCE[dtype]}"
             continue
@@ -105,7 +100,7 @@ def main() -> None:
              "scaled_mm | bf16 |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         us = row["us"]
-        cfgs = {n: t for n, t in us.items() if n.startswith("cfg_")}
+        cfgs = {n: t for n, t in us.items() if n.startswith(PREFIX)}
         best = min(cfgs, key=cfgs.get) if cfgs else None
         cell = (lambda n: f"{us[n]:.1f}" if n in us else "-")
         lines.append(f"| {row['M']} | {row['N']}x{row['K']} | {row['dtype']} | {cell('auto')} | {cell('tiled')} | "

@@ -11,8 +11,8 @@ steady state of a long prefill) and replayed for --seconds; CUDA events give the
 over the window minus its first 0.3 s. Rounds rotate the op order. ``--flush``: each call in the
 graph is preceded by the standard benchmark's L2 flush (a 256 MB memset), the regime its timings
 run in, and a "flush" op times the flushes alone (op time = its row's time minus the flush row's).
-Ops come from benchmarks/gemm_gluon.py's ``point_ops`` (the same operands, baselines and Gluon configs, plain
-epilogue). Results: gemm_power.json / .txt under --out.
+Ops come from benchmarks/gemm_gluon.py's ``point_ops`` (the same operands, baselines and Gluon
+configs, plain epilogue). Results: gemm_power.json / .txt under --out.
 """
 
 import argparse
@@ -29,8 +29,9 @@ import gemm_gluon as bench  # noqa: E402  (sets up the quantkit package stub, as
 
 import torch  # noqa: E402
 
+from quantkit.bench.gemm import _FLUSH_BYTES  # noqa: E402  (the standard timer's flush)
+
 CALLS = 20
-FLUSH_BYTES = 256 << 20  # gemm_tma's timer flush
 QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 
 
@@ -125,7 +126,7 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     smi_path = args.out / "nvidia_smi_samples.csv"
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda") if args.flush else None
+    flush = torch.empty(_FLUSH_BYTES, dtype=torch.int8, device="cuda") if args.flush else None
     sampler = start_sampler(smi_path)
     time.sleep(0.5)
     rows = []

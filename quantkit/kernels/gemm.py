@@ -377,11 +377,11 @@ def gluon_sized(M: int, N: int, gated: bool) -> bool:
     return M >= GLUON_WIDE_MIN_M and N >= GLUON_WIDE_N
 
 
-def _gluon_sized(a, w, gated, fp8_fast_accum) -> bool:
-    """``gluon_sized`` for this call, in the forms the Gluon kernel has: INT8, and FP8 with fast
-    accumulation, plain and gated."""
+def _gluon_sized(a, out, gated, fp8_fast_accum) -> bool:
+    """``gluon_sized`` for this call (``out``: its (M, N) output), in the forms the Gluon kernel
+    has: INT8, and FP8 with fast accumulation, plain and gated."""
     form = a.dtype == torch.int8 or fp8_fast_accum
-    return form and not INTERPRETED and gluon_sized(a.shape[0], w.shape[0] // 2 if gated else w.shape[0], gated)
+    return form and not INTERPRETED and gluon_sized(a.shape[0], out.shape[1], gated)
 
 
 def _flags(a, a_scale, w_scale, bias, activation, raw_acc) -> tuple:
@@ -410,7 +410,7 @@ def _pick_kernel(kernel, a, w, out, gated, config, flags, fp8_fast_accum: bool) 
     if kernel == "auto":
         if a.shape[0] <= GEMV_MAX_M and not flags[5]:
             return "gemv"
-        if _gluon_sized(a, w, gated, fp8_fast_accum) and gluon_takes(a, w, out, gated, flags):
+        if _gluon_sized(a, out, gated, fp8_fast_accum) and gluon_takes(a, w, out, gated, flags):
             return "gluon"
         return "persistent" if _persistent_sized(a, gated) and gemm_tma.descriptors_ok(a, w, out) else "tiled"
     if kernel == "persistent":
@@ -526,7 +526,7 @@ def _launch_new(signature, a, w, a_scale, w_scale, bias, out, activation, gated,
     # Gluon kernel would take) is not kept: the next, aligned call of this signature must get that kernel.
     by_pointers = not persistent and kernel == "auto" and gemm_tma.strides_ok(a, w, out) and (
         _persistent_sized(a, gated) or (
-            _gluon_sized(a, w, gated, fp8_fast_accum)
+            _gluon_sized(a, out, gated, fp8_fast_accum)
             and gluon_takes(a, w, out, gated, _flags(a, a_scale, w_scale, bias, activation, False), pointers=False)))
     if not by_pointers:
         _CALLS.add(signature, (out.shape[0], out.shape[1], out.dtype, out.device, call, persistent, activation, gated,
