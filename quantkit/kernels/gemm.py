@@ -30,7 +30,9 @@ Four kernels behind ``kernel="auto"`` (``_pick_kernel``), each with the same sem
 - M >= GLUON_MIN_M (gated: GLUON_GATED_MIN_M), or M >= GLUON_WIDE_MIN_M with >= GLUON_WIDE_N
   output columns (``gluon_sized``), on an sm_90 GPU with triton 3.6 or 3.9: the
   warp-specialized Gluon kernel of ``gemm_gluon.py`` (asynchronous wgmma, int32 for INT8), where
-  ``gluon_takes`` allows it: INT8, and FP8 with fast accumulation, plain and gated;
+  ``gluon_takes`` allows it: INT8, and FP8 with fast accumulation, plain and gated; from
+  CONTEST_MIN_M rows, for the narrower outputs ``gluon_sized`` leaves out (``contested``), whichever
+  of it and the tiled kernel timed faster on the tuning key's first call (``_contest``);
 - otherwise M >= PERSISTENT_MIN_M with 16-byte aligned operands: the persistent TMA kernel of
   ``gemm_tma.py`` (the gated GEMM: for INT8 only, see PERSISTENT_MIN_M);
 - everything else: this file's tiled kernel (one program per output tile, pointer loads, the
@@ -70,7 +72,8 @@ from quantkit.kernels.gemm_configs import (  # noqa: F401 - the config sets are 
     MEDIUM_M_SWAP_CONFIGS, SMALL_M_CONFIGS, SMALL_M_SPLIT_K_CONFIGS, _prune_configs, m_bucket, split_k_plan,
     split_k_programs)
 from quantkit.kernels.gemm_epilogue import grouped_tile, split_arrive, split_sum, store_tile, tile_mainloop
-from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, config_dict
+from quantkit.kernels.launch import (INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, config_dict,
+                                    rotated_medians)
 
 # M is not specialized (divisibility by 16, == 1): rows are wrapped, not aligned, so it would only
 # multiply the compiled variants per batch size.
@@ -235,6 +238,18 @@ GLUON_GATED_MIN_M = 256
 # sizes (640x2048, 1024x640, gated 2 x 2048 x 640) 0.69-1.02x.
 GLUON_WIDE_MIN_M = 96
 GLUON_WIDE_N = 8192
+# From CONTEST_MIN_M rows up to GLUON_MIN_M, an output that gluon_sized leaves to the tiled kernel
+# (fewer than GLUON_WIDE_N columns) can go either way, so kernel="auto" times the two kernels'
+# tuned calls on a tuning key's first call and keeps the faster (``_contest``; CONTEST_TIMES holds
+# the times). Measured on an H200 (session 40, results/gemm_medium_pool_s40c_h200.*), tiled against
+# Gluon pick at 4096x14336, M = 192: INT8 45.3 against 40.2 us, FP8 40.1 against 40.1. At M = 128
+# the Gluon kernel lost at every narrow output measured (session 38: 0.73-0.99x), hence 129: the
+# contest covers the tiled kernel's M bucket of 256 only.
+CONTEST_MIN_M = 129
+CONTEST_ROUNDS = 3
+# Per tuning key, the contest's winner ("tiled" or "gluon") and its times (ms) per kernel.
+_CONTESTS: dict[tuple, str] = {}
+CONTEST_TIMES: dict[tuple, dict[str, float]] = {}
 # kernel="auto" takes the tensor-core-free GEMV (gemv.py) up to this M: measured on an H100 at
 # M = 1, the four Llama-3-8B shapes, both dtypes: 1.18-1.33x the tiled split-K kernel with the L2
 # flushed, 1.09-1.41x with rotated weights; at M = 4 it was slower (0.65-0.87x), M = 2 unmeasured
@@ -377,11 +392,50 @@ def gluon_sized(M: int, N: int, gated: bool) -> bool:
     return M >= GLUON_WIDE_MIN_M and N >= GLUON_WIDE_N
 
 
+def contested(M: int, N: int, gated: bool) -> bool:
+    """Whether kernel="auto" times the tiled kernel against the Gluon kernel for M rows and N output
+    columns (gated: N outputs): from CONTEST_MIN_M rows where ``gluon_sized`` does not take Gluon."""
+    return M >= CONTEST_MIN_M and not gluon_sized(M, N, gated)
+
+
+def _gluon_form(a, fp8_fast_accum) -> bool:
+    """Whether the Gluon kernel has this call's form (INT8, or FP8 with fast accumulation) and runs
+    here (not under the interpreter)."""
+    return (a.dtype == torch.int8 or fp8_fast_accum) and not INTERPRETED
+
+
 def _gluon_sized(a, out, gated, fp8_fast_accum) -> bool:
     """``gluon_sized`` for this call (``out``: its (M, N) output), in the forms the Gluon kernel
     has: INT8, and FP8 with fast accumulation, plain and gated."""
-    form = a.dtype == torch.int8 or fp8_fast_accum
-    return form and not INTERPRETED and gluon_sized(a.shape[0], out.shape[1], gated)
+    return _gluon_form(a, fp8_fast_accum) and gluon_sized(a.shape[0], out.shape[1], gated)
+
+
+def _contested(a, out, gated, fp8_fast_accum) -> bool:
+    """``contested`` for this call, in the Gluon kernel's forms."""
+    return _gluon_form(a, fp8_fast_accum) and contested(a.shape[0], out.shape[1], gated)
+
+
+def _contest(a, w, a_scale, w_scale, bias, out, activation, gated, flags, fp8_fast_accum) -> str:
+    """The faster of "tiled" and "gluon" for this call's tuning key: on its first call, each
+    kernel's tuned call (each tuner runs first, on these tensors) timed by the tuners' timer
+    (CUDA-graph replays, L2 flushed) in CONTEST_ROUNDS rotated rounds, medians compared. Like the
+    tuners, this cannot run inside a graph capture (warm up first)."""
+    M, K = a.shape
+    key = (out.shape[1], K, m_bucket(M), gated, fp8_fast_accum, flags, a.dtype, out.dtype,
+           None if bias is None else bias.dtype, activation, a.device)
+    kind = _CONTESTS.get(key)
+    if kind is None:
+        if a.is_cuda:
+            gemm_tma.refuse_tuning_in_capture()
+        tiled = _tiled_call(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, None)
+        calls = {"tiled": tiled or _tiled_call(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, None),
+                 "gluon": gemm_gluon.tuned_call(a, w, out, a_scale, w_scale, bias, activation, gated)}
+        bias_arg = bias if bias is not None else a_scale
+        times, _ = rotated_medians(calls, lambda call: gemm_tma._graph_bench_ms(
+            lambda: call(a, w, out, a_scale, w_scale, bias_arg)), CONTEST_ROUNDS)
+        CONTEST_TIMES[key] = times
+        kind = _CONTESTS[key] = min(times, key=times.get)
+    return kind
 
 
 def _flags(a, a_scale, w_scale, bias, activation, raw_acc) -> tuple:
@@ -487,7 +541,11 @@ def _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config,
     if kernel == "gluon" and not is_int8 and not fp8_fast_accum:
         raise ValueError("kernel='gluon' accumulates FP8 in the tensor cores' fast mode only; "
                          "use kernel='auto' for fp8_fast_accum=False")
-    return _pick_kernel(kernel, a, w, out, gated, config, flags, fp8_fast_accum), flags, fp8_fast_accum
+    kind = _pick_kernel(kernel, a, w, out, gated, config, flags, fp8_fast_accum)
+    if (kind == "tiled" and kernel == "auto" and config is None and _contested(a, out, gated, fp8_fast_accum)
+            and gluon_takes(a, w, out, gated, flags)):
+        kind = _contest(a, w, a_scale, w_scale, bias, out, activation, gated, flags, fp8_fast_accum)
+    return kind, flags, fp8_fast_accum
 
 
 # Validated calls without config= / out= (GPU path), by signature: every tensor's shape, strides,
@@ -495,7 +553,7 @@ def _pick(a, w, a_scale, w_scale, bias, out, activation, gated, raw_acc, config,
 # the call's launch object (TiledCall, gemm_tma.PersistentCall, gemm_gluon.GluonCall, _GemvCall),
 # so a repeated call skips validation, the kernel choice, the plan and key lookups (CPU: ~27 ->
 # ~12 us per call, benchmarks/NOTES-e2e.md, session 6b). Settings read when an entry is made
-# (PERSISTENT_MIN_M, GLUON_MIN_M, GLUON_GATED_MIN_M, GLUON_WIDE_*, GEMV_MAX_M,
+# (PERSISTENT_MIN_M, GLUON_MIN_M, GLUON_GATED_MIN_M, GLUON_WIDE_*, CONTEST_MIN_M, GEMV_MAX_M,
 # gemm_configs.SMALL_M_SPLIT_K and SMALL_M_SWAP_AB): clear _CALLS after changing them.
 _CALLS = SignatureCache()
 
@@ -524,9 +582,11 @@ def _launch_new(signature, a, w, a_scale, w_scale, bias, out, activation, gated,
     persistent = isinstance(call, (gemm_tma.PersistentCall, gemm_gluon.GluonCall))
     # A tiled pick that only unaligned pointers forced (kernel "auto", an M the persistent or the
     # Gluon kernel would take) is not kept: the next, aligned call of this signature must get that kernel.
-    by_pointers = not persistent and kernel == "auto" and gemm_tma.strides_ok(a, w, out) and (
+    # (A contest's tiled winner, on aligned pointers, is kept.)
+    by_pointers = (not persistent and kernel == "auto" and gemm_tma.strides_ok(a, w, out)
+                   and not gemm_tma.pointers_aligned(a, w, out)) and (
         _persistent_sized(a, gated) or (
-            _gluon_sized(a, out, gated, fp8_fast_accum)
+            (_gluon_sized(a, out, gated, fp8_fast_accum) or _contested(a, out, gated, fp8_fast_accum))
             and gluon_takes(a, w, out, gated, _flags(a, a_scale, w_scale, bias, activation, False), pointers=False)))
     if not by_pointers:
         _CALLS.add(signature, (out.shape[0], out.shape[1], out.dtype, out.device, call, persistent, activation, gated,

@@ -716,6 +716,24 @@ def test_auto_pick_takes_gluon_early_for_wide_outputs(gluon_capable, monkeypatch
         assert gemm._pick_kernel("auto", a, w, out, gated, None, flags, False) == "tiled"
 
 
+@pytest.mark.parametrize("M, N, gated, expected", [
+    (129, 4096, False, True),     # the tiled kernel's M bucket of 256, narrow outputs
+    (255, 6144, False, True),
+    (192, 8191, False, True),
+    (128, 4096, False, False),    # M = 128: tiled (the Gluon kernel lost at every narrow output)
+    (192, 8192, False, False),    # wide outputs: Gluon without a contest
+    (256, 4096, False, False),    # GLUON_MIN_M: Gluon without a contest
+    (200, 2048, True, True),      # gated: N outputs
+    (200, 14336, True, False),
+], ids=["plain-129", "plain-255", "plain-narrow", "plain-128", "plain-wide", "plain-256", "gated-narrow",
+        "gated-wide"])
+def test_contest_covers_the_narrow_outputs_of_the_256_row_bucket(M, N, gated, expected):
+    from quantkit.kernels import gemm
+
+    assert gemm.contested(M, N, gated) == expected
+    assert not (gemm.contested(M, N, gated) and gemm.gluon_sized(M, N, gated))
+
+
 def test_gated_scaled_mm_launches_the_gluon_gated_call_and_caches_it(gluon_capable, monkeypatch):
     """gemm.gated_scaled_mm (INT8, M >= GLUON_GATED_MIN_M) asks gemm_gluon.tuned_call for a gated call
     once per signature and launches it with the stacked weight and the (M, N) output; the second
@@ -874,6 +892,68 @@ def test_tiled_pick_forced_by_unaligned_pointers_is_not_cached(recorded_kernels,
     gemm.scaled_mm(aligned, w, a_scale, w_scale)
     gemm.scaled_mm(aligned, w, a_scale, w_scale)
     assert recorded_kernels == ["tiled", "gluon", "gluon"]
+
+
+@pytest.fixture
+def contest_timer(monkeypatch, recorded_kernels):
+    """The contest's timer on the recorded stand-ins: each timed call takes the time ``times`` names
+    for its kind. Returns (times, the kinds in timing order); fresh contest tables."""
+    from quantkit.kernels import gemm, gemm_tma
+
+    monkeypatch.setattr(gemm, "_CONTESTS", {})
+    monkeypatch.setattr(gemm, "CONTEST_TIMES", {})
+    times, timed = {}, []
+
+    def fake_bench(fn):
+        fn()
+        timed.append(recorded_kernels.pop())
+        return times[timed[-1]]
+
+    monkeypatch.setattr(gemm_tma, "_graph_bench_ms", fake_bench)
+    return times, timed
+
+
+@pytest.mark.parametrize("winner", ["gluon", "tiled"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_contest_keeps_the_faster_kernel_per_tuning_key(recorded_kernels, contest_timer, winner, gated):
+    """Between CONTEST_MIN_M and GLUON_MIN_M rows, narrow outputs: the first call of a tuning key
+    times both kernels' tuned calls in rotated rounds and runs the faster; a later M of the same
+    bucket (another signature) reuses the pick without timing; another bucket runs no contest."""
+    from quantkit.kernels import gemm
+
+    times, timed = contest_timer
+    times.update({"gluon": 1.0, "tiled": 2.0} if winner == "gluon" else {"gluon": 2.0, "tiled": 1.5})
+    N = 384
+    call = gemm.gated_scaled_mm if gated else gemm.scaled_mm
+    for M in (192, 255):
+        a, w, a_scale, w_scale = _operands(M=M, N=2 * N if gated else N)
+        call(a, w, a_scale, w_scale)
+        call(a, w, a_scale, w_scale)
+    rounds = gemm.CONTEST_ROUNDS
+    assert timed == [["tiled", "gluon"][(r + i) % 2] for r in range(rounds) for i in range(2)]
+    assert recorded_kernels == [winner] * 4
+    assert len(gemm._CALLS) == 2  # either winner is kept per signature (not re-picked per call)
+    (recorded,) = gemm.CONTEST_TIMES.values()
+    assert recorded == {"tiled": times["tiled"], "gluon": times["gluon"]}
+    recorded_kernels.clear()
+    a, w, a_scale, w_scale = _operands(M=128, N=2 * N if gated else N)
+    call(a, w, a_scale, w_scale)
+    assert recorded_kernels == ["tiled"] and len(timed) == 2 * rounds
+
+
+def test_contest_refuses_to_time_inside_a_graph_capture(contest_timer, monkeypatch):
+    """A contest inside a CUDA graph capture: the tuners' error naming the fix, nothing timed."""
+    from quantkit.kernels import gemm
+
+    class CudaOperand:  # the attributes _contest reads, on a "GPU"
+        shape, dtype, device, is_cuda = (192, 256), torch.int8, torch.device("cpu"), True
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    _, w, a_scale, w_scale = _operands(M=192)
+    out = torch.empty(192, 384, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="warm-up call"):
+        gemm._contest(CudaOperand(), w, a_scale, w_scale, None, out, "none", False, _flags(a_scale, w_scale), True)
+    assert contest_timer[1] == [] and gemm.CONTEST_TIMES == {}
 
 
 def test_promoted_and_fast_fp8_calls_keep_separate_kernels(recorded_kernels):
