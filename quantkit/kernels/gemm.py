@@ -241,10 +241,12 @@ GLUON_WIDE_N = 8192
 # From CONTEST_MIN_M rows up to GLUON_MIN_M, an output that gluon_sized leaves to the tiled kernel
 # (fewer than GLUON_WIDE_N columns) can go either way, so kernel="auto" times the two kernels'
 # tuned calls on a tuning key's first call and keeps the faster (``_contest``; CONTEST_TIMES holds
-# the times). Measured on an H200 (session 40, results/gemm_medium_pool_s40c_h200.*), tiled against
-# Gluon pick at 4096x14336, M = 192: INT8 45.3 against 40.2 us, FP8 40.1 against 40.1. At M = 128
-# the Gluon kernel lost at every narrow output measured (session 38: 0.73-0.99x), hence 129: the
-# contest covers the tiled kernel's M bucket of 256 only.
+# the times). Measured on an H200 at M = 192 (session 41, results/gemm_medium_pool_s41_h200.*): the
+# Gluon kernel won 6 of 16 contests, auto then 1.04-1.24x the tiled pick (INT8 4096x14336 1.13x,
+# 6144x4096 FP8 1.07x / INT8 1.12x, gated 2 x 4096 x 4096 1.12x / 1.24x); the tiled kernel kept the
+# Gemma-3-270M sizes, where the Gluon kernel took 1.12-1.58x as long. At M = 128 the Gluon kernel
+# lost at every narrow output measured (session 38: 0.73-0.99x), hence 129: the contest covers the
+# tiled kernel's M bucket of 256 only.
 CONTEST_MIN_M = 129
 CONTEST_ROUNDS = 3
 # Per tuning key, the contest's winner ("tiled" or "gluon") and its times (ms) per kernel.
