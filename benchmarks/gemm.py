@@ -79,9 +79,10 @@ def gemm_calls(shapes, ms, epilogues, gated):
 
 def _family(M, dtype_name, gated):
     # The Triton kernel kernel="auto" (gemm._pick_kernel) takes where the Gluon kernel does not run
-    # (gemm.persistent_sized). On an sm_90 GPU with triton 3.6 or 3.9 the Gluon kernel takes
-    # M >= gemm.GLUON_MIN_M (gated: GLUON_GATED_MIN_M) and compiles in the timing process
-    # (gemm_gluon.tuned_call); the Triton jobs of those calls are then compiled unused.
+    # (gemm.persistent_sized). On an sm_90 GPU with triton 3.6 or 3.9 the Gluon kernel takes the
+    # sizes gemm.gluon_sized names, and the contested sizes (gemm.contested) it wins, and compiles
+    # in the timing process (gemm_gluon.tuned_call); the Triton jobs of those calls are then
+    # compiled unused (a contest times the tiled kernel too).
     return "persistent" if gemm.persistent_sized(M, dtype_name == "int8", gated) else "tiled"
 
 
