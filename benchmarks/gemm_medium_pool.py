@@ -50,13 +50,12 @@ def point_ops(M: int, N: int, K: int, dtype: torch.dtype, explicit_configs: bool
             return F.silu(gate) * up
 
         ops = {"bf16": bf16}
-        mine = {kind: (lambda kind=kind: gemm.gated_scaled_mm(a, w, a_scale, w_scale, "silu", kernel=kind))
-                for kind in ("auto", "tiled", "gluon")}
+        call = lambda **kw: gemm.gated_scaled_mm(a, w, a_scale, w_scale, "silu", **kw)  # noqa: E731
     else:
         expected = reference.scaled_mm(a, w, a_scale, w_scale).float()
         ops = {"bf16": lambda: F.linear(x, w_bf16)}
-        mine = {kind: (lambda kind=kind: gemm.scaled_mm(a, w, a_scale, w_scale, kernel=kind))
-                for kind in ("auto", "tiled", "gluon")}
+        call = lambda **kw: gemm.scaled_mm(a, w, a_scale, w_scale, **kw)  # noqa: E731
+    mine = {kind: (lambda kind=kind: call(kernel=kind)) for kind in ("auto", "tiled", "gluon")}
     if dtype == FP8 and not gated:
         w_t, sa, sw = w.t(), a_scale[:, None].contiguous(), w_scale[None, :].contiguous()
         ops["scaled_mm"] = lambda: torch._scaled_mm(a, w_t, scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16,
@@ -66,7 +65,7 @@ def point_ops(M: int, N: int, K: int, dtype: torch.dtype, explicit_configs: bool
         explicit = config_dict(cfg)
         configs.setdefault(PREFIX + config_name(explicit), explicit)
     for name, explicit in configs.items():
-        mine[name] = lambda c=explicit: gemm.scaled_mm(a, w, a_scale, w_scale, config=c, kernel="tiled")
+        mine[name] = lambda c=explicit: call(config=c, kernel="tiled")
     errors, contests_before = {}, dict(gemm.CONTEST_TIMES)
     for name, fn in mine.items():  # "auto" first: a contest runs in its first call
         try:

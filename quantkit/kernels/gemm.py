@@ -423,8 +423,9 @@ def _contest(a, w, a_scale, w_scale, bias, out, activation, gated, flags, fp8_fa
     (CUDA-graph replays, L2 flushed) in CONTEST_ROUNDS rotated rounds, medians compared. Like the
     tuners, this cannot run inside a graph capture (warm up first)."""
     M, K = a.shape
+    # flags holds the activation's code and the bias's presence.
     key = (out.shape[1], K, m_bucket(M), gated, fp8_fast_accum, flags, a.dtype, out.dtype,
-           None if bias is None else bias.dtype, activation, a.device)
+           None if bias is None else bias.dtype, a.device)
     kind = _CONTESTS.get(key)
     if kind is None:
         if a.is_cuda:
