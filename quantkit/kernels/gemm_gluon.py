@@ -175,13 +175,6 @@ class GluonConfig:
     # one warpgroup's MMAs on half a tile instead of a whole tile's (3072 tiles on 132 SMs: 23
     # rounds, then 72 half tiles instead of 36 whole ones).
     tail_halves: bool = False
-    # split_m and lean_start (so the plain epilogue only), consumers storing (no store partition),
-    # not with tail_halves: on a program's last tile consumer 1 issues its last ``tail_split`` K steps column half by column
-    # half (every step's MMA on the left 128 columns, then every step's on the right), so the left
-    # half's epilogue runs under the right half's MMAs and only the right half's is exposed at the
-    # program's end. The ring keeps those steps' slots until the right half has read them (the
-    # loader has nothing after the last tile to fill them with).
-    tail_split: int = 0
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
@@ -203,12 +196,6 @@ class GluonConfig:
         if self.tail_halves and not (self.split_m and not self.balanced_grid and not self.gated):
             raise ValueError("tail_halves needs split_m=True (a warpgroup per half tile), balanced_grid=False "
                              "and gated=False")
-        if self.tail_split and not (self.split_m and self.lean_start and not self.store_warp and not self.gated
-                                    and not self.tail_halves and self.epilogue_split in (2, 4)
-                                    and 0 < self.tail_split <= self.stages):
-            raise ValueError(f"tail_split={self.tail_split} needs split_m=True, lean_start=True, store_warp=False, "
-                             f"gated=False, tail_halves=False, epilogue_split 2 or 4 and 0 < tail_split <= "
-                             f"stages={self.stages}")
         if self.staging_turns and not (self.store_warp and self.split_m):
             raise ValueError("staging_turns needs store_warp=True and split_m=True (two warpgroups per tile)")
         if self.store_warp and self.consumers == 2 and not self.split_m:
@@ -230,7 +217,7 @@ class GluonConfig:
                 + ("_sw" if self.store_warp else "") + ("t" if self.staging_turns else "")
                 + ("_lean" if self.lean_start else "") + (f"_t{self.tail_order}" if self.tail_order else "")
                 + (f"_pl{self.prologue_loads}" if self.prologue_loads else "") + ("_bal" if self.balanced_grid else "")
-                + ("_th" if self.tail_halves else "") + (f"_ts{self.tail_split}" if self.tail_split else ""))
+                + ("_th" if self.tail_halves else ""))
 
     @property
     def store_mode(self) -> int:
@@ -353,13 +340,6 @@ CONFIGS = {
                                                     epilogue_split=4, split_m=True, group_m=16, lean_start=True,
                                                     loader_regs=24, consumer_regs=240, tail_order=3, prologue_loads=1,
                                                     tail_halves=True),
-    # coop2_128x256_g16_lean_t3_pl1 with consumer 1's last three K steps of a program's last tile
-    # taken half by half (tail_split): the left half's epilogue under the right half's MMAs, so
-    # a program with one tile (M = 1024 at N = 4096) exposes half an epilogue at its end.
-    "coop2_128x256_g16_lean_t3_pl1_ts3": GluonConfig(128, 256, 128, stages=4, consumers=2, consumer_warps=4,
-                                                     epilogue_split=4, split_m=True, group_m=16, lean_start=True,
-                                                     loader_regs=24, consumer_regs=240, tail_order=3,
-                                                     prologue_loads=1, tail_split=3),
 }
 
 # The gated form (``gated=True``): per K step the ring slot holds the A tile, the gate W tile (rows
@@ -773,85 +753,6 @@ if _GLUON_ERROR is None:
                      bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, SCALED, layout, STAGE_ONLY)
 
     @gluon.jit
-    def _half_scales(w_scale_ptr, cols, N, EARLY_SCALES: gl.constexpr):
-        # One column half's scales, loaded ahead (EARLY_SCALES; else the chunks load theirs).
-        w_scale = cols.to(gl.float32)  # a stand-in, unused
-        if EARLY_SCALES:
-            w_scale = gl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
-        return w_scale
-
-    @gluon.jit
-    def _scaled_half(acc, a_scale, w_scale, EARLY_SCALES: gl.constexpr):
-        # (acc * a_scale) [* w_scale], the epilogue's first products, for one column half.
-        x = acc.to(gl.float32) * gl.expand_dims(a_scale, 1)
-        if EARLY_SCALES:
-            x = x * gl.expand_dims(w_scale, 0)
-        return x
-
-    @gluon.jit
-    def _tail_in_halves(acc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc, a_scale_ptr,
-                        w_scale_ptr, M, N, off_m, off_n, step, k_main, k_steps, local,
-                        FIRST: gl.constexpr, BUFFERS: gl.constexpr, ROW0: gl.constexpr, STAGES: gl.constexpr,
-                        EPILOGUE_SPLIT: gl.constexpr, EARLY_SCALES: gl.constexpr, TAIL_ORDER: gl.constexpr,
-                        TAIL_SPLIT: gl.constexpr, mma_layout: gl.constexpr, chunk_layout: gl.constexpr):
-        # tail_split, consumer 1 on its program's last tile, after its first k_main K steps (the last
-        # of their MMAs possibly in flight; ``step`` is the next step's ring position): the last
-        # TAIL_SPLIT steps' MMAs on the left column half, then on the right half (the same ring
-        # slots, held until the right half has read them), the left half's epilogue while the right
-        # half's MMAs run, then the right half's. Returns the tile as one accumulator-typed value
-        # (LEAN_START carries it into the next tile, which does not exist here).
-        TILE_M: gl.constexpr = acc.shape[0]
-        HALF_N: gl.constexpr = acc.shape[1] // 2
-        half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
-                                                             warps_per_cta=mma_layout.warps_per_cta,
-                                                             instr_shape=[16, min(mma_layout.instr_shape[1], HALF_N),
-                                                                          32])
-        # The epilogue's scales first: their latency hides under the MMAs.
-        rows = off_m + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, half_layout))
-        a_scale = gl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
-        cols = off_n + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, half_layout))
-        w_scale_left = _half_scales(w_scale_ptr, cols, N, EARLY_SCALES)
-        w_scale_right = _half_scales(w_scale_ptr, cols + HALF_N, N, EARLY_SCALES)
-        left, right = _halves(acc)
-        left = gl.convert_layout(left, half_layout, assert_trivial=True)
-        right = gl.convert_layout(right, half_layout, assert_trivial=True)
-        for j in gl.static_range(TAIL_SPLIT):
-            if TAIL_ORDER > 0:
-                # tail_order's wait, where the main loop would have made it (TAIL_ORDER > TAIL_SPLIT: it did).
-                if (k_steps >= STAGES) & (k_main + j == k_steps - TAIL_ORDER):
-                    mbarrier.wait(order_bars.index(0), local & 1)
-            slot, phase = _ring_slot_phase(step + j, STAGES)
-            mbarrier.wait(ready_bars.index(slot), phase)
-            use_acc = k_main + j > 0  # (lean start: a tile's first MMA ignores the accumulator)
-            left = warpgroup_mma(a_bufs.index(slot).slice(ROW0, TILE_M),
-                                 w_bufs.index(slot).slice(0, HALF_N).permute((1, 0)), left, use_acc=use_acc,
-                                 is_async=True)
-        for j in gl.static_range(TAIL_SPLIT):
-            slot = (step + j) % STAGES
-            use_acc = k_main + j > 0  # (lean start: a tile's first MMA ignores the accumulator)
-            right = warpgroup_mma(a_bufs.index(slot).slice(ROW0, TILE_M),
-                                  w_bufs.index(slot).slice(HALF_N, HALF_N).permute((1, 0)), right, use_acc=use_acc,
-                                  is_async=True)
-        left = warpgroup_mma_wait(num_outstanding=TAIL_SPLIT, deps=(left, ))
-        x = _scaled_half(left, a_scale, w_scale_left, EARLY_SCALES)
-        if EPILOGUE_SPLIT == 2:
-            _store_chunk(x, x, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, w_scale_ptr, N,
-                         False, 0, False, EARLY_SCALES, chunk_layout, False)
-        else:
-            _store_halves(x, x, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, w_scale_ptr, N,
-                          False, 0, False, EARLY_SCALES, chunk_layout, False)
-        right = warpgroup_mma_wait(num_outstanding=0, deps=(right, ))
-        for j in gl.static_range(TAIL_SPLIT):
-            mbarrier.arrive(empty_bars.index((step + j) % STAGES))
-        y = _scaled_half(right, a_scale, w_scale_right, EARLY_SCALES)
-        if EPILOGUE_SPLIT == 2:
-            _store_chunk(y, y, 1, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, w_scale_ptr, N,
-                         False, 0, False, EARLY_SCALES, chunk_layout, False)
-        else:
-            _store_halves(y, y, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, w_scale_ptr, w_scale_ptr, N,
-                          False, 0, False, EARLY_SCALES, chunk_layout, False)
-
-    @gluon.jit
     def _consumer_partition(a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs, out_desc,
                             a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, block_expert_ptr, used_ptr, stride_se,
                             num_experts, CONSUMER: gl.constexpr,
@@ -859,8 +760,7 @@ if _GLUON_ERROR is None:
                             STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                             ACTIVATION: gl.constexpr, GATED: gl.constexpr, EARLY_SCALES: gl.constexpr,
                             SPLIT_M: gl.constexpr, STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr,
-                            TAIL_ORDER: gl.constexpr, TAIL_HALVES: gl.constexpr, GROUPED: gl.constexpr,
-                            TAIL_SPLIT: gl.constexpr):
+                            TAIL_ORDER: gl.constexpr, TAIL_HALVES: gl.constexpr, GROUPED: gl.constexpr):
         # SPLIT_M: every consumer takes every tile, rows [ROW0, ROW0 + TILE_M) of it; otherwise
         # (ping-pong) consumer c takes this program's tiles c, c + 2, ... whole. TAIL_HALVES (split_m):
         # on a half tile's unit the other consumer keeps the barriers' counts without MMAs or stores.
@@ -916,16 +816,7 @@ if _GLUON_ERROR is None:
                 # Our turn: the other consumer has issued all of the previous tile's ring waits
                 # and MMAs, so the ring positions below are at most one lap ahead of the loader.
                 mbarrier.wait(order_bars.index(CONSUMER), _turn_phase(local))
-            if TAIL_SPLIT > 0 and CONSUMER == 1:
-                # This program's last tile, long enough: its last TAIL_SPLIT steps go half by half below.
-                split_tail = (unit + TURNS * nprog > last) & (k_steps > TAIL_SPLIT)
-                k_main = k_steps
-                if split_tail:
-                    k_main = k_steps - TAIL_SPLIT
-            else:
-                split_tail: gl.constexpr = False
-                k_main = k_steps
-            for ki in range(k_main):
+            for ki in range(k_steps):
                 if TAIL_ORDER > 0 and CONSUMER == 1:
                     # tail_order: consumer 0 arrives once per tile (below), so this tile's arrival
                     # completes phase `local`. With k_steps >= STAGES consumer 0 cannot arrive for
@@ -954,93 +845,76 @@ if _GLUON_ERROR is None:
                         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES), pred=ki > 0)
                 step += 1
-            if split_tail:
-                # The tile's last TAIL_SPLIT steps and its epilogue come after this loop (below).
-                # Its last full-width MMA retires here: ptxas cannot follow a wgmma in flight out of
-                # the loop (it serializes every wgmma of the kernel then, C7512).
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES))
+            if TAIL_ORDER > 0 and CONSUMER == 0:
+                # Every MMA of this tile issued: consumer 1 may issue its last TAIL_ORDER steps.
+                mbarrier.arrive(order_bars.index(0), pred=k_steps >= STAGES)
+            if TURNS == 2:
+                # The next tile's turn (the other consumer's), while our last MMA finishes and our
+                # epilogue runs. After this program's last tile nobody waits for it: harmless.
+                mbarrier.arrive(order_bars.index(1 - CONSUMER))
+            if LEAN_START:
+                # The next tile's coordinates while the last MMA runs (past the last tile: unused).
+                next_tile = _tile_of(gl.minimum(unit + TURNS * nprog, last), tiles, units, TAIL_HALVES)
+                pid_m, pid_n = _grouped_tile(next_tile, num_pid_m, num_pid_n, GROUP_M)
+            # The epilogue's scale loads go out while the last MMA is still running, so their
+            # latency hides under it (EARLY_SCALES: the column scales too, for the whole tile, not
+            # one round trip per output chunk).
+            rows = off_m + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout))
+            a_scale = gl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
+            if EARLY_SCALES:
+                cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+                w_scale = gl.load(tile_w_scale_ptr + cols, mask=cols < N, other=0.0)
+                if GATED:
+                    w_scale_up = gl.load(tile_w_scale_ptr + N + cols, mask=cols < N, other=0.0)
+            if GATED:
+                acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
             else:
-                if TAIL_ORDER > 0 and CONSUMER == 0:
-                    # Every MMA of this tile issued: consumer 1 may issue its last TAIL_ORDER steps.
-                    mbarrier.arrive(order_bars.index(0), pred=k_steps >= STAGES)
-                if TURNS == 2:
-                    # The next tile's turn (the other consumer's), while our last MMA finishes and our
-                    # epilogue runs. After this program's last tile nobody waits for it: harmless.
-                    mbarrier.arrive(order_bars.index(1 - CONSUMER))
-                if LEAN_START:
-                    # The next tile's coordinates while the last MMA runs (past the last tile: unused).
-                    next_tile = _tile_of(gl.minimum(unit + TURNS * nprog, last), tiles, units, TAIL_HALVES)
-                    pid_m, pid_n = _grouped_tile(next_tile, num_pid_m, num_pid_n, GROUP_M)
-                # The epilogue's scale loads go out while the last MMA is still running, so their
-                # latency hides under it (EARLY_SCALES: the column scales too, for the whole tile, not
-                # one round trip per output chunk).
-                rows = off_m + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout))
-                a_scale = gl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
-                if EARLY_SCALES:
-                    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
-                    w_scale = gl.load(tile_w_scale_ptr + cols, mask=cols < N, other=0.0)
-                    if GATED:
-                        w_scale_up = gl.load(tile_w_scale_ptr + N + cols, mask=cols < N, other=0.0)
-                if GATED:
-                    acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
-                else:
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES))
-                local += TURNS
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty_bars.index((step + STAGES - 1) % STAGES))
+            local += TURNS
 
-                # Epilogue in fp32, in the reference's order: (acc * a_scale) * w_scale + bias.
-                x = acc.to(gl.float32) * gl.expand_dims(a_scale, 1)
+            # Epilogue in fp32, in the reference's order: (acc * a_scale) * w_scale + bias.
+            x = acc.to(gl.float32) * gl.expand_dims(a_scale, 1)
+            if EARLY_SCALES:
+                x = x * gl.expand_dims(w_scale, 0)
+            if GATED:
+                u = acc_up.to(gl.float32) * gl.expand_dims(a_scale, 1)
                 if EARLY_SCALES:
-                    x = x * gl.expand_dims(w_scale, 0)
-                if GATED:
-                    u = acc_up.to(gl.float32) * gl.expand_dims(a_scale, 1)
-                    if EARLY_SCALES:
-                        u = u * gl.expand_dims(w_scale_up, 0)
+                    u = u * gl.expand_dims(w_scale_up, 0)
+            else:
+                u = x  # a stand-in, unused
+            if STORE_WARP == 2:
+                # staging_turns: free once the part staged before this one (the other consumer's,
+                # of this tile or the previous one) has been read out. This consumer's free barrier
+                # completes once per tile: for consumer 0 from the second tile on (the first
+                # waits for a fresh barrier's pre-completed phase), for consumer 1 from the first.
+                mbarrier.wait(stage_bars.index(1 + CONSUMER), _previous_phase(local - 1 + CONSUMER))
+            elif STORE_WARP:
+                # The staging is free again once the store partition's stores of the previous tile
+                # have read it (every consumer takes every tile: local counts this program's tiles).
+                mbarrier.wait(stage_bars.index(1), _previous_phase(local - 1))
+            if busy:  # (a half tile's other consumer stages and stores nothing)
+                if EPILOGUE_SPLIT == 1:
+                    _store_chunk(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, tile_w_scale_ptr, bias_ptr,
+                                 N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
+                elif EPILOGUE_SPLIT == 2:
+                    _store_halves(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, tile_w_scale_ptr,
+                                  bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
                 else:
-                    u = x  # a stand-in, unused
-                if STORE_WARP == 2:
-                    # staging_turns: free once the part staged before this one (the other consumer's,
-                    # of this tile or the previous one) has been read out. This consumer's free barrier
-                    # completes once per tile: for consumer 0 from the second tile on (the first
-                    # waits for a fresh barrier's pre-completed phase), for consumer 1 from the first.
-                    mbarrier.wait(stage_bars.index(1 + CONSUMER), _previous_phase(local - 1 + CONSUMER))
-                elif STORE_WARP:
-                    # The staging is free again once the store partition's stores of the previous tile
-                    # have read it (every consumer takes every tile: local counts this program's tiles).
-                    mbarrier.wait(stage_bars.index(1), _previous_phase(local - 1))
-                if busy:  # (a half tile's other consumer stages and stores nothing)
-                    if EPILOGUE_SPLIT == 1:
-                        _store_chunk(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, tile_w_scale_ptr, bias_ptr,
-                                     N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
-                    elif EPILOGUE_SPLIT == 2:
-                        _store_halves(x, u, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, tile_w_scale_ptr,
-                                      bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
-                    else:
-                        left, right = _halves(x)
-                        u_left, u_right = _halves(u)
-                        _store_halves(left, u_left, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, tile_w_scale_ptr,
-                                      bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
-                        _store_halves(right, u_right, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, tile_w_scale_ptr,
-                                      bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
-                if STORE_WARP:
-                    # The staged tile visible to the TMA unit, then handed to the store partition.
-                    fence_async_shared()
-                    mbarrier.arrive(stage_bars.index(0))
-                if LEAN_START:
-                    # The next tile's first MMA takes these registers as its (ignored) accumulator: no
-                    # zeroing, and no second set of 128 live registers.
-                    acc = x.to(acc_dtype, bitcast=True)
-        if TAIL_SPLIT > 0 and CONSUMER == 1:
-            if (first <= last) & (k_steps > TAIL_SPLIT):
-                # The program's last tile (LEAN_START left pid_m, pid_n on it), after k_steps - TAIL_SPLIT steps.
-                off_m = pid_m * BLOCK_M + ROW0
-                off_n = pid_n * BLOCK_N
-                tile_w_scale_ptr = w_scale_ptr + _expert_of(pid_m, block_expert_ptr, num_experts, GROUPED) * stride_se
-                _tail_in_halves(acc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, c_bufs, out_desc, a_scale_ptr,
-                                tile_w_scale_ptr, M, N, off_m, off_n, local * k_steps + k_steps - TAIL_SPLIT,
-                                k_steps - TAIL_SPLIT, k_steps, local, FIRST, BUFFERS, ROW0, STAGES, EPILOGUE_SPLIT,
-                                EARLY_SCALES, TAIL_ORDER, TAIL_SPLIT, mma_layout, chunk_layout)
+                    left, right = _halves(x)
+                    u_left, u_right = _halves(u)
+                    _store_halves(left, u_left, 0, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, tile_w_scale_ptr,
+                                  bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
+                    _store_halves(right, u_right, 2, off_m, off_n, out_desc, c_bufs, FIRST, BUFFERS, tile_w_scale_ptr,
+                                  bias_ptr, N, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES, chunk_layout, STORE_WARP)
+            if STORE_WARP:
+                # The staged tile visible to the TMA unit, then handed to the store partition.
+                fence_async_shared()
+                mbarrier.arrive(stage_bars.index(0))
+            if LEAN_START:
+                # The next tile's first MMA takes these registers as its (ignored) accumulator: no
+                # zeroing, and no second set of 128 live registers.
+                acc = x.to(acc_dtype, bitcast=True)
         tma.store_wait(0)
 
     # M, N and K only size loops and masks (TMA does the addressing): not specialized, so odd
@@ -1054,7 +928,7 @@ if _GLUON_ERROR is None:
                           GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, SPLIT_M: gl.constexpr,
                           STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr, TAIL_ORDER: gl.constexpr,
                           PROLOGUE_LOADS: gl.constexpr, TAIL_HALVES: gl.constexpr, GROUPED: gl.constexpr,
-                          TAIL_SPLIT: gl.constexpr, num_warps: gl.constexpr):
+                          num_warps: gl.constexpr):
         # GATED: out (M, N) = act(gate) * up over the stacked (2N, K) weight of w_desc; N counts outputs.
         # GROUPED: a mixture of experts' GEMM in slot order (moe.grouped_slot_mm): a (M, K) the
         # routed rows, each block of BLOCK_M rows one expert's (block_expert_ptr), only the first
@@ -1119,7 +993,6 @@ if _GLUON_ERROR is None:
         fence_async_shared()
         PLAIN_STORE_WARP: gl.constexpr = _plain_only(STORE_WARP, HAS_BIAS, ACTIVATION, GATED)
         PLAIN_LEAN: gl.constexpr = _plain_only(LEAN_START, HAS_BIAS, ACTIVATION, GATED)
-        PLAIN_SPLIT: gl.constexpr = _plain_only(TAIL_SPLIT, HAS_BIAS, ACTIVATION, GATED)
 
         # The default partition (the kernel's num_warps) is consumer 0; workers follow: consumer 1
         # (ping-pong, split_m), the loader, and with store_warp the store partition. Neither a
@@ -1131,8 +1004,7 @@ if _GLUON_ERROR is None:
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
                                        block_expert_ptr, used_ptr, stride_se, num_experts, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED,
-                                       PLAIN_SPLIT)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    block_expert_ptr, used_ptr, rows_per_expert, num_experts,
                                    GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES, GROUPED)),
@@ -1145,8 +1017,7 @@ if _GLUON_ERROR is None:
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
                                        block_expert_ptr, used_ptr, stride_se, num_experts, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED,
-                                       PLAIN_SPLIT)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    block_expert_ptr, used_ptr, rows_per_expert, num_experts,
                                    GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES, GROUPED)),
@@ -1157,14 +1028,12 @@ if _GLUON_ERROR is None:
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
                                        block_expert_ptr, used_ptr, stride_se, num_experts, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED,
-                                       PLAIN_SPLIT)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
                                        block_expert_ptr, used_ptr, stride_se, num_experts, 1, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED,
-                                       PLAIN_SPLIT)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    block_expert_ptr, used_ptr, rows_per_expert, num_experts,
                                    GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES, GROUPED)),
@@ -1177,14 +1046,12 @@ if _GLUON_ERROR is None:
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
                                        block_expert_ptr, used_ptr, stride_se, num_experts, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED,
-                                       PLAIN_SPLIT)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
                                        block_expert_ptr, used_ptr, stride_se, num_experts, 1, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED,
-                                       PLAIN_SPLIT)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    block_expert_ptr, used_ptr, rows_per_expert, num_experts,
                                    GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES, GROUPED)),
@@ -1291,7 +1158,7 @@ class GluonCall:
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
             SPLIT_M=config.split_m, STORE_WARP=config.store_mode, LEAN_START=config.lean_start,
             TAIL_ORDER=config.tail_order, PROLOGUE_LOADS=config.prologue_loads, TAIL_HALVES=config.tail_halves,
-            GROUPED=grouped, TAIL_SPLIT=config.tail_split, num_warps=config.consumer_warps)
+            GROUPED=grouped, num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the
         # constexprs in signature order (after the 14 runtime arguments) for the cached launcher.
         self.key = (config, tuple(self.constexprs.items()))

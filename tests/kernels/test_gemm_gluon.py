@@ -87,13 +87,11 @@ def test_tune_candidates_are_configs():
     (dict(block_k=48), "block_k"),
     (dict(tail_order=2), "tail_order=2 needs split_m"),  # one consumer: nobody to order
     (dict(consumers=2, consumer_warps=4, split_m=True, tail_order=4), "tail_order=4"),  # not below stages=4
-    (dict(consumers=2, consumer_warps=4, split_m=True, tail_split=2), "tail_split=2"),  # needs lean_start
-    (dict(consumers=2, consumer_warps=4, split_m=True, lean_start=True, tail_split=5), "tail_split=5"),  # > stages
     (dict(prologue_loads=5), "prologue_loads=5"),
     (dict(tail_halves=True), "tail_halves needs split_m"),  # one consumer: no warpgroup per half
     (dict(consumers=2, consumer_warps=4, split_m=True, tail_halves=True, balanced_grid=True), "balanced_grid=False"),
 ], ids=["too-many-stages", "three-consumers", "rows-per-warp", "split", "block-k", "tail-unsplit", "tail-stages",
-        "split-tail-not-lean", "split-tail-stages", "prologue-stages", "halves-unsplit", "halves-balanced"])
+        "prologue-stages", "halves-unsplit", "halves-balanced"])
 def test_config_errors_name_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
         gemm_gluon.GluonConfig(**kwargs)
@@ -136,7 +134,7 @@ def _compile(config, dtype: str, activation: int = 2, plain: bool = False, group
                      GATED=config.gated, EARLY_SCALES=config.early_scales, SPLIT_M=config.split_m,
                      STORE_WARP=config.store_mode, LEAN_START=config.lean_start, TAIL_ORDER=config.tail_order,
                      PROLOGUE_LOADS=config.prologue_loads, TAIL_HALVES=config.tail_halves, GROUPED=grouped,
-                     TAIL_SPLIT=config.tail_split, num_warps=config.consumer_warps)
+                     num_warps=config.consumer_warps)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(gemm_gluon._scaled_mm_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.consumer_warps))
@@ -215,9 +213,7 @@ def test_compiles_for_sm90(name, dtype, epilogue, sm90_builds, tmp_path):
     assert "wgmma.mma_async" in ptx
     in_flight = 2 if config.gated else 1
     waits = set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx))
-    # tail_split (plain epilogue): the right half's MMAs of its split steps stay in flight under the left's epilogue.
-    split = {str(config.tail_split)} if config.tail_split and epilogue == "plain" else set()
-    assert waits == {"0", str(in_flight)} | split, waits
+    assert waits == {"0", str(in_flight)}, waits
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert built["shared"] <= gemm_gluon.SHARED_LIMIT
     if epilogue == "plain" and config.store_warp:
@@ -326,7 +322,7 @@ class _Barrier:
 
 
 def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=False, staged=False,
-                  guard_staging=True, turns=False, tail=0, prologue=0, skip_prologue=True, split_tail=0):
+                  guard_staging=True, turns=False, tail=0, prologue=0, skip_prologue=True):
     """``split``: two consumers on halves of every tile (split_m), each releasing every slot
     (empty barriers of 2 arrivals). ``staged`` (store_warp; every consumer on every tile): each
     consumer writes its part of the tile into the staging after waiting on stage[1] (the previous
@@ -340,10 +336,7 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
     its step k_steps - tail of each tile, and consumer 0 arrives there once it has issued its last.
     ``prologue`` (prologue_loads): the first min(k_steps, prologue) copies are in flight before any
     agent runs, and the loader skips those steps (``skip_prologue=False``: it does not, and the model
-    must then fail). ``split_tail`` (tail_split, split only): consumer 1's last tile, if it has more
-    than split_tail K steps, takes its last split_tail steps as two passes over the same slots (one
-    per column half) after its last full-width MMA has retired, and releases those slots only once
-    both passes have retired."""
+    must then fail)."""
     ring_slot_phase, previous_phase, turn_phase = (gemm_gluon.ring_slot_phase, gemm_gluon.previous_phase,
                                                    gemm_gluon.turn_phase)
     ready = [_Barrier() for _ in range(stages)]
@@ -395,8 +388,7 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
                 yield wait(order[c], turn_phase(local), (local - 1) // 2)
                 assert local == 0 or local - 1 in handed_over, "turn taken before the previous tile's mainloop"
             tail_on = split and tail and k_steps >= stages
-            halves = split and c == 1 and split_tail and local == tiles - 1 and k_steps > split_tail
-            for ki in range(k_steps - split_tail if halves else k_steps):
+            for ki in range(k_steps):
                 if tail_on and c == 1 and ki == k_steps - tail:
                     yield wait(order[0], local & 1, local)
                 slot, phase = ring_slot_phase(step, stages)
@@ -407,25 +399,6 @@ def _run_protocol(tiles, k_steps, stages, consumers, rng, ordered=True, split=Fa
                 if ki > 0:
                     release(c, (step + stages - 1) % stages, step - 1)
                 step += 1
-            if halves:
-                yield lambda: not in_flight[c]  # the last full-width MMA retires in the loop
-                release(c, (step + stages - 1) % stages, step - 1)
-                k_main = k_steps - split_tail
-                for j in range(split_tail):  # the left half: ring waits, MMAs left in flight
-                    if tail_on and k_main + j == k_steps - tail:
-                        yield wait(order[0], local & 1, local)
-                    slot, phase = ring_slot_phase(step + j, stages)
-                    yield wait(ready[slot], phase, (step + j) // stages)
-                    assert slot_data[slot] == step + j
-                    in_flight[c].append(step + j)
-                for j in range(split_tail):  # the right half on the same slots, not released yet
-                    assert slot_data[(step + j) % stages] == step + j, "a held slot was refilled"
-                    in_flight[c].append(step + j)
-                yield lambda: len(in_flight[c]) <= split_tail  # the left half retired: its epilogue
-                yield lambda: not in_flight[c]
-                for j in range(split_tail):
-                    release(c, (step + j) % stages, step + j)
-                continue  # (its epilogue stores; no staging with tail_split)
             if consumers == 2 and ordered and not split:
                 order[1 - c].arrive()
                 handed_over.add(local)
@@ -547,23 +520,6 @@ def test_barrier_protocol_model_tail_order():
     for tiles, k_steps, stages, tail in cases:
         for staged, turns in ((False, False), (True, False), (True, True)):
             _run_protocol(tiles, k_steps, stages, 2, rng, split=True, staged=staged, turns=turns, tail=tail)
-
-
-def test_barrier_protocol_model_tail_split():
-    """tail_split: consumer 1 takes its program's last tile's last steps half by half, holding their
-    slots until both halves have read them, with and without tail_order (before or inside the
-    split steps) and prologue copies: no deadlock, no slot refilled under the held steps."""
-    import random
-
-    rng = random.Random(77)
-    cases = [(1, 32, 4, 3, 3), (3, 32, 4, 3, 3), (2, 4, 4, 3, 3), (1, 4, 4, 2, 4), (2, 5, 4, 3, 1), (4, 3, 4, 2, 3),
-             (1, 2, 2, 1, 2)]
-    cases += [(rng.randint(1, 6), rng.randint(1, 20), stages, rng.randint(0, stages - 1), rng.randint(1, stages))
-              for stages in (rng.randint(2, 6) for _ in range(120))]
-    for tiles, k_steps, stages, tail, split_tail in cases:
-        for prologue in (0, 1):
-            _run_protocol(tiles, k_steps, stages, 2, rng, split=True, tail=tail, prologue=prologue,
-                          split_tail=split_tail)
 
 
 def test_barrier_protocol_model_prologue_loads():
