@@ -121,12 +121,14 @@ def cast_for_store(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 @triton.jit
 def quantize_with_scale(x, scale, IS_FP8: tl.constexpr, INTERPRETED: tl.constexpr):
     """fp32 x / scale -> saturated, rounded int8 or float8_e4m3fn: an activation, so INT8 saturates to
-    [-128, 127] (the reference's ``cast_to_quantized(..., activation=True)``)."""
+    [-128, 127] (the reference's ``cast_to_quantized(..., activation=True)``). FP8 on the GPU: the
+    fp32 -> e4m3 conversion saturates to +-448 and keeps NaN, as torch's clamp and cast do (a
+    tl.minimum / tl.maximum clamp would turn NaN into -448); the interpreter's cast truncates (and
+    makes NaN a finite code), so there the value is clamped and put on the e4m3 grid first."""
     scaled = tl.math.div_rn(x, scale)
     if IS_FP8:
-        scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
         if INTERPRETED:
-            scaled = round_to_e4m3_grid(scaled)
+            scaled = round_to_e4m3_grid(tl.minimum(tl.maximum(scaled, -448.0), 448.0))
         return scaled.to(tl.float8e4nv)
     else:
         scaled = tl.minimum(tl.maximum(scaled, -128.0), 127.0)  # the reference's INT8_MIN, INT8_MAX
@@ -259,18 +261,65 @@ def _quantize_per_token_kernel(
     tl.store(scale_ptr + rows, scale, mask=row_mask)
 
 
+# A static scale in [2**-60, 2**60] takes the reciprocal path of quantize_with_static_scale; any
+# other (a calibration's MIN_SCALE is 1e-12 ~ 2**-40) and a zero, negative, infinite or NaN one
+# take IEEE division.
+STATIC_SCALE_MIN = tl.constexpr(2.0**-60)
+STATIC_SCALE_MAX = tl.constexpr(2.0**60)
+
+
+@triton.jit
+def quantize_with_static_scale(x, scale, inv_scale, IS_FP8: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``quantize_with_scale`` bit for bit, for a scale in [STATIC_SCALE_MIN, STATIC_SCALE_MAX]
+    with ``inv_scale = div_rn(1, scale)``: the quotient by divide_by_scale, three FMA-unit ops
+    instead of div_rn's ~10 and a branch.
+
+    Unlike a row's own scale, a static one does not bound |x / scale|. The correction is exact
+    (its remainder representable) wherever the quotient can change the result, |x / scale| >= 2**-11
+    (the grids' first rounding boundary is 2**-10 for e4m3, 0.5 for int8), up to 2**20. Past 2**20,
+    and for an infinite or NaN x, the plain product x * inv_scale is kept: it saturates to the
+    same end of the grid, or stays NaN. Below 2**-11 either form rounds to a zero of x's sign.
+    FP8 on the GPU: the fp32 -> e4m3 conversion saturates to +-448 and keeps NaN (torch's clamp
+    then cast does the same), so no clamp; the interpreter's cast truncates (and makes NaN a
+    finite code), so it clamps and rounds first as quantize_with_scale does. INT8: clamped, then rounded by the 1.5 * 2**23 addition,
+    whose float pattern holds the integer in its low byte (quantize_with_row_scale's trick).
+    """
+    quotient = x * inv_scale
+    scaled = tl.where(tl.abs(quotient) <= 1048576.0, divide_by_scale(x, scale, inv_scale), quotient)
+    if IS_FP8:
+        if INTERPRETED:
+            scaled = round_to_e4m3_grid(tl.minimum(tl.maximum(scaled, -448.0), 448.0))
+        return scaled.to(tl.float8e4nv)
+    scaled = tl.minimum(tl.maximum(scaled, -128.0), 127.0)  # the reference's INT8_MIN, INT8_MAX
+    return (scaled + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+
+
 @triton.jit
 def _quantize_per_tensor_kernel(
     x_ptr, q_ptr, scale_ptr,
-    K, stride_xm, stride_qm,
-    IS_FP8: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+    numel, K, stride_xm, stride_qm,
+    IS_FP8: tl.constexpr, BLOCK_K: tl.constexpr, FLAT: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = cols < K
+    if FLAT:
+        # Rows packed back to back in x and q (stride K): blocks of the flattened tensor, no
+        # masked lanes at the end of every row.
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = offsets < numel
+        x_ptrs = x_ptr + offsets
+        q_ptrs = q_ptr + offsets
+    else:
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = cols < K
+        x_ptrs = x_ptr + row * stride_xm + cols
+        q_ptrs = q_ptr + row * stride_qm + cols
     scale = tl.load(scale_ptr)
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(q_ptr + row * stride_qm + cols, quantize_with_scale(x, scale, IS_FP8, INTERPRETED), mask=mask)
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if (scale >= STATIC_SCALE_MIN) & (scale <= STATIC_SCALE_MAX):
+        q = quantize_with_static_scale(x, scale, tl.math.div_rn(1.0, scale), IS_FP8, INTERPRETED)
+    else:
+        q = quantize_with_scale(x, scale, IS_FP8, INTERPRETED)
+    tl.store(q_ptrs, q, mask=mask)
 
 
 @triton.jit
@@ -589,12 +638,15 @@ def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     q = _output(out, (M, K), dtype, x.device, "out")
     if M == 0 or K == 0:
         return q
-    block_k = min(CHUNK_K, next_power_of_2(K))
     is_fp8 = dtype == torch.float8_e4m3fn
+    flat = x.stride(0) == K and q.stride(0) == K
+    block_k = CHUNK_K if flat else min(CHUNK_K, next_power_of_2(K))
+    grid = (cdiv(M * K, block_k),) if flat else (M, cdiv(K, block_k))
     num_warps = _row_warps(block_k)
-    key = (x.dtype, is_fp8, K, x.stride(0), q.stride(0), block_k, num_warps, aligned(x, q, scale))
-    _PER_TENSOR(key, (M, cdiv(K, block_k)), (x, q, scale, K, x.stride(0), q.stride(0)),
-                dict(IS_FP8=is_fp8, BLOCK_K=block_k, INTERPRETED=INTERPRETED), num_warps, 3)
+    key = (x.dtype, is_fp8, flat, int_spec(M * K), K, x.stride(0), q.stride(0), block_k, num_warps,
+           aligned(x, q, scale))
+    _PER_TENSOR(key, grid, (x, q, scale, M * K, K, x.stride(0), q.stride(0)),
+                dict(IS_FP8=is_fp8, BLOCK_K=block_k, FLAT=flat, INTERPRETED=INTERPRETED), num_warps, 3)
     return q
 
 

@@ -7,6 +7,8 @@ exact in float32 in any order; on random data the summation order may move rstd 
 (scale within 1e-6, a value on a rounding boundary one step off).
 """
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -314,6 +316,47 @@ def test_quantize_per_tensor_bit_exact(qdtype, xdtype):
     scale = torch.tensor([0.07])
     q = quant.quantize_per_tensor(x, scale, qdtype, out=_poisoned_q(M, K, qdtype))
     assert torch.equal(q.view(torch.int8), reference.quantize_per_tensor(x, scale, qdtype).view(torch.int8))
+
+
+def _near_ties(scale: float, qdtype: torch.dtype) -> torch.Tensor:
+    """fp32 inputs whose quotients by ``scale`` sit on, and one ulp either side of, the grid's
+    rounding boundaries (int8: k + 0.5; e4m3: midpoints between neighbours), both signs."""
+    if qdtype == torch.int8:
+        bounds = torch.arange(-128, 128, dtype=torch.float64) + 0.5
+    else:
+        grid = torch.arange(0, 127, dtype=torch.int16).to(torch.int8).view(torch.float8_e4m3fn).double()
+        grid = grid[torch.isfinite(grid)].unique()
+        bounds = (grid[:-1] + grid[1:]) / 2
+        bounds = torch.cat([bounds, -bounds])
+    x = (bounds * scale).float()
+    return torch.cat([x, torch.nextafter(x, torch.full_like(x, math.inf)), torch.nextafter(x, torch.full_like(x, -math.inf))])
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("scale", [0.07, 3.1e-3, 1e-12, 2.0**-70, 7.5e20, 0.0, math.inf, math.nan],
+                         ids=["0.07", "3.1e-3", "min_scale", "below_fast_range", "above_fast_range", "zero", "inf", "nan"])
+def test_quantize_per_tensor_bit_exact_at_the_edges(qdtype, scale):
+    """The static scale's reciprocal path (STATIC_SCALE_MIN..MAX) and IEEE division outside it,
+    against the twin bit for bit: quotients on and next to every rounding boundary, signed zeros,
+    values that saturate, overflow the quotient or underflow it, infinities. (NaN inputs: the
+    interpreter's fp8 cast makes NaN a finite code, so the GPU check covers them,
+    benchmarks/gpu_checks_s42.py.)"""
+    special = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-40, -1e-40, 1e30, -1e30, 3.0e38, -3.0e38,
+                            math.inf, -math.inf, 5.0, -5.0, 0.3, -0.3, 448.0, -1000.0])
+    finite_scale = math.isfinite(scale) and scale > 0
+    x = torch.cat([special * (scale if finite_scale and scale < 1e10 else 1.0),
+                   _near_ties(scale if finite_scale else 1.0, qdtype)])
+    K = 272  # odd against the 4096-wide blocks; two rows, flat (contiguous) and row by row (strided)
+    x = torch.cat([x, torch.randn(2 * K - x.numel() % (2 * K)) * 3]).reshape(-1, K)
+    s = torch.tensor([scale], dtype=torch.float32)
+    want = reference.quantize_per_tensor(x, s, qdtype)
+    for inputs in (x, torch.cat([x, x], dim=1)[:, :K]):  # the second: row stride 2K, not flat
+        got = quant.quantize_per_tensor(inputs, s, qdtype, out=_poisoned_q(*inputs.shape, qdtype))
+        quotient_nan = torch.isnan(inputs.float() / s)  # 0 / 0 or inf / inf
+        if qdtype == torch.int8:  # NaN has no int8 code (torch's is the platform's)
+            assert torch.equal(got[~quotient_nan], want[~quotient_nan])
+        else:  # (see above: compared on the GPU)
+            assert torch.equal(got.view(torch.int8)[~quotient_nan], want.view(torch.int8)[~quotient_nan])
 
 
 @pytest.mark.parametrize("qdtype", QDTYPES)
