@@ -290,8 +290,9 @@ def quantize_with_static_scale(x, scale, inv_scale, IS_FP8: tl.constexpr, INTERP
         if INTERPRETED:
             scaled = round_to_e4m3_grid(tl.minimum(tl.maximum(scaled, -448.0), 448.0))
         return scaled.to(tl.float8e4nv)
-    scaled = tl.minimum(tl.maximum(scaled, -128.0), 127.0)  # the reference's INT8_MIN, INT8_MAX
-    return (scaled + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+    else:
+        scaled = tl.minimum(tl.maximum(scaled, -128.0), 127.0)  # the reference's INT8_MIN, INT8_MAX
+        return (scaled + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
 
 
 @triton.jit
