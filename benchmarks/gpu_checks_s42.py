@@ -48,7 +48,8 @@ def near_ties(scale, qdtype):
         bounds = (grid[:-1] + grid[1:]) / 2
         bounds = torch.cat([bounds, -bounds])
     x = (bounds * scale).float()
-    return torch.cat([x, torch.nextafter(x, torch.full_like(x, math.inf)), torch.nextafter(x, torch.full_like(x, -math.inf))])
+    up, down = torch.full_like(x, math.inf), torch.full_like(x, -math.inf)
+    return torch.cat([x, torch.nextafter(x, up), torch.nextafter(x, down)])
 
 
 def edge_inputs(scale, qdtype, K=272):

@@ -281,11 +281,12 @@ def quantize_with_static_scale(x, scale, inv_scale, IS_FP8: tl.constexpr, INTERP
     same end of the grid, or stays NaN. Below 2**-11 either form rounds to a zero of x's sign.
     FP8 on the GPU: the fp32 -> e4m3 conversion saturates to +-448 and keeps NaN (torch's clamp
     then cast does the same), so no clamp; the interpreter's cast truncates (and makes NaN a
-    finite code), so it clamps and rounds first as quantize_with_scale does. INT8: clamped, then rounded by the 1.5 * 2**23 addition,
-    whose float pattern holds the integer in its low byte (quantize_with_row_scale's trick).
+    finite code), so it clamps and rounds first as quantize_with_scale does. INT8: clamped, then
+    rounded by the 1.5 * 2**23 addition, whose float pattern holds the integer in its low byte
+    (quantize_with_row_scale's trick).
     """
     quotient = x * inv_scale
-    scaled = tl.where(tl.abs(quotient) <= 1048576.0, divide_by_scale(x, scale, inv_scale), quotient)
+    scaled = tl.where(tl.abs(quotient) <= 1048576.0, divide_by_scale(x, scale, inv_scale), quotient)  # 2**20
     if IS_FP8:
         if INTERPRETED:
             scaled = round_to_e4m3_grid(tl.minimum(tl.maximum(scaled, -448.0), 448.0))

@@ -329,12 +329,14 @@ def _near_ties(scale: float, qdtype: torch.dtype) -> torch.Tensor:
         bounds = (grid[:-1] + grid[1:]) / 2
         bounds = torch.cat([bounds, -bounds])
     x = (bounds * scale).float()
-    return torch.cat([x, torch.nextafter(x, torch.full_like(x, math.inf)), torch.nextafter(x, torch.full_like(x, -math.inf))])
+    up, down = torch.full_like(x, math.inf), torch.full_like(x, -math.inf)
+    return torch.cat([x, torch.nextafter(x, up), torch.nextafter(x, down)])
 
 
 @pytest.mark.parametrize("qdtype", QDTYPES)
 @pytest.mark.parametrize("scale", [0.07, 3.1e-3, 1e-12, 2.0**-70, 7.5e20, 0.0, math.inf, math.nan],
-                         ids=["0.07", "3.1e-3", "min_scale", "below_fast_range", "above_fast_range", "zero", "inf", "nan"])
+                         ids=["0.07", "3.1e-3", "min_scale", "below_fast_range", "above_fast_range", "zero", "inf",
+                              "nan"])
 def test_quantize_per_tensor_bit_exact_at_the_edges(qdtype, scale):
     """The static scale's reciprocal path (STATIC_SCALE_MIN..MAX) and IEEE division outside it,
     against the twin bit for bit: quotients on and next to every rounding boundary, signed zeros,
