@@ -27,7 +27,7 @@ import torch
 
 from quantkit.bench.common import environment_metadata
 from quantkit.bench.gemm import bench_graph_ms
-from quantkit.bench.quant import DEFAULT_SHAPES
+from quantkit.bench.quant import DEFAULT_SHAPES, boundary_inputs
 from quantkit.kernels import quant, reference
 
 RESULTS = []
@@ -39,25 +39,12 @@ def record(name, ok, **info):
     print(f"[{'ok' if ok else 'FAILED'}] {name} {info}", flush=True)
 
 
-def near_ties(scale, qdtype):
-    if qdtype == torch.int8:
-        bounds = torch.arange(-128, 128, dtype=torch.float64) + 0.5
-    else:
-        grid = torch.arange(0, 127, dtype=torch.int16).to(torch.int8).view(torch.float8_e4m3fn).double()
-        grid = grid[torch.isfinite(grid)].unique()
-        bounds = (grid[:-1] + grid[1:]) / 2
-        bounds = torch.cat([bounds, -bounds])
-    x = (bounds * scale).float()
-    up, down = torch.full_like(x, math.inf), torch.full_like(x, -math.inf)
-    return torch.cat([x, torch.nextafter(x, up), torch.nextafter(x, down)])
-
-
 def edge_inputs(scale, qdtype, K=272):
     special = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-40, -1e-40, 1e30, -1e30, 3.0e38, -3.0e38, math.inf,
                             -math.inf, 5.0, -5.0, 0.3, -0.3, 448.0, -1000.0, math.nan, -math.nan])
     finite_scale = math.isfinite(scale) and scale > 0
     x = torch.cat([special * (scale if finite_scale and scale < 1e10 else 1.0),
-                   near_ties(scale if finite_scale else 1.0, qdtype)])
+                   boundary_inputs(scale if finite_scale else 1.0, qdtype)])
     x = torch.cat([x, torch.randn(2 * K - x.numel() % (2 * K)) * 3]).reshape(-1, K)
     return x
 

@@ -12,6 +12,8 @@ measured in the same run (bytes read + bytes written):
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from quantkit.bench.gemm import bench_graph_ms, bench_ms, environment_metadata, write_results
@@ -32,6 +34,22 @@ def quant_bytes(op: str, M: int, K: int) -> int:
     if op == "add_rms_norm_quant":
         return M * K * 7 + M * 4 + K * 2
     raise ValueError(f"op={op!r} is not a quantization op this module counts bytes for")
+
+
+def boundary_inputs(scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 inputs whose quotients by ``scale`` sit on, and one ulp either side of, the rounding
+    boundaries of ``dtype``'s grid (int8: k + 0.5; float8_e4m3fn: the midpoints between neighbours),
+    both signs: where a quantizer's division must round exactly like the twin's."""
+    if dtype == torch.int8:
+        bounds = torch.arange(-128, 128, dtype=torch.float64) + 0.5
+    else:
+        grid = torch.arange(0, 127, dtype=torch.int16).to(torch.int8).view(torch.float8_e4m3fn).double()
+        grid = grid[torch.isfinite(grid)].unique()
+        bounds = (grid[:-1] + grid[1:]) / 2
+        bounds = torch.cat([bounds, -bounds])
+    x = (bounds * scale).float()
+    up, down = torch.full_like(x, math.inf), torch.full_like(x, -math.inf)
+    return torch.cat([x, torch.nextafter(x, up), torch.nextafter(x, down)])
 
 
 def do_bench_ms(fn) -> float:

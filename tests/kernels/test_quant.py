@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantkit.bench.quant import boundary_inputs
 from quantkit.kernels import ops, quant, reference
 
 QDTYPES = [pytest.param(torch.int8, id="int8"), pytest.param(torch.float8_e4m3fn, id="fp8")]
@@ -318,21 +319,6 @@ def test_quantize_per_tensor_bit_exact(qdtype, xdtype):
     assert torch.equal(q.view(torch.int8), reference.quantize_per_tensor(x, scale, qdtype).view(torch.int8))
 
 
-def _near_ties(scale: float, qdtype: torch.dtype) -> torch.Tensor:
-    """fp32 inputs whose quotients by ``scale`` sit on, and one ulp either side of, the grid's
-    rounding boundaries (int8: k + 0.5; e4m3: midpoints between neighbours), both signs."""
-    if qdtype == torch.int8:
-        bounds = torch.arange(-128, 128, dtype=torch.float64) + 0.5
-    else:
-        grid = torch.arange(0, 127, dtype=torch.int16).to(torch.int8).view(torch.float8_e4m3fn).double()
-        grid = grid[torch.isfinite(grid)].unique()
-        bounds = (grid[:-1] + grid[1:]) / 2
-        bounds = torch.cat([bounds, -bounds])
-    x = (bounds * scale).float()
-    up, down = torch.full_like(x, math.inf), torch.full_like(x, -math.inf)
-    return torch.cat([x, torch.nextafter(x, up), torch.nextafter(x, down)])
-
-
 @pytest.mark.parametrize("qdtype", QDTYPES)
 @pytest.mark.parametrize("scale", [0.07, 3.1e-3, 1e-12, 2.0**-70, 7.5e20, 0.0, math.inf, math.nan],
                          ids=["0.07", "3.1e-3", "min_scale", "below_fast_range", "above_fast_range", "zero", "inf",
@@ -347,7 +333,7 @@ def test_quantize_per_tensor_bit_exact_at_the_edges(qdtype, scale):
                             math.inf, -math.inf, 5.0, -5.0, 0.3, -0.3, 448.0, -1000.0])
     finite_scale = math.isfinite(scale) and scale > 0
     x = torch.cat([special * (scale if finite_scale and scale < 1e10 else 1.0),
-                   _near_ties(scale if finite_scale else 1.0, qdtype)])
+                   boundary_inputs(scale if finite_scale else 1.0, qdtype)])
     K = 272  # odd against the 4096-wide blocks; two rows, flat (contiguous) and row by row (strided)
     x = torch.cat([x, torch.randn(2 * K - x.numel() % (2 * K)) * 3]).reshape(-1, K)
     s = torch.tensor([scale], dtype=torch.float32)
