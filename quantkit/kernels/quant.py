@@ -125,21 +125,20 @@ def quantize_with_scale(x, scale, IS_FP8: tl.constexpr, INTERPRETED: tl.constexp
     fp32 -> e4m3 conversion saturates to +-448 and keeps NaN, as torch's clamp and cast do (a
     tl.minimum / tl.maximum clamp would turn NaN into -448); the interpreter's cast truncates (and
     makes NaN a finite code), so there the value is clamped and put on the e4m3 grid first."""
-    return saturated_code(tl.math.div_rn(x, scale), IS_FP8, INTERPRETED)
+    scaled = tl.math.div_rn(x, scale)
+    if IS_FP8:
+        return fp8_code(scaled, INTERPRETED)
+    else:
+        scaled = tl.minimum(tl.maximum(scaled, -128.0), 127.0)  # the reference's INT8_MIN, INT8_MAX
+        return round_half_even(scaled).to(tl.int8)
 
 
 @triton.jit
-def saturated_code(scaled, IS_FP8: tl.constexpr, INTERPRETED: tl.constexpr):
-    """An fp32 quotient x / scale as its saturated int8 or float8_e4m3fn code (see quantize_with_scale).
-    INT8: clamped, then rounded half to even by the 1.5 * 2**23 addition, whose float pattern holds
-    the integer in its low byte (quantize_with_row_scale's trick)."""
-    if IS_FP8:
-        if INTERPRETED:
-            scaled = round_to_e4m3_grid(tl.minimum(tl.maximum(scaled, -448.0), 448.0))
-        return scaled.to(tl.float8e4nv)
-    else:
-        scaled = tl.minimum(tl.maximum(scaled, -128.0), 127.0)  # the reference's INT8_MIN, INT8_MAX
-        return (scaled + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+def fp8_code(scaled, INTERPRETED: tl.constexpr):
+    """An fp32 quotient as its saturated float8_e4m3fn code (see quantize_with_scale)."""
+    if INTERPRETED:
+        scaled = round_to_e4m3_grid(tl.minimum(tl.maximum(scaled, -448.0), 448.0))
+    return scaled.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -286,11 +285,19 @@ def quantize_with_static_scale(x, scale, inv_scale, IS_FP8: tl.constexpr, INTERP
     (the grids' first rounding boundary is 2**-10 for e4m3, 0.5 for int8), up to 2**20. Past 2**20,
     and for an infinite or NaN x, the plain product x * inv_scale is kept: it saturates to the
     same end of the grid, or stays NaN. Below 2**-11 either form rounds to a zero of x's sign.
-    The code itself as quantize_with_scale makes it (saturated_code).
+    FP8: the code as quantize_with_scale makes it (fp8_code). INT8: clamped, then rounded by the
+    1.5 * 2**23 addition, whose float pattern holds the integer in its low byte
+    (quantize_with_row_scale's trick). (With the same INT8 tail as quantize_with_scale's, LLVM
+    merged the two paths' tails after the branch on the scale, and the INT8 kernel read 5-7 %
+    slower at 16384x4096 and K = 14336 on the H200: session 42, benchmarks/NOTES-quant.md.)
     """
     quotient = x * inv_scale
     scaled = tl.where(tl.abs(quotient) <= 1048576.0, divide_by_scale(x, scale, inv_scale), quotient)  # 2**20
-    return saturated_code(scaled, IS_FP8, INTERPRETED)
+    if IS_FP8:
+        return fp8_code(scaled, INTERPRETED)
+    else:
+        scaled = tl.minimum(tl.maximum(scaled, -128.0), 127.0)  # the reference's INT8_MIN, INT8_MAX
+        return (scaled + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
 
 
 @triton.jit
