@@ -27,7 +27,7 @@ import torch
 
 from quantkit.bench.common import environment_metadata
 from quantkit.bench.gemm import bench_graph_ms
-from quantkit.bench.quant import DEFAULT_SHAPES, boundary_inputs
+from quantkit.bench.quant import DEFAULT_SHAPES, static_quant_edge_inputs
 from quantkit.kernels import quant, reference
 
 RESULTS = []
@@ -37,16 +37,6 @@ SCALES = [0.07, 3.1e-3, 1e-12, 2.0**-70, 7.5e20, 0.0, math.inf, math.nan]
 def record(name, ok, **info):
     RESULTS.append({"check": name, "ok": bool(ok), **info})
     print(f"[{'ok' if ok else 'FAILED'}] {name} {info}", flush=True)
-
-
-def edge_inputs(scale, qdtype, K=272):
-    special = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-40, -1e-40, 1e30, -1e30, 3.0e38, -3.0e38, math.inf,
-                            -math.inf, 5.0, -5.0, 0.3, -0.3, 448.0, -1000.0, math.nan, -math.nan])
-    finite_scale = math.isfinite(scale) and scale > 0
-    x = torch.cat([special * (scale if finite_scale and scale < 1e10 else 1.0),
-                   boundary_inputs(scale if finite_scale else 1.0, qdtype)])
-    x = torch.cat([x, torch.randn(2 * K - x.numel() % (2 * K)) * 3]).reshape(-1, K)
-    return x
 
 
 def compare(got, want, qdtype):
@@ -63,7 +53,7 @@ def check_edges():
     for qdtype in (torch.int8, torch.float8_e4m3fn):
         for xdtype in (torch.bfloat16, torch.float16, torch.float32):
             for scale in SCALES:
-                x = edge_inputs(scale, qdtype).to(xdtype).cuda()
+                x = static_quant_edge_inputs(scale, qdtype, nan=True).to(xdtype).cuda()
                 s = torch.tensor([scale], dtype=torch.float32, device="cuda")
                 for form, inputs in (("flat", x), ("rows", torch.cat([x, x], dim=1)[:, :x.shape[1]])):
                     got = quant.quantize_per_tensor(inputs, s, qdtype)

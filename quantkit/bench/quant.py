@@ -52,6 +52,19 @@ def boundary_inputs(scale: float, dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([x, torch.nextafter(x, up), torch.nextafter(x, down)])
 
 
+def static_quant_edge_inputs(scale: float, dtype: torch.dtype, K: int = 272, nan: bool = False) -> torch.Tensor:
+    """(rows, K) fp32 inputs for checking a static quantizer against its twin at ``scale``: signed
+    zeros, values that saturate, overflow the quotient or underflow it, infinities (``nan``: NaN of
+    both signs too), scaled by ``scale`` where it is a moderate finite one; ``boundary_inputs``; then
+    random values up to a whole even number of rows (K = 272 is odd against 4096-wide blocks)."""
+    special = [0.0, -0.0, 1e-30, -1e-30, 1e-40, -1e-40, 1e30, -1e30, 3.0e38, -3.0e38, math.inf, -math.inf,
+               5.0, -5.0, 0.3, -0.3, 448.0, -1000.0] + ([math.nan, -math.nan] if nan else [])
+    finite_scale = math.isfinite(scale) and scale > 0
+    x = torch.cat([torch.tensor(special) * (scale if finite_scale and scale < 1e10 else 1.0),
+                   boundary_inputs(scale if finite_scale else 1.0, dtype)])
+    return torch.cat([x, torch.randn(2 * K - x.numel() % (2 * K)) * 3]).reshape(-1, K)
+
+
 def do_bench_ms(fn) -> float:
     """triton's do_bench median (L2 cleared before every repetition), a shorter budget than bench_ms."""
     import triton.testing

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.bench.quant import boundary_inputs
+from quantkit.bench.quant import static_quant_edge_inputs
 from quantkit.kernels import ops, quant, reference
 
 QDTYPES = [pytest.param(torch.int8, id="int8"), pytest.param(torch.float8_e4m3fn, id="fp8")]
@@ -329,16 +329,11 @@ def test_quantize_per_tensor_bit_exact_at_the_edges(qdtype, scale):
     values that saturate, overflow the quotient or underflow it, infinities. (NaN inputs: the
     interpreter's fp8 cast makes NaN a finite code, so the GPU check covers them,
     benchmarks/gpu_checks_s42.py.)"""
-    special = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-40, -1e-40, 1e30, -1e30, 3.0e38, -3.0e38,
-                            math.inf, -math.inf, 5.0, -5.0, 0.3, -0.3, 448.0, -1000.0])
-    finite_scale = math.isfinite(scale) and scale > 0
-    x = torch.cat([special * (scale if finite_scale and scale < 1e10 else 1.0),
-                   boundary_inputs(scale if finite_scale else 1.0, qdtype)])
-    K = 272  # odd against the 4096-wide blocks; two rows, flat (contiguous) and row by row (strided)
-    x = torch.cat([x, torch.randn(2 * K - x.numel() % (2 * K)) * 3]).reshape(-1, K)
+    x = static_quant_edge_inputs(scale, qdtype)
+    K = x.shape[1]
     s = torch.tensor([scale], dtype=torch.float32)
     want = reference.quantize_per_tensor(x, s, qdtype)
-    for inputs in (x, torch.cat([x, x], dim=1)[:, :K]):  # the second: row stride 2K, not flat
+    for inputs in (x, torch.cat([x, x], dim=1)[:, :K]):  # packed (the flat launch), then row stride 2K
         got = quant.quantize_per_tensor(inputs, s, qdtype, out=_poisoned_q(*inputs.shape, qdtype))
         quotient_nan = torch.isnan(inputs.float() / s)  # 0 / 0 or inf / inf
         if qdtype == torch.int8:  # NaN has no int8 code (torch's is the platform's)
