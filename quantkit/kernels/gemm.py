@@ -292,13 +292,18 @@ def _launch_tiled(a, w, out, a_scale, w_scale, bias, flags: tuple, gated, fp8_fa
     return out
 
 
+def _tiled_tune_key(a, out, bias_arg, flags: tuple, gated, fp8_fast_accum) -> tuple:
+    """The tiled autotuner's key of a call (``flags`` holds the activation's code and whether there is a bias)."""
+    return (out.shape[1], a.shape[1], m_bucket(a.shape[0]), gated, fp8_fast_accum, flags, a.dtype, out.dtype,
+            bias_arg.dtype)
+
+
 def _tiled_call(a, w, out, a_scale, w_scale, bias, flags: tuple, gated, fp8_fast_accum, config) -> TiledCall | None:
     """This call's tiled launch as a ``TiledCall``; None when the autotuner's first call for the
     tuning key has launched it already."""
-    M, K = a.shape
-    N = out.shape[1]
+    K = a.shape[1]
     bias_arg = bias if bias is not None else a_scale
-    tune_key = (N, K, m_bucket(M), gated, fp8_fast_accum, flags, a.dtype, out.dtype, bias_arg.dtype)
+    tune_key = _tiled_tune_key(a, out, bias_arg, flags, gated, fp8_fast_accum)
     if config is None and not INTERPRETED:
         plan = _TILED_PLANS.get(tune_key)
         if plan is None:
@@ -422,18 +427,17 @@ def _contest(a, w, a_scale, w_scale, bias, out, activation, gated, flags, fp8_fa
     kernel's tuned call (each tuner runs first, on these tensors) timed by the tuners' timer
     (CUDA-graph replays, L2 flushed) in CONTEST_ROUNDS rotated rounds, medians compared. Like the
     tuners, this cannot run inside a graph capture (warm up first)."""
-    M, K = a.shape
-    # flags holds the activation's code and the bias's presence.
-    key = (out.shape[1], K, m_bucket(M), gated, fp8_fast_accum, flags, a.dtype, out.dtype,
-           None if bias is None else bias.dtype, a.device)
+    bias_arg = bias if bias is not None else a_scale
+    key = _tiled_tune_key(a, out, bias_arg, flags, gated, fp8_fast_accum) + (a.device,)
     kind = _CONTESTS.get(key)
     if kind is None:
         if a.is_cuda:
             gemm_tma.refuse_tuning_in_capture()
+        # The first _tiled_call of a new tuning key runs the autotuner (which launches) and returns
+        # None; the second gives the call.
         tiled = _tiled_call(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, None)
         calls = {"tiled": tiled or _tiled_call(a, w, out, a_scale, w_scale, bias, flags, gated, fp8_fast_accum, None),
                  "gluon": gemm_gluon.tuned_call(a, w, out, a_scale, w_scale, bias, activation, gated)}
-        bias_arg = bias if bias is not None else a_scale
         times, _ = rotated_medians(calls, lambda call: gemm_tma._graph_bench_ms(
             lambda: call(a, w, out, a_scale, w_scale, bias_arg)), CONTEST_ROUNDS)
         CONTEST_TIMES[key] = times
