@@ -237,10 +237,23 @@ def _smoke_timer(fn):
     return (time.perf_counter() - t) * 1e3
 
 
+def _m_list(text: str) -> list[int]:
+    try:
+        ms = [int(m) for m in text.split(",")]
+    except ValueError:
+        ms = []
+    if not ms or min(ms) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of positive row counts, e.g. 1024,4096")
+    return ms
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    parser.add_argument("--quick", action="store_true", help=f"fewer M values {QUICK_MS}")
+    m_values = parser.add_mutually_exclusive_group()
+    m_values.add_argument("--quick", action="store_true", help=f"fewer M values {QUICK_MS}")
+    m_values.add_argument("--m", type=_m_list, default=None, metavar="M,M,...",
+                          help=f"these M values instead of {DEFAULT_MS} (a run in parts, each within a time limit)")
     parser.add_argument("--no-checks", action="store_true")
     parser.add_argument("--epilogues", default="plain,bias_silu")
     parser.add_argument("--eager-timer", action="store_true",
@@ -259,7 +272,7 @@ def main():
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     epilogues = tuple(args.epilogues.split(","))
-    ms = QUICK_MS if args.quick else DEFAULT_MS
+    ms = QUICK_MS if args.quick else args.m or DEFAULT_MS
     shapes = LLAMA3_8B_SHAPES
     workers = args.workers or max(2, min(14, (os.cpu_count() or 4) - 2))
     if args.estimate:

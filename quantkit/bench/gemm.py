@@ -343,6 +343,7 @@ def run_gemm_benchmark(shapes=None, ms=None, out_dir="benchmarks/results", plot=
     meta = environment_metadata()
     meta["timer"] = getattr(timer, "__name__", str(timer))
     meta["rounds"] = rounds
+    meta["ms"], meta["shapes"] = ms, [list(shape) for shape in shapes]
     meta["skipped_for_deadline"] = skipped = []
     # False until every point is written: a run cut short (an error, the device's time limit)
     # leaves files that say so. The previous run's plot goes first, so no stale PNG sits beside them.
