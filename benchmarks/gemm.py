@@ -17,7 +17,9 @@ heavy one inherits its clock and power state (H100, 700 W cap: every large FP8 G
 power-capped, results/gemm_power_s9_h100.txt), so no op keeps one position.
 
 Writes gemm.csv/json/png (GEMMs, gated MLP) and gemm_quant.csv/json (quantization kernels) and
-gemm_checks.json under --out. Same code as ``quantkit bench gemm`` (which runs it serially).
+gemm_checks.json under --out, then the issue's targets read from this run's rows (gemm_targets.json
+and a table on stdout; ``benchmarks/gemm_targets.py`` reads them from several runs' files). Same
+code as ``quantkit bench gemm`` (which runs it serially).
 
 A full run compiles ~200 kernel variants (every autotune config of every tuning key: tiled and
 persistent GEMM configs x dtypes x epilogues, the gated kernels, the quantization kernels and
@@ -47,6 +49,7 @@ from quantkit.bench.gemm import (  # noqa: E402
     CHECK_PARTS, DEFAULT_MS, EPILOGUES, LLAMA3_8B_SHAPES, PROMOTED_PARTS, SPLIT_K_PARTS, adaptive_graph_ms,
     bench_ms, point_seconds, run_gemm_benchmark, run_gpu_checks, timed_ops)
 from quantkit.bench import gemm_splitk  # noqa: E402
+from quantkit.bench.gemm_targets import summarize_targets, targets_markdown  # noqa: E402
 from quantkit.kernels import gemm, gemm_tma, reference  # noqa: E402
 from quantkit.kernels.launch import config_dict  # noqa: E402
 
@@ -354,11 +357,18 @@ def main():
     if "quant" not in skip and (deadline_at is None or deadline_at - time.monotonic() > 60):
         from quantkit.bench.quant import run_quant_benchmark
 
-        run_quant_benchmark(shapes=QUANT_SHAPES, out_dir=out, timer=timer)
+        quant_rows = run_quant_benchmark(shapes=QUANT_SHAPES, out_dir=out, timer=timer)
+    else:
+        quant_rows = []
+    gemm_rows = []
     if "gemm" not in skip:
-        run_gemm_benchmark(shapes=shapes, ms=ms, out_dir=out, gated="gated" not in skip, timer=timer,
-                           epilogues=epilogues, device=device, deadline_at=deadline_at, plot=not args.smoke,
-                           rounds=args.rounds)
+        gemm_rows = run_gemm_benchmark(shapes=shapes, ms=ms, out_dir=out, gated="gated" not in skip, timer=timer,
+                                       epilogues=epilogues, device=device, deadline_at=deadline_at,
+                                       plot=not args.smoke, rounds=args.rounds)
+    if not args.split_k and (gemm_rows or quant_rows):
+        summary = summarize_targets(gemm_rows, quant_rows)
+        Path(out, "gemm_targets.json").write_text(json.dumps(summary, indent=1))
+        print(targets_markdown(summary), flush=True)
     print(f"done in {time.monotonic() - T0:.0f}s", flush=True)
 
 

@@ -229,7 +229,7 @@ def order_group(op: str, cfg: dict, K: int, dtype) -> tuple:
     must be bit-equal. Read from the launcher's own plan, defaults included."""
     if op == "quantize_per_token":
         return ("per_token",)
-    launch, rows, constexprs, num_warps, _ = quant._rms_norm_plan(K, op == "add_rms_norm_quant", dtype, cfg)
+    launch, rows, constexprs, num_warps, _, _ = quant._rms_norm_plan(K, op == "add_rms_norm_quant", dtype, cfg)
     return (op, launch is quant._RMS_NORM_QUANT_CHUNKED, constexprs["BLOCK_K"], rows, num_warps)
 
 

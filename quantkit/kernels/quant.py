@@ -156,6 +156,12 @@ def row_amax(x, axis: tl.constexpr):
 
 
 @triton.jit
+def sum_and_nan_max(sum_a, max_a, sum_b, max_b):
+    """The combine of one reduction that gives a row's sum (``tl.sum``'s) and its ``row_amax``."""
+    return sum_a + sum_b, nan_maximum(max_a, max_b)
+
+
+@triton.jit
 def scale_from_amax(amax, QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr):
     """The reference's ``scale_from_amax``: ``max(amax / qmax, MIN_SCALE)`` with IEEE division
     (NaN stays NaN, as in torch's ``clamp_min``)."""
@@ -354,14 +360,25 @@ def _rms_norm_quant_kernel(
                  eviction_policy=STREAM)
         x = summed
     x = x.to(tl.float32)
-    rstd = inverse_rms(tl.sum(x * x, axis=1), K, eps)
-    # One load of the weight serves ROWS rows.
-    weight = offset + tl.load(weight_ptr + cols, mask=col_mask, other=0.0, eviction_policy=KEEP).to(tl.float32)
     # normed = (x * (offset + w)) * rstd, in that order (the twin's): rstd > 0 and rounding is
-    # monotone, so max|normed| == max|x * (offset + w)| * rstd exactly, which the chunked
-    # kernel relies on to find the scale in the same pass as the sum of squares.
-    weighted = x * weight[None, :]
-    amax = row_amax(tl.abs(weighted), 1) * rstd
+    # monotone, so max|normed| == max|x * (offset + w)| * rstd exactly.
+    if HAS_RESIDUAL:
+        rstd = inverse_rms(tl.sum(x * x, axis=1), K, eps)
+        # One load of the weight serves ROWS rows.
+        weight = offset + tl.load(weight_ptr + cols, mask=col_mask, other=0.0, eviction_policy=KEEP).to(tl.float32)
+        weighted = x * weight[None, :]
+        amax = row_amax(tl.abs(weighted), 1) * rstd
+    else:
+        # Both row reductions in one pass: x and the weight are dead once it starts, and only the
+        # weighted row stays in registers through it. Fewer registers, more rows in flight per
+        # SM: 1.04-1.09x on an H200 (benchmarks/NOTES-quant.md, session 43). With a residual the
+        # same order was 1-5 % slower, and the weighted row formed before two reductions 1.2-1.3x
+        # slower at K = 14336.
+        weight = offset + tl.load(weight_ptr + cols, mask=col_mask, other=0.0, eviction_policy=KEEP).to(tl.float32)
+        weighted = x * weight[None, :]
+        sum_sq, amax = tl.reduce((x * x, tl.abs(weighted)), 1, sum_and_nan_max)
+        rstd = inverse_rms(sum_sq, K, eps)
+        amax = amax * rstd
     scale = scale_from_amax(amax, QMAX, MIN_SCALE_C)
     inv_scale = tl.math.div_rn(1.0, scale)
     q = quantize_with_row_scale(weighted * rstd[:, None], scale[:, None], inv_scale[:, None], IS_FP8, FAST_DIVIDE,
@@ -521,9 +538,15 @@ def rms_norm_launch_config(K: int, has_residual: bool = False) -> dict:
     M = 4096: 1.06-1.09x at K = 4096 (where the kernel had read 75-78 % of a same-size copy) and
     1.01-1.03x at K = 14336; with a residual they cost 3-9 %. Two rows per program or 2 / 8 warps
     were no faster.
+
+    ``max_registers`` (None: ptxas's choice) caps the registers per thread. Rows over 8192 elements
+    without a residual take 80: three 8-warp programs per SM instead of two. H200, session 43
+    (``benchmarks/gpu_checks_s43.py``, results/gpu_checks_s43b_h200.json): 1.03-1.04x at K = 14336,
+    M = 4096 and 16384; 64 and 72 registers spilled (up to 2.6x slower), 96 was no faster.
     """
+    wide = next_power_of_2(K) > SINGLE_PASS_PER_TOKEN_K
     return {"rows": 1, "num_warps": None, "chunk_k": 0, "passes": 2, "fast_divide": True, "stages": 1,
-            "evict": not has_residual}
+            "evict": not has_residual, "max_registers": 80 if wide and not has_residual else None}
 
 
 def _launch_config(defaults: dict, config: dict | None, name: str) -> dict:
@@ -535,6 +558,9 @@ def _launch_config(defaults: dict, config: dict | None, name: str) -> dict:
         raise ValueError(f"passes={cfg['passes']}; the chunked RMSNorm kernel makes 2 or 3 passes")
     if int(cfg["stages"]) < 1:
         raise ValueError(f"stages={cfg['stages']}; use 1 (no pipelining) or more")
+    registers = cfg.get("max_registers")
+    if registers is not None and (type(registers) is not int or not 24 <= registers <= 255):
+        raise ValueError(f"max_registers={registers!r}; use None (ptxas's choice) or an int in 24..255")
     return cfg
 
 
@@ -564,8 +590,9 @@ def _rms_norm_plan(K: int, has_residual: bool, dtype: torch.dtype, config: dict 
                           INTERPRETED=INTERPRETED)
     chunked = launch is _RMS_NORM_QUANT_CHUNKED
     num_warps = cfg["num_warps"] or (_row_warps(block_k) if chunked else _norm_row_warps(block_k * rows, has_residual))
-    plan_id = (chunked, K, *constexprs.values(), num_warps)
-    return launch, rows, constexprs, num_warps, plan_id
+    options = {"maxnreg": int(cfg["max_registers"])} if cfg["max_registers"] else None
+    plan_id = (chunked, K, *constexprs.values(), num_warps, cfg["max_registers"])
+    return launch, rows, constexprs, num_warps, options, plan_id
 
 
 def _per_token_plan(K: int, x_dtype: torch.dtype, dtype: torch.dtype, config: dict | None) -> tuple:
@@ -685,7 +712,7 @@ def rms_norm_quant_per_token(
         # the checked path below.
         if call is not None and type(eps) is float and 0.0 <= eps < math.inf and type(offset) in (float, int) \
                 and -math.inf < offset < math.inf:
-            shape, scale_shape, device, key, grid, strides, launch, constexprs, num_warps = call
+            shape, scale_shape, device, key, grid, strides, launch, constexprs, num_warps, options = call
             q = torch.empty(*shape, dtype=dtype, device=device)  # separate ints: see quantize_per_token
             scale = torch.empty(*scale_shape, dtype=torch.float32, device=device)
             if residual is None:
@@ -696,7 +723,7 @@ def rms_norm_quant_per_token(
                 residual_arg = residual
             launch((key, aligned(x, residual_arg, new_residual_arg, weight, q, scale)), grid,
                    (x, residual_arg, new_residual_arg, weight, q, scale, *strides, float(eps), float(offset)),
-                   constexprs, num_warps, 3)
+                   constexprs, num_warps, 3, options=options)
             return q, scale, new_residual
     check_rms_norm_args(x, weight, residual, eps=eps, offset=offset)
     check_quant_dtype(dtype)
@@ -716,7 +743,7 @@ def rms_norm_quant_per_token(
         plan = _rms_norm_plan(K, has_residual, dtype, config)
         if config is None:
             _RMS_PLANS[plan_key] = plan
-    launch, rows, constexprs, num_warps, plan_id = plan
+    launch, rows, constexprs, num_warps, options, plan_id = plan
     # Unused pointers still need a tensor; x itself is a harmless stand-in.
     residual_arg = residual if has_residual else x
     new_residual_arg = new_residual if has_residual else x
@@ -725,10 +752,11 @@ def rms_norm_quant_per_token(
     key = (plan_id, x.dtype, weight.dtype, *strides[2:], int_spec(M))
     grid = (cdiv(M, rows),)
     if cacheable:
-        _RMS_CALLS.add(signature, ((M, K), (M,), x.device, key, grid, strides, launch, constexprs, num_warps))
+        _RMS_CALLS.add(signature, ((M, K), (M,), x.device, key, grid, strides, launch, constexprs, num_warps,
+                                   options))
     launch((key, aligned(x, residual_arg, new_residual_arg, weight, q, scale)), grid,
            (x, residual_arg, new_residual_arg, weight, q, scale, *strides, float(eps), float(offset)),
-           constexprs, num_warps, 3)
+           constexprs, num_warps, 3, options=options)
     return q, scale, new_residual
 
 

@@ -278,6 +278,28 @@ def test_launch_defaults_follow_the_h100_measurements():
     # H200 (session 38): eviction hints help the norm without a residual and cost with one.
     assert all(quant.rms_norm_launch_config(K)["evict"] for K in (4096, 14336))
     assert not any(quant.rms_norm_launch_config(K, True)["evict"] for K in (4096, 14336))
+    # H200 (session 43): rows over 8192 elements without a residual cap the registers at 80.
+    assert quant.rms_norm_launch_config(14336)["max_registers"] == 80
+    assert quant.rms_norm_launch_config(4096)["max_registers"] is None
+    assert quant.rms_norm_launch_config(14336, True)["max_registers"] is None
+
+
+@pytest.mark.parametrize("registers", [0, 16, 300, 80.0, "80"])
+def test_rms_norm_rejects_a_bad_register_cap(registers):
+    x, w = torch.randn(3, 64), torch.randn(64)
+    with pytest.raises(ValueError, match="max_registers"):
+        quant.rms_norm_quant_per_token(x, w, 1e-6, torch.int8, config={"max_registers": registers})
+
+
+def test_rms_norm_register_cap_is_part_of_the_launch():
+    # The cap goes to triton as maxnreg and is part of the plan's key (a compiled binary per cap);
+    # the interpreter ignores it, so the outputs equal the uncapped launch's here.
+    x, w = torch.randn(5, 200) * 2, torch.randn(200)
+    plain = quant.rms_norm_quant_per_token(x, w, 1e-6, torch.float8_e4m3fn, config={"max_registers": None})
+    capped = quant.rms_norm_quant_per_token(x, w, 1e-6, torch.float8_e4m3fn, config={"max_registers": 40})
+    assert torch.equal(plain[0].view(torch.uint8), capped[0].view(torch.uint8)) and torch.equal(plain[1], capped[1])
+    plans = [quant._rms_norm_plan(200, False, torch.float8_e4m3fn, {"max_registers": r}) for r in (None, 40)]
+    assert plans[0][4] is None and plans[1][4] == {"maxnreg": 40} and plans[0][-1] != plans[1][-1]
 
 
 def test_zero_row_gets_min_scale_and_zeros():
