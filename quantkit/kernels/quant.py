@@ -361,7 +361,8 @@ def _rms_norm_quant_kernel(
         x = summed
     x = x.to(tl.float32)
     # normed = (x * (offset + w)) * rstd, in that order (the twin's): rstd > 0 and rounding is
-    # monotone, so max|normed| == max|x * (offset + w)| * rstd exactly.
+    # monotone, so max|normed| == max|x * (offset + w)| * rstd exactly (the chunked kernel and
+    # the one-pass reduction below rely on it).
     if HAS_RESIDUAL:
         rstd = inverse_rms(tl.sum(x * x, axis=1), K, eps)
         # One load of the weight serves ROWS rows.
@@ -371,7 +372,7 @@ def _rms_norm_quant_kernel(
     else:
         # Both row reductions in one pass: x and the weight are dead once it starts, and only the
         # weighted row stays in registers through it. Fewer registers, more rows in flight per
-        # SM: 1.04-1.09x on an H200 (benchmarks/NOTES-quant.md, session 43). With a residual the
+        # SM: 1.03-1.09x on an H200 (benchmarks/NOTES-quant.md, session 43). With a residual the
         # same order was 1-5 % slower, and the weighted row formed before two reductions 1.2-1.3x
         # slower at K = 14336.
         weight = offset + tl.load(weight_ptr + cols, mask=col_mask, other=0.0, eviction_policy=KEEP).to(tl.float32)
@@ -541,8 +542,8 @@ def rms_norm_launch_config(K: int, has_residual: bool = False) -> dict:
 
     ``max_registers`` (None: ptxas's choice) caps the registers per thread. Rows over 8192 elements
     without a residual take 80: three 8-warp programs per SM instead of two. H200, session 43
-    (``benchmarks/gpu_checks_s43.py``, results/gpu_checks_s43b_h200.json): 1.03-1.04x at K = 14336,
-    M = 4096 and 16384; 64 and 72 registers spilled (up to 2.6x slower), 96 was no faster.
+    (``benchmarks/gpu_checks_s43.py``, results/gpu_checks_s43b_h200.json): 1.03-1.05x at K = 14336,
+    M = 4096 and 16384; 64 registers 1.2-1.6x slower, 72 and 96 2-7 % slower than 80.
     """
     wide = next_power_of_2(K) > SINGLE_PASS_PER_TOKEN_K
     return {"rows": 1, "num_warps": None, "chunk_k": 0, "passes": 2, "fast_divide": True, "stages": 1,
