@@ -150,10 +150,28 @@ DEFAULT_ONLY = {"default": {}}
 R3_RMS_LONG = {"default": {}, "whole_w8_evict": {"chunk_k": 0, "num_warps": 8, "evict": True}}  # K = 14336
 R3_ADD_RMS_SHORT = {"default": {}, "whole_w4_evict": {"chunk_k": 0, "num_warps": 4, "evict": True}}
 R3_ADD_RMS_LONG = {"default": {}, "whole_w16_evict": {"chunk_k": 0, "num_warps": 16, "evict": True}}
+# Round 4 (session 43, H200): register caps. The norm without a residual now keeps only its weighted
+# row through one reduction and caps long rows at 80 registers (three 8-warp programs per SM);
+# per-token long rows whole in registers with caps, against the two-pass chunks.
+R4_PER_TOKEN_LONG = {  # K = 14336
+    "default": {},
+    "whole_w8": {"single_pass": True, "num_warps": 8, "evict": True},
+    "whole_w8_keep": {"single_pass": True, "num_warps": 8, "keep_input_dtype": True, "evict": True},
+    "whole_w16": {"single_pass": True, "num_warps": 16, "evict": True},
+    "whole_w16_r40": {"single_pass": True, "num_warps": 16, "evict": True, "max_registers": 40},
+    "c8192_w8": {"single_pass": False, "chunk_k": 8192, "num_warps": 8, "evict": True},
+}
+R4_RMS_LONG = {  # K = 14336, no residual
+    "default": {},
+    "whole_w8_uncapped": {"max_registers": None},
+    "whole_w16": {"num_warps": 16, "max_registers": None},
+    "whole_w16_r40": {"num_warps": 16, "max_registers": 40},
+}
 ROUNDS = {
     1: (R1_PER_TOKEN_LONG, R1_PER_TOKEN_SHORT, R1_RMS_LONG, R1_RMS_SHORT, R1_ADD_RMS_LONG, R1_ADD_RMS_SHORT),
     2: (PER_TOKEN_LONG, PER_TOKEN_SHORT, RMS_LONG, RMS_SHORT, ADD_RMS_LONG, ADD_RMS_SHORT),
     3: (DEFAULT_ONLY, DEFAULT_ONLY, R3_RMS_LONG, R3_RMS_SHORT, R3_ADD_RMS_LONG, R3_ADD_RMS_SHORT),
+    4: (R4_PER_TOKEN_LONG, DEFAULT_ONLY, R4_RMS_LONG, DEFAULT_ONLY, DEFAULT_ONLY, DEFAULT_ONLY),
 }
 OPS = ("quantize_per_token", "rms_norm_quant", "add_rms_norm_quant")
 # Per-token tie rows are float32 (exact ulp offsets), a separate compile per variant: probe the
@@ -405,7 +423,7 @@ def main():
     parser.add_argument("--deadline", type=float, default=200.0, help="stop (writing results) before this many seconds")
     parser.add_argument("--round", type=int, default=2, choices=sorted(ROUNDS),
                         help="variant set: 1 = the first GPU run's, 2 = after its defaults were set, "
-                             "3 = session 38's norm variants (H200)")
+                             "3 = session 38's norm variants (H200), 4 = session 43's register caps (H200)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU interpreter: checks the script runs")
     args = parser.parse_args()

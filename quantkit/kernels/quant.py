@@ -377,7 +377,13 @@ def _rms_norm_quant_kernel(
         # slower at K = 14336.
         weight = offset + tl.load(weight_ptr + cols, mask=col_mask, other=0.0, eviction_policy=KEEP).to(tl.float32)
         weighted = x * weight[None, :]
-        sum_sq, amax = tl.reduce((x * x, tl.abs(weighted)), 1, sum_and_nan_max)
+        if INTERPRETED:
+            # The interpreter runs a tuple reduction as a sequential loop, tl.sum as np.sum. On the
+            # GPU the tuple reduction has tl.sum's tree (bit-equal on the H200), which np.sum models
+            # better than the loop.
+            sum_sq, amax = tl.sum(x * x, axis=1), row_amax(tl.abs(weighted), 1)
+        else:
+            sum_sq, amax = tl.reduce((x * x, tl.abs(weighted)), 1, sum_and_nan_max)
         rstd = inverse_rms(sum_sq, K, eps)
         amax = amax * rstd
     scale = scale_from_amax(amax, QMAX, MIN_SCALE_C)
@@ -513,13 +519,14 @@ def per_token_launch_config(K: int) -> dict:
     row in registers), ``chunk_k``, ``rows`` per program, ``keep_input_dtype`` (16-bit row in
     registers), ``num_warps`` (None: from the block size), ``fast_divide`` (reciprocal + FMA
     correction instead of IEEE division; same bits), ``stages`` (software pipelining of the
-    chunk loops; 1 = none), ``evict`` (cache eviction hints).
+    chunk loops; 1 = none), ``evict`` (cache eviction hints), ``max_registers`` (a cap on the
+    registers per thread, None: ptxas's choice).
     """
     if K <= SINGLE_PASS_PER_TOKEN_K:
         return {"single_pass": True, "chunk_k": CHUNK_K, "rows": 1, "keep_input_dtype": False, "num_warps": None,
-                "fast_divide": True, "stages": 1, "evict": False}
+                "fast_divide": True, "stages": 1, "evict": False, "max_registers": None}
     return {"single_pass": False, "chunk_k": PER_TOKEN_CHUNK_K, "rows": 1, "keep_input_dtype": False, "num_warps": 16,
-            "fast_divide": True, "stages": 1, "evict": True}
+            "fast_divide": True, "stages": 1, "evict": True, "max_registers": None}
 
 
 def rms_norm_launch_config(K: int, has_residual: bool = False) -> dict:
@@ -608,9 +615,10 @@ def _per_token_plan(K: int, x_dtype: torch.dtype, dtype: torch.dtype, config: di
                       ROWS=rows, SINGLE_PASS=single_pass, KEEP_INPUT_DTYPE=cfg["keep_input_dtype"],
                       FAST_DIVIDE=bool(cfg["fast_divide"]), STAGES=int(cfg["stages"]), **_policies(cfg["evict"]),
                       INTERPRETED=INTERPRETED)
+    options = {"maxnreg": int(cfg["max_registers"])} if cfg["max_registers"] else None
     # Everything the compiled kernel depends on besides the per-call strides, M and alignment.
-    plan_id = (x_dtype, K, *constexprs.values(), num_warps)
-    return rows, constexprs, num_warps, plan_id
+    plan_id = (x_dtype, K, *constexprs.values(), num_warps, cfg["max_registers"])
+    return rows, constexprs, num_warps, options, plan_id
 
 
 def quantize_per_token(x: torch.Tensor, dtype: torch.dtype, out=None, out_scale=None,
@@ -630,11 +638,12 @@ def quantize_per_token(x: torch.Tensor, dtype: torch.dtype, out=None, out_scale=
             signature = None
         call = _PER_TOKEN_CALLS.get(signature)
         if call is not None:
-            q_shape, scale_shape, device, key, grid, tail, constexprs, num_warps = call
+            q_shape, scale_shape, device, key, grid, tail, constexprs, num_warps, options = call
             # Sizes as separate ints: torch parses them ~0.7 us faster than a tuple (session 6).
             q = torch.empty(*q_shape, dtype=dtype, device=device)
             scale = torch.empty(*scale_shape, dtype=torch.float32, device=device)
-            _PER_TOKEN((key, aligned(x, q, scale)), grid, (x, q, scale, *tail), constexprs, num_warps, 3)
+            _PER_TOKEN((key, aligned(x, q, scale)), grid, (x, q, scale, *tail), constexprs, num_warps, 3,
+                       options=options)
             return q, scale
     check_activation_input(x)
     check_quant_dtype(dtype)
@@ -652,13 +661,13 @@ def quantize_per_token(x: torch.Tensor, dtype: torch.dtype, out=None, out_scale=
         plan = _per_token_plan(K, x.dtype, dtype, config)
         if config is None:
             _PER_TOKEN_PLANS[plan_key] = plan
-    rows, constexprs, num_warps, plan_id = plan
+    rows, constexprs, num_warps, options, plan_id = plan
     x_stride, q_stride = x.stride(0), q.stride(0)
     key = (plan_id, x_stride, q_stride, int_spec(M))
     grid, tail = (cdiv(M, rows),), (M, K, x_stride, q_stride)
     if cacheable:
-        _PER_TOKEN_CALLS.add(signature, ((M, K), (M,), x.device, key, grid, tail, constexprs, num_warps))
-    _PER_TOKEN((key, aligned(x, q, scale)), grid, (x, q, scale, *tail), constexprs, num_warps, 3)
+        _PER_TOKEN_CALLS.add(signature, ((M, K), (M,), x.device, key, grid, tail, constexprs, num_warps, options))
+    _PER_TOKEN((key, aligned(x, q, scale)), grid, (x, q, scale, *tail), constexprs, num_warps, 3, options=options)
     return q, scale
 
 

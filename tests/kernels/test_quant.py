@@ -285,10 +285,21 @@ def test_launch_defaults_follow_the_h100_measurements():
 
 
 @pytest.mark.parametrize("registers", [0, 16, 300, 80.0, "80"])
-def test_rms_norm_rejects_a_bad_register_cap(registers):
+def test_rejects_a_bad_register_cap(registers):
     x, w = torch.randn(3, 64), torch.randn(64)
     with pytest.raises(ValueError, match="max_registers"):
         quant.rms_norm_quant_per_token(x, w, 1e-6, torch.int8, config={"max_registers": registers})
+    with pytest.raises(ValueError, match="max_registers"):
+        quant.quantize_per_token(x, torch.int8, config={"max_registers": registers})
+
+
+def test_per_token_register_cap_is_part_of_the_launch():
+    plans = [quant._per_token_plan(200, torch.float32, torch.int8, {"max_registers": r}) for r in (None, 48)]
+    assert plans[0][3] is None and plans[1][3] == {"maxnreg": 48} and plans[0][-1] != plans[1][-1]
+    x = torch.randn(6, 200) * 3
+    q, s = quant.quantize_per_token(x, torch.int8, config={"max_registers": 48})
+    ref_q, ref_s = reference.quantize_per_token(x, torch.int8)
+    assert torch.equal(q, ref_q) and torch.equal(s, ref_s)
 
 
 def test_rms_norm_register_cap_is_part_of_the_launch():
@@ -486,3 +497,25 @@ def test_norm_quant_refuses_a_bad_eps(eps, backend):
     ops.rms_norm_quant_per_token(x, weight, 1e-6, torch.int8, backend=backend)  # the launch is cached now
     with pytest.raises(ValueError, match="eps="):
         ops.rms_norm_quant_per_token(x, weight, eps, torch.int8, backend=backend)
+
+
+@triton.jit
+def _sum_and_max_rows_kernel(x_ptr, sum_ptr, max_ptr, K, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + tl.program_id(0) * K + cols, mask=cols < K, other=0.0)
+    total, largest = tl.reduce((x, tl.abs(x)), 0, quant.sum_and_nan_max)
+    tl.store(sum_ptr + tl.program_id(0), total)
+    tl.store(max_ptr + tl.program_id(0), largest)
+
+
+def test_one_pass_sum_and_amax_keep_nan():
+    # The combine of the norm's one-pass reduction: a row's sum and its amax, NaN kept (torch's
+    # amax). Integer values: every summation order gives the same sum.
+    x = torch.randint(-50, 50, (4, 37)).float()
+    x[1, 5] = float("nan")
+    x[2, 0] = float("-inf")
+    sums, maxes = torch.empty(4), torch.empty(4)
+    _sum_and_max_rows_kernel[(4,)](x, sums, maxes, 37, BLOCK=64)
+    torch.testing.assert_close(sums, x.sum(1), equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(maxes, x.abs().amax(1), equal_nan=True, rtol=0, atol=0)
+    assert maxes[1].isnan() and maxes[2] == float("inf")
