@@ -198,16 +198,74 @@ def time_rms(old, variants, rounds, sweep):
     return rows
 
 
+PER_TOKEN_CONFIGS = {  # K = 14336; "launcher" is the launch default of the code being run
+    "launcher": None,
+    "chunked_w16": {"single_pass": False, "chunk_k": 8192, "num_warps": 16, "evict": True},
+    "chunked_w8": {"single_pass": False, "chunk_k": 8192, "num_warps": 8, "evict": True},
+    "whole_w8": {"single_pass": True, "num_warps": 8, "evict": True},
+    "whole_w8_keep": {"single_pass": True, "num_warps": 8, "keep_input_dtype": True, "evict": True},
+}
+
+
+def per_token_round(rounds):
+    """Per-token launch configurations at long rows: bit for bit against the twin on the GPU
+    (random rows, a NaN row, an inf, a zero row), then timed in rotated rounds."""
+    for M, K in [(5, 9000), (7, 14336), (3, 16384), (4096, 14336)]:
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * 3
+        x[0, 7] = float("nan")
+        x[1, 2] = float("inf")
+        x[2] = 0
+        for qdtype in (torch.int8, torch.float8_e4m3fn):
+            ref_q, ref_s = reference.quantize_per_token(x, qdtype)
+            for name, cfg in PER_TOKEN_CONFIGS.items():
+                q, s = quant.quantize_per_token(x, qdtype, config=cfg)
+                rows = slice(1, None) if qdtype == torch.int8 else slice(None)  # INT8 NaN has no code
+                record(f"per-token {name} {str(qdtype)[6:]} {M}x{K}", equal(q[rows], ref_q[rows]) and equal(s, ref_s))
+    rows_out = []
+    for M, K in [(4096, 14336), (16384, 14336)]:
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        for qdtype in (torch.int8, torch.float8_e4m3fn):
+            ops = {name: (lambda cfg=cfg: quant.quantize_per_token(x, qdtype, config=cfg))
+                   for name, cfg in PER_TOKEN_CONFIGS.items()}
+            ops.update({f"copy_{k}": v for k, v in copies(quant_bytes("quantize_per_token", M, K) // 2).items()
+                        if k != "copy_convert"})
+            times = {name: [] for name in ops}
+            names = list(ops)
+            for r in range(rounds):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    times[name].append(adaptive_graph_ms(ops[name]))
+            for name, ts in times.items():
+                ms = sorted(ts)[len(ts) // 2]
+                moved = quant_bytes("quantize_per_token", M, K)
+                rows_out.append({"M": M, "K": K, "dtype": str(qdtype)[6:], "op": name, "us": ms * 1e3,
+                                 "gbs": moved / (ms * 1e-3) / 1e9, "samples_us": [t * 1e3 for t in ts]})
+            print("per-token", M, K, qdtype, " ".join(f"{r['op']}={r['us']:.1f}us/{r['gbs']:.0f}" for r in rows_out
+                                                      if r["M"] == M and r["dtype"] == str(qdtype)[6:]), flush=True)
+    return rows_out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--old", required=True, help="the previous commit's quantkit/kernels/quant.py")
+    parser.add_argument("--old", help="the previous commit's quantkit/kernels/quant.py (required but with --per-token)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--skip-copy", action="store_true")
+    parser.add_argument("--per-token", action="store_true",
+                        help="only the per-token round: long-row launch configurations, checked and timed")
     parser.add_argument("--sweep", action="store_true",
                         help="also each module's kernel launched by hand with register caps, and with a residual")
     parser.add_argument("--variant", action="append", default=[], help="NAME=path of another quant.py to time")
     args = parser.parse_args()
+    if args.per_token:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        result = {"meta": environment_metadata(), "per_token_timing": per_token_round(args.rounds), "checks": RESULTS}
+        (out / "gpu_checks_s43_per_token.json").write_text(json.dumps(result, indent=1))
+        failed = [r for r in RESULTS if not r["ok"]]
+        print(f"{len(RESULTS) - len(failed)}/{len(RESULTS)} checks passed", flush=True)
+        raise SystemExit(1 if failed else 0)
+    if not args.old:
+        parser.error("--old is required (but with --per-token)")
     old = load_old(args.old, "quant_old")
     variants = {spec.split("=")[0]: load_old(spec.split("=")[1], "quant_" + spec.split("=")[0]) for spec in args.variant}
     out = Path(args.out)

@@ -243,9 +243,10 @@ def _quantize_per_token_kernel(
         mask = row_mask[:, None] & (cols < K)
         x_in = tl.load(x_rows + cols, mask=mask, other=0.0, eviction_policy=STREAM)
         if KEEP_INPUT_DTYPE and not INTERPRETED:
-            # |x| and max are exact in the input dtype: the row can stay 16-bit in registers
-            # until it is quantized (half the registers per row: more rows in flight per SM).
-            amax = row_amax(tl.abs(x_in), 1).to(tl.float32)
+            # The row stays 16-bit in registers until it is quantized (half the registers per
+            # row); only |x|, exact in float32, goes into the reduction (on triton 3.6 the
+            # NaN-keeping max of two bf16 values is a float32, which a bf16 reduction rejects).
+            amax = row_amax(tl.abs(x_in).to(tl.float32), 1)
         else:
             amax = row_amax(tl.abs(x_in.to(tl.float32)), 1)
         scale = scale_from_amax(amax, QMAX, MIN_SCALE_C)
