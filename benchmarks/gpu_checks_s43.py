@@ -204,6 +204,7 @@ PER_TOKEN_CONFIGS = {  # K = 14336; "launcher" is the launch default of the code
     "chunked_w8": {"single_pass": False, "chunk_k": 8192, "num_warps": 8, "evict": True},
     "whole_w8": {"single_pass": True, "num_warps": 8, "evict": True},
     "whole_w8_keep": {"single_pass": True, "num_warps": 8, "keep_input_dtype": True, "evict": True},
+    "whole_w8_keep_noevict": {"single_pass": True, "num_warps": 8, "keep_input_dtype": True, "evict": False},
 }
 
 
@@ -219,8 +220,13 @@ def per_token_round(rounds):
             ref_q, ref_s = reference.quantize_per_token(x, qdtype)
             for name, cfg in PER_TOKEN_CONFIGS.items():
                 q, s = quant.quantize_per_token(x, qdtype, config=cfg)
-                rows = slice(1, None) if qdtype == torch.int8 else slice(None)  # INT8 NaN has no code
-                record(f"per-token {name} {str(qdtype)[6:]} {M}x{K}", equal(q[rows], ref_q[rows]) and equal(s, ref_s))
+                # Rows 3 on: bit for bit. The NaN and inf rows get a NaN / inf scale and NaN codes
+                # (INT8 NaN has no code; a NaN's sign bit is the platform's): scales equal, FP8
+                # NaN where the twin's is. The zero row: MIN_SCALE and zeros.
+                edge_ok = equal(s, ref_s) and equal(q[2], ref_q[2])
+                if qdtype == torch.float8_e4m3fn:
+                    edge_ok = edge_ok and torch.equal(q[:2].float().isnan(), ref_q[:2].float().isnan())
+                record(f"per-token {name} {str(qdtype)[6:]} {M}x{K}", equal(q[3:], ref_q[3:]) and edge_ok)
     rows_out = []
     for M, K in [(4096, 14336), (16384, 14336)]:
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)

@@ -35,10 +35,11 @@ from quantkit.kernels.reference import (FP8_MAX, INT8_MAX, MIN_SCALE, check_eps,
 
 # Chunk width of the static quantizer (and of the per-token kernel's short-row configs).
 CHUNK_K = 4096
-# Chunk width of the per-token kernel's two passes over long rows (measured, NOTES-quant.md).
+# Chunk width of the per-token kernel's two passes over rows past MAX_SINGLE_PASS_K (measured,
+# NOTES-quant.md).
 PER_TOKEN_CHUNK_K = 8192
-# Per-token quantization keeps the row in registers up to this K (measured: faster than chunks
-# at K=4096, slower at K=14336).
+# Per-token quantization keeps rows up to this K in float32 registers, warps from the block size;
+# longer ones up to MAX_SINGLE_PASS_K 16-bit on 8 warps (per_token_launch_config).
 SINGLE_PASS_PER_TOKEN_K = 8192
 # tl.load / tl.store eviction policies of the ``evict`` launch option: what is read again (the
 # first read of a chunked row, the norm weight) asks L1/L2 to keep it; the rest goes first.
@@ -510,11 +511,13 @@ def _output(out, shape, dtype, device, name):
 def per_token_launch_config(K: int) -> dict:
     """Launch parameters of the per-token kernel for rows of K elements (tuned on an H100).
 
-    Rows up to 8192 elements stay in registers (one read). Longer rows go in two passes of
-    8192-wide chunks on 16 warps with eviction hints (the first read asks the caches to keep the
-    row, the re-read and the output go first). H100, K=14336 (benchmarks/NOTES-quant.md,
-    2026-11-23): 2.80-2.85 TB/s at M=4096 and 3.03 TB/s at M=16384, against 2.07-2.26 and
-    2.40-2.61 for session 3's 4096-wide chunks on 8 warps with IEEE division.
+    Every row up to MAX_SINGLE_PASS_K elements stays in registers (one read). Up to 8192 with
+    warps from the block size. Longer rows on 8 warps, 16-bit in registers until quantized,
+    with eviction hints: H200, session 43 (``benchmarks/gpu_checks_s43.py --per-token``,
+    results/gpu_checks_s43_per_token_a_h200.json, 7 rotated rounds), K = 14336: 1.10x / 1.10x
+    (INT8 / FP8) at M = 4096 and 1.01x / 1.00x at M = 16384 the two passes of 8192-wide chunks
+    on 16 warps that had been the default since the H100 measurements of session 4 (there the
+    two were within 2.4 %). Past MAX_SINGLE_PASS_K the row goes in those two passes.
 
     Keys (``config=`` of ``quantize_per_token`` overrides any of them): ``single_pass`` (whole
     row in registers), ``chunk_k``, ``rows`` per program, ``keep_input_dtype`` (16-bit row in
@@ -526,6 +529,9 @@ def per_token_launch_config(K: int) -> dict:
     if K <= SINGLE_PASS_PER_TOKEN_K:
         return {"single_pass": True, "chunk_k": CHUNK_K, "rows": 1, "keep_input_dtype": False, "num_warps": None,
                 "fast_divide": True, "stages": 1, "evict": False, "max_registers": None}
+    if K <= MAX_SINGLE_PASS_K:
+        return {"single_pass": True, "chunk_k": CHUNK_K, "rows": 1, "keep_input_dtype": True, "num_warps": 8,
+                "fast_divide": True, "stages": 1, "evict": True, "max_registers": None}
     return {"single_pass": False, "chunk_k": PER_TOKEN_CHUNK_K, "rows": 1, "keep_input_dtype": False, "num_warps": 16,
             "fast_divide": True, "stages": 1, "evict": True, "max_registers": None}
 
@@ -624,9 +630,9 @@ def _per_token_plan(K: int, x_dtype: torch.dtype, dtype: torch.dtype, config: di
 
 def quantize_per_token(x: torch.Tensor, dtype: torch.dtype, out=None, out_scale=None,
                        config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) float -> (q (M, K) dtype, scale (M,) fp32). A row of K <= SINGLE_PASS_PER_TOKEN_K is
-    read once (kept in registers); a longer one in two passes over PER_TOKEN_CHUNK_K-wide chunks,
-    the second mostly from L2 (measured faster at K = 14336, NOTES-quant.md).
+    """(M, K) float -> (q (M, K) dtype, scale (M,) fp32). A row of K <= MAX_SINGLE_PASS_K is read
+    once (kept in registers, ``per_token_launch_config``); a longer one in two passes over
+    PER_TOKEN_CHUNK_K-wide chunks, the second mostly from L2.
 
     ``out`` / ``out_scale`` receive the results when given (tests poison them); ``config``
     overrides ``per_token_launch_config`` (benchmarks, tests).

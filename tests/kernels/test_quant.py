@@ -265,13 +265,17 @@ def test_rms_norm_quant_chunked_kernel(qdtype, with_residual):
     assert (dequant - ref_dequant).norm() / ref_dequant.norm() < 1e-3
 
 
-def test_launch_defaults_follow_the_h100_measurements():
+def test_launch_defaults_follow_the_measurements():
     # NOTES-quant.md (2026-11-23): the fused norm keeps the row in registers at every K; per-token
     # quantization of long rows goes in two passes of 8192-wide chunks with eviction hints.
     for K, residual in ((4096, False), (14336, False), (14336, True)):
         assert quant.rms_norm_launch_config(K, residual)["chunk_k"] == 0
+    # H200 (session 43): rows up to 16384 whole, 16-bit in registers on 8 warps; longer ones chunked.
     long_rows = quant.per_token_launch_config(14336)
-    assert not long_rows["single_pass"] and long_rows["chunk_k"] == 8192 and long_rows["evict"]
+    assert long_rows["single_pass"] and long_rows["keep_input_dtype"] and long_rows["num_warps"] == 8
+    assert long_rows["evict"]
+    longer = quant.per_token_launch_config(quant.MAX_SINGLE_PASS_K + 1)
+    assert not longer["single_pass"] and longer["chunk_k"] == 8192 and longer["evict"]
     assert quant.per_token_launch_config(4096)["single_pass"]
     assert quant._norm_row_warps(4096, False) == quant._norm_row_warps(4096, True) == 4
     assert quant._norm_row_warps(16384, False) == 8 and quant._norm_row_warps(16384, True) == 16
