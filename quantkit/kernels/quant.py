@@ -512,12 +512,13 @@ def per_token_launch_config(K: int) -> dict:
     """Launch parameters of the per-token kernel for rows of K elements (tuned on an H100).
 
     Every row up to MAX_SINGLE_PASS_K elements stays in registers (one read). Up to 8192 with
-    warps from the block size. Longer rows on 8 warps, 16-bit in registers until quantized,
-    with eviction hints: H200, session 43 (``benchmarks/gpu_checks_s43.py --per-token``,
-    results/gpu_checks_s43_per_token_a_h200.json, 7 rotated rounds), K = 14336: 1.10x / 1.10x
-    (INT8 / FP8) at M = 4096 and 1.01x / 1.00x at M = 16384 the two passes of 8192-wide chunks
+    warps from the block size. Longer rows on 8 warps, 16-bit in registers until quantized, no
+    eviction hints: H200, session 43 (``benchmarks/gpu_checks_s43.py --per-token``,
+    results/gpu_checks_s43_per_token_b_h200.json, 7 rotated rounds), K = 14336: 1.15x / 1.13x
+    (INT8 / FP8) at M = 4096 and 1.11x / 1.09x at M = 16384 the two passes of 8192-wide chunks
     on 16 warps that had been the default since the H100 measurements of session 4 (there the
-    two were within 2.4 %). Past MAX_SINGLE_PASS_K the row goes in those two passes.
+    two were within 2.4 %); with eviction hints the whole row gained only 1.10x and 1.00-1.01x.
+    Past MAX_SINGLE_PASS_K the row goes in those two passes.
 
     Keys (``config=`` of ``quantize_per_token`` overrides any of them): ``single_pass`` (whole
     row in registers), ``chunk_k``, ``rows`` per program, ``keep_input_dtype`` (16-bit row in
@@ -531,7 +532,7 @@ def per_token_launch_config(K: int) -> dict:
                 "fast_divide": True, "stages": 1, "evict": False, "max_registers": None}
     if K <= MAX_SINGLE_PASS_K:
         return {"single_pass": True, "chunk_k": CHUNK_K, "rows": 1, "keep_input_dtype": True, "num_warps": 8,
-                "fast_divide": True, "stages": 1, "evict": True, "max_registers": None}
+                "fast_divide": True, "stages": 1, "evict": False, "max_registers": None}
     return {"single_pass": False, "chunk_k": PER_TOKEN_CHUNK_K, "rows": 1, "keep_input_dtype": False, "num_warps": 16,
             "fast_divide": True, "stages": 1, "evict": True, "max_registers": None}
 
