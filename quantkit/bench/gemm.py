@@ -392,7 +392,9 @@ def run_gemm_benchmark(shapes=None, ms=None, out_dir="benchmarks/results", plot=
 def run_all(out_dir="benchmarks/results", timer=adaptive_graph_ms, rounds: int = ROUNDS) -> list[dict]:
     """``quantkit bench gemm``: what benchmarks/gemm.py runs, in one process. The GPU checks
     first (gemm_checks.json; CheckFailed / RuntimeError stops the run), then the quantization
-    kernels (gemm_quant.*), then the GEMMs (gemm.*)."""
+    kernels (gemm_quant.*), then the GEMMs (gemm.*), then the issue's targets read from their
+    rows (gemm_targets.json, and a table on stdout)."""
+    from quantkit.bench.gemm_targets import summarize_targets, targets_markdown
     from quantkit.bench.quant import run_quant_benchmark
 
     if not torch.cuda.is_available():
@@ -402,8 +404,12 @@ def run_all(out_dir="benchmarks/results", timer=adaptive_graph_ms, rounds: int =
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gemm_checks.json").write_text(json.dumps(checks, indent=1, default=str))
-    run_quant_benchmark(out_dir=out, timer=timer)
-    return run_gemm_benchmark(out_dir=out, timer=timer, rounds=rounds)
+    quant_rows = run_quant_benchmark(out_dir=out, timer=timer)
+    rows = run_gemm_benchmark(out_dir=out, timer=timer, rounds=rounds)
+    summary = summarize_targets(rows, quant_rows)
+    (out / "gemm_targets.json").write_text(json.dumps(summary, indent=1))
+    print(targets_markdown(summary), flush=True)
+    return rows
 
 
 def print_point(rows, M, N, K):

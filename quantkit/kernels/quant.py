@@ -509,13 +509,13 @@ def _output(out, shape, dtype, device, name):
 
 
 def per_token_launch_config(K: int) -> dict:
-    """Launch parameters of the per-token kernel for rows of K elements (tuned on an H100).
+    """Launch parameters of the per-token kernel for rows of K elements (tuned on an H100 and an H200).
 
     Every row up to MAX_SINGLE_PASS_K elements stays in registers (one read). Up to 8192 with
     warps from the block size. Longer rows on 8 warps, 16-bit in registers until quantized, no
     eviction hints: H200, session 43 (``benchmarks/gpu_checks_s43.py --per-token``,
     results/gpu_checks_s43_per_token_b_h200.json, 7 rotated rounds), K = 14336: 1.15x / 1.13x
-    (INT8 / FP8) at M = 4096 and 1.11x / 1.09x at M = 16384 the two passes of 8192-wide chunks
+    (INT8 / FP8) at M = 4096 and 1.11x / 1.09x at M = 16384 over the two passes of 8192-wide chunks
     on 16 warps that had been the default since the H100 measurements of session 4 (there the
     two were within 2.4 %); with eviction hints the whole row gained only 1.10x and 1.00-1.01x.
     Past MAX_SINGLE_PASS_K the row goes in those two passes.
