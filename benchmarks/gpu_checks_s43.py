@@ -31,6 +31,7 @@ from quantkit.bench.common import environment_metadata
 from quantkit.bench.gemm import adaptive_graph_ms
 from quantkit.bench.quant import DEFAULT_SHAPES, do_bench_ms, quant_bytes
 from quantkit.kernels import quant, reference
+from quantkit.kernels.launch import rotated_medians
 
 RESULTS = []
 # Half the bytes each benchmark row moves (a copy of n bytes moves 2n): the sizes of the
@@ -175,13 +176,9 @@ def time_rms(old, variants, rounds, sweep):
                 ops[f"{name}_res"] = direct(mod, x, w, q, s, qdtype, residual=res)
             ops.update(copies(n_bytes // 2))
             ops.update({f"{k}_res": v for k, v in copies(res_bytes // 2).items()})
-            times = {name: [] for name in ops}
-            names = list(ops)
-            for r in range(rounds):
-                for name in names[r % len(names):] + names[:r % len(names)]:
-                    times[name].append(adaptive_graph_ms(ops[name]))
+            medians, times = rotated_medians(ops, adaptive_graph_ms, rounds)
             for name, ts in times.items():
-                ms = sorted(ts)[len(ts) // 2]
+                ms = medians[name]
                 moved = (quant_bytes("quantize_per_token", M, K) if name == "per_token" else
                          res_bytes if name.endswith("_res") else n_bytes)
                 if name.startswith("copy"):
@@ -234,13 +231,9 @@ def per_token_round(rounds):
                    for name, cfg in PER_TOKEN_CONFIGS.items()}
             ops.update({f"copy_{k}": v for k, v in copies(quant_bytes("quantize_per_token", M, K) // 2).items()
                         if k != "copy_convert"})
-            times = {name: [] for name in ops}
-            names = list(ops)
-            for r in range(rounds):
-                for name in names[r % len(names):] + names[:r % len(names)]:
-                    times[name].append(adaptive_graph_ms(ops[name]))
+            medians, times = rotated_medians(ops, adaptive_graph_ms, rounds)
             for name, ts in times.items():
-                ms = sorted(ts)[len(ts) // 2]
+                ms = medians[name]
                 moved = quant_bytes("quantize_per_token", M, K)
                 rows_out.append({"M": M, "K": K, "dtype": str(qdtype)[6:], "op": name, "us": ms * 1e3,
                                  "gbs": moved / (ms * 1e-3) / 1e9, "samples_us": [t * 1e3 for t in ts]})
