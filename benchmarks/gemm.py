@@ -49,7 +49,7 @@ from quantkit.bench.gemm import (  # noqa: E402
     CHECK_PARTS, DEFAULT_MS, EPILOGUES, LLAMA3_8B_SHAPES, PROMOTED_PARTS, SPLIT_K_PARTS, adaptive_graph_ms,
     bench_ms, point_seconds, run_gemm_benchmark, run_gpu_checks, timed_ops)
 from quantkit.bench import gemm_splitk  # noqa: E402
-from quantkit.bench.gemm_targets import summarize_targets, targets_markdown  # noqa: E402
+from quantkit.bench.gemm_targets import write_targets  # noqa: E402
 from quantkit.kernels import gemm, gemm_tma, reference  # noqa: E402
 from quantkit.kernels.launch import config_dict  # noqa: E402
 
@@ -366,9 +366,7 @@ def main():
                                        epilogues=epilogues, device=device, deadline_at=deadline_at,
                                        plot=not args.smoke, rounds=args.rounds)
     if not args.split_k and (gemm_rows or quant_rows):
-        summary = summarize_targets(gemm_rows, quant_rows)
-        Path(out, "gemm_targets.json").write_text(json.dumps(summary, indent=1))
-        print(targets_markdown(summary), flush=True)
+        write_targets(out, gemm_rows, quant_rows)
     print(f"done in {time.monotonic() - T0:.0f}s", flush=True)
 
 

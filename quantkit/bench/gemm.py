@@ -394,7 +394,7 @@ def run_all(out_dir="benchmarks/results", timer=adaptive_graph_ms, rounds: int =
     first (gemm_checks.json; CheckFailed / RuntimeError stops the run), then the quantization
     kernels (gemm_quant.*), then the GEMMs (gemm.*), then the issue's targets read from their
     rows (gemm_targets.json, and a table on stdout)."""
-    from quantkit.bench.gemm_targets import summarize_targets, targets_markdown
+    from quantkit.bench.gemm_targets import write_targets
     from quantkit.bench.quant import run_quant_benchmark
 
     if not torch.cuda.is_available():
@@ -406,9 +406,7 @@ def run_all(out_dir="benchmarks/results", timer=adaptive_graph_ms, rounds: int =
     (out / "gemm_checks.json").write_text(json.dumps(checks, indent=1, default=str))
     quant_rows = run_quant_benchmark(out_dir=out, timer=timer)
     rows = run_gemm_benchmark(out_dir=out, timer=timer, rounds=rounds)
-    summary = summarize_targets(rows, quant_rows)
-    (out / "gemm_targets.json").write_text(json.dumps(summary, indent=1))
-    print(targets_markdown(summary), flush=True)
+    write_targets(out, rows, quant_rows)
     return rows
 
 

@@ -8,7 +8,9 @@ taken in parts (``--m``).
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 
 def _gemm(op: str, metric: str, rows_of):
@@ -94,3 +96,11 @@ def targets_markdown(summary: list[dict]) -> str:
         lines.append(f"| {t['target']} | {bar} | {t['met']} of {t['points']} | "
                      f"{fmt(t['lowest'])} – {fmt(t['highest'])} | {misses} |")
     return "\n".join(lines)
+
+
+def write_targets(out_dir, gemm_rows: list[dict], quant_rows: list[dict]) -> list[dict]:
+    """A run's targets: ``gemm_targets.json`` under ``out_dir``, the table on stdout. Returns the summary."""
+    summary = summarize_targets(gemm_rows, quant_rows)
+    Path(out_dir, "gemm_targets.json").write_text(json.dumps(summary, indent=1))
+    print(targets_markdown(summary), flush=True)
+    return summary

@@ -527,14 +527,13 @@ def per_token_launch_config(K: int) -> dict:
     chunk loops; 1 = none), ``evict`` (cache eviction hints), ``max_registers`` (a cap on the
     registers per thread, None: ptxas's choice).
     """
+    whole_row = {"single_pass": True, "chunk_k": CHUNK_K, "rows": 1, "keep_input_dtype": False, "num_warps": None,
+                 "fast_divide": True, "stages": 1, "evict": False, "max_registers": None}
     if K <= SINGLE_PASS_PER_TOKEN_K:
-        return {"single_pass": True, "chunk_k": CHUNK_K, "rows": 1, "keep_input_dtype": False, "num_warps": None,
-                "fast_divide": True, "stages": 1, "evict": False, "max_registers": None}
+        return whole_row
     if K <= MAX_SINGLE_PASS_K:
-        return {"single_pass": True, "chunk_k": CHUNK_K, "rows": 1, "keep_input_dtype": True, "num_warps": 8,
-                "fast_divide": True, "stages": 1, "evict": False, "max_registers": None}
-    return {"single_pass": False, "chunk_k": PER_TOKEN_CHUNK_K, "rows": 1, "keep_input_dtype": False, "num_warps": 16,
-            "fast_divide": True, "stages": 1, "evict": True, "max_registers": None}
+        return {**whole_row, "keep_input_dtype": True, "num_warps": 8}
+    return {**whole_row, "single_pass": False, "chunk_k": PER_TOKEN_CHUNK_K, "num_warps": 16, "evict": True}
 
 
 def rms_norm_launch_config(K: int, has_residual: bool = False) -> dict:
@@ -560,9 +559,8 @@ def rms_norm_launch_config(K: int, has_residual: bool = False) -> dict:
     (``benchmarks/gpu_checks_s43.py``, results/gpu_checks_s43b_h200.json): 1.03-1.05x at K = 14336,
     M = 4096 and 16384; 64 registers 1.2-1.6x slower, 72 and 96 2-7 % slower than 80.
     """
-    wide = next_power_of_2(K) > SINGLE_PASS_PER_TOKEN_K
     return {"rows": 1, "num_warps": None, "chunk_k": 0, "passes": 2, "fast_divide": True, "stages": 1,
-            "evict": not has_residual, "max_registers": 80 if wide and not has_residual else None}
+            "evict": not has_residual, "max_registers": 80 if K > 8192 and not has_residual else None}
 
 
 def _launch_config(defaults: dict, config: dict | None, name: str) -> dict:
@@ -578,6 +576,11 @@ def _launch_config(defaults: dict, config: dict | None, name: str) -> dict:
     if registers is not None and (type(registers) is not int or not 24 <= registers <= 255):
         raise ValueError(f"max_registers={registers!r}; use None (ptxas's choice) or an int in 24..255")
     return cfg
+
+
+def _compile_options(cfg: dict) -> dict | None:
+    """The launch config's compile options beyond warps and stages (triton's ``maxnreg``), or None."""
+    return {"maxnreg": cfg["max_registers"]} if cfg["max_registers"] else None
 
 
 def _policies(evict: bool) -> dict:
@@ -606,7 +609,7 @@ def _rms_norm_plan(K: int, has_residual: bool, dtype: torch.dtype, config: dict 
                           INTERPRETED=INTERPRETED)
     chunked = launch is _RMS_NORM_QUANT_CHUNKED
     num_warps = cfg["num_warps"] or (_row_warps(block_k) if chunked else _norm_row_warps(block_k * rows, has_residual))
-    options = {"maxnreg": int(cfg["max_registers"])} if cfg["max_registers"] else None
+    options = _compile_options(cfg)
     plan_id = (chunked, K, *constexprs.values(), num_warps, cfg["max_registers"])
     return launch, rows, constexprs, num_warps, options, plan_id
 
@@ -623,7 +626,7 @@ def _per_token_plan(K: int, x_dtype: torch.dtype, dtype: torch.dtype, config: di
                       ROWS=rows, SINGLE_PASS=single_pass, KEEP_INPUT_DTYPE=cfg["keep_input_dtype"],
                       FAST_DIVIDE=bool(cfg["fast_divide"]), STAGES=int(cfg["stages"]), **_policies(cfg["evict"]),
                       INTERPRETED=INTERPRETED)
-    options = {"maxnreg": int(cfg["max_registers"])} if cfg["max_registers"] else None
+    options = _compile_options(cfg)
     # Everything the compiled kernel depends on besides the per-call strides, M and alignment.
     plan_id = (x_dtype, K, *constexprs.values(), num_warps, cfg["max_registers"])
     return rows, constexprs, num_warps, options, plan_id

@@ -46,3 +46,14 @@ def test_gated_above_one_is_met(value):
     rows = [_gemm_row("quantkit_gated_int8", 1, "gated_silu", value, 2.0)]
     (summary,) = summarize_targets(rows, [])
     assert summary["met"] == 1
+
+
+def test_write_targets_writes_the_summary_and_prints_the_table(tmp_path, capsys):
+    import json
+
+    from quantkit.bench.gemm_targets import write_targets
+
+    rows = [_gemm_row("quantkit_gated_fp8", 1, "gated_silu", 1.2, 2.0)]
+    summary = write_targets(tmp_path, rows, [])
+    assert json.loads((tmp_path / "gemm_targets.json").read_text()) == summary
+    assert summary[0]["met"] == 1 and "| > 1.000x | 1 of 1 |" in capsys.readouterr().out

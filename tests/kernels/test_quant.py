@@ -266,8 +266,7 @@ def test_rms_norm_quant_chunked_kernel(qdtype, with_residual):
 
 
 def test_launch_defaults_follow_the_measurements():
-    # NOTES-quant.md (2026-11-23): the fused norm keeps the row in registers at every K; per-token
-    # quantization of long rows goes in two passes of 8192-wide chunks with eviction hints.
+    # NOTES-quant.md (2026-11-23): the fused norm keeps the row in registers at every K.
     for K, residual in ((4096, False), (14336, False), (14336, True)):
         assert quant.rms_norm_launch_config(K, residual)["chunk_k"] == 0
     # H200 (session 43): rows up to 16384 whole, 16-bit in registers on 8 warps, no eviction hints;
