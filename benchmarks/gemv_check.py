@@ -42,7 +42,8 @@ ROTATE_BYTES = 100 << 20  # 2 x the H100's 50 MB L2
 
 
 def config_name(cfg: dict) -> str:
-    return f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']}s{cfg['num_stages']}"
+    prefetch = " prefetch" if cfg.get("PREFETCH") else ""
+    return f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']}s{cfg['num_stages']}{prefetch}"
 
 
 def gemv_configs() -> list[dict]:
