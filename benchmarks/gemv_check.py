@@ -42,8 +42,7 @@ ROTATE_BYTES = 100 << 20  # 2 x the H100's 50 MB L2
 
 
 def config_name(cfg: dict) -> str:
-    prefetch = " prefetch" if cfg.get("PREFETCH") else ""
-    return f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']}s{cfg['num_stages']}{prefetch}"
+    return f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']}s{cfg['num_stages']}"
 
 
 def gemv_configs() -> list[dict]:

@@ -47,25 +47,6 @@ MAX_M = 4
 
 
 @triton.jit
-def _accumulate(acc, acc_up, a, w, w_up, IS_INT8: tl.constexpr, GATED: tl.constexpr):
-    """One K step's products of the (BLOCK_M, 1, BLOCK_K) activation and (1, BLOCK_N, BLOCK_K)
-    weight tiles, reduced along K into the (BLOCK_M, BLOCK_N) accumulators (the up rows' too when
-    GATED)."""
-    if IS_INT8:
-        # |a * w| <= 128**2 and K <= MAX_INT8_K: every partial sum fits in int32, exactly.
-        a_wide = a.to(tl.int32)
-        acc += tl.sum(a_wide * w.to(tl.int32), axis=2)
-        if GATED:
-            acc_up += tl.sum(a_wide * w_up.to(tl.int32), axis=2)
-    else:
-        a_wide = a.to(tl.float32)
-        acc += tl.sum(a_wide * w.to(tl.float32), axis=2)
-        if GATED:
-            acc_up += tl.sum(a_wide * w_up.to(tl.float32), axis=2)
-    return acc, acc_up
-
-
-@triton.jit
 def _scaled_gemv_kernel(
     a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr,
     M, N, K,
@@ -79,7 +60,6 @@ def _scaled_gemv_kernel(
     GATED: tl.constexpr,
     INTERPRETED: tl.constexpr,
     EVEN_K: tl.constexpr,
-    PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -103,38 +83,32 @@ def _scaled_gemv_kernel(
     acc_dtype = tl.int32 if IS_INT8 else tl.float32
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
-    if PREFETCH and EVEN_K:
-        # Triton pipelines no load that feeds no tl.dot, so the loads of the next K step are issued
-        # here by hand, before the products of the current one: two steps of weight in flight
-        # per program instead of one. The last step is peeled off (it has nothing to prefetch).
-        a = tl.load(a_ptrs, eviction_policy="evict_last")
-        w = tl.load(w_ptrs, eviction_policy="evict_first")
-        w_up = tl.load(up_ptrs, eviction_policy="evict_first") if GATED else w
-        for _ in range(1, K // BLOCK_K):
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-            up_ptrs += BLOCK_K
-            a_next = tl.load(a_ptrs, eviction_policy="evict_last")
-            w_next = tl.load(w_ptrs, eviction_policy="evict_first")
-            w_up_next = tl.load(up_ptrs, eviction_policy="evict_first") if GATED else w_next
-            acc, acc_up = _accumulate(acc, acc_up, a, w, w_up, IS_INT8, GATED)
-            a, w, w_up = a_next, w_next, w_up_next
-        acc, acc_up = _accumulate(acc, acc_up, a, w, w_up, IS_INT8, GATED)
-    else:
-        for k_start in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, eviction_policy="evict_last")
-                w = tl.load(w_ptrs, eviction_policy="evict_first")
-                w_up = tl.load(up_ptrs, eviction_policy="evict_first") if GATED else w
-            else:
-                k_mask = (offs_k < K - k_start)[None, None, :]
-                a = tl.load(a_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_last")
-                w = tl.load(w_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_first")
-                w_up = tl.load(up_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_first") if GATED else w
-            acc, acc_up = _accumulate(acc, acc_up, a, w, w_up, IS_INT8, GATED)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-            up_ptrs += BLOCK_K
+    for k_start in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, eviction_policy="evict_last")
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            if GATED:
+                w_up = tl.load(up_ptrs, eviction_policy="evict_first")
+        else:
+            k_mask = (offs_k < K - k_start)[None, None, :]
+            a = tl.load(a_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_last")
+            w = tl.load(w_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_first")
+            if GATED:
+                w_up = tl.load(up_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_first")
+        if IS_INT8:
+            # |a * w| <= 128**2 and K <= MAX_INT8_K: every partial sum fits in int32, exactly.
+            a_wide = a.to(tl.int32)
+            acc += tl.sum(a_wide * w.to(tl.int32), axis=2)
+            if GATED:
+                acc_up += tl.sum(a_wide * w_up.to(tl.int32), axis=2)
+        else:
+            a_wide = a.to(tl.float32)
+            acc += tl.sum(a_wide * w.to(tl.float32), axis=2)
+            if GATED:
+                acc_up += tl.sum(a_wide * w_up.to(tl.float32), axis=2)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
 
     store_tile(acc, acc_up, offs_m, offs_n, M, N, out_ptr, stride_om, a_scale_ptr, w_scale_ptr, bias_ptr,
                A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS, ACTIVATION, GATED, RAW_ACC, INTERPRETED)
@@ -145,9 +119,8 @@ def _scaled_gemv_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _cfg(block_n: int, block_k: int, warps: int, stages: int, prefetch: bool = False) -> triton.Config:
-    return triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "PREFETCH": prefetch}, num_warps=warps,
-                         num_stages=stages)
+def _cfg(block_n: int, block_k: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps, num_stages=stages)
 
 
 # Little's law on an H100: ~3.35 TB/s x ~0.6-0.8 us loaded DRAM latency wants 2-2.7 MB of weight
@@ -168,17 +141,11 @@ GEMV_CONFIGS = [
     _cfg(8, 1024, 4, 1),
     _cfg(8, 2048, 8, 1),
     _cfg(16, 1024, 8, 1),
-    _cfg(4, 1024, 4, 1, prefetch=True),
-    _cfg(4, 2048, 4, 1, prefetch=True),
-    _cfg(8, 512, 4, 1, prefetch=True),
-    _cfg(8, 1024, 4, 1, prefetch=True),
-    _cfg(8, 2048, 8, 1, prefetch=True),
-    _cfg(16, 1024, 8, 1, prefetch=True),
 ]
 
 # Under the interpreter cost is per program: wide N blocks; a 256-wide K step so the test shapes
 # exercise several K steps and the masked K tail (K = 272, 1040) as well as a single short step.
-INTERPRETER_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "PREFETCH": False, "num_warps": 4, "num_stages": 1}
+INTERPRETER_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}
 
 
 def _even_k(args):
@@ -200,8 +167,6 @@ def check_config(config: dict) -> None:
             raise ValueError(f"config {name}={value!r} must be a power of two")
     if config["BLOCK_K"] < 16:
         raise ValueError(f"config BLOCK_K={config['BLOCK_K']} must be >= 16 (one 128-bit load per thread and row)")
-    if not isinstance(config.get("PREFETCH", False), bool):
-        raise ValueError(f"config PREFETCH={config['PREFETCH']!r} must be True or False")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,11 +205,11 @@ def _launch(a, w, out, a_scale, w_scale, bias, activation: str, raw_acc: bool, c
     cfg = dict(config)
     num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 2)
     constexprs = dict(**flags, INTERPRETED=INTERPRETED, EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=block_m,
-                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PREFETCH=cfg.get("PREFETCH", False))
+                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
     # What triton specializes: N and K (by value in tune_key), the row strides (by value here),
     # M == 1 (M is never a multiple of 16 here) and each pointer's 16-byte alignment.
-    key = (tune_key, cfg["BLOCK_N"], cfg["BLOCK_K"], constexprs["PREFETCH"], num_warps, num_stages, a.stride(0),
-           w.stride(0), out.stride(0), M == 1, aligned(a, w, out, a_scale, w_scale, bias_arg))
+    key = (tune_key, cfg["BLOCK_N"], cfg["BLOCK_K"], num_warps, num_stages, a.stride(0), w.stride(0), out.stride(0),
+           M == 1, aligned(a, w, out, a_scale, w_scale, bias_arg))
     _GEMV(key, (cdiv(N, cfg["BLOCK_N"]),), args, constexprs, num_warps, num_stages)
 
 

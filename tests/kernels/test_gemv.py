@@ -65,45 +65,10 @@ def test_int8_accumulator_exact_at_saturation():
 @pytest.mark.parametrize("config", [
     pytest.param({"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1}, id="4x1024"),
     pytest.param({"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1}, id="16x64"),
-    pytest.param({"BLOCK_N": 16, "BLOCK_K": 64, "PREFETCH": True, "num_warps": 2, "num_stages": 1},
-                 id="16x64-prefetch-masked-tail"),
 ])
 def test_int8_accumulator_exact_with_explicit_config(config):
     a, _, w, _, _ = _operands(4, 37, 1040, torch.int8, seed=3)
     assert torch.equal(gemv.int8_gemv_accumulator(a, w, config=config).long(), a.long() @ w.long().t())
-
-
-# The prefetching loop (PREFETCH, whole K steps only): one step (nothing to prefetch), two, and
-# several; N not a multiple of the block.
-PREFETCH_SHAPES = [(1, 37, 256), (3, 45, 512), (4, 37, 1280)]
-
-
-@pytest.mark.parametrize("M,N,K", PREFETCH_SHAPES, ids=[f"M{m}_N{n}_K{k}" for m, n, k in PREFETCH_SHAPES])
-def test_prefetching_loop_is_exact_and_matches_the_plain_loop(M, N, K):
-    config = {"BLOCK_N": 16, "BLOCK_K": 256, "PREFETCH": True, "num_warps": 4, "num_stages": 1}
-    a, a_scale, w, w_scale, bias = _operands(M, N, K, torch.int8, seed=M + N + K)
-    assert torch.equal(gemv.int8_gemv_accumulator(a, w, config=config).long(), a.long() @ w.long().t())
-    for dtype in (torch.int8, torch.float8_e4m3fn):
-        a, a_scale, w, w_scale, bias = _operands(M, N, K, dtype, seed=M * K + N)
-        prefetched = gemv.scaled_gemv(a, w, a_scale, w_scale, bias, "silu", torch.float32, config=config)
-        plain = gemv.scaled_gemv(a, w, a_scale, w_scale, bias, "silu", torch.float32,
-                                 config={**config, "PREFETCH": False})
-        # Same products summed in the same order: the two loops give the same bits.
-        assert torch.equal(prefetched, plain)
-        ref, _ = _float64_reference(a, w, a_scale, w_scale, bias, "silu")
-        assert bool(((prefetched.double() - ref).abs() <= _fp8_bound(a, w, a_scale, w_scale, bias, ref,
-                                                                     torch.float32)).all())
-        # Gated: w read as a stacked [gate; up] weight of 2 x (N // 2) rows.
-        half = N // 2
-        gated = {}
-        for prefetch in (True, False):
-            out = torch.full((M, half), float("nan"))
-            gemv._launch(a, w[: 2 * half], out, a_scale, w_scale[: 2 * half], None, "silu", False,
-                         {**config, "PREFETCH": prefetch}, gated=True)
-            gated[prefetch] = out
-        assert torch.equal(gated[True], gated[False])
-        expected = reference.gated_scaled_mm(a, w[: 2 * half], a_scale, w_scale[: 2 * half], "silu", torch.float32)
-        torch.testing.assert_close(gated[True], expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("activation", reference.ACTIVATIONS)
@@ -195,8 +160,6 @@ def _bad_calls():
         "out_dtype": ((a, w, a_scale, w_scale, bias), {"out_dtype": torch.int32}, "out_dtype"),
         "bias_shape": ((a, w, a_scale, w_scale, bias[:5]), {}, "bias"),
         "config": ((a, w, a_scale, w_scale, bias), {"config": {"BLOCK_N": 6, "BLOCK_K": 256}}, "BLOCK_N=6"),
-        "prefetch flag": ((a, w, a_scale, w_scale, bias),
-                          {"config": {"BLOCK_N": 8, "BLOCK_K": 256, "PREFETCH": 1}}, "PREFETCH=1"),
     }
 
 
