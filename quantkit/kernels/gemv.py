@@ -27,6 +27,11 @@ Layers: ``_scaled_gemv_kernel`` (@triton.jit) -> ``scaled_gemv`` launcher (valid
 grid, config). Tuning: autotuned over ``GEMV_CONFIGS`` once per (N, K, BLOCK_M, dtype, epilogue)
 key on the GPU; the chosen config is then launched through ``launch.CachedLaunch``. Under the
 interpreter one fixed config (``INTERPRETER_CONFIG``).
+
+With programmatic dependent launch (``QUANTKIT_PDL=1``, ``launch.PDL``; sm_90+) a GEMV may start
+while the kernel before it ends: it loads its first K step of the weight, which no kernel writes,
+then waits for that kernel (``griddepcontrol.wait``) before it reads the activation. In a decode
+step this overlaps each weight stream's start with the previous kernel's end.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantkit.kernels import launch
 from quantkit.kernels.gemm_checks import ACTIVATION_CODES, check_scaled_mm_args
 from quantkit.kernels.gemm_epilogue import store_tile
 from quantkit.kernels.gemm_tma import AUTOTUNE_EXTRA
@@ -44,6 +50,25 @@ from quantkit.kernels.launch import (INTERPRETED, CachedLaunch, aligned, cdiv, c
 # Largest M the GEMV takes: past 4 rows the products per weight byte (an int8 -> int32 widening
 # plus M multiply-adds) start to cost as much issue time as the byte's load; use gemm.scaled_mm.
 MAX_M = 4
+
+
+@triton.jit
+def _accumulate(acc, acc_up, a, w, w_up, IS_INT8: tl.constexpr, GATED: tl.constexpr):
+    """One K step's products of the (BLOCK_M, 1, BLOCK_K) activation and (1, BLOCK_N, BLOCK_K)
+    weight tiles, reduced along K into the (BLOCK_M, BLOCK_N) accumulators (the up rows' too when
+    GATED)."""
+    if IS_INT8:
+        # |a * w| <= 128**2 and K <= MAX_INT8_K: every partial sum fits in int32, exactly.
+        a_wide = a.to(tl.int32)
+        acc += tl.sum(a_wide * w.to(tl.int32), axis=2)
+        if GATED:
+            acc_up += tl.sum(a_wide * w_up.to(tl.int32), axis=2)
+    else:
+        a_wide = a.to(tl.float32)
+        acc += tl.sum(a_wide * w.to(tl.float32), axis=2)
+        if GATED:
+            acc_up += tl.sum(a_wide * w_up.to(tl.float32), axis=2)
+    return acc, acc_up
 
 
 @triton.jit
@@ -60,6 +85,7 @@ def _scaled_gemv_kernel(
     GATED: tl.constexpr,
     INTERPRETED: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -83,29 +109,34 @@ def _scaled_gemv_kernel(
     acc_dtype = tl.int32 if IS_INT8 else tl.float32
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
-    for k_start in range(0, K, BLOCK_K):
+    k_begin = 0
+    if PDL:
+        # Launched while the kernel before it ends (launch.PDL): the weight is constant, so its
+        # first K step is loaded before the wait; the activation, which that kernel writes, after.
+        tl.extra.cuda.gdc_launch_dependents()
+        if EVEN_K:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            w_up = tl.load(up_ptrs, eviction_policy="evict_first") if GATED else w
+            tl.extra.cuda.gdc_wait()
+            a = tl.load(a_ptrs, eviction_policy="evict_last")
+            acc, acc_up = _accumulate(acc, acc_up, a, w, w_up, IS_INT8, GATED)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+            up_ptrs += BLOCK_K
+            k_begin = BLOCK_K
+        else:
+            tl.extra.cuda.gdc_wait()
+    for k_start in range(k_begin, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, eviction_policy="evict_last")
             w = tl.load(w_ptrs, eviction_policy="evict_first")
-            if GATED:
-                w_up = tl.load(up_ptrs, eviction_policy="evict_first")
+            w_up = tl.load(up_ptrs, eviction_policy="evict_first") if GATED else w
         else:
             k_mask = (offs_k < K - k_start)[None, None, :]
             a = tl.load(a_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_last")
             w = tl.load(w_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_first")
-            if GATED:
-                w_up = tl.load(up_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_first")
-        if IS_INT8:
-            # |a * w| <= 128**2 and K <= MAX_INT8_K: every partial sum fits in int32, exactly.
-            a_wide = a.to(tl.int32)
-            acc += tl.sum(a_wide * w.to(tl.int32), axis=2)
-            if GATED:
-                acc_up += tl.sum(a_wide * w_up.to(tl.int32), axis=2)
-        else:
-            a_wide = a.to(tl.float32)
-            acc += tl.sum(a_wide * w.to(tl.float32), axis=2)
-            if GATED:
-                acc_up += tl.sum(a_wide * w_up.to(tl.float32), axis=2)
+            w_up = tl.load(up_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_first") if GATED else w
+        acc, acc_up = _accumulate(acc, acc_up, a, w, w_up, IS_INT8, GATED)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
@@ -198,19 +229,21 @@ def _launch(a, w, out, a_scale, w_scale, bias, activation: str, raw_acc: bool, c
                 def grid(meta):
                     return (cdiv(N, meta["BLOCK_N"]),)
 
-                _scaled_gemv_autotuned[grid](*args, **flags, INTERPRETED=False, BLOCK_M=block_m)
+                _scaled_gemv_autotuned[grid](*args, **flags, INTERPRETED=False, PDL=launch.PDL, BLOCK_M=block_m,
+                                             **(launch.pdl_options() or {}))
                 _TUNED[tune_key] = config_dict(_scaled_gemv_autotuned.best_config)
                 return
     check_config(config)
     cfg = dict(config)
     num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 2)
     constexprs = dict(**flags, INTERPRETED=INTERPRETED, EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=block_m,
-                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
+                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL=launch.PDL)
     # What triton specializes: N and K (by value in tune_key), the row strides (by value here),
     # M == 1 (M is never a multiple of 16 here) and each pointer's 16-byte alignment.
     key = (tune_key, cfg["BLOCK_N"], cfg["BLOCK_K"], num_warps, num_stages, a.stride(0), w.stride(0), out.stride(0),
            M == 1, aligned(a, w, out, a_scale, w_scale, bias_arg))
-    _GEMV(key, (cdiv(N, cfg["BLOCK_N"]),), args, constexprs, num_warps, num_stages)
+    _GEMV((key, launch.PDL), (cdiv(N, cfg["BLOCK_N"]),), args, constexprs, num_warps, num_stages,
+          options=launch.pdl_options())
 
 
 def _check_gemv_args(a, w, a_scale, w_scale, bias, activation, out_dtype) -> tuple[int, int, int]:

@@ -42,6 +42,30 @@ SHARED_MEMORY_LIMIT = 232448
 # Set to False to send every launch through triton's own path (benchmarks compare the two).
 ENABLED = True
 
+# Programmatic dependent launch (opt-in, sm_90+): QUANTKIT_PDL=1, read once at import, launches
+# the GEMV and the quantization kernels (per-token, RMSNorm + quantization) with triton's
+# ``launch_pdl``, so that each may start while the kernel before it ends. Each waits
+# (griddepcontrol.wait) before it reads anything an earlier kernel writes and before any store;
+# the GEMV loads its first weight step (constant) before that wait. Decode at batch 1 on an H200:
+# 1.05x per token, the same tokens (benchmarks/NOTES-gemm.md, session 44).
+PDL = os.environ.get("QUANTKIT_PDL", "0") == "1" and not INTERPRETED
+_PDL_CHECKED = False
+
+
+def pdl_options(options: dict | None = None) -> dict | None:
+    """``options`` with triton's ``launch_pdl`` added when PDL is on (checked once against the GPU:
+    griddepcontrol needs sm_90 or newer)."""
+    global _PDL_CHECKED
+    if not PDL:
+        return options
+    if not _PDL_CHECKED:
+        major, minor = torch.cuda.get_device_capability()
+        if major < 9:
+            raise RuntimeError(f"QUANTKIT_PDL=1 needs an sm_90 or newer GPU (Hopper); this one is sm_{major}{minor}: "
+                               "unset QUANTKIT_PDL")
+        _PDL_CHECKED = True
+    return {**(options or {}), "launch_pdl": True}
+
 
 def int_spec(value: int) -> tuple[bool, bool, bool]:
     """What triton's specialization of an integer argument depends on: == 1, % 16 == 0, needs int64."""

@@ -13,6 +13,10 @@ kernels divide with the row's reciprocal and one FMA correction (``divide_by_sca
 gives the correctly rounded quotient in three FMA-unit operations instead of ``div_rn``'s ~10
 with a branch: these kernels move 3 bytes per element, and at H100 bandwidth the division was
 most of their instruction budget (benchmarks/NOTES-quant.md).
+
+With programmatic dependent launch (``QUANTKIT_PDL=1``, ``launch.PDL``; sm_90+) the per-token and
+RMSNorm + quantization kernels are launched to start while the kernel before them ends; each waits
+for it (``griddepcontrol.wait``) before its first load.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantkit.kernels import launch
 from quantkit.kernels.call_cache import SignatureCache
 from quantkit.kernels.launch import (INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, int_spec,
                                      next_power_of_2)
@@ -232,8 +237,11 @@ def _quantize_per_token_kernel(
     QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr, IS_FP8: tl.constexpr,
     BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SINGLE_PASS: tl.constexpr, KEEP_INPUT_DTYPE: tl.constexpr,
     FAST_DIVIDE: tl.constexpr, STAGES: tl.constexpr, KEEP: tl.constexpr, STREAM: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # launched while the kernel before it ends (launch.PDL): wait before reading x
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # ROWS rows per program: more bytes in flight per program for short rows.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
@@ -342,8 +350,11 @@ def _rms_norm_quant_kernel(
     M, K, stride_xm, stride_rm, stride_nrm, stride_qm, eps, offset,
     QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr, IS_FP8: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, FAST_DIVIDE: tl.constexpr,
-    KEEP: tl.constexpr, STREAM: tl.constexpr, INTERPRETED: tl.constexpr,
+    KEEP: tl.constexpr, STREAM: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # launched while the kernel before it ends (launch.PDL): wait before reading x
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # KEEP / STREAM: cache eviction hints (or ""): the weight is read by every row, the rest once.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
@@ -403,6 +414,7 @@ def _rms_norm_quant_chunked_kernel(
     QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr, IS_FP8: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr, TWO_PASS: tl.constexpr, FAST_DIVIDE: tl.constexpr,
     STAGES: tl.constexpr, KEEP: tl.constexpr, STREAM: tl.constexpr, INTERPRETED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Long rows in BLOCK_K chunks: a row in registers (the whole-row kernel) caps the programs
     per SM at one or two; chunks keep many rows in flight and the later reads hit L2.
@@ -414,6 +426,9 @@ def _rms_norm_quant_chunked_kernel(
     later passes read it back (one input instead of two, and correct when ``out_residual``
     aliases ``x`` or ``residual``).
     """
+    if PDL:  # launched while the kernel before it ends (launch.PDL): wait before reading x
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     x_row = x_ptr + row * stride_xm
@@ -600,18 +615,19 @@ def _rms_norm_plan(K: int, has_residual: bool, dtype: torch.dtype, config: dict 
     constexprs = dict(QMAX=qmax_of(dtype), MIN_SCALE_C=MIN_SCALE, IS_FP8=dtype == torch.float8_e4m3fn,
                       HAS_RESIDUAL=has_residual)
     if cfg["chunk_k"]:
-        block_k, launch, rows = min(cfg["chunk_k"], next_power_of_2(K)), _RMS_NORM_QUANT_CHUNKED, 1
+        block_k, launcher, rows = min(cfg["chunk_k"], next_power_of_2(K)), _RMS_NORM_QUANT_CHUNKED, 1
         constexprs.update(BLOCK_K=block_k, TWO_PASS=cfg["passes"] == 2, FAST_DIVIDE=bool(cfg["fast_divide"]),
-                          STAGES=int(cfg["stages"]), **_policies(cfg["evict"]), INTERPRETED=INTERPRETED)
+                          STAGES=int(cfg["stages"]), **_policies(cfg["evict"]), INTERPRETED=INTERPRETED,
+                          PDL=launch.PDL)
     else:
-        block_k, launch, rows = next_power_of_2(K), _RMS_NORM_QUANT, cfg["rows"]
+        block_k, launcher, rows = next_power_of_2(K), _RMS_NORM_QUANT, cfg["rows"]
         constexprs.update(BLOCK_K=block_k, ROWS=rows, FAST_DIVIDE=bool(cfg["fast_divide"]), **_policies(cfg["evict"]),
-                          INTERPRETED=INTERPRETED)
-    chunked = launch is _RMS_NORM_QUANT_CHUNKED
+                          INTERPRETED=INTERPRETED, PDL=launch.PDL)
+    chunked = launcher is _RMS_NORM_QUANT_CHUNKED
     num_warps = cfg["num_warps"] or (_row_warps(block_k) if chunked else _norm_row_warps(block_k * rows, has_residual))
-    options = _compile_options(cfg)
+    options = launch.pdl_options(_compile_options(cfg))
     plan_id = (chunked, K, *constexprs.values(), num_warps, cfg["max_registers"])
-    return launch, rows, constexprs, num_warps, options, plan_id
+    return launcher, rows, constexprs, num_warps, options, plan_id
 
 
 def _per_token_plan(K: int, x_dtype: torch.dtype, dtype: torch.dtype, config: dict | None) -> tuple:
@@ -625,8 +641,8 @@ def _per_token_plan(K: int, x_dtype: torch.dtype, dtype: torch.dtype, config: di
     constexprs = dict(QMAX=qmax_of(dtype), MIN_SCALE_C=MIN_SCALE, IS_FP8=dtype == torch.float8_e4m3fn, BLOCK_K=block_k,
                       ROWS=rows, SINGLE_PASS=single_pass, KEEP_INPUT_DTYPE=cfg["keep_input_dtype"],
                       FAST_DIVIDE=bool(cfg["fast_divide"]), STAGES=int(cfg["stages"]), **_policies(cfg["evict"]),
-                      INTERPRETED=INTERPRETED)
-    options = _compile_options(cfg)
+                      INTERPRETED=INTERPRETED, PDL=launch.PDL)
+    options = launch.pdl_options(_compile_options(cfg))
     # Everything the compiled kernel depends on besides the per-call strides, M and alignment.
     plan_id = (x_dtype, K, *constexprs.values(), num_warps, cfg["max_registers"])
     return rows, constexprs, num_warps, options, plan_id

@@ -1,0 +1,121 @@
+"""Programmatic dependent launch (launch.PDL, QUANTKIT_PDL=1): off by default, and where it is on,
+the kernels read nothing an earlier kernel writes before their grid-dependency wait.
+
+A kernel launched with PDL may start while the kernel before it still runs, so what decides
+correctness is the order in the compiled code: the wait (``griddepcontrol.wait``) must come before
+every load of an activation, scale or residual and before every store. Only the GEMV's weight (constant,
+loaded with the ``evict_first`` hint) may be loaded before it. Checked in the PTX of each PDL
+kernel compiled for sm_90 here (no GPU needed); the GPU run of benchmarks/decode_pdl.py checks
+the results bit for bit (benchmarks/NOTES-gemm.md, session 44).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantkit.kernels import launch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_pdl_is_off_by_default_and_leaves_options_alone():
+    assert launch.PDL is False  # QUANTKIT_PDL unset (and always off under the interpreter)
+    assert launch.pdl_options() is None
+    assert launch.pdl_options({"maxnreg": 80}) == {"maxnreg": 80}
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9)])
+def test_pdl_on_a_gpu_before_hopper_is_refused_in_one_line(monkeypatch, capability):
+    monkeypatch.setattr(launch, "PDL", True)
+    monkeypatch.setattr(launch, "_PDL_CHECKED", False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: capability)
+    with pytest.raises(RuntimeError, match=f"needs an sm_90 or newer GPU .*sm_{capability[0]}{capability[1]}: unset "
+                                           "QUANTKIT_PDL"):
+        launch.pdl_options()
+
+
+def test_pdl_on_hopper_adds_the_launch_option(monkeypatch):
+    monkeypatch.setattr(launch, "PDL", True)
+    monkeypatch.setattr(launch, "_PDL_CHECKED", False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))
+    assert launch.pdl_options() == {"launch_pdl": True}
+    assert launch.pdl_options({"maxnreg": 80}) == {"maxnreg": 80, "launch_pdl": True}
+
+
+def _ptx_order(kernel, constants: dict, types: dict, num_warps: int) -> dict:
+    """Compile ``kernel`` for sm_90 with PDL on; the load/store lines before and after the wait."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+            continue
+        signature[name] = types.get(name, "*fp32" if name.endswith("_ptr") else "i32")
+        if name.endswith("_ptr") or name.startswith("stride") or name == "K":
+            attrs[(i,)] = [["tt.divisibility", 16]]  # as the launchers specialize aligned pointers and strides
+    constants = {name: constants[name] for name in kernel.arg_names if name in constants}
+    compiled = triton.compile(ASTSource(kernel, signature, constants, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=1, launch_pdl=True))
+    lines = [line.strip() for line in compiled.asm["ptx"].splitlines()]
+    waits = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]
+    memory = [(i, line) for i, line in enumerate(lines) if "ld.global" in line or "st.global" in line]
+    first_wait = waits[0] if waits else len(lines)
+    return {"launch_pdl": bool(compiled.metadata.launch_pdl), "waits": len(waits),
+            "triggers": sum(line.startswith("griddepcontrol.launch_dependents") for line in lines),
+            "before": [line for i, line in memory if i < first_wait],
+            "after": [line for i, line in memory if i > first_wait]}
+
+
+_SCRIPT = """
+import json, torch
+from quantkit.kernels import gemv, quant
+from tests.kernels.test_pdl import _ptx_order
+rows = []
+for is_int8, operand in ((True, "i8"), (False, "fp8e4nv")):
+    for gated in (False, True):
+        for even_k in (True, False):
+            constants = dict(IS_INT8=is_int8, A_PER_TOKEN=True, W_PER_CHANNEL=True, HAS_BIAS=False,
+                             ACTIVATION=2 if gated else 0, RAW_ACC=False, GATED=gated, INTERPRETED=False,
+                             EVEN_K=even_k, PDL=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048)
+            types = {"a_ptr": "*" + operand, "w_ptr": "*" + operand, "out_ptr": "*bf16"}
+            rows.append(["gemv", operand, gated, even_k, _ptx_order(gemv._scaled_gemv_kernel, constants, types, 4)])
+for K in (4096, 14336):
+    rows_, constants, num_warps, _, _ = quant._per_token_plan(K, torch.bfloat16, torch.int8, None)
+    types = {"x_ptr": "*bf16", "q_ptr": "*i8"}
+    rows.append(["per_token", K, None, None,
+                 _ptx_order(quant._quantize_per_token_kernel, {**constants, "PDL": True}, types, num_warps)])
+    for residual in (False, True):
+        launcher, _, constants, num_warps, _, _ = quant._rms_norm_plan(K, residual, torch.float8_e4m3fn, None)
+        types = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "new_residual_ptr": "*bf16", "weight_ptr": "*bf16",
+                 "q_ptr": "*fp8e4nv", "eps": "fp32", "offset": "fp32"}
+        rows.append(["rms_norm_quant", K, residual, None,
+                     _ptx_order(launcher.kernel, {**constants, "PDL": True}, types, num_warps)])
+print(json.dumps(rows))
+"""
+
+
+def test_pdl_kernels_wait_before_reading_what_earlier_kernels_write():
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=1200)
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(rows) == 8 + 6
+    for kind, what, flag, even_k, order in rows:
+        case = (kind, what, flag, even_k)
+        assert order["launch_pdl"] and order["waits"] == 1 and order["triggers"] == 1, case
+        assert any("ld.global" in line for line in order["after"]), case
+        if kind == "gemv" and even_k:
+            # The first K step's weight rows (and the up rows when gated), nothing else.
+            assert order["before"] and all("ld.global.L1::evict_first" in line for line in order["before"]), case
+            assert len(order["before"]) == (2 if flag else 1) * 4 * 2048 // (4 * 32 * 16), case
+        else:
+            assert order["before"] == [], case
