@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from quantkit.kernels import launch
+
 _PACKAGE = Path(__file__).resolve().parents[1]  # quantkit/
 
 
@@ -81,6 +83,8 @@ def environment_metadata() -> dict:
         "commit": os.environ.get("QUANTKIT_COMMIT") or git_commit() or "unknown",
         "source": source_digest(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        # Programmatic dependent launch (QUANTKIT_PDL=1, opt-in), which changes the decode times.
+        "pdl": launch.PDL,
     }
 
 
