@@ -48,7 +48,13 @@ ENABLED = True
 # (griddepcontrol.wait) before it reads anything an earlier kernel writes and before any store;
 # the GEMV loads its first weight step (constant) before that wait. Decode at batch 1 on an H200:
 # 1.05x per token, the same tokens (benchmarks/NOTES-gemm.md, session 44).
-PDL = os.environ.get("QUANTKIT_PDL", "0") == "1" and not INTERPRETED
+def _pdl_setting(value: str) -> bool:
+    if value not in ("", "0", "1"):
+        raise ValueError(f"QUANTKIT_PDL={value!r}: set it to 1 (programmatic dependent launch on) or 0 / unset (off)")
+    return value == "1"
+
+
+PDL = _pdl_setting(os.environ.get("QUANTKIT_PDL", "")) and not INTERPRETED
 _PDL_CHECKED = False
 
 

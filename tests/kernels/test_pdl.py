@@ -29,6 +29,13 @@ def test_pdl_is_off_by_default_and_leaves_options_alone():
     assert launch.pdl_options({"maxnreg": 80}) == {"maxnreg": 80}
 
 
+@pytest.mark.parametrize("value", ["true", "on", "2"])
+def test_a_quantkit_pdl_value_other_than_0_or_1_is_refused(value):
+    with pytest.raises(ValueError, match=f"QUANTKIT_PDL='{value}': set it to 1 .* or 0 / unset"):
+        launch._pdl_setting(value)
+    assert launch._pdl_setting("1") is True and launch._pdl_setting("0") is False and launch._pdl_setting("") is False
+
+
 @pytest.mark.parametrize("capability", [(8, 0), (8, 9)])
 def test_pdl_on_a_gpu_before_hopper_is_refused_in_one_line(monkeypatch, capability):
     monkeypatch.setattr(launch, "PDL", True)
