@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python benchmarks/decode_pdl.py --out DIR [--layers 32] [--dtypes int8,fp8]
 
-Two stages, each setting in its own process (``launch.PDL`` is read at import), PDL off then on:
+Three stages. In the first two each setting runs in its own process (``launch.PDL`` is read at
+import), PDL off, then on:
 
 1. The chain: the quantized part of a Llama-3-8B decode step at batch 1, ``--layers`` times over
    distinct weights (every weight comes from memory, as in a model). Per layer: residual add +
@@ -15,12 +16,13 @@ Two stages, each setting in its own process (``launch.PDL`` is read at import), 
 2. The model (``--model-tokens`` > 0): the e2e benchmark's ``<scheme>-fast`` Llama-3-8B-shaped
    model (random weights) generates greedily from one seeded 512-token prompt through
    ``quantkit.generate`` (CUDA-graph decode); the median ms/token of three runs, and the tokens,
-   which must be equal with PDL off and on (the GEMV autotuner may pick differently in two
-   processes, so a token difference is reported, not raised).
-
-3. ``--toggle SCHEMES``: one process per scheme builds the model once and generates with PDL
-   off, on, off (``set_pdl`` flips ``launch.PDL`` and clears the quantization launch plans), so
-   the autotuned configs are the same in all three: the tokens must be equal.
+   which should be equal with PDL off and on (the autotuners may pick differently in two
+   processes, and FP8 sums in another order under another config, so a difference is reported,
+   not raised).
+3. ``--toggle SCHEMES`` (with ``--model-tokens``): one process per scheme builds the model once and
+   generates with PDL off, on, off, on (``set_pdl`` flips ``launch.PDL`` and clears the
+   quantization launch plans), so the autotuned configs are the same in all four: the tokens must
+   be equal.
 
 Writes decode_pdl.json under --out.
 """
@@ -173,6 +175,8 @@ def main() -> None:
     parser.add_argument("--chain", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.toggle and args.model_tokens < 2:
+        parser.error(f"--toggle generates with the model: give --model-tokens >= 2 (got {args.model_tokens})")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.child:
         kind, name, tag = args.child.split(":")
@@ -234,7 +238,8 @@ def main() -> None:
         r["graph_equals_eager"] and r["equals_pdl_off"] and r["finite"])) or (r["tag"].startswith("toggle")
                                                                               and not r["tokens_equal"])]
     print(json.dumps(summary), flush=True)
-    (args.out / "decode_pdl.json").write_text(json.dumps({"meta": environment_metadata(), "summary": summary,
+    meta = {**environment_metadata(), "pdl": "per row (each child process sets QUANTKIT_PDL)"}
+    (args.out / "decode_pdl.json").write_text(json.dumps({"meta": meta, "summary": summary,
                                                           "failed_checks": failed, "rows": rows}, indent=1))
     if failed:
         raise SystemExit(f"chain checks failed: {failed}")

@@ -14,7 +14,6 @@ import argparse
 import collections
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from quantkit.bench.common import environment_metadata  # noqa: E402
 from quantkit.bench.e2e import PROMPT_LEN, llama3_8b_config, prepare_variant  # noqa: E402
 from quantkit.generate import generate  # noqa: E402
 
@@ -46,10 +46,10 @@ def kernel_times(model, ids, new_tokens: int) -> tuple[dict[str, float], float, 
 
 def category(name: str) -> str:
     lowered = name.lower()
-    for key, label in (("gemv", "gemv"), ("gated", "gemm"), ("scaled_mm", "gemm"), ("gemm", "gemm"),
-                       ("split", "gemm"), ("attention", "attention"), ("decode", "attention"),
-                       ("rms", "norm+quant"), ("quant", "norm+quant"), ("rope", "rope"),
-                       ("memcpy", "copy"), ("memset", "copy")):
+    for key, label in (("attention", "attention"), ("decode", "attention"), ("gemv", "gemv"),
+                       ("nvjet", "cublas (lm_head)"), ("gated", "gemm"), ("scaled_mm", "gemm"), ("gemm", "gemm"),
+                       ("split", "gemm"), ("rms", "norm+quant"), ("quant", "norm+quant"), ("rope", "rope"),
+                       ("index_copy", "kv-cache write"), ("memcpy", "copy"), ("memset", "copy")):
         if key in lowered:
             return label
     return "other"
@@ -98,8 +98,7 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     rows = [row for scheme in args.schemes.split(",") for row in profile_scheme(scheme, batches)]
-    meta = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
-            "triton": __import__("triton").__version__, "prompt_len": PROMPT_LEN, "short": SHORT, "long": LONG}
+    meta = {**environment_metadata(), "prompt_len": PROMPT_LEN, "short": SHORT, "long": LONG}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_profile.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -29,9 +29,11 @@ key on the GPU; the chosen config is then launched through ``launch.CachedLaunch
 interpreter one fixed config (``INTERPRETER_CONFIG``).
 
 With programmatic dependent launch (``QUANTKIT_PDL=1``, ``launch.PDL``; sm_90+) a GEMV may start
-while the kernel before it ends: it loads its first K step of the weight, which no kernel writes,
-then waits for that kernel (``griddepcontrol.wait``) before it reads the activation. In a decode
-step this overlaps each weight stream's start with the previous kernel's end.
+while the kernels before it end: where K is a multiple of BLOCK_K it loads its first K step of the
+weight, then waits for them (``griddepcontrol.wait``) before it reads the activation (otherwise it
+waits first). In a decode step this overlaps each weight stream's start with the previous
+kernel's end. The weight must then not be written on the GPU just before the call without a
+synchronization between (see ``launch.PDL``).
 """
 
 from __future__ import annotations

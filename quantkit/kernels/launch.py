@@ -44,32 +44,38 @@ ENABLED = True
 
 # Programmatic dependent launch (opt-in, sm_90+): QUANTKIT_PDL=1, read once at import, launches
 # the GEMV and the quantization kernels (per-token, RMSNorm + quantization) with triton's
-# ``launch_pdl``, so that each may start while the kernel before it ends. Each waits
+# ``launch_pdl``, so that each may start while the kernels before it end. Each waits
 # (griddepcontrol.wait) before it reads anything an earlier kernel writes and before any store;
-# the GEMV loads its first weight step (constant) before that wait. Decode at batch 1 on an H200:
-# 1.05x per token, the same tokens (benchmarks/NOTES-gemm.md, session 44).
+# the GEMV loads its first weight step before that wait. So with PDL on, a weight must not be
+# written on the GPU just before an M <= 4 GEMV reads it without a synchronization between (a
+# model's forward never writes its weights). Decode at batch 1 on an H200: 1.05x per token, the
+# same tokens (benchmarks/NOTES-gemm.md, session 44).
+_PDL_VALUE = os.environ.get("QUANTKIT_PDL", "")
+PDL = _PDL_VALUE == "1" and not INTERPRETED
+_PDL_CHECKED = False
+
+
 def _pdl_setting(value: str) -> bool:
     if value not in ("", "0", "1"):
         raise ValueError(f"QUANTKIT_PDL={value!r}: set it to 1 (programmatic dependent launch on) or 0 / unset (off)")
     return value == "1"
 
 
-PDL = _pdl_setting(os.environ.get("QUANTKIT_PDL", "")) and not INTERPRETED
-_PDL_CHECKED = False
-
-
 def pdl_options(options: dict | None = None) -> dict | None:
-    """``options`` with triton's ``launch_pdl`` added when PDL is on (checked once against the GPU:
-    griddepcontrol needs sm_90 or newer)."""
+    """``options`` with triton's ``launch_pdl`` added when PDL is on. Checked on the first call
+    (the first Triton launch that could take it): QUANTKIT_PDL must be 0 or 1, and the GPU sm_90 or
+    newer (griddepcontrol)."""
     global _PDL_CHECKED
+    if not _PDL_CHECKED:
+        _pdl_setting(_PDL_VALUE)
+        if PDL:
+            major, minor = torch.cuda.get_device_capability()
+            if major < 9:
+                raise ValueError(f"QUANTKIT_PDL=1 needs an sm_90 or newer GPU (Hopper); this one is "
+                                   f"sm_{major}{minor}: unset QUANTKIT_PDL")
+        _PDL_CHECKED = True
     if not PDL:
         return options
-    if not _PDL_CHECKED:
-        major, minor = torch.cuda.get_device_capability()
-        if major < 9:
-            raise RuntimeError(f"QUANTKIT_PDL=1 needs an sm_90 or newer GPU (Hopper); this one is sm_{major}{minor}: "
-                               "unset QUANTKIT_PDL")
-        _PDL_CHECKED = True
     return {**(options or {}), "launch_pdl": True}
 
 

@@ -749,7 +749,7 @@ def rms_norm_quant_per_token(
         # the checked path below.
         if call is not None and type(eps) is float and 0.0 <= eps < math.inf and type(offset) in (float, int) \
                 and -math.inf < offset < math.inf:
-            shape, scale_shape, device, key, grid, strides, launch, constexprs, num_warps, options = call
+            shape, scale_shape, device, key, grid, strides, launcher, constexprs, num_warps, options = call
             q = torch.empty(*shape, dtype=dtype, device=device)  # separate ints: see quantize_per_token
             scale = torch.empty(*scale_shape, dtype=torch.float32, device=device)
             if residual is None:
@@ -758,7 +758,7 @@ def rms_norm_quant_per_token(
             else:
                 new_residual = new_residual_arg = torch.empty(*shape, dtype=x.dtype, device=device)
                 residual_arg = residual
-            launch((key, aligned(x, residual_arg, new_residual_arg, weight, q, scale)), grid,
+            launcher((key, aligned(x, residual_arg, new_residual_arg, weight, q, scale)), grid,
                    (x, residual_arg, new_residual_arg, weight, q, scale, *strides, float(eps), float(offset)),
                    constexprs, num_warps, 3, options=options)
             return q, scale, new_residual
@@ -780,7 +780,7 @@ def rms_norm_quant_per_token(
         plan = _rms_norm_plan(K, has_residual, dtype, config)
         if config is None:
             _RMS_PLANS[plan_key] = plan
-    launch, rows, constexprs, num_warps, options, plan_id = plan
+    launcher, rows, constexprs, num_warps, options, plan_id = plan
     # Unused pointers still need a tensor; x itself is a harmless stand-in.
     residual_arg = residual if has_residual else x
     new_residual_arg = new_residual if has_residual else x
@@ -789,9 +789,9 @@ def rms_norm_quant_per_token(
     key = (plan_id, x.dtype, weight.dtype, *strides[2:], int_spec(M))
     grid = (cdiv(M, rows),)
     if cacheable:
-        _RMS_CALLS.add(signature, ((M, K), (M,), x.device, key, grid, strides, launch, constexprs, num_warps,
+        _RMS_CALLS.add(signature, ((M, K), (M,), x.device, key, grid, strides, launcher, constexprs, num_warps,
                                    options))
-    launch((key, aligned(x, residual_arg, new_residual_arg, weight, q, scale)), grid,
+    launcher((key, aligned(x, residual_arg, new_residual_arg, weight, q, scale)), grid,
            (x, residual_arg, new_residual_arg, weight, q, scale, *strides, float(eps), float(offset)),
            constexprs, num_warps, 3, options=options)
     return q, scale, new_residual

@@ -23,6 +23,10 @@ from quantkit.kernels import launch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+PDL_SET = os.environ.get("QUANTKIT_PDL", "") not in ("", "0")
+
+
+@pytest.mark.skipif(PDL_SET, reason="QUANTKIT_PDL is set: the default is not what runs")
 def test_pdl_is_off_by_default_and_leaves_options_alone():
     assert launch.PDL is False  # QUANTKIT_PDL unset (and always off under the interpreter)
     assert launch.pdl_options() is None
@@ -30,9 +34,11 @@ def test_pdl_is_off_by_default_and_leaves_options_alone():
 
 
 @pytest.mark.parametrize("value", ["true", "on", "2"])
-def test_a_quantkit_pdl_value_other_than_0_or_1_is_refused(value):
+def test_a_quantkit_pdl_value_other_than_0_or_1_is_refused_on_first_use(monkeypatch, value):
+    monkeypatch.setattr(launch, "_PDL_VALUE", value)
+    monkeypatch.setattr(launch, "_PDL_CHECKED", False)
     with pytest.raises(ValueError, match=f"QUANTKIT_PDL='{value}': set it to 1 .* or 0 / unset"):
-        launch._pdl_setting(value)
+        launch.pdl_options()
     assert launch._pdl_setting("1") is True and launch._pdl_setting("0") is False and launch._pdl_setting("") is False
 
 
@@ -41,7 +47,7 @@ def test_pdl_on_a_gpu_before_hopper_is_refused_in_one_line(monkeypatch, capabili
     monkeypatch.setattr(launch, "PDL", True)
     monkeypatch.setattr(launch, "_PDL_CHECKED", False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: capability)
-    with pytest.raises(RuntimeError, match=f"needs an sm_90 or newer GPU .*sm_{capability[0]}{capability[1]}: unset "
+    with pytest.raises(ValueError, match=f"needs an sm_90 or newer GPU .*sm_{capability[0]}{capability[1]}: unset "
                                            "QUANTKIT_PDL"):
         launch.pdl_options()
 
@@ -54,7 +60,7 @@ def test_pdl_on_hopper_adds_the_launch_option(monkeypatch):
     assert launch.pdl_options({"maxnreg": 80}) == {"maxnreg": 80, "launch_pdl": True}
 
 
-def _ptx_order(kernel, constants: dict, types: dict, num_warps: int) -> dict:
+def _ptx_order(kernel, constants: dict, types: dict, num_warps: int, num_stages: int = 1) -> dict:
     """Compile ``kernel`` for sm_90 with PDL on; the load/store lines before and after the wait."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -70,7 +76,7 @@ def _ptx_order(kernel, constants: dict, types: dict, num_warps: int) -> dict:
             attrs[(i,)] = [["tt.divisibility", 16]]  # as the launchers specialize aligned pointers and strides
     constants = {name: constants[name] for name in kernel.arg_names if name in constants}
     compiled = triton.compile(ASTSource(kernel, signature, constants, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=1, launch_pdl=True))
+                              options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=True))
     lines = [line.strip() for line in compiled.asm["ptx"].splitlines()]
     waits = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]
     memory = [(i, line) for i, line in enumerate(lines) if "ld.global" in line or "st.global" in line]
@@ -94,17 +100,17 @@ for is_int8, operand in ((True, "i8"), (False, "fp8e4nv")):
                              EVEN_K=even_k, PDL=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048)
             types = {"a_ptr": "*" + operand, "w_ptr": "*" + operand, "out_ptr": "*bf16"}
             rows.append(["gemv", operand, gated, even_k, _ptx_order(gemv._scaled_gemv_kernel, constants, types, 4)])
-for K in (4096, 14336):
+for K in (4096, 14336):  # the quantization launchers compile with num_stages=3
     rows_, constants, num_warps, _, _ = quant._per_token_plan(K, torch.bfloat16, torch.int8, None)
     types = {"x_ptr": "*bf16", "q_ptr": "*i8"}
     rows.append(["per_token", K, None, None,
-                 _ptx_order(quant._quantize_per_token_kernel, {**constants, "PDL": True}, types, num_warps)])
+                 _ptx_order(quant._quantize_per_token_kernel, {**constants, "PDL": True}, types, num_warps, 3)])
     for residual in (False, True):
         launcher, _, constants, num_warps, _, _ = quant._rms_norm_plan(K, residual, torch.float8_e4m3fn, None)
         types = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "new_residual_ptr": "*bf16", "weight_ptr": "*bf16",
                  "q_ptr": "*fp8e4nv", "eps": "fp32", "offset": "fp32"}
         rows.append(["rms_norm_quant", K, residual, None,
-                     _ptx_order(launcher.kernel, {**constants, "PDL": True}, types, num_warps)])
+                     _ptx_order(launcher.kernel, {**constants, "PDL": True}, types, num_warps, 3)])
 print(json.dumps(rows))
 """
 
@@ -126,3 +132,53 @@ def test_pdl_kernels_wait_before_reading_what_earlier_kernels_write():
             assert len(order["before"]) == (2 if flag else 1) * 4 * 2048 // (4 * 32 * 16), case
         else:
             assert order["before"] == [], case
+
+
+class _Recorder:
+    """Stands in for a ``launch.CachedLaunch``: records what a launcher hands it, runs nothing."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, key, grid, args, constexprs, num_warps, num_stages, triton_args=None, options=None):
+        self.calls.append((key, dict(constexprs), options))
+
+
+def test_the_pdl_setting_reaches_each_kernel_its_launch_option_and_its_cache_key(monkeypatch):
+    """The PDL constexpr (the wait in the kernel) and triton's launch_pdl (the early start) must
+    travel together: a kernel launched early without its wait would race."""
+    from quantkit.kernels import gemv, quant
+    from quantkit.kernels.call_cache import SignatureCache
+    from quantkit.kernels.reference import quantize_per_channel, quantize_per_token
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    norm_weight = torch.randn(64, generator=gen).to(torch.bfloat16)
+    a, a_scale = quantize_per_token(x[:1].float(), torch.int8)
+    w, w_scale = quantize_per_channel(torch.randn(40, 64, generator=gen), torch.int8)
+    gemv_keys = {}
+    for on in (False, True):
+        monkeypatch.setattr(launch, "PDL", on)
+        monkeypatch.setattr(launch, "_PDL_CHECKED", False)
+        recorders = {name: _Recorder() for name in ("_PER_TOKEN", "_RMS_NORM_QUANT", "_RMS_NORM_QUANT_CHUNKED")}
+        for name, recorder in recorders.items():
+            monkeypatch.setattr(quant, name, recorder)
+        for name in ("_PER_TOKEN_PLANS", "_RMS_PLANS"):  # fresh plans, restored after the test
+            monkeypatch.setattr(quant, name, {})
+        for name in ("_PER_TOKEN_CALLS", "_RMS_CALLS"):
+            monkeypatch.setattr(quant, name, SignatureCache())
+        recorders["_GEMV"] = _Recorder()
+        monkeypatch.setattr(gemv, "_GEMV", recorders["_GEMV"])
+
+        gemv._launch(a, w, torch.empty(1, 40, dtype=torch.bfloat16), a_scale, w_scale, None, "none", False, None)
+        quant.quantize_per_token(x, torch.int8)
+        quant.rms_norm_quant_per_token(x, norm_weight, 1e-6, torch.int8)
+        quant.rms_norm_quant_per_token(x, norm_weight, 1e-6, torch.int8, config={"chunk_k": 32})
+        for name, recorder in recorders.items():
+            assert len(recorder.calls) == 1, name
+            key, constexprs, options = recorder.calls[0]
+            assert constexprs["PDL"] is on, name
+            assert bool((options or {}).get("launch_pdl")) is on, name
+        gemv_keys[on] = recorders["_GEMV"].calls[0][0]
+    assert gemv_keys[False] != gemv_keys[True]
