@@ -107,24 +107,42 @@ def child(dtype_name: str, layers: int, replays: int, samples: int, out: Path) -
             "weight_bytes": sum(w.numel() for layer in stack for w, _ in layer.values())}
 
 
-def model_child(scheme: str, new_tokens: int, out: Path) -> dict:
+def _model_and_prompt(scheme: str, new_tokens: int):
+    """The e2e benchmark's ``<scheme>-fast`` model, its seeded 512-token prompt, and one warm-up
+    generation (compile, tune, capture)."""
     import torch
 
     from quantkit.bench.e2e import PROMPT_LEN, llama3_8b_config, prepare_variant
     from quantkit.generate import generate
-    from quantkit.kernels import launch
 
     config = llama3_8b_config()
     torch.manual_seed(0)
     model = prepare_variant(f"{scheme}-fast", config, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (1, PROMPT_LEN), device="cuda", generator=gen)
-    generate(model, ids, new_tokens, eos_token_id=None)  # compile, tune, capture
+    generate(model, ids, new_tokens, eos_token_id=None)
+    return model, ids
+
+
+def _timed_generate(model, ids, new_tokens: int):
+    """Greedy tokens and the decode loop's ms per token."""
+    from quantkit.generate import generate
+
+    stats: dict = {}
+    tokens = generate(model, ids, new_tokens, eos_token_id=None, stats=stats)
+    return tokens, stats["decode_s"] / stats["decode_steps"] * 1e3
+
+
+def model_child(scheme: str, new_tokens: int, out: Path) -> dict:
+    import torch
+
+    from quantkit.kernels import launch
+
+    model, ids = _model_and_prompt(scheme, new_tokens)
     runs = []
     for _ in range(3):
-        stats: dict = {}
-        tokens = generate(model, ids, new_tokens, eos_token_id=None, stats=stats)
-        runs.append(stats["decode_s"] / stats["decode_steps"] * 1e3)
+        tokens, ms = _timed_generate(model, ids, new_tokens)
+        runs.append(ms)
     torch.save(tokens.cpu(), out)
     return {"scheme": scheme, "pdl": launch.PDL, "ms_per_token": statistics.median(runs), "ms_runs": runs}
 
@@ -141,22 +159,15 @@ def set_pdl(on: bool) -> None:
 def toggle_child(scheme: str, new_tokens: int) -> dict:
     import torch
 
-    from quantkit.bench.e2e import PROMPT_LEN, llama3_8b_config, prepare_variant
     from quantkit.generate import generate
 
-    config = llama3_8b_config()
-    torch.manual_seed(0)
-    model = prepare_variant(f"{scheme}-fast", config, "cuda")
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(0, config.vocab_size, (1, PROMPT_LEN), device="cuda", generator=gen)
-    generate(model, ids, new_tokens, eos_token_id=None)  # compile and tune with PDL off
+    model, ids = _model_and_prompt(scheme, new_tokens)  # compiled and tuned with PDL off
     runs = []
     for on in (False, True, False, True):
         set_pdl(on)
         generate(model, ids, new_tokens, eos_token_id=None)  # compile the PDL kernels outside the timing
-        stats: dict = {}
-        tokens = generate(model, ids, new_tokens, eos_token_id=None, stats=stats)
-        runs.append((on, tokens, stats["decode_s"] / stats["decode_steps"] * 1e3))
+        tokens, ms = _timed_generate(model, ids, new_tokens)
+        runs.append((on, tokens, ms))
     first = runs[0][1]
     return {"scheme": scheme, "tokens_equal": all(bool(torch.equal(t, first)) for _, t, _ in runs),
             "ms_per_token": [[on, ms] for on, _, ms in runs]}
@@ -205,8 +216,9 @@ def main() -> None:
             row = json.loads((args.out / f"{tag}.json").read_text())
             output = torch.load(args.out / f"{tag}.pt")
             first = output if first is None else first
-            row.update(tag=tag, equals_pdl_off=bool(torch.equal(output, first)), finite=bool(output.float().isfinite().all())
-                       if output.is_floating_point() else True, process_s=time.time() - t0)
+            finite = bool(output.float().isfinite().all()) if output.is_floating_point() else True
+            row.update(tag=tag, equals_pdl_off=bool(torch.equal(output, first)), finite=finite,
+                       process_s=time.time() - t0)
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "us_samples"}), flush=True)
         return rows

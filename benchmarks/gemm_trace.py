@@ -27,14 +27,12 @@ FP8, plain epilogue, H100 only. Writes gemm_trace.json / .txt.
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-from kernels_only import ROOT  # noqa: E402  (quantkit without its __init__)
+from kernels_only import ROOT, load_module  # noqa: E402  (quantkit without its __init__)
 
 import torch  # noqa: E402
 
@@ -120,11 +118,7 @@ def traced_module(clock: str = "clock64"):
         source = source.replace(old, new)
     path = Path(tempfile.mkdtemp()) / "gemm_gluon_traced.py"
     path.write_text(source)
-    spec = importlib.util.spec_from_file_location("gemm_gluon_traced", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gemm_gluon_traced"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_module(path, "gemm_gluon_traced")
 
 
 def config_of(mod, name):

@@ -16,13 +16,11 @@ itself (NaN kept), rows packed back to back taken as one flat range.
 """
 
 import argparse
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
-import kernels_only  # noqa: F401  (quantkit without its __init__)
+from kernels_only import load_module  # quantkit without its __init__
 import torch
 
 from quantkit.bench.common import environment_metadata
@@ -81,14 +79,6 @@ def check_random():
             record(f"random {str(qdtype)[6:]} {M}x{K}", ok, mismatches=bad)
 
 
-def load_old(path):
-    spec = importlib.util.spec_from_file_location("quant_old", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["quant_old"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def time_kernels(old, rounds):
     rows = []
     for M, K in DEFAULT_SHAPES:
@@ -127,7 +117,7 @@ def main():
     args = parser.parse_args()
     check_edges()
     check_random()
-    timing = time_kernels(load_old(args.old) if args.old else None, args.rounds)
+    timing = time_kernels(load_module(args.old, "quant_old") if args.old else None, args.rounds)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     passed = sum(r["ok"] for r in RESULTS)

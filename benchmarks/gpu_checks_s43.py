@@ -17,12 +17,10 @@ quantization benchmark compares against.
 """
 
 import argparse
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
-import kernels_only  # noqa: F401  (quantkit without its __init__)
+from kernels_only import load_module  # quantkit without its __init__
 import torch
 import triton
 import triton.language as tl
@@ -43,14 +41,6 @@ COPY_HALVES = [25165824, 25174016, 58732544, 88088576, 88102912, 205543424, 3523
 def record(name, ok, **info):
     RESULTS.append({"check": name, "ok": bool(ok), **info})
     print(f"[{'ok' if ok else 'FAILED'}] {name} {info}", flush=True)
-
-
-def load_old(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def copy_gbs(half, timer, dtype=torch.uint8):
@@ -264,8 +254,9 @@ def main():
         raise SystemExit(1 if failed else 0)
     if not args.old:
         parser.error("--old is required (but with --per-token)")
-    old = load_old(args.old, "quant_old")
-    variants = {spec.split("=")[0]: load_old(spec.split("=")[1], "quant_" + spec.split("=")[0]) for spec in args.variant}
+    old = load_module(args.old, "quant_old")
+    variants = {spec.split("=")[0]: load_module(spec.split("=")[1], "quant_" + spec.split("=")[0])
+                for spec in args.variant}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     check_rms(old, variants)
