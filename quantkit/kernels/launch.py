@@ -72,7 +72,7 @@ def pdl_options(options: dict | None = None) -> dict | None:
             major, minor = torch.cuda.get_device_capability()
             if major < 9:
                 raise ValueError(f"QUANTKIT_PDL=1 needs an sm_90 or newer GPU (Hopper); this one is "
-                                   f"sm_{major}{minor}: unset QUANTKIT_PDL")
+                                 f"sm_{major}{minor}: unset QUANTKIT_PDL")
         _PDL_CHECKED = True
     if not PDL:
         return options

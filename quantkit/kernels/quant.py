@@ -231,6 +231,14 @@ def inverse_rms(sum_sq, K, eps):
 
 
 @triton.jit
+def _wait_for_the_kernel_before():
+    """Under launch.PDL a kernel is launched while the kernel before it ends: let the next one
+    launch too, then wait for the one before (griddepcontrol.wait) before reading anything."""
+    tl.extra.cuda.gdc_launch_dependents()
+    tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
 def _quantize_per_token_kernel(
     x_ptr, q_ptr, scale_ptr,
     M, K, stride_xm, stride_qm,
@@ -239,9 +247,8 @@ def _quantize_per_token_kernel(
     FAST_DIVIDE: tl.constexpr, STAGES: tl.constexpr, KEEP: tl.constexpr, STREAM: tl.constexpr,
     INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    if PDL:  # launched while the kernel before it ends (launch.PDL): wait before reading x
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    if PDL:
+        _wait_for_the_kernel_before()
     # ROWS rows per program: more bytes in flight per program for short rows.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
@@ -352,9 +359,8 @@ def _rms_norm_quant_kernel(
     HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, FAST_DIVIDE: tl.constexpr,
     KEEP: tl.constexpr, STREAM: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    if PDL:  # launched while the kernel before it ends (launch.PDL): wait before reading x
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    if PDL:
+        _wait_for_the_kernel_before()
     # KEEP / STREAM: cache eviction hints (or ""): the weight is read by every row, the rest once.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
@@ -426,9 +432,8 @@ def _rms_norm_quant_chunked_kernel(
     later passes read it back (one input instead of two, and correct when ``out_residual``
     aliases ``x`` or ``residual``).
     """
-    if PDL:  # launched while the kernel before it ends (launch.PDL): wait before reading x
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    if PDL:
+        _wait_for_the_kernel_before()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     x_row = x_ptr + row * stride_xm
