@@ -1,28 +1,29 @@
-"""Programmatic dependent launch (``QUANTKIT_PDL=1``) on a decode-shaped kernel chain, GPU.
+"""Programmatic dependent launch (``QUANTKIT_PDL``) and the one-launch KV-cache write on decode, GPU.
 
     PYTHONPATH=. python benchmarks/decode_pdl.py --out DIR [--layers 32] [--dtypes int8,fp8]
+        [--pdl 0,1,early] [--model-tokens N [--no-model] [--toggle fp8,int8]]
 
-Three stages. In the first two each setting runs in its own process (``launch.PDL`` is read at
-import), PDL off, then on:
+Three stages. In the first two each setting (``--pdl``: QUANTKIT_PDL values, off first) runs in
+its own process (``launch.PDL`` is read at import):
 
 1. The chain: the quantized part of a Llama-3-8B decode step at batch 1, ``--layers`` times over
    distinct weights (every weight comes from memory, as in a model). Per layer: residual add +
    RMSNorm + per-token quantization -> q/k/v GEMV (6144 x 4096) -> quantization of its first 4096
    columns -> o GEMV (4096 x 4096) -> quantization -> gated gate/up GEMV (2 x 14336 x 4096, SiLU)
    -> quantization -> down GEMV (4096 x 14336). Captured as one CUDA graph; ``--samples`` medians
-   of ``--replays`` replays (CUDA events). The GEMV config is pinned (GEMV_CONFIG), so both
+   of ``--replays`` replays (CUDA events). The GEMV config is pinned (GEMV_CONFIG), so all
    processes run the same kernels; their outputs must be bit-equal, and each graph's output equal
    to its eager run's.
-2. The model (``--model-tokens`` > 0): the e2e benchmark's ``<scheme>-fast`` Llama-3-8B-shaped
-   model (random weights) generates greedily from one seeded 512-token prompt through
-   ``quantkit.generate`` (CUDA-graph decode); the median ms/token of three runs, and the tokens,
-   which should be equal with PDL off and on (the autotuners may pick differently in two
+2. The model (``--model-tokens`` > 0, unless ``--no-model``): the e2e benchmark's ``<scheme>-fast``
+   Llama-3-8B-shaped model (random weights) generates greedily from one seeded 512-token prompt
+   through ``quantkit.generate`` (CUDA-graph decode); the median ms/token of three runs, and the
+   tokens, which should be equal across settings (the autotuners may pick differently in two
    processes, and FP8 sums in another order under another config, so a difference is reported,
    not raised).
 3. ``--toggle SCHEMES`` (with ``--model-tokens``): one process per scheme builds the model once and
-   generates with PDL off, on, off, on (``set_pdl`` flips ``launch.PDL`` and clears the
-   quantization launch plans), so the autotuned configs are the same in all four: the tokens must
-   be equal.
+   generates under each of ``TOGGLE_VARIANTS`` twice (PDL off / ordered / early, ``set_pdl``, and
+   the KV-cache write by the kernel or by index_copy_, ``set_kv_write``), so the autotuned configs
+   are the same in all: the tokens must be equal.
 
 Writes decode_pdl.json under --out.
 """
@@ -102,7 +103,7 @@ def child(dtype_name: str, layers: int, replays: int, samples: int, out: Path) -
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / replays * 1e3)  # us per chain
     torch.save(result.cpu(), out)
-    return {"dtype": dtype_name, "pdl": launch.PDL, "layers": layers, "us_per_chain": statistics.median(times),
+    return {"dtype": dtype_name, "pdl": launch.pdl_name(), "layers": layers, "us_per_chain": statistics.median(times),
             "us_samples": times, "graph_equals_eager": outputs_equal,
             "weight_bytes": sum(w.numel() for layer in stack for w, _ in layer.values())}
 
@@ -144,33 +145,52 @@ def model_child(scheme: str, new_tokens: int, out: Path) -> dict:
         tokens, ms = _timed_generate(model, ids, new_tokens)
         runs.append(ms)
     torch.save(tokens.cpu(), out)
-    return {"scheme": scheme, "pdl": launch.PDL, "ms_per_token": statistics.median(runs), "ms_runs": runs}
+    return {"scheme": scheme, "pdl": launch.pdl_name(), "ms_per_token": statistics.median(runs), "ms_runs": runs}
 
 
-def set_pdl(on: bool) -> None:
-    """PDL on or off in this process: the flag, and the quantization plans that baked it in."""
+def set_pdl(mode: int) -> None:
+    """launch.PDL in this process: the setting, and the quantization plans that baked it in."""
     from quantkit.kernels import launch, quant
 
-    launch.PDL = on
+    launch.PDL = mode
     for cache in (quant._PER_TOKEN_PLANS, quant._RMS_PLANS, quant._PER_TOKEN_CALLS, quant._RMS_CALLS):
         cache.clear()
+
+
+def set_kv_write(kernel: bool) -> None:
+    """generate's KV-cache write: the one-launch kernel (the default on CUDA) or torch's two
+    index_copy_ calls (what session 44 measured)."""
+    import quantkit.generate
+    from quantkit.kernels import attention_ops
+
+    def with_index_copy(*args, backend="torch"):
+        return attention_ops.write_kv_cache(*args, backend="torch")
+
+    quantkit.generate.write_kv_cache = attention_ops.write_kv_cache if kernel else with_index_copy
+
+
+# (PDL mode, KV write by the kernel), each run twice in this order by the toggle stage.
+TOGGLE_VARIANTS = [(0, False), (0, True), (1, True), (2, True)]
 
 
 def toggle_child(scheme: str, new_tokens: int) -> dict:
     import torch
 
     from quantkit.generate import generate
+    from quantkit.kernels import launch
 
     model, ids = _model_and_prompt(scheme, new_tokens)  # compiled and tuned with PDL off
     runs = []
-    for on in (False, True, False, True):
-        set_pdl(on)
+    for mode, kernel in TOGGLE_VARIANTS * 2:
+        set_pdl(mode)
+        set_kv_write(kernel)
         generate(model, ids, new_tokens, eos_token_id=None)  # compile the PDL kernels outside the timing
         tokens, ms = _timed_generate(model, ids, new_tokens)
-        runs.append((on, tokens, ms))
-    first = runs[0][1]
-    return {"scheme": scheme, "tokens_equal": all(bool(torch.equal(t, first)) for _, t, _ in runs),
-            "ms_per_token": [[on, ms] for on, _, ms in runs]}
+        runs.append((mode, kernel, tokens, ms))
+    first = runs[0][2]
+    return {"scheme": scheme, "tokens_equal": all(bool(torch.equal(t, first)) for _, _, t, _ in runs),
+            "ms_per_token": [[launch.PDL_NAMES[mode], "kernel" if kernel else "index_copy", ms]
+                             for mode, kernel, _, ms in runs]}
 
 
 def main() -> None:
@@ -184,6 +204,9 @@ def main() -> None:
     parser.add_argument("--schemes", default="fp8,int8")
     parser.add_argument("--toggle", default=None, help="schemes for stage 3 (same-process off/on/off)")
     parser.add_argument("--chain", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--model", action=argparse.BooleanOptionalAction, default=True,
+                        help="stage 2 (with --model-tokens); --no-model runs only the toggle stage's model")
+    parser.add_argument("--pdl", default="0,1,early", help="QUANTKIT_PDL values of stages 1-2, off first")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.toggle and args.model_tokens < 2:
@@ -206,9 +229,9 @@ def main() -> None:
 
     def run_pair(kind: str, name: str) -> list[dict]:
         rows, first = [], None
-        for pdl in (0, 1):
+        for pdl in args.pdl.split(","):
             tag = f"{kind}_{name}_pdl{pdl}"
-            env = {**os.environ, "QUANTKIT_PDL": str(pdl)}
+            env = {**os.environ, "QUANTKIT_PDL": pdl}
             t0 = time.time()
             subprocess.run([sys.executable, __file__, "--out", str(args.out), "--layers", str(args.layers),
                             "--replays", str(args.replays), "--samples", str(args.samples), "--model-tokens",
@@ -225,18 +248,22 @@ def main() -> None:
 
     rows, summary = [], {}
     for dtype_name in args.dtypes.split(",") if args.chain else ():
-        off, on = run_pair("chain", dtype_name)
-        rows += [off, on]
-        summary[f"chain_{dtype_name}"] = {"us_off": off["us_per_chain"], "us_on": on["us_per_chain"],
-                                          "speedup": off["us_per_chain"] / on["us_per_chain"],
-                                          "bit_equal": on["equals_pdl_off"]}
-    if args.model_tokens:
+        off, *ons = run_pair("chain", dtype_name)
+        rows += [off, *ons]
+        summary[f"chain_{dtype_name}"] = {"us_off": off["us_per_chain"],
+                                          **{f"us_{on['pdl']}": on["us_per_chain"] for on in ons},
+                                          **{f"speedup_{on['pdl']}": off["us_per_chain"] / on["us_per_chain"]
+                                             for on in ons},
+                                          "bit_equal": all(on["equals_pdl_off"] for on in ons)}
+    if args.model_tokens and args.model:
         for scheme in args.schemes.split(","):
-            off, on = run_pair("model", scheme)
-            rows += [off, on]
-            summary[f"model_{scheme}"] = {"ms_off": off["ms_per_token"], "ms_on": on["ms_per_token"],
-                                          "speedup": off["ms_per_token"] / on["ms_per_token"],
-                                          "tokens_equal": on["equals_pdl_off"]}
+            off, *ons = run_pair("model", scheme)
+            rows += [off, *ons]
+            summary[f"model_{scheme}"] = {"ms_off": off["ms_per_token"],
+                                          **{f"ms_{on['pdl']}": on["ms_per_token"] for on in ons},
+                                          **{f"speedup_{on['pdl']}": off["ms_per_token"] / on["ms_per_token"]
+                                             for on in ons},
+                                          "tokens_equal": all(on["equals_pdl_off"] for on in ons)}
     for scheme in args.toggle.split(",") if args.toggle else ():
         tag = f"toggle_{scheme}"
         subprocess.run([sys.executable, __file__, "--out", str(args.out), "--model-tokens", str(args.model_tokens),

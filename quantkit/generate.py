@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from quantkit import logits_rules
+from quantkit.kernels.attention_ops import write_kv_cache
 from quantkit.kernels.launch import side_stream
 from quantkit.kernels.ops import resolve_backend
 from quantkit.models.fast_attention import padded_head_dim, register_static_cache_attention
@@ -149,10 +150,13 @@ class StaticKVCache:
     forward pass (``update``, ``get_seq_length``). Buffers are allocated on first write, with the
     shape and dtype of the keys the layer produces. ``write_positions`` is a device tensor of slot
     indices owned by the caller (the generation loop advances it inside the captured step).
+    ``backend`` writes both buffers in one launch ("triton", ``attention_ops.write_kv_cache``) or
+    with two ``index_copy_`` calls ("torch").
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, backend: str = "torch") -> None:
         self.capacity = capacity
+        self.backend = backend
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.write_positions: torch.Tensor | None = None
@@ -171,8 +175,7 @@ class StaticKVCache:
             self.keys[layer_idx] = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
             self.values[layer_idx] = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys[..., :head_dim].index_copy_(2, self.write_positions, key_states)
-        values[..., :head_dim].index_copy_(2, self.write_positions, value_states)
+        write_kv_cache(key_states, value_states, keys, values, self.write_positions, backend=self.backend)
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -430,7 +433,7 @@ def _generate(model, ids, max_new_tokens, eos, pad_token_id, capacity, use_graph
               penalty=None, rules: logits_rules.LogitsRules | None = None):
     device = ids.device
     batch, prompt_len = ids.shape
-    cache = StaticKVCache(capacity)
+    cache = StaticKVCache(capacity, backend=_attention_backend(model, device))
     eos_tensor = torch.tensor(eos, dtype=torch.long, device=device)
     history = None  # (B, S + n): the prompt and the generated tokens, for rules that match patterns
     if rules is not None and rules.needs_history:

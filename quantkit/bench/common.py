@@ -83,8 +83,8 @@ def environment_metadata() -> dict:
         "commit": os.environ.get("QUANTKIT_COMMIT") or git_commit() or "unknown",
         "source": source_digest(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        # Programmatic dependent launch (QUANTKIT_PDL=1, opt-in), which changes the decode times.
-        "pdl": launch.PDL,
+        # Programmatic dependent launch (QUANTKIT_PDL), which changes the decode times.
+        "pdl": launch.pdl_name(),
     }
 
 

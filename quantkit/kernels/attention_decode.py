@@ -41,6 +41,9 @@ cost ~2-4 us); it stays selectable. Session 4: TMA with 128-key tiles, one progr
 head_dim-128 default. On the 64-key pointer kernel: evict_first changed < 0.5 %, K as rows
 < 0.5 % (+1.7 % at batch 8, 1k), 8 warps lost 0.6-17 %, prefetch_first lost up to 8 % (gained
 2 % at batch 1, 1k; cause not measured). They stay selectable for A/B runs.
+
+Under programmatic dependent launch (``launch.PDL``) both kernels wait for the kernel before them
+(the KV-cache write) before their first load.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from quantkit.kernels import launch
+from quantkit.kernels.dependent_launch import wait_for_the_kernel_before
 from quantkit.kernels.launch import num_sms
 from quantkit.kernels.reference_attention import check_decode_inputs
 
@@ -245,8 +250,9 @@ def _decode_split_kernel(
     HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE: tl.constexpr,
     GROUP_P2: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
     TMA: tl.constexpr, K_ROWS: tl.constexpr, EVICTION: tl.constexpr, PREFETCH_FIRST: tl.constexpr,
-    SPLIT_BY_FILL: tl.constexpr,
+    SPLIT_BY_FILL: tl.constexpr, PDL: tl.constexpr = 0,
 ):
+    wait_for_the_kernel_before(PDL)
     pid_bk = tl.program_id(0)
     split = tl.program_id(1)
     batch = pid_bk // n_kv_heads
@@ -376,7 +382,7 @@ def _decode_flat_kernel(
     batch_size, n_kv_heads, group_size, key_limit, qk_scale, window, n_programs, max_parts,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr, GROUP_P2: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-    TMA: tl.constexpr, EVICTION: tl.constexpr, MIN_BLOCKS: tl.constexpr,
+    TMA: tl.constexpr, EVICTION: tl.constexpr, MIN_BLOCKS: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """Balanced persistent decode: the BLOCK_N-key blocks that the *current* lengths fill (every
     (batch, kv head) sequence's visible keys, at least one block each, so an empty sequence still
@@ -388,6 +394,7 @@ def _decode_flat_kernel(
     program's range is written directly. The cut depends only on the lengths (device side), so
     the grid is fixed (CUDA graphs) and a mostly empty cache still spreads over all SMs; the
     result does not depend on timing (fixed cut, combine in part order)."""
+    wait_for_the_kernel_before(PDL)
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
     offs_g = tl.arange(0, BLOCK_G)
@@ -741,6 +748,7 @@ def decode_attention(
     fused_shape = (triton.next_power_of_2(group), triton.next_power_of_2(n_splits), split_chunk)
     group_p2, block_splits, split_chunk = fused_shape if epilogue == EPILOGUE_FUSED else (1, 1, 1)
     tma, k_desc, v_desc, k_rows, v_rows = _descriptors(config, k_cache, v_cache)
+    pdl = launch.pdl_mode()
     _decode_split_kernel[(batch * n_kv_heads, n_splits)](
         q, k_cache, v_cache, k_desc, v_desc, cache_seqlens, out, o_part, lse_part, counters,
         q.stride(0), q.stride(1),
@@ -756,7 +764,7 @@ def decode_attention(
         TMA=tma, K_ROWS=tma or config.k_rows, EVICTION="evict_first" if config.evict_first else "",
         PREFETCH_FIRST=config.prefetch_first and window is None,
         SPLIT_BY_FILL=config.split_by_fill and not (config.prefetch_first and window is None),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, **(launch.pdl_options(pdl) or {}),
     )
     if epilogue == EPILOGUE_PARTIAL:
         _decode_combine_kernel[(batch * n_q_heads,)](
@@ -792,6 +800,7 @@ def _decode_flat(q, k_cache, v_cache, cache_seqlens, scale, window, max_keys, co
     split_chunk = max(1, min(triton.next_power_of_2(max_parts), COMBINE_CHUNK_FLOATS // (group_p2 * head_dim)))
     split_chunk = 1 << (split_chunk.bit_length() - 1)  # a power of two
     tma, k_desc, v_desc, k_rows, v_rows = _descriptors(config, k_cache, v_cache)
+    pdl = launch.pdl_mode()
     _decode_flat_kernel[(n_programs,)](
         q, k_cache, v_cache, k_desc, v_desc, cache_seqlens, out, o_part, lse_part, counters,
         q.stride(0), q.stride(1),
@@ -805,6 +814,6 @@ def _decode_flat(q, k_cache, v_cache, cache_seqlens, scale, window, max_keys, co
         BLOCK_B=triton.next_power_of_2(batch), HAS_WINDOW=window is not None, UPCAST=_INTERPRETED,
         GROUP_P2=group_p2, SPLIT_CHUNK=split_chunk, TMA=tma,
         EVICTION="evict_first" if config.evict_first else "", MIN_BLOCKS=config.min_blocks,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, **(launch.pdl_options(pdl) or {}),
     )
     return out

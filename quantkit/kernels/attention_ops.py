@@ -7,7 +7,8 @@ Triton launchers, so they trace under torch.compile and capture in CUDA graphs) 
 raise ValueError. Triton is imported on first use of a Triton op only.
 
 Registered ops (namespace ``quantkit``): ``flash_attention``, ``decode_attention``, ``rope``,
-``rms_norm``, ``rms_norm_residual``, ``layer_norm``, ``layer_norm_residual``. Custom ops may not
+``write_kv_cache`` (in place), ``rms_norm``, ``rms_norm_residual``, ``layer_norm``,
+``layer_norm_residual``. Custom ops may not
 return aliases of their inputs, so norms without a residual are separate ops. As in
 ``triton_ops``, eager calls on plain tensors launch directly (``triton_ops.direct_launch``: the
 op dispatcher's ~20-30 us per call dominated eager prefill); tracing still goes through the ops.
@@ -24,6 +25,7 @@ from quantkit.kernels.reference_attention import (
     check_decode_inputs,
     check_norm_inputs,
     check_prefill_inputs,
+    check_kv_cache_write_inputs,
     check_rope_inputs,
 )
 
@@ -92,6 +94,17 @@ def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 @_rope_op.register_fake
 def _(q, k, cos, sin):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+
+
+@torch.library.custom_op("quantkit::write_kv_cache", mutates_args=("k_cache", "v_cache"))
+def _write_kv_cache_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       positions: torch.Tensor) -> None:
+    kernel_module("kv_cache").write_kv_cache(k, v, k_cache, v_cache, positions)
+
+
+@_write_kv_cache_op.register_fake
+def _(k, v, k_cache, v_cache, positions):
+    return None
 
 
 @torch.library.custom_op("quantkit::rms_norm", mutates_args=())
@@ -199,6 +212,20 @@ def apply_rope(
     if triton:
         return _rope_op(q, k, cos, sin)
     return reference.apply_rope(q, k, cos, sin)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   positions: torch.Tensor, backend: str = "torch") -> None:
+    """``k_cache[b, h, positions[s], :D] = k[b, h, s]`` and the same for v, in place; k, v
+    (B, Hkv, S, D), caches (B, Hkv, capacity, Dc >= D), positions (S,) int64. The Triton backend
+    writes both in one launch."""
+    triton = is_triton(backend)
+    if triton and _direct(k, "k"):
+        return kernel_module("kv_cache").write_kv_cache(k, v, k_cache, v_cache, positions)
+    check_kv_cache_write_inputs(k, v, k_cache, v_cache, positions)
+    if triton:
+        return _write_kv_cache_op(k, v, k_cache, v_cache, positions)
+    return reference.write_kv_cache(k, v, k_cache, v_cache, positions)
 
 
 def rms_norm(

@@ -28,12 +28,12 @@ grid, config). Tuning: autotuned over ``GEMV_CONFIGS`` once per (N, K, BLOCK_M, 
 key on the GPU; the chosen config is then launched through ``launch.CachedLaunch``. Under the
 interpreter one fixed config (``INTERPRETER_CONFIG``).
 
-With programmatic dependent launch (``QUANTKIT_PDL=1``, ``launch.PDL``; sm_90+) a GEMV may start
-while the kernels before it end: where K is a multiple of BLOCK_K it loads its first K step of the
-weight, then waits for them (``griddepcontrol.wait``) before it reads the activation (otherwise it
-waits first). In a decode step this overlaps each weight stream's start with the previous
-kernel's end. The weight must then not be written on the GPU just before the call without a
-synchronization between (see ``launch.PDL``).
+With programmatic dependent launch (``launch.PDL``, sm_90+) a GEMV may be scheduled while the
+kernel before it ends, and waits for it (``griddepcontrol.wait``) before its first load. Under
+``PDL_EARLY``, where K is a multiple of BLOCK_K, it loads its first K step of the weight before
+that wait and reads the activation after it: each weight stream's start overlaps the previous
+kernel's end, and the weight must then not be written on the GPU just before the call without
+a synchronization between (see ``launch.PDL``).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels import launch
+from quantkit.kernels.dependent_launch import wait_for_the_kernel_before
 from quantkit.kernels.gemm_checks import ACTIVATION_CODES, check_scaled_mm_args
 from quantkit.kernels.gemm_epilogue import store_tile
 from quantkit.kernels.gemm_tma import AUTOTUNE_EXTRA
@@ -112,22 +113,21 @@ def _scaled_gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
     k_begin = 0
-    if PDL:
-        # Launched while the kernel before it ends (launch.PDL): the weight is constant, so its
-        # first K step is loaded before the wait; the activation, which that kernel writes, after.
+    if PDL == 2 and EVEN_K:
+        # launch.PDL_EARLY: the weight is constant, so its first K step is loaded before the wait
+        # for the kernel before; the activation, which that kernel writes, after.
         tl.extra.cuda.gdc_launch_dependents()
-        if EVEN_K:
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
-            w_up = tl.load(up_ptrs, eviction_policy="evict_first") if GATED else w
-            tl.extra.cuda.gdc_wait()
-            a = tl.load(a_ptrs, eviction_policy="evict_last")
-            acc, acc_up = _accumulate(acc, acc_up, a, w, w_up, IS_INT8, GATED)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-            up_ptrs += BLOCK_K
-            k_begin = BLOCK_K
-        else:
-            tl.extra.cuda.gdc_wait()
+        w = tl.load(w_ptrs, eviction_policy="evict_first")
+        w_up = tl.load(up_ptrs, eviction_policy="evict_first") if GATED else w
+        tl.extra.cuda.gdc_wait()
+        a = tl.load(a_ptrs, eviction_policy="evict_last")
+        acc, acc_up = _accumulate(acc, acc_up, a, w, w_up, IS_INT8, GATED)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+        k_begin = BLOCK_K
+    else:
+        wait_for_the_kernel_before(PDL)
     for k_start in range(k_begin, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, eviction_policy="evict_last")
@@ -222,6 +222,7 @@ def _launch(a, w, out, a_scale, w_scale, bias, activation: str, raw_acc: bool, c
     block_m = next_power_of_2(M)
     args = (a, w, out, a_scale, w_scale, bias_arg, M, N, K, a.stride(0), w.stride(0), out.stride(0))
     tune_key = (N, K, block_m, a.dtype, out.dtype, bias_arg.dtype, *flags.values())
+    pdl = launch.pdl_mode()
     if config is None:
         if INTERPRETED:
             config = INTERPRETER_CONFIG
@@ -231,21 +232,21 @@ def _launch(a, w, out, a_scale, w_scale, bias, activation: str, raw_acc: bool, c
                 def grid(meta):
                     return (cdiv(N, meta["BLOCK_N"]),)
 
-                _scaled_gemv_autotuned[grid](*args, **flags, INTERPRETED=False, PDL=launch.PDL, BLOCK_M=block_m,
-                                             **(launch.pdl_options() or {}))
+                _scaled_gemv_autotuned[grid](*args, **flags, INTERPRETED=False, PDL=pdl, BLOCK_M=block_m,
+                                             **(launch.pdl_options(pdl) or {}))
                 _TUNED[tune_key] = config_dict(_scaled_gemv_autotuned.best_config)
                 return
     check_config(config)
     cfg = dict(config)
     num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 2)
     constexprs = dict(**flags, INTERPRETED=INTERPRETED, EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=block_m,
-                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL=launch.PDL)
+                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL=pdl)
     # What triton specializes: N and K (by value in tune_key), the row strides (by value here),
     # M == 1 (M is never a multiple of 16 here) and each pointer's 16-byte alignment.
     key = (tune_key, cfg["BLOCK_N"], cfg["BLOCK_K"], num_warps, num_stages, a.stride(0), w.stride(0), out.stride(0),
            M == 1, aligned(a, w, out, a_scale, w_scale, bias_arg))
-    _GEMV((key, launch.PDL), (cdiv(N, cfg["BLOCK_N"]),), args, constexprs, num_warps, num_stages,
-          options=launch.pdl_options())
+    _GEMV((key, pdl), (cdiv(N, cfg["BLOCK_N"]),), args, constexprs, num_warps, num_stages,
+          options=launch.pdl_options(pdl))
 
 
 def _check_gemv_args(a, w, a_scale, w_scale, bias, activation, out_dtype) -> tuple[int, int, int]:

@@ -62,7 +62,7 @@ def kernel_module(name: str):
 # "triton" backend (resolve_backend, a QuantLinear built for it) loads them all at that moment:
 # a model's first forward may then be a traced one (torch.compile(fullgraph=True) before any
 # eager call).
-TRITON_KERNEL_MODULES = ("triton_ops", "attention", "rope", "norm")
+TRITON_KERNEL_MODULES = ("triton_ops", "attention", "rope", "norm", "kv_cache")
 
 
 def load_triton_kernels() -> None:

@@ -14,9 +14,9 @@ gives the correctly rounded quotient in three FMA-unit operations instead of ``d
 with a branch: these kernels move 3 bytes per element, and at H100 bandwidth the division was
 most of their instruction budget (benchmarks/NOTES-quant.md).
 
-With programmatic dependent launch (``QUANTKIT_PDL=1``, ``launch.PDL``; sm_90+) the per-token and
-RMSNorm + quantization kernels are launched to start while the kernel before them ends; each waits
-for it (``griddepcontrol.wait``) before its first load.
+With programmatic dependent launch (``launch.PDL``, sm_90+) the per-token and RMSNorm +
+quantization kernels may be scheduled while the kernel before them ends; each waits for it
+(``griddepcontrol.wait``) before its first load.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import triton.language as tl
 
 from quantkit.kernels import launch
 from quantkit.kernels.call_cache import SignatureCache
+from quantkit.kernels.dependent_launch import wait_for_the_kernel_before
 from quantkit.kernels.launch import (INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, int_spec,
                                      next_power_of_2)
 from quantkit.kernels.quant_checks import (MAX_SINGLE_PASS_K,  # noqa: F401 (re-exported)
@@ -231,24 +232,15 @@ def inverse_rms(sum_sq, K, eps):
 
 
 @triton.jit
-def _wait_for_the_kernel_before():
-    """Under launch.PDL a kernel is launched while the kernel before it ends: let the next one
-    launch too, then wait for the one before (griddepcontrol.wait) before reading anything."""
-    tl.extra.cuda.gdc_launch_dependents()
-    tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
 def _quantize_per_token_kernel(
     x_ptr, q_ptr, scale_ptr,
     M, K, stride_xm, stride_qm,
     QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr, IS_FP8: tl.constexpr,
     BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SINGLE_PASS: tl.constexpr, KEEP_INPUT_DTYPE: tl.constexpr,
     FAST_DIVIDE: tl.constexpr, STAGES: tl.constexpr, KEEP: tl.constexpr, STREAM: tl.constexpr,
-    INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
+    INTERPRETED: tl.constexpr, PDL: tl.constexpr = 0,
 ):
-    if PDL:
-        _wait_for_the_kernel_before()
+    wait_for_the_kernel_before(PDL)
     # ROWS rows per program: more bytes in flight per program for short rows.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
@@ -357,10 +349,9 @@ def _rms_norm_quant_kernel(
     M, K, stride_xm, stride_rm, stride_nrm, stride_qm, eps, offset,
     QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr, IS_FP8: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, FAST_DIVIDE: tl.constexpr,
-    KEEP: tl.constexpr, STREAM: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
+    KEEP: tl.constexpr, STREAM: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr = 0,
 ):
-    if PDL:
-        _wait_for_the_kernel_before()
+    wait_for_the_kernel_before(PDL)
     # KEEP / STREAM: cache eviction hints (or ""): the weight is read by every row, the rest once.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
@@ -420,7 +411,7 @@ def _rms_norm_quant_chunked_kernel(
     QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr, IS_FP8: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr, TWO_PASS: tl.constexpr, FAST_DIVIDE: tl.constexpr,
     STAGES: tl.constexpr, KEEP: tl.constexpr, STREAM: tl.constexpr, INTERPRETED: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Long rows in BLOCK_K chunks: a row in registers (the whole-row kernel) caps the programs
     per SM at one or two; chunks keep many rows in flight and the later reads hit L2.
@@ -432,8 +423,7 @@ def _rms_norm_quant_chunked_kernel(
     later passes read it back (one input instead of two, and correct when ``out_residual``
     aliases ``x`` or ``residual``).
     """
-    if PDL:
-        _wait_for_the_kernel_before()
+    wait_for_the_kernel_before(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     x_row = x_ptr + row * stride_xm
@@ -617,20 +607,21 @@ _RMS_CALLS = SignatureCache()
 
 def _rms_norm_plan(K: int, has_residual: bool, dtype: torch.dtype, config: dict | None) -> tuple:
     cfg = _launch_config(rms_norm_launch_config(K, has_residual), config, "RMSNorm config")
+    pdl = launch.pdl_mode()
     constexprs = dict(QMAX=qmax_of(dtype), MIN_SCALE_C=MIN_SCALE, IS_FP8=dtype == torch.float8_e4m3fn,
                       HAS_RESIDUAL=has_residual)
     if cfg["chunk_k"]:
         block_k, launcher, rows = min(cfg["chunk_k"], next_power_of_2(K)), _RMS_NORM_QUANT_CHUNKED, 1
         constexprs.update(BLOCK_K=block_k, TWO_PASS=cfg["passes"] == 2, FAST_DIVIDE=bool(cfg["fast_divide"]),
                           STAGES=int(cfg["stages"]), **_policies(cfg["evict"]), INTERPRETED=INTERPRETED,
-                          PDL=launch.PDL)
+                          PDL=pdl)
     else:
         block_k, launcher, rows = next_power_of_2(K), _RMS_NORM_QUANT, cfg["rows"]
         constexprs.update(BLOCK_K=block_k, ROWS=rows, FAST_DIVIDE=bool(cfg["fast_divide"]), **_policies(cfg["evict"]),
-                          INTERPRETED=INTERPRETED, PDL=launch.PDL)
+                          INTERPRETED=INTERPRETED, PDL=pdl)
     chunked = launcher is _RMS_NORM_QUANT_CHUNKED
     num_warps = cfg["num_warps"] or (_row_warps(block_k) if chunked else _norm_row_warps(block_k * rows, has_residual))
-    options = launch.pdl_options(_compile_options(cfg))
+    options = launch.pdl_options(pdl, _compile_options(cfg))
     plan_id = (chunked, K, *constexprs.values(), num_warps, cfg["max_registers"])
     return launcher, rows, constexprs, num_warps, options, plan_id
 
@@ -643,11 +634,12 @@ def _per_token_plan(K: int, x_dtype: torch.dtype, dtype: torch.dtype, config: di
     block_k = next_power_of_2(K) if single_pass else min(cfg["chunk_k"], next_power_of_2(K))
     rows = cfg["rows"]
     num_warps = cfg["num_warps"] or _row_warps(block_k * rows)
+    pdl = launch.pdl_mode()
     constexprs = dict(QMAX=qmax_of(dtype), MIN_SCALE_C=MIN_SCALE, IS_FP8=dtype == torch.float8_e4m3fn, BLOCK_K=block_k,
                       ROWS=rows, SINGLE_PASS=single_pass, KEEP_INPUT_DTYPE=cfg["keep_input_dtype"],
                       FAST_DIVIDE=bool(cfg["fast_divide"]), STAGES=int(cfg["stages"]), **_policies(cfg["evict"]),
-                      INTERPRETED=INTERPRETED, PDL=launch.PDL)
-    options = launch.pdl_options(_compile_options(cfg))
+                      INTERPRETED=INTERPRETED, PDL=pdl)
+    options = launch.pdl_options(pdl, _compile_options(cfg))
     # Everything the compiled kernel depends on besides the per-call strides, M and alignment.
     plan_id = (x_dtype, K, *constexprs.values(), num_warps, cfg["max_registers"])
     return rows, constexprs, num_warps, options, plan_id

@@ -122,6 +122,14 @@ def apply_rope(
     return rotate(q), rotate(k)
 
 
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   positions: torch.Tensor) -> None:
+    """``k_cache[b, h, positions[s], :D] = k[b, h, s]`` and the same for v, in place: k, v
+    (B, Hkv, S, D), caches (B, Hkv, capacity, Dc >= D), positions (S,) int64 slots."""
+    k_cache[..., : k.shape[-1]].index_copy_(2, positions, k)
+    v_cache[..., : v.shape[-1]].index_copy_(2, positions, v)
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -323,6 +331,31 @@ def check_rope_inputs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
             raise ValueError(f"{name} must be contiguous in its last axis; call .contiguous() first")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+
+
+def check_kv_cache_write_inputs(k, v, k_cache, v_cache, positions) -> None:
+    """Raise ValueError on anything the KV-cache write cannot take (shapes, dtypes, devices; the
+    positions' values stay on the device: the kernel skips a slot outside the cache)."""
+    if k.dim() != 4 or k_cache.dim() != 4:
+        raise ValueError(f"the KV-cache write takes k, v (B, Hkv, S, D) and caches (B, Hkv, capacity, D); got k "
+                         f"{tuple(k.shape)}, k_cache {tuple(k_cache.shape)}")
+    if v.shape != k.shape or v_cache.shape != k_cache.shape:
+        raise ValueError(f"v {tuple(v.shape)} / v_cache {tuple(v_cache.shape)} must match k {tuple(k.shape)} / "
+                         f"k_cache {tuple(k_cache.shape)}")
+    if k.shape[:2] != k_cache.shape[:2] or k.shape[3] > k_cache.shape[3]:
+        raise ValueError(f"k {tuple(k.shape)} does not fit k_cache {tuple(k_cache.shape)} (batch, heads, head_dim)")
+    if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"k, v and the caches must share a dtype; got {k.dtype}, {v.dtype}, {k_cache.dtype}, "
+                         f"{v_cache.dtype}")
+    if positions.dtype != torch.int64 or tuple(positions.shape) != (k.shape[2],):
+        raise ValueError(f"positions must be int64 of shape ({k.shape[2]},); got {positions.dtype} "
+                         f"{tuple(positions.shape)}")
+    for name, t in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("positions", positions)):
+        if t.device != k.device:
+            raise ValueError(f"{name} is on {t.device}, k on {k.device}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last axis")
 
 
 def check_norm_inputs(

@@ -18,7 +18,8 @@ the kernel is compiled without FMA contraction, so float32 inputs also round as 
 same H100 check then gave HF's bits in 9 of 9 cases (bf16, fp16, fp32; prefill and decode
 shapes; ``rope_check_s4_h100.json``).
 Inputs may be strided views (HF's (B, H, S, D) after a transpose); outputs are new contiguous
-tensors.
+tensors. Under programmatic dependent launch (``launch.PDL``) the kernel waits for the one
+before it before its first load.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from quantkit.kernels import launch
 from quantkit.kernels.call_cache import SignatureCache, contiguous_strides
+from quantkit.kernels.dependent_launch import wait_for_the_kernel_before
 from quantkit.kernels.launch import CachedLaunch, aligned, cdiv, int_spec, next_power_of_2, num_sms
 from quantkit.kernels.quant import round_half_even, round_to_bf16_grid
 from quantkit.kernels.reference_attention import check_rope_inputs
@@ -92,8 +95,9 @@ def _rope_kernel(
     stride_qob, stride_qoh, stride_qos,
     stride_kob, stride_koh, stride_kos,
     seqlen, n_q_heads, n_kv_heads, heads_per_program,
-    HALF: tl.constexpr, BLOCK_S: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_the_kernel_before(PDL)
     batch = tl.program_id(0).to(tl.int64)
     # Heads [first, last) of the q heads followed by the k heads; empty ranges loop zero times.
     first = tl.program_id(2) * heads_per_program
@@ -152,8 +156,9 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     grid, ints, constexprs, key = call
     if grid is not None:
         # 4 warps; 3 stages is triton's default (the launch passed none before the cache).
-        _ROPE((key, aligned(q, k, cos, sin, q_out, k_out)), grid, (q, k, cos, sin, q_out, k_out, *ints), constexprs,
-              4, 3, options=_OPTIONS)
+        pdl = launch.pdl_mode()
+        _ROPE((key, pdl, aligned(q, k, cos, sin, q_out, k_out)), grid, (q, k, cos, sin, q_out, k_out, *ints),
+              {**constexprs, "PDL": pdl}, 4, 3, options=launch.pdl_options(pdl, _OPTIONS))
     return q_out, k_out
 
 

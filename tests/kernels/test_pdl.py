@@ -1,12 +1,14 @@
-"""Programmatic dependent launch (launch.PDL, QUANTKIT_PDL=1): off by default, and where it is on,
-the kernels read nothing an earlier kernel writes before their grid-dependency wait.
+"""Programmatic dependent launch (launch.PDL, QUANTKIT_PDL=1 or early): off by default, and where it
+is on, the kernels read nothing an earlier kernel writes before their grid-dependency wait.
 
 A kernel launched with PDL may start while the kernel before it still runs, so what decides
 correctness is the order in the compiled code: the wait (``griddepcontrol.wait``) must come before
-every load of an activation, scale or residual and before every store. Only the GEMV's weight (constant,
-loaded with the ``evict_first`` hint) may be loaded before it. Checked in the PTX of each PDL
-kernel compiled for sm_90 here (no GPU needed); the GPU run of benchmarks/decode_pdl.py checks
-the results bit for bit (benchmarks/NOTES-gemm.md, session 44).
+every load of an activation, scale, residual or key and before every store. Under PDL_ORDERED
+nothing at all is loaded before it and the next kernel is released (``launch_dependents``) only
+after it; under PDL_EARLY only the GEMV's weight (constant, loaded with the ``evict_first`` hint)
+may be loaded before it. Checked in the PTX of each PDL kernel compiled for sm_90 here (no GPU
+needed); the GPU run of benchmarks/decode_pdl.py checks the results bit for bit
+(benchmarks/NOTES-gemm.md, sessions 44-45).
 """
 
 import json
@@ -28,40 +30,51 @@ PDL_SET = os.environ.get("QUANTKIT_PDL", "") not in ("", "0")
 
 @pytest.mark.skipif(PDL_SET, reason="QUANTKIT_PDL is set: the default is not what runs")
 def test_pdl_is_off_by_default_and_leaves_options_alone():
-    assert launch.PDL is False  # QUANTKIT_PDL unset (and always off under the interpreter)
-    assert launch.pdl_options() is None
-    assert launch.pdl_options({"maxnreg": 80}) == {"maxnreg": 80}
+    assert launch.pdl_mode() == launch.PDL_OFF  # QUANTKIT_PDL unset (and always off under the interpreter)
+    assert launch.pdl_name() == "off"
+    assert launch.pdl_options(launch.PDL_OFF) is None
+    assert launch.pdl_options(launch.PDL_OFF, {"maxnreg": 80}) == {"maxnreg": 80}
+
+
+def _unresolved(monkeypatch, value: str, capability=(9, 0)) -> None:
+    monkeypatch.setattr(launch, "_PDL_VALUE", value)
+    monkeypatch.setattr(launch, "PDL", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: capability)
 
 
 @pytest.mark.parametrize("value", ["true", "on", "2"])
-def test_a_quantkit_pdl_value_other_than_0_or_1_is_refused_on_first_use(monkeypatch, value):
-    monkeypatch.setattr(launch, "_PDL_VALUE", value)
-    monkeypatch.setattr(launch, "_PDL_CHECKED", False)
-    with pytest.raises(ValueError, match=f"QUANTKIT_PDL='{value}': set it to 1 .* or 0 / unset"):
-        launch.pdl_options()
-    assert launch._pdl_setting("1") is True and launch._pdl_setting("0") is False and launch._pdl_setting("") is False
+def test_a_quantkit_pdl_value_other_than_0_1_or_early_is_refused_on_first_use(monkeypatch, value):
+    _unresolved(monkeypatch, value)
+    with pytest.raises(ValueError, match=f"QUANTKIT_PDL='{value}': set it to 1 .* early .* or 0 / unset"):
+        launch.pdl_mode()
 
 
+@pytest.mark.parametrize("value,mode", [("", 0), ("0", 0), ("1", 1), ("early", 2)])
+def test_the_first_launch_resolves_quantkit_pdl_once(monkeypatch, value, mode):
+    _unresolved(monkeypatch, value)
+    assert launch.pdl_mode() == mode
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (8, 0))
+    assert launch.pdl_mode() == mode  # resolved: not asked again
+
+
+@pytest.mark.parametrize("value", ["1", "early"])
 @pytest.mark.parametrize("capability", [(8, 0), (8, 9)])
-def test_pdl_on_a_gpu_before_hopper_is_refused_in_one_line(monkeypatch, capability):
-    monkeypatch.setattr(launch, "PDL", True)
-    monkeypatch.setattr(launch, "_PDL_CHECKED", False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: capability)
+def test_pdl_on_a_gpu_before_hopper_is_refused_in_one_line(monkeypatch, capability, value):
+    _unresolved(monkeypatch, value, capability)
     with pytest.raises(ValueError, match=f"needs an sm_90 or newer GPU .*sm_{capability[0]}{capability[1]}: unset "
                                            "QUANTKIT_PDL"):
-        launch.pdl_options()
+        launch.pdl_mode()
 
 
-def test_pdl_on_hopper_adds_the_launch_option(monkeypatch):
-    monkeypatch.setattr(launch, "PDL", True)
-    monkeypatch.setattr(launch, "_PDL_CHECKED", False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))
-    assert launch.pdl_options() == {"launch_pdl": True}
-    assert launch.pdl_options({"maxnreg": 80}) == {"maxnreg": 80, "launch_pdl": True}
+@pytest.mark.parametrize("mode", [1, 2])
+def test_pdl_on_adds_the_launch_option(mode):
+    assert launch.pdl_options(mode) == {"launch_pdl": True}
+    assert launch.pdl_options(mode, {"maxnreg": 80}) == {"maxnreg": 80, "launch_pdl": True}
 
 
 def _ptx_order(kernel, constants: dict, types: dict, num_warps: int, num_stages: int = 1) -> dict:
-    """Compile ``kernel`` for sm_90 with PDL on; the load/store lines before and after the wait."""
+    """Compile ``kernel`` for sm_90 with PDL on; the load/store lines before and after the wait,
+    and whether the next kernel's release comes after the wait."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -72,45 +85,56 @@ def _ptx_order(kernel, constants: dict, types: dict, num_warps: int, num_stages:
             signature[name] = "constexpr"
             continue
         signature[name] = types.get(name, "*fp32" if name.endswith("_ptr") else "i32")
-        if name.endswith("_ptr") or name.startswith("stride") or name == "K":
+        if signature[name].startswith("*") or name.startswith("stride") or name == "K":
             attrs[(i,)] = [["tt.divisibility", 16]]  # as the launchers specialize aligned pointers and strides
     constants = {name: constants[name] for name in kernel.arg_names if name in constants}
     compiled = triton.compile(ASTSource(kernel, signature, constants, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=True))
     lines = [line.strip() for line in compiled.asm["ptx"].splitlines()]
     waits = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]
+    triggers = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.launch_dependents")]
     memory = [(i, line) for i, line in enumerate(lines) if "ld.global" in line or "st.global" in line]
     first_wait = waits[0] if waits else len(lines)
-    return {"launch_pdl": bool(compiled.metadata.launch_pdl), "waits": len(waits),
-            "triggers": sum(line.startswith("griddepcontrol.launch_dependents") for line in lines),
+    return {"launch_pdl": bool(compiled.metadata.launch_pdl), "waits": len(waits), "triggers": len(triggers),
+            "trigger_after_wait": bool(triggers) and triggers[0] > first_wait,
             "before": [line for i, line in memory if i < first_wait],
             "after": [line for i, line in memory if i > first_wait]}
 
 
 _SCRIPT = """
 import json, torch
-from quantkit.kernels import gemv, quant
+from quantkit.kernels import gemv, kv_cache, quant, rope
 from tests.kernels.test_pdl import _ptx_order
 rows = []
-for is_int8, operand in ((True, "i8"), (False, "fp8e4nv")):
-    for gated in (False, True):
-        for even_k in (True, False):
-            constants = dict(IS_INT8=is_int8, A_PER_TOKEN=True, W_PER_CHANNEL=True, HAS_BIAS=False,
-                             ACTIVATION=2 if gated else 0, RAW_ACC=False, GATED=gated, INTERPRETED=False,
-                             EVEN_K=even_k, PDL=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048)
-            types = {"a_ptr": "*" + operand, "w_ptr": "*" + operand, "out_ptr": "*bf16"}
-            rows.append(["gemv", operand, gated, even_k, _ptx_order(gemv._scaled_gemv_kernel, constants, types, 4)])
-for K in (4096, 14336):  # the quantization launchers compile with num_stages=3
-    rows_, constants, num_warps, _, _ = quant._per_token_plan(K, torch.bfloat16, torch.int8, None)
-    types = {"x_ptr": "*bf16", "q_ptr": "*i8"}
-    rows.append(["per_token", K, None, None,
-                 _ptx_order(quant._quantize_per_token_kernel, {**constants, "PDL": True}, types, num_warps, 3)])
-    for residual in (False, True):
-        launcher, _, constants, num_warps, _, _ = quant._rms_norm_plan(K, residual, torch.float8_e4m3fn, None)
-        types = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "new_residual_ptr": "*bf16", "weight_ptr": "*bf16",
-                 "q_ptr": "*fp8e4nv", "eps": "fp32", "offset": "fp32"}
-        rows.append(["rms_norm_quant", K, residual, None,
-                     _ptx_order(launcher.kernel, {**constants, "PDL": True}, types, num_warps, 3)])
+for mode in (1, 2):
+    for is_int8, operand in ((True, "i8"), (False, "fp8e4nv")):
+        for gated in (False, True):
+            for even_k in (True, False):
+                if mode == 1 and (gated == is_int8 or not even_k):
+                    continue  # PDL_ORDERED runs one path whatever the flags: two cases suffice
+                constants = dict(IS_INT8=is_int8, A_PER_TOKEN=True, W_PER_CHANNEL=True, HAS_BIAS=False,
+                                 ACTIVATION=2 if gated else 0, RAW_ACC=False, GATED=gated, INTERPRETED=False,
+                                 EVEN_K=even_k, PDL=mode, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048)
+                types = {"a_ptr": "*" + operand, "w_ptr": "*" + operand, "out_ptr": "*bf16"}
+                rows.append([mode, "gemv", operand, gated, even_k,
+                             _ptx_order(gemv._scaled_gemv_kernel, constants, types, 4)])
+    for K in (4096, 14336)[:mode]:  # the quantization launchers compile with num_stages=3
+        rows_, constants, num_warps, _, _ = quant._per_token_plan(K, torch.bfloat16, torch.int8, None)
+        types = {"x_ptr": "*bf16", "q_ptr": "*i8"}
+        rows.append([mode, "per_token", K, None, None,
+                     _ptx_order(quant._quantize_per_token_kernel, {**constants, "PDL": mode}, types, num_warps, 3)])
+        for residual in (False, True):
+            launcher, _, constants, num_warps, _, _ = quant._rms_norm_plan(K, residual, torch.float8_e4m3fn, None)
+            types = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "new_residual_ptr": "*bf16", "weight_ptr": "*bf16",
+                     "q_ptr": "*fp8e4nv", "eps": "fp32", "offset": "fp32"}
+            rows.append([mode, "rms_norm_quant", K, residual, None,
+                         _ptx_order(launcher.kernel, {**constants, "PDL": mode}, types, num_warps, 3)])
+    types = {name: "*bf16" for name in ("Q", "K", "COS", "SIN", "Q_OUT", "K_OUT")}
+    rows.append([mode, "rope", 128, None, None,
+                 _ptx_order(rope._rope_kernel, dict(HALF=64, BLOCK_S=1, PDL=mode), types, 4, 3)])
+    types = {"K": "*bf16", "V": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16", "POSITIONS": "*i64"}
+    rows.append([mode, "kv_cache", 128, None, None,
+                 _ptx_order(kv_cache._kv_cache_write_kernel, dict(BLOCK_S=1, BLOCK_D=128, PDL=mode), types, 4)])
 print(json.dumps(rows))
 """
 
@@ -121,12 +145,13 @@ def test_pdl_kernels_wait_before_reading_what_earlier_kernels_write():
                          timeout=1200)
     assert run.returncode == 0, run.stderr[-4000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(rows) == 8 + 6
-    for kind, what, flag, even_k, order in rows:
-        case = (kind, what, flag, even_k)
+    assert len(rows) == (2 + 3 + 2) + (8 + 3 * 2 + 2)
+    for mode, kind, what, flag, even_k, order in rows:
+        case = (mode, kind, what, flag, even_k)
         assert order["launch_pdl"] and order["waits"] == 1 and order["triggers"] == 1, case
+        assert order["trigger_after_wait"] is (mode == 1), case
         assert any("ld.global" in line for line in order["after"]), case
-        if kind == "gemv" and even_k:
+        if mode == 2 and kind == "gemv" and even_k:
             # The first K step's weight rows (and the up rows when gated), nothing else.
             assert order["before"] and all("ld.global.L1::evict_first" in line for line in order["before"]), case
             assert len(order["before"]) == (2 if flag else 1) * 4 * 2048 // (4 * 32 * 16), case
@@ -144,23 +169,39 @@ class _Recorder:
         self.calls.append((key, dict(constexprs), options))
 
 
+class _GridRecorder:
+    """Stands in for a @triton.jit kernel launched as ``kernel[grid](...)``: records its keywords."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def launch_(*args, **kwargs):
+            self.calls.append((None, {k: v for k, v in kwargs.items() if k == "PDL"},
+                               {k: v for k, v in kwargs.items() if k == "launch_pdl"}))
+        return launch_
+
+
 def test_the_pdl_setting_reaches_each_kernel_its_launch_option_and_its_cache_key(monkeypatch):
     """The PDL constexpr (the wait in the kernel) and triton's launch_pdl (the early start) must
     travel together: a kernel launched early without its wait would race."""
-    from quantkit.kernels import gemv, quant
+    from quantkit.kernels import attention_decode, gemv, kv_cache, quant, rope
     from quantkit.kernels.call_cache import SignatureCache
     from quantkit.kernels.reference import quantize_per_channel, quantize_per_token
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
     norm_weight = torch.randn(64, generator=gen).to(torch.bfloat16)
     a, a_scale = quantize_per_token(x[:1].float(), torch.int8)
     w, w_scale = quantize_per_channel(torch.randn(40, 64, generator=gen), torch.int8)
-    gemv_keys = {}
-    for on in (False, True):
-        monkeypatch.setattr(launch, "PDL", on)
-        monkeypatch.setattr(launch, "_PDL_CHECKED", False)
+    q = torch.randn(1, 4, 1, 64, generator=gen).to(torch.bfloat16)
+    k = torch.randn(1, 2, 1, 64, generator=gen).to(torch.bfloat16)
+    cos, sin = torch.randn(1, 1, 64, generator=gen), torch.randn(1, 1, 64, generator=gen)
+    k_cache, v_cache = torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16)
+    seqlens = torch.tensor([5], dtype=torch.int32)
+    keys = {}
+    for mode in (launch.PDL_OFF, launch.PDL_ORDERED, launch.PDL_EARLY):
+        monkeypatch.setattr(launch, "PDL", mode)
         recorders = {name: _Recorder() for name in ("_PER_TOKEN", "_RMS_NORM_QUANT", "_RMS_NORM_QUANT_CHUNKED")}
         for name, recorder in recorders.items():
             monkeypatch.setattr(quant, name, recorder)
@@ -168,17 +209,25 @@ def test_the_pdl_setting_reaches_each_kernel_its_launch_option_and_its_cache_key
             monkeypatch.setattr(quant, name, {})
         for name in ("_PER_TOKEN_CALLS", "_RMS_CALLS"):
             monkeypatch.setattr(quant, name, SignatureCache())
-        recorders["_GEMV"] = _Recorder()
-        monkeypatch.setattr(gemv, "_GEMV", recorders["_GEMV"])
+        for module, name in ((gemv, "_GEMV"), (rope, "_ROPE"), (kv_cache, "_WRITE")):
+            recorders[name] = _Recorder()
+            monkeypatch.setattr(module, name, recorders[name])
+        attention = _GridRecorder()
+        for name in ("_decode_split_kernel", "_decode_flat_kernel"):
+            monkeypatch.setattr(attention_decode, name, attention)
 
         gemv._launch(a, w, torch.empty(1, 40, dtype=torch.bfloat16), a_scale, w_scale, None, "none", False, None)
         quant.quantize_per_token(x, torch.int8)
         quant.rms_norm_quant_per_token(x, norm_weight, 1e-6, torch.int8)
         quant.rms_norm_quant_per_token(x, norm_weight, 1e-6, torch.int8, config={"chunk_k": 32})
-        for name, recorder in recorders.items():
+        rope.apply_rope(q, k, cos, sin)
+        kv_cache.write_kv_cache(k, k, k_cache, v_cache, torch.tensor([4]))
+        attention_decode.decode_attention(q[:, :, 0], k_cache, v_cache, seqlens, 0.125)
+        for name, recorder in {**recorders, "attention": attention}.items():
             assert len(recorder.calls) == 1, name
             key, constexprs, options = recorder.calls[0]
-            assert constexprs["PDL"] is on, name
-            assert bool((options or {}).get("launch_pdl")) is on, name
-        gemv_keys[on] = recorders["_GEMV"].calls[0][0]
-    assert gemv_keys[False] != gemv_keys[True]
+            assert constexprs["PDL"] == mode, name
+            assert bool((options or {}).get("launch_pdl")) is (mode != launch.PDL_OFF), name
+        keys[mode] = [recorders[name].calls[0][0] for name in ("_GEMV", "_ROPE", "_WRITE")]
+    for i in range(3):
+        assert len({str(keys[mode][i]) for mode in keys}) == 3
