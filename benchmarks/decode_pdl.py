@@ -1,7 +1,7 @@
 """Programmatic dependent launch (``QUANTKIT_PDL``) and the one-launch KV-cache write on decode, GPU.
 
     PYTHONPATH=. python benchmarks/decode_pdl.py --out DIR [--layers 32] [--dtypes int8,fp8]
-        [--pdl 0,1,early] [--model-tokens N [--no-model] [--toggle fp8,int8]]
+        [--pdl 0,1] [--model-tokens N [--no-model] [--toggle fp8,int8]]
 
 Three stages. In the first two each setting (``--pdl``: QUANTKIT_PDL values, off first) runs in
 its own process (``launch.PDL`` is read at import):
@@ -21,9 +21,9 @@ its own process (``launch.PDL`` is read at import):
    processes, and FP8 sums in another order under another config, so a difference is reported,
    not raised).
 3. ``--toggle SCHEMES`` (with ``--model-tokens``): one process per scheme builds the model once and
-   generates under each of ``TOGGLE_VARIANTS`` twice (PDL off / ordered / early, ``set_pdl``, and
-   the KV-cache write by the kernel or by index_copy_, ``set_kv_write``), so the autotuned configs
-   are the same in all: the tokens must be equal.
+   generates under each of ``TOGGLE_VARIANTS`` twice (PDL off / on, ``set_pdl``, and the KV-cache
+   write by the kernel or by index_copy_, ``set_kv_write``), so the autotuned configs are the same
+   in all: the tokens must be equal.
 
 Writes decode_pdl.json under --out.
 """
@@ -148,11 +148,11 @@ def model_child(scheme: str, new_tokens: int, out: Path) -> dict:
     return {"scheme": scheme, "pdl": launch.pdl_name(), "ms_per_token": statistics.median(runs), "ms_runs": runs}
 
 
-def set_pdl(mode: int) -> None:
+def set_pdl(on: bool) -> None:
     """launch.PDL in this process: the setting, and the quantization plans that baked it in."""
     from quantkit.kernels import launch, quant
 
-    launch.PDL = mode
+    launch.PDL = on
     for cache in (quant._PER_TOKEN_PLANS, quant._RMS_PLANS, quant._PER_TOKEN_CALLS, quant._RMS_CALLS):
         cache.clear()
 
@@ -169,28 +169,27 @@ def set_kv_write(kernel: bool) -> None:
     quantkit.generate.write_kv_cache = attention_ops.write_kv_cache if kernel else with_index_copy
 
 
-# (PDL mode, KV write by the kernel), each run twice in this order by the toggle stage.
-TOGGLE_VARIANTS = [(0, False), (0, True), (1, True), (2, True)]
+# (PDL, KV write by the kernel), each run twice in this order by the toggle stage.
+TOGGLE_VARIANTS = [(False, False), (False, True), (True, True)]
 
 
 def toggle_child(scheme: str, new_tokens: int) -> dict:
     import torch
 
     from quantkit.generate import generate
-    from quantkit.kernels import launch
 
-    model, ids = _model_and_prompt(scheme, new_tokens)  # compiled and tuned with PDL off
+    model, ids = _model_and_prompt(scheme, new_tokens)  # compiled and tuned with the process's setting
     runs = []
-    for mode, kernel in TOGGLE_VARIANTS * 2:
-        set_pdl(mode)
+    for on, kernel in TOGGLE_VARIANTS * 2:
+        set_pdl(on)
         set_kv_write(kernel)
         generate(model, ids, new_tokens, eos_token_id=None)  # compile the PDL kernels outside the timing
         tokens, ms = _timed_generate(model, ids, new_tokens)
-        runs.append((mode, kernel, tokens, ms))
+        runs.append((on, kernel, tokens, ms))
     first = runs[0][2]
     return {"scheme": scheme, "tokens_equal": all(bool(torch.equal(t, first)) for _, _, t, _ in runs),
-            "ms_per_token": [[launch.PDL_NAMES[mode], "kernel" if kernel else "index_copy", ms]
-                             for mode, kernel, _, ms in runs]}
+            "ms_per_token": [["pdl on" if on else "pdl off", "kernel" if kernel else "index_copy", ms]
+                             for on, kernel, _, ms in runs]}
 
 
 def main() -> None:
@@ -206,7 +205,7 @@ def main() -> None:
     parser.add_argument("--chain", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--model", action=argparse.BooleanOptionalAction, default=True,
                         help="stage 2 (with --model-tokens); --no-model runs only the toggle stage's model")
-    parser.add_argument("--pdl", default="0,1,early", help="QUANTKIT_PDL values of stages 1-2, off first")
+    parser.add_argument("--pdl", default="0,1", help="QUANTKIT_PDL values of stages 1-2, off first")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.toggle and args.model_tokens < 2:

@@ -250,7 +250,7 @@ def _decode_split_kernel(
     HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE: tl.constexpr,
     GROUP_P2: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
     TMA: tl.constexpr, K_ROWS: tl.constexpr, EVICTION: tl.constexpr, PREFETCH_FIRST: tl.constexpr,
-    SPLIT_BY_FILL: tl.constexpr, PDL: tl.constexpr = 0,
+    SPLIT_BY_FILL: tl.constexpr, PDL: tl.constexpr = False,
 ):
     wait_for_the_kernel_before(PDL)
     pid_bk = tl.program_id(0)
@@ -382,7 +382,7 @@ def _decode_flat_kernel(
     batch_size, n_kv_heads, group_size, key_limit, qk_scale, window, n_programs, max_parts,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr, GROUP_P2: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-    TMA: tl.constexpr, EVICTION: tl.constexpr, MIN_BLOCKS: tl.constexpr, PDL: tl.constexpr = 0,
+    TMA: tl.constexpr, EVICTION: tl.constexpr, MIN_BLOCKS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Balanced persistent decode: the BLOCK_N-key blocks that the *current* lengths fill (every
     (batch, kv head) sequence's visible keys, at least one block each, so an empty sequence still
@@ -748,7 +748,7 @@ def decode_attention(
     fused_shape = (triton.next_power_of_2(group), triton.next_power_of_2(n_splits), split_chunk)
     group_p2, block_splits, split_chunk = fused_shape if epilogue == EPILOGUE_FUSED else (1, 1, 1)
     tma, k_desc, v_desc, k_rows, v_rows = _descriptors(config, k_cache, v_cache)
-    pdl = launch.pdl_mode()
+    pdl = launch.pdl_enabled()
     _decode_split_kernel[(batch * n_kv_heads, n_splits)](
         q, k_cache, v_cache, k_desc, v_desc, cache_seqlens, out, o_part, lse_part, counters,
         q.stride(0), q.stride(1),
@@ -800,7 +800,7 @@ def _decode_flat(q, k_cache, v_cache, cache_seqlens, scale, window, max_keys, co
     split_chunk = max(1, min(triton.next_power_of_2(max_parts), COMBINE_CHUNK_FLOATS // (group_p2 * head_dim)))
     split_chunk = 1 << (split_chunk.bit_length() - 1)  # a power of two
     tma, k_desc, v_desc, k_rows, v_rows = _descriptors(config, k_cache, v_cache)
-    pdl = launch.pdl_mode()
+    pdl = launch.pdl_enabled()
     _decode_flat_kernel[(n_programs,)](
         q, k_cache, v_cache, k_desc, v_desc, cache_seqlens, out, o_part, lse_part, counters,
         q.stride(0), q.stride(1),

@@ -29,11 +29,7 @@ key on the GPU; the chosen config is then launched through ``launch.CachedLaunch
 interpreter one fixed config (``INTERPRETER_CONFIG``).
 
 With programmatic dependent launch (``launch.PDL``, sm_90+) a GEMV may be scheduled while the
-kernel before it ends, and waits for it (``griddepcontrol.wait``) before its first load. Under
-``PDL_EARLY``, where K is a multiple of BLOCK_K, it loads its first K step of the weight before
-that wait and reads the activation after it: each weight stream's start overlaps the previous
-kernel's end, and the weight must then not be written on the GPU just before the call without
-a synchronization between (see ``launch.PDL``).
+kernel before it ends, and waits for it (``griddepcontrol.wait``) before its first load.
 """
 
 from __future__ import annotations
@@ -112,23 +108,8 @@ def _scaled_gemv_kernel(
     acc_dtype = tl.int32 if IS_INT8 else tl.float32
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
-    k_begin = 0
-    if PDL == 2 and EVEN_K:
-        # launch.PDL_EARLY: the weight is constant, so its first K step is loaded before the wait
-        # for the kernel before; the activation, which that kernel writes, after.
-        tl.extra.cuda.gdc_launch_dependents()
-        w = tl.load(w_ptrs, eviction_policy="evict_first")
-        w_up = tl.load(up_ptrs, eviction_policy="evict_first") if GATED else w
-        tl.extra.cuda.gdc_wait()
-        a = tl.load(a_ptrs, eviction_policy="evict_last")
-        acc, acc_up = _accumulate(acc, acc_up, a, w, w_up, IS_INT8, GATED)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
-        k_begin = BLOCK_K
-    else:
-        wait_for_the_kernel_before(PDL)
-    for k_start in range(k_begin, K, BLOCK_K):
+    wait_for_the_kernel_before(PDL)
+    for k_start in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, eviction_policy="evict_last")
             w = tl.load(w_ptrs, eviction_policy="evict_first")
@@ -222,7 +203,7 @@ def _launch(a, w, out, a_scale, w_scale, bias, activation: str, raw_acc: bool, c
     block_m = next_power_of_2(M)
     args = (a, w, out, a_scale, w_scale, bias_arg, M, N, K, a.stride(0), w.stride(0), out.stride(0))
     tune_key = (N, K, block_m, a.dtype, out.dtype, bias_arg.dtype, *flags.values())
-    pdl = launch.pdl_mode()
+    pdl = launch.pdl_enabled()
     if config is None:
         if INTERPRETED:
             config = INTERPRETER_CONFIG

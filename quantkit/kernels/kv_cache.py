@@ -79,7 +79,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     grid, ints, constexprs, key = call
     if grid is None:
         return
-    pdl = launch.pdl_mode()
+    pdl = launch.pdl_enabled()
     _WRITE((key, pdl, aligned(k, v, k_cache, v_cache, positions)), grid, (k, v, k_cache, v_cache, positions, *ints),
            {**constexprs, "PDL": pdl}, 4, 1, options=launch.pdl_options(pdl))
 

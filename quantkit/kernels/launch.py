@@ -42,44 +42,39 @@ SHARED_MEMORY_LIMIT = 232448
 # Set to False to send every launch through triton's own path (benchmarks compare the two).
 ENABLED = True
 
-# Programmatic dependent launch (opt-in, sm_90+), read once at import from QUANTKIT_PDL: the GEMV,
-# the quantization kernels (per-token, RMSNorm + quantization), RoPE, the KV-cache write and
-# decode attention launch with triton's ``launch_pdl``, so that each may be scheduled while the
-# kernel before it still runs, and wait (griddepcontrol.wait, ``dependent_launch``) for that
-# kernel to finish before they touch memory. Two orders (``PDL`` is the kernels' constexpr):
-# - PDL_ORDERED (QUANTKIT_PDL=1): each kernel waits first, then lets the next one launch. Every
-#   load and store is ordered after the kernels before, exactly as without PDL; what overlaps is
-#   the next kernel's launch with this one's work.
-# - PDL_EARLY (QUANTKIT_PDL=early): each kernel lets the next one launch first, then waits, and
-#   the GEMV loads its first weight step before its wait. A weight written on the GPU must then
-#   not go into an M <= 4 GEMV without a synchronization between (a model's forward never
-#   writes its weights).
-# Decode at batch 1 on an H200 (benchmarks/NOTES-gemm.md, sessions 44-45).
-PDL_OFF, PDL_ORDERED, PDL_EARLY = 0, 1, 2
-PDL_NAMES = {PDL_OFF: "off", PDL_ORDERED: "ordered", PDL_EARLY: "early"}
-_PDL_MODES = {"": PDL_OFF, "0": PDL_OFF, "1": PDL_ORDERED, "early": PDL_EARLY}
+# Programmatic dependent launch (PDL), on by default on sm_90+ GPUs: the GEMV, the quantization
+# kernels (per-token, RMSNorm + quantization), RoPE, the KV-cache write and decode attention launch
+# with triton's ``launch_pdl``, so that each may be scheduled while the kernel before it still
+# runs. Each first waits for that kernel to finish (griddepcontrol.wait), then releases the next
+# one (``dependent_launch``): every load and store stays ordered after the kernels before, as
+# without PDL, and what overlaps is the next kernel's launch with this one's work. Decode at batch
+# 1 on an H200: 1.08x per token (benchmarks/NOTES-gemm.md, session 45). QUANTKIT_PDL=0 turns it
+# off, =1 asks for it (an error before sm_90); unset, it is on where the GPU has it.
+_PDL_VALUES = ("", "0", "1")
 _PDL_VALUE = os.environ.get("QUANTKIT_PDL", "")
-# The mode every launch uses; None until the first launch resolves QUANTKIT_PDL (``pdl_mode``).
-PDL: int | None = PDL_OFF if INTERPRETED else None
+# Whether launches use PDL (a kernel's ``PDL`` constexpr); None until the first launch resolves
+# it (``pdl_enabled``). Always off under the interpreter.
+PDL: bool | None = False if INTERPRETED else None
 
 
-def _resolve_pdl(value: str) -> int:
-    if value not in _PDL_MODES:
-        raise ValueError(f"QUANTKIT_PDL={value!r}: set it to 1 (programmatic dependent launch on), early (on, "
-                         f"each kernel releasing the next before its wait) or 0 / unset (off)")
-    mode = _PDL_MODES[value]
-    if mode != PDL_OFF:
-        major, minor = torch.cuda.get_device_capability()
-        if major < 9:
-            raise ValueError(f"QUANTKIT_PDL={value} needs an sm_90 or newer GPU (Hopper); this one is "
-                             f"sm_{major}{minor}: unset QUANTKIT_PDL")
-    return mode
+def _resolve_pdl(value: str) -> bool:
+    if value not in _PDL_VALUES:
+        raise ValueError(f"QUANTKIT_PDL={value!r}: set it to 1 (programmatic dependent launch on), 0 (off), or "
+                         f"leave it unset (on where the GPU has it, sm_90+)")
+    if value == "0" or (value == "" and not torch.cuda.is_available()):
+        return False
+    major, minor = torch.cuda.get_device_capability()
+    if major >= 9:
+        return True
+    if value == "1":
+        raise ValueError(f"QUANTKIT_PDL=1 needs an sm_90 or newer GPU (Hopper); this one is sm_{major}{minor}: "
+                         f"unset QUANTKIT_PDL")
+    return False
 
 
-def pdl_mode() -> int:
-    """The PDL mode of this process's launches (a kernel's ``PDL`` constexpr), resolved from
-    QUANTKIT_PDL by the first launch that asks: one of 0, 1, early, and anything but off only on
-    an sm_90 or newer GPU (griddepcontrol); a bad value is a ValueError there."""
+def pdl_enabled() -> bool:
+    """Whether this process's launches use PDL, resolved from QUANTKIT_PDL and the current GPU by
+    the first launch that asks (a bad value is a ValueError there)."""
     global PDL
     if PDL is None:
         PDL = _resolve_pdl(_PDL_VALUE)
@@ -87,16 +82,16 @@ def pdl_mode() -> int:
 
 
 def pdl_name() -> str:
-    """The mode's name, for result files: "off", "ordered" or "early" ("off" without CUDA)."""
+    """"on" or "off", for result files (without CUDA, "off")."""
     if PDL is None and not torch.cuda.is_available():
-        return PDL_NAMES[PDL_OFF]
-    return PDL_NAMES[pdl_mode()]
+        return "off"
+    return "on" if pdl_enabled() else "off"
 
 
-def pdl_options(mode: int, options: dict | None = None) -> dict | None:
-    """``options`` with triton's ``launch_pdl`` added when ``mode`` (``pdl_mode()``) is not off:
-    a kernel's PDL constexpr (its wait) and its early launch must always travel together."""
-    if mode == PDL_OFF:
+def pdl_options(pdl: bool, options: dict | None = None) -> dict | None:
+    """``options`` with triton's ``launch_pdl`` added when ``pdl`` (``pdl_enabled()``): a kernel's
+    PDL constexpr (its wait) and its early launch must always travel together."""
+    if not pdl:
         return options
     return {**(options or {}), "launch_pdl": True}
 

@@ -238,7 +238,7 @@ def _quantize_per_token_kernel(
     QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr, IS_FP8: tl.constexpr,
     BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SINGLE_PASS: tl.constexpr, KEEP_INPUT_DTYPE: tl.constexpr,
     FAST_DIVIDE: tl.constexpr, STAGES: tl.constexpr, KEEP: tl.constexpr, STREAM: tl.constexpr,
-    INTERPRETED: tl.constexpr, PDL: tl.constexpr = 0,
+    INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
 ):
     wait_for_the_kernel_before(PDL)
     # ROWS rows per program: more bytes in flight per program for short rows.
@@ -349,7 +349,7 @@ def _rms_norm_quant_kernel(
     M, K, stride_xm, stride_rm, stride_nrm, stride_qm, eps, offset,
     QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr, IS_FP8: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, FAST_DIVIDE: tl.constexpr,
-    KEEP: tl.constexpr, STREAM: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr = 0,
+    KEEP: tl.constexpr, STREAM: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
 ):
     wait_for_the_kernel_before(PDL)
     # KEEP / STREAM: cache eviction hints (or ""): the weight is read by every row, the rest once.
@@ -411,7 +411,7 @@ def _rms_norm_quant_chunked_kernel(
     QMAX: tl.constexpr, MIN_SCALE_C: tl.constexpr, IS_FP8: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr, TWO_PASS: tl.constexpr, FAST_DIVIDE: tl.constexpr,
     STAGES: tl.constexpr, KEEP: tl.constexpr, STREAM: tl.constexpr, INTERPRETED: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """Long rows in BLOCK_K chunks: a row in registers (the whole-row kernel) caps the programs
     per SM at one or two; chunks keep many rows in flight and the later reads hit L2.
@@ -607,7 +607,7 @@ _RMS_CALLS = SignatureCache()
 
 def _rms_norm_plan(K: int, has_residual: bool, dtype: torch.dtype, config: dict | None) -> tuple:
     cfg = _launch_config(rms_norm_launch_config(K, has_residual), config, "RMSNorm config")
-    pdl = launch.pdl_mode()
+    pdl = launch.pdl_enabled()
     constexprs = dict(QMAX=qmax_of(dtype), MIN_SCALE_C=MIN_SCALE, IS_FP8=dtype == torch.float8_e4m3fn,
                       HAS_RESIDUAL=has_residual)
     if cfg["chunk_k"]:
@@ -634,7 +634,7 @@ def _per_token_plan(K: int, x_dtype: torch.dtype, dtype: torch.dtype, config: di
     block_k = next_power_of_2(K) if single_pass else min(cfg["chunk_k"], next_power_of_2(K))
     rows = cfg["rows"]
     num_warps = cfg["num_warps"] or _row_warps(block_k * rows)
-    pdl = launch.pdl_mode()
+    pdl = launch.pdl_enabled()
     constexprs = dict(QMAX=qmax_of(dtype), MIN_SCALE_C=MIN_SCALE, IS_FP8=dtype == torch.float8_e4m3fn, BLOCK_K=block_k,
                       ROWS=rows, SINGLE_PASS=single_pass, KEEP_INPUT_DTYPE=cfg["keep_input_dtype"],
                       FAST_DIVIDE=bool(cfg["fast_divide"]), STAGES=int(cfg["stages"]), **_policies(cfg["evict"]),

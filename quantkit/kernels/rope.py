@@ -156,7 +156,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     grid, ints, constexprs, key = call
     if grid is not None:
         # 4 warps; 3 stages is triton's default (the launch passed none before the cache).
-        pdl = launch.pdl_mode()
+        pdl = launch.pdl_enabled()
         _ROPE((key, pdl, aligned(q, k, cos, sin, q_out, k_out)), grid, (q, k, cos, sin, q_out, k_out, *ints),
               {**constexprs, "PDL": pdl}, 4, 3, options=launch.pdl_options(pdl, _OPTIONS))
     return q_out, k_out

@@ -1,14 +1,13 @@
-"""Programmatic dependent launch (launch.PDL, QUANTKIT_PDL=1 or early): off by default, and where it
-is on, the kernels read nothing an earlier kernel writes before their grid-dependency wait.
+"""Programmatic dependent launch (launch.PDL; on by default on sm_90+, QUANTKIT_PDL=0 turns it off):
+the launch option and the kernels' wait always travel together, and the kernels touch no memory
+before their grid-dependency wait.
 
-A kernel launched with PDL may start while the kernel before it still runs, so what decides
-correctness is the order in the compiled code: the wait (``griddepcontrol.wait``) must come before
-every load of an activation, scale, residual or key and before every store. Under PDL_ORDERED
-nothing at all is loaded before it and the next kernel is released (``launch_dependents``) only
-after it; under PDL_EARLY only the GEMV's weight (constant, loaded with the ``evict_first`` hint)
-may be loaded before it. Checked in the PTX of each PDL kernel compiled for sm_90 here (no GPU
-needed); the GPU run of benchmarks/decode_pdl.py checks the results bit for bit
-(benchmarks/NOTES-gemm.md, sessions 44-45).
+A kernel launched with PDL may be scheduled while the kernel before it still runs, so what
+decides correctness is the order in the compiled code: the wait (``griddepcontrol.wait``) must
+come before every load and store, and the release of the next kernel
+(``griddepcontrol.launch_dependents``) after it. Checked in the PTX of each PDL kernel compiled
+for sm_90 here (no GPU needed); the GPU run of benchmarks/decode_pdl.py checks the results bit
+for bit (benchmarks/NOTES-gemm.md, sessions 44-45).
 """
 
 import json
@@ -25,51 +24,50 @@ from quantkit.kernels import launch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-PDL_SET = os.environ.get("QUANTKIT_PDL", "") not in ("", "0")
-
-
-@pytest.mark.skipif(PDL_SET, reason="QUANTKIT_PDL is set: the default is not what runs")
-def test_pdl_is_off_by_default_and_leaves_options_alone():
-    assert launch.pdl_mode() == launch.PDL_OFF  # QUANTKIT_PDL unset (and always off under the interpreter)
+def test_pdl_is_off_under_the_interpreter_and_then_leaves_options_alone():
+    assert launch.pdl_enabled() is False
     assert launch.pdl_name() == "off"
-    assert launch.pdl_options(launch.PDL_OFF) is None
-    assert launch.pdl_options(launch.PDL_OFF, {"maxnreg": 80}) == {"maxnreg": 80}
+    assert launch.pdl_options(False) is None
+    assert launch.pdl_options(False, {"maxnreg": 80}) == {"maxnreg": 80}
 
 
-def _unresolved(monkeypatch, value: str, capability=(9, 0)) -> None:
+def _unresolved(monkeypatch, value: str, capability=(9, 0), cuda: bool = True) -> None:
     monkeypatch.setattr(launch, "_PDL_VALUE", value)
     monkeypatch.setattr(launch, "PDL", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: capability)
 
 
-@pytest.mark.parametrize("value", ["true", "on", "2"])
-def test_a_quantkit_pdl_value_other_than_0_1_or_early_is_refused_on_first_use(monkeypatch, value):
+@pytest.mark.parametrize("value", ["true", "on", "2", "early"])
+def test_a_quantkit_pdl_value_other_than_0_or_1_is_refused_on_first_use(monkeypatch, value):
     _unresolved(monkeypatch, value)
-    with pytest.raises(ValueError, match=f"QUANTKIT_PDL='{value}': set it to 1 .* early .* or 0 / unset"):
-        launch.pdl_mode()
+    with pytest.raises(ValueError, match=f"QUANTKIT_PDL='{value}': set it to 1 .*, 0 \\(off\\), or leave it unset"):
+        launch.pdl_enabled()
 
 
-@pytest.mark.parametrize("value,mode", [("", 0), ("0", 0), ("1", 1), ("early", 2)])
-def test_the_first_launch_resolves_quantkit_pdl_once(monkeypatch, value, mode):
-    _unresolved(monkeypatch, value)
-    assert launch.pdl_mode() == mode
+@pytest.mark.parametrize("value,capability,cuda,enabled", [
+    ("", (9, 0), True, True), ("", (10, 0), True, True), ("", (8, 9), True, False), ("", (9, 0), False, False),
+    ("0", (9, 0), True, False), ("1", (9, 0), True, True),
+])
+def test_the_first_launch_resolves_quantkit_pdl_once(monkeypatch, value, capability, cuda, enabled):
+    _unresolved(monkeypatch, value, capability, cuda)
+    assert launch.pdl_enabled() is enabled
+    assert launch.pdl_name() == ("on" if enabled else "off")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (8, 0))
-    assert launch.pdl_mode() == mode  # resolved: not asked again
+    assert launch.pdl_enabled() is enabled  # resolved: not asked again
 
 
-@pytest.mark.parametrize("value", ["1", "early"])
 @pytest.mark.parametrize("capability", [(8, 0), (8, 9)])
-def test_pdl_on_a_gpu_before_hopper_is_refused_in_one_line(monkeypatch, capability, value):
-    _unresolved(monkeypatch, value, capability)
+def test_asking_for_pdl_on_a_gpu_before_hopper_is_refused_in_one_line(monkeypatch, capability):
+    _unresolved(monkeypatch, "1", capability)
     with pytest.raises(ValueError, match=f"needs an sm_90 or newer GPU .*sm_{capability[0]}{capability[1]}: unset "
                                            "QUANTKIT_PDL"):
-        launch.pdl_mode()
+        launch.pdl_enabled()
 
 
-@pytest.mark.parametrize("mode", [1, 2])
-def test_pdl_on_adds_the_launch_option(mode):
-    assert launch.pdl_options(mode) == {"launch_pdl": True}
-    assert launch.pdl_options(mode, {"maxnreg": 80}) == {"maxnreg": 80, "launch_pdl": True}
+def test_pdl_on_adds_the_launch_option():
+    assert launch.pdl_options(True) == {"launch_pdl": True}
+    assert launch.pdl_options(True, {"maxnreg": 80}) == {"maxnreg": 80, "launch_pdl": True}
 
 
 def _ptx_order(kernel, constants: dict, types: dict, num_warps: int, num_stages: int = 1) -> dict:
@@ -106,57 +104,46 @@ import json, torch
 from quantkit.kernels import gemv, kv_cache, quant, rope
 from tests.kernels.test_pdl import _ptx_order
 rows = []
-for mode in (1, 2):
-    for is_int8, operand in ((True, "i8"), (False, "fp8e4nv")):
-        for gated in (False, True):
-            for even_k in (True, False):
-                if mode == 1 and (gated == is_int8 or not even_k):
-                    continue  # PDL_ORDERED runs one path whatever the flags: two cases suffice
-                constants = dict(IS_INT8=is_int8, A_PER_TOKEN=True, W_PER_CHANNEL=True, HAS_BIAS=False,
-                                 ACTIVATION=2 if gated else 0, RAW_ACC=False, GATED=gated, INTERPRETED=False,
-                                 EVEN_K=even_k, PDL=mode, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048)
-                types = {"a_ptr": "*" + operand, "w_ptr": "*" + operand, "out_ptr": "*bf16"}
-                rows.append([mode, "gemv", operand, gated, even_k,
-                             _ptx_order(gemv._scaled_gemv_kernel, constants, types, 4)])
-    for K in (4096, 14336)[:mode]:  # the quantization launchers compile with num_stages=3
-        rows_, constants, num_warps, _, _ = quant._per_token_plan(K, torch.bfloat16, torch.int8, None)
-        types = {"x_ptr": "*bf16", "q_ptr": "*i8"}
-        rows.append([mode, "per_token", K, None, None,
-                     _ptx_order(quant._quantize_per_token_kernel, {**constants, "PDL": mode}, types, num_warps, 3)])
-        for residual in (False, True):
-            launcher, _, constants, num_warps, _, _ = quant._rms_norm_plan(K, residual, torch.float8_e4m3fn, None)
-            types = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "new_residual_ptr": "*bf16", "weight_ptr": "*bf16",
-                     "q_ptr": "*fp8e4nv", "eps": "fp32", "offset": "fp32"}
-            rows.append([mode, "rms_norm_quant", K, residual, None,
-                         _ptx_order(launcher.kernel, {**constants, "PDL": mode}, types, num_warps, 3)])
-    types = {name: "*bf16" for name in ("Q", "K", "COS", "SIN", "Q_OUT", "K_OUT")}
-    rows.append([mode, "rope", 128, None, None,
-                 _ptx_order(rope._rope_kernel, dict(HALF=64, BLOCK_S=1, PDL=mode), types, 4, 3)])
-    types = {"K": "*bf16", "V": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16", "POSITIONS": "*i64"}
-    rows.append([mode, "kv_cache", 128, None, None,
-                 _ptx_order(kv_cache._kv_cache_write_kernel, dict(BLOCK_S=1, BLOCK_D=128, PDL=mode), types, 4)])
+for is_int8, operand, gated, even_k in ((True, "i8", False, True), (False, "fp8e4nv", True, True),
+                                        (True, "i8", True, False), (False, "fp8e4nv", False, False)):
+    constants = dict(IS_INT8=is_int8, A_PER_TOKEN=True, W_PER_CHANNEL=True, HAS_BIAS=False,
+                     ACTIVATION=2 if gated else 0, RAW_ACC=False, GATED=gated, INTERPRETED=False,
+                     EVEN_K=even_k, PDL=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048)
+    types = {"a_ptr": "*" + operand, "w_ptr": "*" + operand, "out_ptr": "*bf16"}
+    rows.append(["gemv", operand, gated, even_k, _ptx_order(gemv._scaled_gemv_kernel, constants, types, 4)])
+for K in (4096, 14336):  # the quantization launchers compile with num_stages=3
+    rows_, constants, num_warps, _, _ = quant._per_token_plan(K, torch.bfloat16, torch.int8, None)
+    types = {"x_ptr": "*bf16", "q_ptr": "*i8"}
+    rows.append(["per_token", K, None, None,
+                 _ptx_order(quant._quantize_per_token_kernel, {**constants, "PDL": True}, types, num_warps, 3)])
+    for residual in (False, True):
+        launcher, _, constants, num_warps, _, _ = quant._rms_norm_plan(K, residual, torch.float8_e4m3fn, None)
+        types = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "new_residual_ptr": "*bf16", "weight_ptr": "*bf16",
+                 "q_ptr": "*fp8e4nv", "eps": "fp32", "offset": "fp32"}
+        rows.append(["rms_norm_quant", K, residual, None,
+                     _ptx_order(launcher.kernel, {**constants, "PDL": True}, types, num_warps, 3)])
+types = {name: "*bf16" for name in ("Q", "K", "COS", "SIN", "Q_OUT", "K_OUT")}
+rows.append(["rope", 128, None, None, _ptx_order(rope._rope_kernel, dict(HALF=64, BLOCK_S=1, PDL=True), types, 4, 3)])
+types = {"K": "*bf16", "V": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16", "POSITIONS": "*i64"}
+rows.append(["kv_cache", 128, None, None,
+             _ptx_order(kv_cache._kv_cache_write_kernel, dict(BLOCK_S=1, BLOCK_D=128, PDL=True), types, 4)])
 print(json.dumps(rows))
 """
 
 
-def test_pdl_kernels_wait_before_reading_what_earlier_kernels_write():
+def test_pdl_kernels_touch_no_memory_before_their_wait_and_release_the_next_after_it():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=1200)
     assert run.returncode == 0, run.stderr[-4000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(rows) == (2 + 3 + 2) + (8 + 3 * 2 + 2)
-    for mode, kind, what, flag, even_k, order in rows:
-        case = (mode, kind, what, flag, even_k)
+    assert len(rows) == 4 + 2 * 3 + 2
+    for kind, what, flag, even_k, order in rows:
+        case = (kind, what, flag, even_k)
         assert order["launch_pdl"] and order["waits"] == 1 and order["triggers"] == 1, case
-        assert order["trigger_after_wait"] is (mode == 1), case
+        assert order["trigger_after_wait"], case
+        assert order["before"] == [], case
         assert any("ld.global" in line for line in order["after"]), case
-        if mode == 2 and kind == "gemv" and even_k:
-            # The first K step's weight rows (and the up rows when gated), nothing else.
-            assert order["before"] and all("ld.global.L1::evict_first" in line for line in order["before"]), case
-            assert len(order["before"]) == (2 if flag else 1) * 4 * 2048 // (4 * 32 * 16), case
-        else:
-            assert order["before"] == [], case
 
 
 class _Recorder:
@@ -200,8 +187,8 @@ def test_the_pdl_setting_reaches_each_kernel_its_launch_option_and_its_cache_key
     k_cache, v_cache = torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16)
     seqlens = torch.tensor([5], dtype=torch.int32)
     keys = {}
-    for mode in (launch.PDL_OFF, launch.PDL_ORDERED, launch.PDL_EARLY):
-        monkeypatch.setattr(launch, "PDL", mode)
+    for pdl in (False, True):
+        monkeypatch.setattr(launch, "PDL", pdl)
         recorders = {name: _Recorder() for name in ("_PER_TOKEN", "_RMS_NORM_QUANT", "_RMS_NORM_QUANT_CHUNKED")}
         for name, recorder in recorders.items():
             monkeypatch.setattr(quant, name, recorder)
@@ -226,8 +213,8 @@ def test_the_pdl_setting_reaches_each_kernel_its_launch_option_and_its_cache_key
         for name, recorder in {**recorders, "attention": attention}.items():
             assert len(recorder.calls) == 1, name
             key, constexprs, options = recorder.calls[0]
-            assert constexprs["PDL"] == mode, name
-            assert bool((options or {}).get("launch_pdl")) is (mode != launch.PDL_OFF), name
-        keys[mode] = [recorders[name].calls[0][0] for name in ("_GEMV", "_ROPE", "_WRITE")]
-    for i in range(3):
-        assert len({str(keys[mode][i]) for mode in keys}) == 3
+            assert constexprs["PDL"] is pdl, name
+            assert bool((options or {}).get("launch_pdl")) is pdl, name
+        keys[pdl] = [recorders[name].calls[0][0] for name in ("_GEMV", "_ROPE", "_WRITE")]
+    for off, on in zip(keys[False], keys[True]):
+        assert off != on
