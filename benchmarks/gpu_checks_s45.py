@@ -8,7 +8,12 @@
    4096-slot cache per layer) captured in one CUDA graph, the kernel against index_copy_ x 2;
    ``--samples`` medians of ``--replays`` replays (CUDA events), the two rotated.
 
-Writes gpu_checks_s45.json under --out.
+3. ``--pdl-equal``: in one process (the autotuners pick once), the e2e benchmark's small random
+   Llama and Gemma-3 models, quantized plain (QuantLinear) and fast (``optimize(exact=False)``),
+   generate greedily with PDL off and on, CUDA-graph and eager decode, and their prefill logits
+   are compared bit for bit; HF's ``model.generate`` on the plain model is reported beside them.
+
+Writes gpu_checks_s45.json under --out (gpu_checks_s45_pdl.json for stage 3).
 """
 
 import argparse
@@ -91,16 +96,84 @@ def time_decode_writes(batch: int, layers: int, replays: int, samples: int) -> d
             "speedup": medians["index_copy"] / medians["kernel"]}
 
 
+def pdl_equal(new_tokens: int = 24) -> list[dict]:
+    """Stage 3: tokens and logits with PDL off and on, in one process."""
+    import copy
+
+    import torch
+
+    from quantkit.api import quantize
+    from quantkit.bench.e2e import _small_configs, build_model
+    from quantkit.config import QuantConfig
+    from quantkit.generate import generate
+    from quantkit.kernels import launch, quant
+    from quantkit.models.fast_attention import register_quantkit_attention
+    from quantkit.models.fast_path import optimize
+
+    def set_pdl(on: bool) -> None:
+        launch.PDL = on
+        for cache in (quant._PER_TOKEN_PLANS, quant._RMS_PLANS, quant._PER_TOKEN_CALLS, quant._RMS_CALLS):
+            cache.clear()
+
+    rows = []
+    for arch, config in _small_configs().items():
+        torch.manual_seed(0)
+        base = build_model(config, "cuda", torch.bfloat16)
+        with torch.no_grad():
+            for param in base.parameters():
+                if param.dim() == 1:
+                    param.add_(torch.randn_like(param) * 0.1)
+        ids = torch.randint(3, config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1)).to("cuda")
+        for scheme in ("fp8", "int8"):
+            plain = quantize(copy.deepcopy(base), QuantConfig.preset(scheme), progress=False)
+            hf_tokens = plain.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                       do_sample=False, eos_token_id=None, pad_token_id=0)
+            plain.set_attn_implementation(register_quantkit_attention(device="cuda"))
+            fast = optimize(copy.deepcopy(plain), exact=False)
+            results = {}
+            for on in (False, True, False, True):
+                set_pdl(on)
+                for name, model in (("plain", plain), ("fast", fast)):
+                    with torch.no_grad():
+                        logits = model(ids).logits
+                    graph = generate(model, ids, new_tokens, eos_token_id=None)
+                    eager = generate(model, ids, new_tokens, eos_token_id=None, cuda_graph=False)
+                    results.setdefault(name, []).append((on, logits, graph, eager))
+            row = {"arch": arch, "scheme": scheme}
+            for name, runs in results.items():
+                _, logits0, graph0, _ = runs[0]
+                row[f"{name}_logits_equal"] = all(bool(torch.equal(r[1], logits0)) for r in runs)
+                row[f"{name}_tokens_equal"] = all(bool(torch.equal(r[2], graph0) and torch.equal(r[3], graph0))
+                                                  for r in runs)
+            row["plain_equals_hf_generate"] = bool(torch.equal(results["plain"][0][2], hf_tokens))
+            row["passed"] = all(v for k, v in row.items() if k.endswith("_equal") and not k.startswith("plain_equals"))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    set_pdl(True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--samples", type=int, default=7)
+    parser.add_argument("--pdl-equal", action="store_true", help="stage 3 only")
     args = parser.parse_args()
     import torch
 
     from quantkit.bench.common import environment_metadata
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.pdl_equal:
+        rows = pdl_equal()
+        failed = [row for row in rows if not row["passed"]]
+        (args.out / "gpu_checks_s45_pdl.json").write_text(json.dumps(
+            {"meta": environment_metadata(), "rows": rows, "failed": failed}, indent=1))
+        if failed:
+            raise SystemExit(f"PDL changed logits or tokens: {failed}")
+        return
 
     shapes = [(1, 8, 1, 128, 128, 4096), (8, 8, 1, 128, 128, 4096), (1, 8, 2048, 128, 128, 2560),
               (4, 8, 2048, 128, 128, 2048), (2, 3, 37, 80, 128, 41), (1, 1, 1, 256, 256, 3)]
@@ -108,7 +181,6 @@ def main() -> None:
     timings = [time_decode_writes(batch, args.layers, args.replays, args.samples) for batch in (1, 8)]
     failed = [row for row in checks if not row["bit_equal"]]
     result = {"meta": environment_metadata(), "checks": checks, "failed": failed, "timings": timings}
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_checks_s45.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({"checks": len(checks), "failed": len(failed),
                       "timings": [{k: v for k, v in t.items() if k != "samples"} for t in timings]}), flush=True)
