@@ -4,7 +4,7 @@
         [--pdl 0,1] [--model-tokens N [--no-model] [--toggle fp8,int8]]
 
 Three stages. In the first two each setting (``--pdl``: QUANTKIT_PDL values, off first) runs in
-its own process (``launch.PDL`` is read at import):
+its own process (``launch.PDL`` is resolved from QUANTKIT_PDL on the first launch):
 
 1. The chain: the quantized part of a Llama-3-8B decode step at batch 1, ``--layers`` times over
    distinct weights (every weight comes from memory, as in a model). Per layer: residual add +
@@ -149,12 +149,10 @@ def model_child(scheme: str, new_tokens: int, out: Path) -> dict:
 
 
 def set_pdl(on: bool) -> None:
-    """launch.PDL in this process: the setting, and the quantization plans that baked it in."""
-    from quantkit.kernels import launch, quant
+    """PDL on or off in this process (every launcher reads ``launch.PDL`` per call)."""
+    from quantkit.kernels import launch
 
     launch.PDL = on
-    for cache in (quant._PER_TOKEN_PLANS, quant._RMS_PLANS, quant._PER_TOKEN_CALLS, quant._RMS_CALLS):
-        cache.clear()
 
 
 def set_kv_write(kernel: bool) -> None:

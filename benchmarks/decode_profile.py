@@ -49,7 +49,8 @@ def category(name: str) -> str:
     for key, label in (("attention", "attention"), ("decode", "attention"), ("gemv", "gemv"),
                        ("nvjet", "cublas (lm_head)"), ("gated", "gemm"), ("scaled_mm", "gemm"), ("gemm", "gemm"),
                        ("split", "gemm"), ("rms", "norm+quant"), ("quant", "norm+quant"), ("rope", "rope"),
-                       ("index_copy", "kv-cache write"), ("kv_cache_write", "kv-cache write"), ("memcpy", "copy"), ("memset", "copy")):
+                       ("index_copy", "kv-cache write"), ("kv_cache_write", "kv-cache write"), ("memcpy", "copy"),
+                       ("memset", "copy")):
         if key in lowered:
             return label
     return "other"

@@ -106,15 +106,11 @@ def pdl_equal(new_tokens: int = 24) -> list[dict]:
     from quantkit.bench.e2e import _small_configs, build_model
     from quantkit.config import QuantConfig
     from quantkit.generate import generate
-    from quantkit.kernels import launch, quant
+    from quantkit.kernels import launch
     from quantkit.models.fast_attention import register_quantkit_attention
     from quantkit.models.fast_path import optimize
 
-    def set_pdl(on: bool) -> None:
-        launch.PDL = on
-        for cache in (quant._PER_TOKEN_PLANS, quant._RMS_PLANS, quant._PER_TOKEN_CALLS, quant._RMS_CALLS):
-            cache.clear()
-
+    setting = launch.pdl_enabled()
     rows = []
     for arch, config in _small_configs().items():
         torch.manual_seed(0)
@@ -132,7 +128,7 @@ def pdl_equal(new_tokens: int = 24) -> list[dict]:
             fast = optimize(copy.deepcopy(plain), exact=False)
             results = {}
             for on in (False, True, False, True):
-                set_pdl(on)
+                launch.PDL = on  # every launcher reads it per call
                 for name, model in (("plain", plain), ("fast", fast)):
                     with torch.no_grad():
                         logits = model(ids).logits
@@ -149,7 +145,7 @@ def pdl_equal(new_tokens: int = 24) -> list[dict]:
             row["passed"] = all(v for k, v in row.items() if k.endswith("_equal") and not k.startswith("plain_equals"))
             print(json.dumps(row), flush=True)
             rows.append(row)
-    set_pdl(True)
+    launch.PDL = setting
     return rows
 
 

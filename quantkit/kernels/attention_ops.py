@@ -218,7 +218,8 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
                    positions: torch.Tensor, backend: str = "torch") -> None:
     """``k_cache[b, h, positions[s], :D] = k[b, h, s]`` and the same for v, in place; k, v
     (B, Hkv, S, D), caches (B, Hkv, capacity, Dc >= D), positions (S,) int64. The Triton backend
-    writes both in one launch."""
+    writes both in one launch and skips a position outside [0, capacity); the torch backend
+    (``index_copy_``) raises there (a device assert on CUDA)."""
     triton = is_triton(backend)
     if triton and _direct(k, "k"):
         return kernel_module("kv_cache").write_kv_cache(k, v, k_cache, v_cache, positions)

@@ -6,9 +6,10 @@ for k, v (B, Hkv, S, D) and caches (B, Hkv, capacity, Dc >= D) (``generate.Stati
 its buffers at the attention kernels' padded head size). The torch twin,
 ``reference_attention.write_kv_cache``, is two ``index_copy_`` calls: two launches per layer and
 step, 64 of the ~410 in a Llama-3-8B decode step (0.15 ms of 3.17 on an H200,
-benchmarks/results/decode_profile_s44_h200.json). One program per (batch x kv head, block of
-positions) copies its rows of k and then of v. A position outside [0, capacity) writes nothing
-(callers check lengths on the host, ``generate.check_lengths``; the twin raises there).
+benchmarks/results/decode_profile_s44_h200.json). One program per (block of positions, batch x
+kv head) copies its rows of k and then of v. A position outside [0, capacity) writes nothing,
+where the twin raises (``index_copy_``): callers check lengths on the host
+(``generate.check_lengths``).
 
 Under programmatic dependent launch (``launch.PDL``) the kernel waits for the one before it (RoPE,
 which writes k) before its first load, and the attention kernel after it waits for it.
@@ -37,17 +38,18 @@ def _copy_rows(SRC, DST, src_off, dst_off, stride_ss, stride_ds, offs_s, slots, 
 def _kv_cache_write_kernel(
     K, V, K_CACHE, V_CACHE, POSITIONS,
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs,
+    stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs, stride_p,
     n_heads, seqlen, head_dim, capacity,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_the_kernel_before(PDL)
-    batch = (tl.program_id(0) // n_heads).to(tl.int64)
-    head = tl.program_id(0) % n_heads
-    offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    # Position blocks on grid axis 0 (up to 2**31 - 1 programs; axis 1 stops at 65535).
+    offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    batch = (tl.program_id(1) // n_heads).to(tl.int64)
+    head = (tl.program_id(1) % n_heads).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < seqlen
-    slots = tl.load(POSITIONS + offs_s, mask=s_ok, other=0)
+    slots = tl.load(POSITIONS + offs_s * stride_p, mask=s_ok, other=0)
     row_ok = s_ok & (slots >= 0) & (slots < capacity)
     d_ok = offs_d < head_dim
     _copy_rows(K, K_CACHE, batch * stride_kb + head * stride_kh, batch * stride_kcb + head * stride_kch,
@@ -90,15 +92,14 @@ def _write_call(k, v, k_cache, v_cache, positions) -> tuple:
     batch, n_heads, seqlen, head_dim = k.shape
     if k.numel() == 0:
         return None, (), {}, None
-    if not INTERPRETED:
-        launch.check_runnable(k, "k")
+    launch.check_runnable(k, "k")
     block_d = next_power_of_2(head_dim)
-    # Rows of one (batch, head) per program: up to 16 (64 under the interpreter, where cost is
-    # per program); a decode step (S = 1) is one row per program.
+    # Rows of one (batch, head) per program: 2048 elements of k and of v (64 rows under the
+    # interpreter, where cost is per program); a decode step (S = 1) is one row per program.
     block_s = min(64 if INTERPRETED else max(1, 2048 // block_d), next_power_of_2(seqlen))
-    ints = (*k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+    ints = (*k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], positions.stride(0),
             n_heads, seqlen, head_dim, k_cache.shape[2])
-    grid = (batch * n_heads, cdiv(seqlen, block_s))
+    grid = (cdiv(seqlen, block_s), batch * n_heads)
     constexprs = {"BLOCK_S": block_s, "BLOCK_D": block_d}
     key = (k.dtype, positions.dtype, tuple(int_spec(i) for i in ints), block_s, block_d)
     return grid, ints, constexprs, key

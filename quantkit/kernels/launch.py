@@ -63,6 +63,8 @@ def _resolve_pdl(value: str) -> bool:
                          f"leave it unset (on where the GPU has it, sm_90+)")
     if value == "0" or (value == "" and not torch.cuda.is_available()):
         return False
+    if not torch.cuda.is_available():
+        raise ValueError("QUANTKIT_PDL=1 needs a CUDA GPU (sm_90 or newer) and none is available: unset QUANTKIT_PDL")
     major, minor = torch.cuda.get_device_capability()
     if major >= 9:
         return True

@@ -657,7 +657,7 @@ def quantize_per_token(x: torch.Tensor, dtype: torch.dtype, out=None, out_scale=
     cacheable = out is None and out_scale is None and config is None
     if cacheable:
         try:
-            signature = (x.shape, x.stride(), x.dtype, x.device, dtype)
+            signature = (x.shape, x.stride(), x.dtype, x.device, dtype, launch.pdl_enabled())
         except AttributeError:  # x is not a tensor: the checks below name it
             signature = None
         call = _PER_TOKEN_CALLS.get(signature)
@@ -679,7 +679,7 @@ def quantize_per_token(x: torch.Tensor, dtype: torch.dtype, out=None, out_scale=
         return q, scale
     if K == 0:
         return q, scale.fill_(MIN_SCALE)
-    plan_key = (K, x.dtype, dtype)
+    plan_key = (K, x.dtype, dtype, launch.pdl_enabled())
     plan = _PER_TOKEN_PLANS.get(plan_key) if config is None else None
     if plan is None:
         plan = _per_token_plan(K, x.dtype, dtype, config)
@@ -738,7 +738,8 @@ def rms_norm_quant_per_token(
         try:
             signature = (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype,
                          weight.device, dtype, None if residual is None else (residual.shape, residual.stride(),
-                                                                             residual.dtype, residual.device))
+                                                                             residual.dtype, residual.device),
+                         launch.pdl_enabled())
         except AttributeError:  # an argument is not a tensor: the checks below name it
             signature = None
         call = _RMS_CALLS.get(signature)
@@ -771,7 +772,7 @@ def rms_norm_quant_per_token(
     if K == 0:
         return q, scale.fill_(MIN_SCALE), new_residual
     has_residual = residual is not None
-    plan_key = (K, has_residual, dtype)
+    plan_key = (K, has_residual, dtype, launch.pdl_enabled())
     plan = _RMS_PLANS.get(plan_key) if config is None else None
     if plan is None:
         plan = _rms_norm_plan(K, has_residual, dtype, config)

@@ -14,7 +14,7 @@ def test_metadata_names_versions_commit_and_source():
     for key in ("gpu", "torch", "triton", "cuda", "commit", "source", "date"):
         assert key in meta
     if not os.environ.get("QUANTKIT_PDL"):
-        assert meta["pdl"] == "off"  # programmatic dependent launch is opt-in (QUANTKIT_PDL)
+        assert meta["pdl"] == "off"  # programmatic dependent launch: off without a GPU (and interpreted)
     assert meta["source"] == common.source_digest()
     assert len(meta["source"]) == 12 and int(meta["source"], 16) >= 0
 

@@ -41,6 +41,15 @@ def test_kv_cache_write_equals_the_twin_bit_for_bit(case, dtype):
     assert torch.equal(_bits(k_cache[:, :, positions, : k.shape[-1]]), _bits(k.contiguous()))
 
 
+def test_strided_positions_are_read_with_their_stride():
+    k, v, k_cache, v_cache, _ = _inputs((2, 2, 3, 64, 64, 12), torch.float16, seed=7)
+    positions = torch.tensor([9, 0, 4, 2, 7, 11])[::2]  # slots 9, 4, 7
+    k_twin, v_twin = k_cache.clone(), v_cache.clone()
+    kv_cache.write_kv_cache(k, v, k_cache, v_cache, positions)
+    attention_ops.write_kv_cache(k, v, k_twin, v_twin, positions, backend="torch")
+    assert torch.equal(_bits(k_cache), _bits(k_twin)) and torch.equal(_bits(v_cache), _bits(v_twin))
+
+
 def test_positions_outside_the_cache_are_skipped_not_written_out_of_bounds():
     k, v, k_cache, v_cache, _ = _inputs((2, 2, 4, 64, 64, 6), torch.float32, seed=3)
     before = k_cache.clone()

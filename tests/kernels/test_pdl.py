@@ -12,6 +12,7 @@ for bit (benchmarks/NOTES-gemm.md, sessions 44-45).
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,12 @@ def test_the_first_launch_resolves_quantkit_pdl_once(monkeypatch, value, capabil
     assert launch.pdl_enabled() is enabled  # resolved: not asked again
 
 
+def test_asking_for_pdl_without_a_gpu_is_refused_in_one_line(monkeypatch):
+    _unresolved(monkeypatch, "1", cuda=False)
+    with pytest.raises(ValueError, match="QUANTKIT_PDL=1 needs a CUDA GPU .* unset QUANTKIT_PDL"):
+        launch.pdl_enabled()
+
+
 @pytest.mark.parametrize("capability", [(8, 0), (8, 9)])
 def test_asking_for_pdl_on_a_gpu_before_hopper_is_refused_in_one_line(monkeypatch, capability):
     _unresolved(monkeypatch, "1", capability)
@@ -68,6 +75,11 @@ def test_asking_for_pdl_on_a_gpu_before_hopper_is_refused_in_one_line(monkeypatc
 def test_pdl_on_adds_the_launch_option():
     assert launch.pdl_options(True) == {"launch_pdl": True}
     assert launch.pdl_options(True, {"maxnreg": 80}) == {"maxnreg": 80, "launch_pdl": True}
+
+
+# Every PTX instruction that reads or writes global memory: loads, stores, atomics, reductions and
+# the asynchronous (cp.async, TMA) copies.
+_GLOBAL_MEMORY = re.compile(r"(^|[\s}])(ld\.global|st\.global|atom\.|red\.|cp\.async|cp\.reduce)")
 
 
 def _ptx_order(kernel, constants: dict, types: dict, num_warps: int, num_stages: int = 1) -> dict:
@@ -91,7 +103,7 @@ def _ptx_order(kernel, constants: dict, types: dict, num_warps: int, num_stages:
     lines = [line.strip() for line in compiled.asm["ptx"].splitlines()]
     waits = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]
     triggers = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.launch_dependents")]
-    memory = [(i, line) for i, line in enumerate(lines) if "ld.global" in line or "st.global" in line]
+    memory = [(i, line) for i, line in enumerate(lines) if _GLOBAL_MEMORY.search(line)]
     first_wait = waits[0] if waits else len(lines)
     return {"launch_pdl": bool(compiled.metadata.launch_pdl), "waits": len(waits), "triggers": len(triggers),
             "trigger_after_wait": bool(triggers) and triggers[0] > first_wait,
@@ -127,6 +139,18 @@ rows.append(["rope", 128, None, None, _ptx_order(rope._rope_kernel, dict(HALF=64
 types = {"K": "*bf16", "V": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16", "POSITIONS": "*i64"}
 rows.append(["kv_cache", 128, None, None,
              _ptx_order(kv_cache._kv_cache_write_kernel, dict(BLOCK_S=1, BLOCK_D=128, PDL=True), types, 4)])
+from quantkit.kernels import attention_decode as ad
+# Decode attention with pointer loads (the TMA form's descriptors are host objects) and the fused
+# combine (its atomics), split and flat schedules.
+types = {name: "*bf16" for name in ("Q", "K", "V", "K_desc", "V_desc", "O")}
+types.update(cache_seqlens="*i32", O_part="*fp32", LSE_part="*fp32", counters="*i32", qk_scale="fp32")
+common = dict(HEAD_DIM=128, BLOCK_G=16, BLOCK_N=64, HAS_WINDOW=False, UPCAST=False, GROUP_P2=4, SPLIT_CHUNK=8,
+              TMA=False, EVICTION="", PDL=True)
+split = dict(common, EPILOGUE=ad.EPILOGUE_FUSED, BLOCK_SPLITS=8, K_ROWS=False, PREFETCH_FIRST=False,
+             SPLIT_BY_FILL=True)
+rows.append(["decode_split", 128, None, None, _ptx_order(ad._decode_split_kernel, split, types, 4, 3)])
+flat = dict(common, BLOCK_B=1, MIN_BLOCKS=2)
+rows.append(["decode_flat", 128, None, None, _ptx_order(ad._decode_flat_kernel, flat, types, 4, 3)])
 print(json.dumps(rows))
 """
 
@@ -137,13 +161,16 @@ def test_pdl_kernels_touch_no_memory_before_their_wait_and_release_the_next_afte
                          timeout=1200)
     assert run.returncode == 0, run.stderr[-4000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(rows) == 4 + 2 * 3 + 2
+    assert len(rows) == 4 + 2 * 3 + 2 + 2
     for kind, what, flag, even_k, order in rows:
         case = (kind, what, flag, even_k)
         assert order["launch_pdl"] and order["waits"] == 1 and order["triggers"] == 1, case
         assert order["trigger_after_wait"], case
         assert order["before"] == [], case
         assert any("ld.global" in line for line in order["after"]), case
+        assert any("st.global" in line for line in order["after"]), case
+        if kind.startswith("decode"):
+            assert any("atom." in line for line in order["after"]), case
 
 
 class _Recorder:
@@ -215,6 +242,6 @@ def test_the_pdl_setting_reaches_each_kernel_its_launch_option_and_its_cache_key
             key, constexprs, options = recorder.calls[0]
             assert constexprs["PDL"] is pdl, name
             assert bool((options or {}).get("launch_pdl")) is pdl, name
-        keys[pdl] = [recorders[name].calls[0][0] for name in ("_GEMV", "_ROPE", "_WRITE")]
+        keys[pdl] = [recorder.calls[0][0] for recorder in recorders.values()]
     for off, on in zip(keys[False], keys[True]):
         assert off != on

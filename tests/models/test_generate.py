@@ -44,6 +44,26 @@ def test_fast_path_equals_plain_and_hf(arch, scheme):
     assert torch.equal(generate(fast, ids, 10, eos_token_id=None), want)
 
 
+def test_the_kv_cache_written_by_the_triton_kernel_gives_the_same_tokens(monkeypatch):
+    """generate hands its cache the model's attention backend ("torch" on the CPU); with the
+    one-launch Triton write (interpreted here) forced in, the tokens stay those of index_copy_."""
+    import quantkit.generate as generate_module
+
+    backends = []
+
+    class TritonWriteCache(generate_module.StaticKVCache):
+        def __init__(self, capacity, backend="torch"):
+            backends.append(backend)
+            super().__init__(capacity, backend="triton")
+
+    plain = quantkit.quantize(make_tiny("llama"), QuantConfig.preset("int8"), progress=False)
+    ids = _prompt(plain.config.vocab_size, seed=2)
+    want = generate(plain, ids, 8, eos_token_id=None)
+    monkeypatch.setattr(generate_module, "StaticKVCache", TritonWriteCache)
+    assert torch.equal(generate(plain, ids, 8, eos_token_id=None), want)
+    assert backends == ["torch"]
+
+
 def test_eos_stops_and_pads_like_hf():
     model = make_tiny("llama")
     ids = _prompt(model.config.vocab_size, seed=2)
