@@ -167,31 +167,27 @@ def set_kv_write(kernel: bool) -> None:
     quantkit.generate.write_kv_cache = attention_ops.write_kv_cache if kernel else with_index_copy
 
 
-# (PDL, KV write by the kernel, GEMV L2 prefetch before its wait), each run twice in this order by
-# the toggle stage.
-TOGGLE_VARIANTS = [(False, False, False), (False, True, False), (True, True, False), (True, True, True)]
+# (PDL, KV write by the kernel), each run twice in this order by the toggle stage.
+TOGGLE_VARIANTS = [(False, False), (False, True), (True, True)]
 
 
 def toggle_child(scheme: str, new_tokens: int) -> dict:
     import torch
 
     from quantkit.generate import generate
-    from quantkit.kernels import gemv
 
     model, ids = _model_and_prompt(scheme, new_tokens)  # compiled and tuned with the process's setting
     runs = []
-    for on, kernel, prefetch in TOGGLE_VARIANTS * 2:
+    for on, kernel in TOGGLE_VARIANTS * 2:
         set_pdl(on)
         set_kv_write(kernel)
-        gemv.L2_PREFETCH = prefetch
         generate(model, ids, new_tokens, eos_token_id=None)  # compile the PDL kernels outside the timing
         tokens, ms = _timed_generate(model, ids, new_tokens)
-        runs.append((on, kernel, prefetch, tokens, ms))
-    gemv.L2_PREFETCH = False
-    first = runs[0][3]
-    return {"scheme": scheme, "tokens_equal": all(bool(torch.equal(t, first)) for *_, t, _ in runs),
-            "ms_per_token": [["pdl on" if on else "pdl off", "kernel" if kernel else "index_copy",
-                              "l2 prefetch" if prefetch else "", ms] for on, kernel, prefetch, _, ms in runs]}
+        runs.append((on, kernel, tokens, ms))
+    first = runs[0][2]
+    return {"scheme": scheme, "tokens_equal": all(bool(torch.equal(t, first)) for _, _, t, _ in runs),
+            "ms_per_token": [["pdl on" if on else "pdl off", "kernel" if kernel else "index_copy", ms]
+                             for on, kernel, _, ms in runs]}
 
 
 def main() -> None:

@@ -71,15 +71,6 @@ def _accumulate(acc, acc_up, a, w, w_up, IS_INT8: tl.constexpr, GATED: tl.conste
 
 
 @triton.jit
-def _prefetch_to_l2(ptrs):
-    """``prefetch.global.L2`` of the line at each pointer: a hint that moves nothing into registers.
-    The L2 is the GPU's point of coherence for global memory, so a line prefetched before a
-    grid-dependency wait cannot be stale after it."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _scaled_gemv_kernel(
     a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr,
     M, N, K,
@@ -94,7 +85,6 @@ def _scaled_gemv_kernel(
     INTERPRETED: tl.constexpr,
     EVEN_K: tl.constexpr,
     PDL: tl.constexpr,
-    L2_PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -118,16 +108,6 @@ def _scaled_gemv_kernel(
     acc_dtype = tl.int32 if IS_INT8 else tl.float32
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
-    if PDL and L2_PREFETCH:
-        # While the kernel before runs: ask the L2 for this program's weight rows, one 128-byte line
-        # at a time (the last line of a row clamped to it).
-        lines = tl.arange(0, BLOCK_K // 128) * 128
-        row_base = w_ptr + (rows_w.to(tl.int64) * stride_wn)[:, None]
-        for k_line in range(0, K, BLOCK_K):
-            offsets = tl.minimum(k_line + lines, K - 1)[None, :]
-            _prefetch_to_l2(row_base + offsets)
-            if GATED:
-                _prefetch_to_l2(row_base + N * stride_wn + offsets)
     wait_for_the_kernel_before(PDL)
     for k_start in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -209,8 +189,6 @@ def check_config(config: dict) -> None:
 
 
 _GEMV = CachedLaunch(_scaled_gemv_kernel)
-# Experimental (session 45): with PDL, prefetch the weight rows into the L2 before the wait.
-L2_PREFETCH = False
 # Autotuned config per tuning key, read back from the autotuner after its first run for a key.
 _TUNED: dict = {}
 
@@ -235,20 +213,20 @@ def _launch(a, w, out, a_scale, w_scale, bias, activation: str, raw_acc: bool, c
                 def grid(meta):
                     return (cdiv(N, meta["BLOCK_N"]),)
 
-                _scaled_gemv_autotuned[grid](*args, **flags, INTERPRETED=False, PDL=pdl, L2_PREFETCH=L2_PREFETCH,
-                                             BLOCK_M=block_m, **(launch.pdl_options(pdl) or {}))
+                _scaled_gemv_autotuned[grid](*args, **flags, INTERPRETED=False, PDL=pdl, BLOCK_M=block_m,
+                                             **(launch.pdl_options(pdl) or {}))
                 _TUNED[tune_key] = config_dict(_scaled_gemv_autotuned.best_config)
                 return
     check_config(config)
     cfg = dict(config)
     num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 2)
     constexprs = dict(**flags, INTERPRETED=INTERPRETED, EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=block_m,
-                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL=pdl, L2_PREFETCH=L2_PREFETCH)
+                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL=pdl)
     # What triton specializes: N and K (by value in tune_key), the row strides (by value here),
     # M == 1 (M is never a multiple of 16 here) and each pointer's 16-byte alignment.
     key = (tune_key, cfg["BLOCK_N"], cfg["BLOCK_K"], num_warps, num_stages, a.stride(0), w.stride(0), out.stride(0),
            M == 1, aligned(a, w, out, a_scale, w_scale, bias_arg))
-    _GEMV((key, pdl, L2_PREFETCH), (cdiv(N, cfg["BLOCK_N"]),), args, constexprs, num_warps, num_stages,
+    _GEMV((key, pdl), (cdiv(N, cfg["BLOCK_N"]),), args, constexprs, num_warps, num_stages,
           options=launch.pdl_options(pdl))
 
 

@@ -116,11 +116,11 @@ import json, torch
 from quantkit.kernels import gemv, kv_cache, quant, rope
 from tests.kernels.test_pdl import _ptx_order
 rows = []
-for is_int8, operand, gated, even_k, prefetch in ((True, "i8", False, True, False), (False, "fp8e4nv", True, True, True),
-                                                  (True, "i8", True, False, True), (False, "fp8e4nv", False, False, False)):
+for is_int8, operand, gated, even_k in ((True, "i8", False, True), (False, "fp8e4nv", True, True),
+                                        (True, "i8", True, False), (False, "fp8e4nv", False, False)):
     constants = dict(IS_INT8=is_int8, A_PER_TOKEN=True, W_PER_CHANNEL=True, HAS_BIAS=False,
                      ACTIVATION=2 if gated else 0, RAW_ACC=False, GATED=gated, INTERPRETED=False,
-                     EVEN_K=even_k, PDL=True, L2_PREFETCH=prefetch, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048)
+                     EVEN_K=even_k, PDL=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048)
     types = {"a_ptr": "*" + operand, "w_ptr": "*" + operand, "out_ptr": "*bf16"}
     rows.append(["gemv", operand, gated, even_k, _ptx_order(gemv._scaled_gemv_kernel, constants, types, 4)])
 for K in (4096, 14336):  # the quantization launchers compile with num_stages=3
