@@ -24,6 +24,10 @@ its own process (``launch.PDL`` is resolved from QUANTKIT_PDL on the first launc
    generates under each of ``TOGGLE_VARIANTS`` twice (PDL off / on, ``set_pdl``, and the KV-cache
    write by the kernel or by index_copy_, ``set_kv_write``), so the autotuned configs are the same
    in all: the tokens must be equal.
+4. ``--gemv-configs SCHEMES`` (with ``--model-tokens``): one process per scheme pins every GEMV
+   shape of the model to each config of ``gemv.GEMV_CONFIGS`` in turn (through the tuned-config
+   table), between two runs with the autotuner's per-shape picks; INT8 tokens must be equal (the
+   sums are exact), FP8's may differ (another summation order).
 
 Writes decode_pdl.json under --out.
 """
@@ -190,6 +194,29 @@ def toggle_child(scheme: str, new_tokens: int) -> dict:
                              for on, kernel, _, ms in runs]}
 
 
+def gemv_configs_child(scheme: str, new_tokens: int) -> dict:
+    """Stage 4: the model's decode with every GEMV shape pinned to one config of GEMV_CONFIGS in
+    turn, against the autotuner's per-shape picks (before and after), in one process."""
+    import torch
+
+    from quantkit.kernels import gemv, launch
+
+    model, ids = _model_and_prompt(scheme, new_tokens)  # tunes every GEMV shape of the model
+    tuned = dict(gemv._TUNED)
+    runs, first = [], None
+    candidates = [None] + [launch.config_dict(c) for c in gemv.GEMV_CONFIGS] + [None]
+    for config in candidates:
+        for key in gemv._TUNED:
+            gemv._TUNED[key] = tuned[key] if config is None else config
+        _timed_generate(model, ids, new_tokens)  # compile outside the timing
+        tokens, ms = _timed_generate(model, ids, new_tokens)
+        first = tokens if first is None else first
+        runs.append({"config": "autotuned" if config is None else config, "ms_per_token": ms,
+                     "tokens_equal": bool(torch.equal(tokens, first))})
+    gemv._TUNED.update(tuned)
+    return {"scheme": scheme, "tuned": {str(k[:3]): v for k, v in tuned.items()}, "runs": runs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
@@ -200,19 +227,23 @@ def main() -> None:
     parser.add_argument("--model-tokens", type=int, default=0)
     parser.add_argument("--schemes", default="fp8,int8")
     parser.add_argument("--toggle", default=None, help="schemes for stage 3 (same-process off/on/off)")
+    parser.add_argument("--gemv-configs", default=None, help="schemes for stage 4 (GEMV configs pinned in turn)")
     parser.add_argument("--chain", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--model", action=argparse.BooleanOptionalAction, default=True,
                         help="stage 2 (with --model-tokens); --no-model runs only the toggle stage's model")
     parser.add_argument("--pdl", default="0,1", help="QUANTKIT_PDL values of stages 1-2, off first")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.toggle and args.model_tokens < 2:
-        parser.error(f"--toggle generates with the model: give --model-tokens >= 2 (got {args.model_tokens})")
+    if (args.toggle or args.gemv_configs) and args.model_tokens < 2:
+        parser.error(f"--toggle / --gemv-configs generate with the model: give --model-tokens >= 2 (got "
+                     f"{args.model_tokens})")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.child:
         kind, name, tag = args.child.split(":")
         if kind == "toggle":
             row = toggle_child(name, args.model_tokens)
+        elif kind == "gemv_configs":
+            row = gemv_configs_child(name, args.model_tokens)
         elif kind == "model":
             row = model_child(name, args.model_tokens, args.out / f"{tag}.pt")
         else:
@@ -270,9 +301,19 @@ def main() -> None:
         rows.append(row)
         summary[tag] = row
         print(json.dumps(row), flush=True)
+    for scheme in args.gemv_configs.split(",") if args.gemv_configs else ():
+        tag = f"gemv_configs_{scheme}"
+        subprocess.run([sys.executable, __file__, "--out", str(args.out), "--model-tokens", str(args.model_tokens),
+                        "--child", f"gemv_configs:{scheme}:{tag}"], check=True)
+        row = json.loads((args.out / f"{tag}.json").read_text())
+        row["tag"] = tag
+        rows.append(row)
+        summary[tag] = row
+        print(json.dumps(row), flush=True)
     failed = [r["tag"] for r in rows if (r["tag"].startswith("chain") and not (
         r["graph_equals_eager"] and r["equals_pdl_off"] and r["finite"])) or (r["tag"].startswith("toggle")
-                                                                              and not r["tokens_equal"])]
+                                                                              and not r["tokens_equal"])
+              or (r["tag"] == "gemv_configs_int8" and not all(run["tokens_equal"] for run in r["runs"]))]
     print(json.dumps(summary), flush=True)
     meta = {**environment_metadata(), "pdl": "per row (each child process sets QUANTKIT_PDL)"}
     (args.out / "decode_pdl.json").write_text(json.dumps({"meta": meta, "summary": summary,
