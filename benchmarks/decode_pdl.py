@@ -292,24 +292,17 @@ def main() -> None:
                                           **{f"speedup_{on['pdl']}": off["ms_per_token"] / on["ms_per_token"]
                                              for on in ons},
                                           "tokens_equal": all(on["equals_pdl_off"] for on in ons)}
-    for scheme in args.toggle.split(",") if args.toggle else ():
-        tag = f"toggle_{scheme}"
-        subprocess.run([sys.executable, __file__, "--out", str(args.out), "--model-tokens", str(args.model_tokens),
-                        "--child", f"toggle:{scheme}:{tag}"], check=True)
-        row = json.loads((args.out / f"{tag}.json").read_text())
-        row["tag"] = tag
-        rows.append(row)
-        summary[tag] = row
-        print(json.dumps(row), flush=True)
-    for scheme in args.gemv_configs.split(",") if args.gemv_configs else ():
-        tag = f"gemv_configs_{scheme}"
-        subprocess.run([sys.executable, __file__, "--out", str(args.out), "--model-tokens", str(args.model_tokens),
-                        "--child", f"gemv_configs:{scheme}:{tag}"], check=True)
-        row = json.loads((args.out / f"{tag}.json").read_text())
-        row["tag"] = tag
-        rows.append(row)
-        summary[tag] = row
-        print(json.dumps(row), flush=True)
+    for kind, schemes in (("toggle", args.toggle), ("gemv_configs", args.gemv_configs)):
+        for scheme in schemes.split(",") if schemes else ():
+            # One process per scheme, in the process's default PDL setting.
+            tag = f"{kind}_{scheme}"
+            subprocess.run([sys.executable, __file__, "--out", str(args.out), "--model-tokens",
+                            str(args.model_tokens), "--child", f"{kind}:{scheme}:{tag}"], check=True)
+            row = json.loads((args.out / f"{tag}.json").read_text())
+            row["tag"] = tag
+            rows.append(row)
+            summary[tag] = row
+            print(json.dumps(row), flush=True)
     failed = [r["tag"] for r in rows if (r["tag"].startswith("chain") and not (
         r["graph_equals_eager"] and r["equals_pdl_off"] and r["finite"])) or (r["tag"].startswith("toggle")
                                                                               and not r["tokens_equal"])
