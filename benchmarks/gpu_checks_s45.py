@@ -103,7 +103,7 @@ def pdl_equal(new_tokens: int = 24) -> list[dict]:
     import torch
 
     from quantkit.api import quantize
-    from quantkit.bench.e2e import _small_configs, build_model
+    from quantkit.bench.e2e import _small_configs, check_model
     from quantkit.config import QuantConfig
     from quantkit.generate import generate
     from quantkit.kernels import launch
@@ -113,13 +113,7 @@ def pdl_equal(new_tokens: int = 24) -> list[dict]:
     setting = launch.pdl_enabled()
     rows = []
     for arch, config in _small_configs().items():
-        torch.manual_seed(0)
-        base = build_model(config, "cuda", torch.bfloat16)
-        with torch.no_grad():
-            for param in base.parameters():
-                if param.dim() == 1:
-                    param.add_(torch.randn_like(param) * 0.1)
-        ids = torch.randint(3, config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1)).to("cuda")
+        base, ids = check_model(config, "cuda", torch.bfloat16, 40)
         for scheme in ("fp8", "int8"):
             plain = quantize(copy.deepcopy(base), QuantConfig.preset(scheme), progress=False)
             hf_tokens = plain.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,

@@ -460,6 +460,19 @@ def _small_configs() -> dict:
     }
 
 
+def check_model(config, device: str, dtype, prompt_len: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A small random model of ``config`` for the fast-path checks (seeded; its 1-d parameters moved
+    off their init values so norms and biases take part) and a seeded (2, prompt_len) prompt."""
+    torch.manual_seed(0)
+    base = build_model(config, device, dtype)
+    with torch.no_grad():
+        for param in base.parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+    ids = torch.randint(3, config.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(1)).to(device)
+    return base, ids
+
+
 @torch.no_grad()
 def run_fast_path_checks(device: str = "cuda", dtype=torch.bfloat16, schemes=SCHEMES, prompt_len: int = 40,
                          new_tokens: int = 24, configs: dict | None = None, inexact: bool = True,
@@ -476,13 +489,7 @@ def run_fast_path_checks(device: str = "cuda", dtype=torch.bfloat16, schemes=SCH
     """
     rows = []
     for arch, config in (configs or _small_configs()).items():
-        torch.manual_seed(0)
-        base = build_model(config, device, dtype)
-        with torch.no_grad():
-            for param in base.parameters():
-                if param.dim() == 1:
-                    param.add_(torch.randn_like(param) * 0.1)
-        ids = torch.randint(3, config.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(1)).to(device)
+        base, ids = check_model(config, device, dtype, prompt_len)
         with torch.no_grad():
             base_logits = base(ids).logits
         for scheme in schemes:

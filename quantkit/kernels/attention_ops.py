@@ -8,10 +8,10 @@ raise ValueError. Triton is imported on first use of a Triton op only.
 
 Registered ops (namespace ``quantkit``): ``flash_attention``, ``decode_attention``, ``rope``,
 ``write_kv_cache`` (in place), ``rms_norm``, ``rms_norm_residual``, ``layer_norm``,
-``layer_norm_residual``. Custom ops may not
-return aliases of their inputs, so norms without a residual are separate ops. As in
-``triton_ops``, eager calls on plain tensors launch directly (``triton_ops.direct_launch``: the
-op dispatcher's ~20-30 us per call dominated eager prefill); tracing still goes through the ops.
+``layer_norm_residual``. Custom ops may not return aliases of their inputs, so norms without a
+residual are separate ops. As in ``triton_ops``, eager calls on plain tensors launch directly
+(``triton_ops.direct_launch``: the op dispatcher's ~20-30 us per call dominated eager prefill);
+tracing still goes through the ops.
 The Triton launchers validate their inputs themselves, so the direct path checks once.
 """
 
@@ -23,9 +23,9 @@ from quantkit.kernels import reference_attention as reference
 from quantkit.kernels.ops import is_triton, kernel_module
 from quantkit.kernels.reference_attention import (
     check_decode_inputs,
+    check_kv_cache_write_inputs,
     check_norm_inputs,
     check_prefill_inputs,
-    check_kv_cache_write_inputs,
     check_rope_inputs,
 )
 

@@ -61,10 +61,13 @@ def _resolve_pdl(value: str) -> bool:
     if value not in _PDL_VALUES:
         raise ValueError(f"QUANTKIT_PDL={value!r}: set it to 1 (programmatic dependent launch on), 0 (off), or "
                          f"leave it unset (on where the GPU has it, sm_90+)")
-    if value == "0" or (value == "" and not torch.cuda.is_available()):
+    if value == "0":
         return False
     if not torch.cuda.is_available():
-        raise ValueError("QUANTKIT_PDL=1 needs a CUDA GPU (sm_90 or newer) and none is available: unset QUANTKIT_PDL")
+        if value == "1":
+            raise ValueError("QUANTKIT_PDL=1 needs a CUDA GPU (sm_90 or newer) and none is available: unset "
+                             "QUANTKIT_PDL")
+        return False
     major, minor = torch.cuda.get_device_capability()
     if major >= 9:
         return True

@@ -757,8 +757,8 @@ def rms_norm_quant_per_token(
                 new_residual = new_residual_arg = torch.empty(*shape, dtype=x.dtype, device=device)
                 residual_arg = residual
             launcher((key, aligned(x, residual_arg, new_residual_arg, weight, q, scale)), grid,
-                   (x, residual_arg, new_residual_arg, weight, q, scale, *strides, float(eps), float(offset)),
-                   constexprs, num_warps, 3, options=options)
+                     (x, residual_arg, new_residual_arg, weight, q, scale, *strides, float(eps), float(offset)),
+                     constexprs, num_warps, 3, options=options)
             return q, scale, new_residual
     check_rms_norm_args(x, weight, residual, eps=eps, offset=offset)
     check_quant_dtype(dtype)
@@ -790,8 +790,8 @@ def rms_norm_quant_per_token(
         _RMS_CALLS.add(signature, ((M, K), (M,), x.device, key, grid, strides, launcher, constexprs, num_warps,
                                    options))
     launcher((key, aligned(x, residual_arg, new_residual_arg, weight, q, scale)), grid,
-           (x, residual_arg, new_residual_arg, weight, q, scale, *strides, float(eps), float(offset)),
-           constexprs, num_warps, 3, options=options)
+             (x, residual_arg, new_residual_arg, weight, q, scale, *strides, float(eps), float(offset)),
+             constexprs, num_warps, 3, options=options)
     return q, scale, new_residual
 
 
