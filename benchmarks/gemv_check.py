@@ -11,7 +11,8 @@ the tensor-core gemm.scaled_mm, at M = 1, 2, 4 and the Llama-3-8B projections.
    the fp32 summation bound of the float64 reference; two launches bit-equal.
 2. Timing, plain epilogue (per-token / per-channel scales, no bias, bf16 out), per point
    (shape, M, dtype): bf16 F.linear (cuBLAS), gemm.scaled_mm (autotuned, called a few times
-   first), gemv autotuned and every GEMV config. Two timers, ``rounds`` rounds with the op order
+   first), gemv autotuned, every GEMV config (and those of --extra-configs), and the read-only
+   ceiling: ``copy.device_read`` of the same weight bytes. Two timers, ``rounds`` rounds with the op order
    rotated per round, medians: ``flush`` (CUDA-graph replay of n x (256 MB L2 flush + op) minus
    the flushes alone: quantkit.bench.gemm.adaptive_graph_ms) and ``rotate`` (a CUDA graph of
    back-to-back calls over weight copies totalling > 2x the 50 MB L2:
@@ -32,7 +33,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from quantkit.bench.common import environment_metadata  # noqa: E402
-from quantkit.kernels import gemm, gemv, reference  # noqa: E402
+from quantkit.kernels import copy, gemm, gemv, reference  # noqa: E402
 from quantkit.kernels.launch import INTERPRETED, config_dict  # noqa: E402
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K): qkv, o, gate+up, down
@@ -45,8 +46,24 @@ def config_name(cfg: dict) -> str:
     return f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']}s{cfg['num_stages']}"
 
 
+# Configs outside GEMV_CONFIGS to check and time beside them (--extra-configs).
+EXTRA_CONFIGS: list[dict] = []
+
+
+def parse_config(text: str) -> dict:
+    """``BNxBKwW`` (e.g. ``4x4096w4``) -> a GEMV config dict with one stage."""
+    try:
+        blocks, warps = text.split("w")
+        block_n, block_k = (int(v) for v in blocks.split("x"))
+        cfg = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": int(warps), "num_stages": 1}
+    except ValueError:
+        raise ValueError(f"--extra-configs entry {text!r} is not BNxBKwW, e.g. 4x4096w4") from None
+    gemv.check_config(cfg)
+    return cfg
+
+
 def gemv_configs() -> list[dict]:
-    return [gemv.INTERPRETER_CONFIG] if INTERPRETED else [config_dict(c) for c in gemv.GEMV_CONFIGS]
+    return [gemv.INTERPRETER_CONFIG] if INTERPRETED else [config_dict(c) for c in gemv.GEMV_CONFIGS] + EXTRA_CONFIGS
 
 
 def _quantized(M, N, K, dtype, device, seed):
@@ -117,7 +134,7 @@ def time_point(M, N, K, dtype_name, rounds, device, timers) -> list[dict]:
     copies = max(2, -(-ROTATE_BYTES // (N * K)))
     weights = [w] + [w.clone() for _ in range(copies - 1)]
     bf16_weights = [w_bf16] + [w_bf16.clone() for _ in range(max(1, -(-ROTATE_BYTES // (2 * N * K))) - 1)]
-    mm_out = torch.empty(M, N, dtype=torch.bfloat16, device=device)
+    sums = torch.empty(-(-N * K // (4 * copy.BLOCK)), dtype=torch.int32, device=device)
 
     def gemv_op(cfg):
         return lambda wq: (lambda: gemv.scaled_gemv(a, wq, sa, sw, None, "none", torch.bfloat16, config=cfg))
@@ -126,7 +143,9 @@ def time_point(M, N, K, dtype_name, rounds, device, timers) -> list[dict]:
            # The cached (signature) path, as a model calls it: autotuned on its first call.
            "gemm.scaled_mm": (lambda wq: (lambda: gemm.scaled_mm(a, wq, sa, sw, None, "none", torch.bfloat16)),
                               weights, N * K),
-           "gemv auto": (gemv_op(None), weights, N * K)}
+           "gemv auto": (gemv_op(None), weights, N * K),
+           # The read-only ceiling: the same weight bytes streamed in, one int32 per 16 KB out.
+           "read ceiling": (lambda wq: (lambda: copy.device_read(wq, sums)), weights, N * K)}
     for cfg in gemv_configs():
         ops[f"gemv {config_name(cfg)}"] = (gemv_op(cfg), weights, N * K)
     tuned_before = set(gemv._TUNED)
@@ -187,8 +206,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timers", default="flush,rotate")
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--extra-configs", default="", help="GEMV configs beside GEMV_CONFIGS: BNxBKwW,... (4x4096w4)")
     parser.add_argument("--smoke", action="store_true", help="checks on tiny shapes only (CPU interpreter)")
     args = parser.parse_args()
+    EXTRA_CONFIGS.extend(parse_config(c) for c in args.extra_configs.split(",") if c)
     start = time.time()
 
     def deadline_left() -> float:

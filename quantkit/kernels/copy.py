@@ -7,6 +7,11 @@ results/gpu_checks_s43_h200.json): a ceiling that depends on the size's bits is 
 This kernel copies with 16-byte accesses from every SM, like the quantization kernels read and
 write, and ``quantkit.bench.quant`` takes the best of it and the memcpy as the copy bandwidth.
 Its twin is ``dst.copy_(src)``.
+
+``device_read`` is the read-only ceiling for kernels that stream bytes in and write almost
+nothing (the decode GEMV reads an (N, K) weight and writes N values): every program reads
+``BLOCK`` int32 words with 16-byte loads and writes one wrapped int32 sum. Its twin is
+``read_sums_reference``.
 """
 
 from __future__ import annotations
@@ -46,3 +51,47 @@ def device_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     n = src_words.numel()
     _copy_kernel[(triton.cdiv(n, BLOCK),)](src_words, dst_words, n, BLOCK=BLOCK, num_warps=8)
     return dst
+
+
+@triton.jit
+def _read_kernel(src_ptr, sums_ptr, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    values = tl.load(src_ptr + offsets, mask=offsets < n, other=0, eviction_policy="evict_first")
+    tl.store(sums_ptr + pid, tl.sum(values, axis=0))
+
+
+def _words(src: torch.Tensor) -> torch.Tensor:
+    if not isinstance(src, torch.Tensor) or not src.is_contiguous():
+        raise ValueError("src must be a contiguous tensor; call .contiguous() first")
+    n_bytes = src.numel() * src.element_size()
+    if n_bytes % 4 or src.data_ptr() % 4:
+        raise ValueError(f"src holds {n_bytes} bytes at offset {src.data_ptr() % 4} from a 4-byte boundary; "
+                         "device_read takes whole, aligned int32 words")
+    return src.view(-1).view(torch.uint8).view(torch.int32)
+
+
+def device_read(src: torch.Tensor, sums: torch.Tensor | None = None) -> torch.Tensor:
+    """Read every byte of contiguous ``src`` once; returns one int32 per ``BLOCK`` words: the
+    wrapped (mod 2**32) sum of its words. ``sums`` (int32, that many elements) may be given to
+    keep the call allocation-free under a CUDA graph."""
+    words = _words(src)
+    programs = max(1, triton.cdiv(words.numel(), BLOCK))
+    if sums is None:
+        sums = torch.empty(programs, dtype=torch.int32, device=src.device)
+    elif sums.dtype != torch.int32 or sums.numel() != programs or sums.device != src.device:
+        raise ValueError(f"sums must be {programs} int32 values on {src.device}; got {sums.numel()} "
+                         f"{sums.dtype} on {sums.device}")
+    check_runnable(src, "src")
+    _read_kernel[(programs,)](words, sums, words.numel(), BLOCK=BLOCK, num_warps=8)
+    return sums
+
+
+def read_sums_reference(src: torch.Tensor) -> torch.Tensor:
+    """``device_read``'s twin: the per-block int32 word sums, wrapped to int32."""
+    words = _words(src).long()
+    programs = max(1, triton.cdiv(words.numel(), BLOCK))
+    padded = torch.zeros(programs * BLOCK, dtype=torch.int64, device=words.device)
+    padded[:words.numel()] = words
+    sums = padded.view(programs, BLOCK).sum(1) & 0xFFFFFFFF
+    return torch.where(sums >= 2**31, sums - 2**32, sums).to(torch.int32)
