@@ -43,7 +43,8 @@ ROTATE_BYTES = 100 << 20  # 2 x the H100's 50 MB L2
 
 
 def config_name(cfg: dict) -> str:
-    return f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']}s{cfg['num_stages']}"
+    """``BNxBK wW sS``, S the K loop's pipeline depth (the kernel's STAGES)."""
+    return f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']}s{cfg.get('STAGES', 1)}"
 
 
 # Configs outside GEMV_CONFIGS to check and time beside them (--extra-configs).
@@ -51,13 +52,15 @@ EXTRA_CONFIGS: list[dict] = []
 
 
 def parse_config(text: str) -> dict:
-    """``BNxBKwW`` (e.g. ``4x4096w4``) -> a GEMV config dict with one stage."""
+    """``BNxBKwW[sS]`` (e.g. ``4x1024w4s3``) -> a GEMV config dict (S: the K loop's STAGES, default 1)."""
     try:
-        blocks, warps = text.split("w")
+        blocks, rest = text.split("w")
+        warps, stages = rest.split("s") if "s" in rest else (rest, "1")
         block_n, block_k = (int(v) for v in blocks.split("x"))
-        cfg = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": int(warps), "num_stages": 1}
+        cfg = {"BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": int(stages), "num_warps": int(warps),
+               "num_stages": 1}
     except ValueError:
-        raise ValueError(f"--extra-configs entry {text!r} is not BNxBKwW, e.g. 4x4096w4") from None
+        raise ValueError(f"--extra-configs entry {text!r} is not BNxBKwW[sS], e.g. 4x1024w4s3") from None
     gemv.check_config(cfg)
     return cfg
 
@@ -206,7 +209,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timers", default="flush,rotate")
     parser.add_argument("--skip-checks", action="store_true")
-    parser.add_argument("--extra-configs", default="", help="GEMV configs beside GEMV_CONFIGS: BNxBKwW,... (4x4096w4)")
+    parser.add_argument("--extra-configs", default="", help="GEMV configs beside GEMV_CONFIGS: BNxBKwW[sS],... (4x1024w4s3)")
     parser.add_argument("--smoke", action="store_true", help="checks on tiny shapes only (CPU interpreter)")
     args = parser.parse_args()
     EXTRA_CONFIGS.extend(parse_config(c) for c in args.extra_configs.split(",") if c)
