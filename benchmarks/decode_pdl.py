@@ -25,7 +25,7 @@ its own process (``launch.PDL`` is resolved from QUANTKIT_PDL on the first launc
    write by the kernel or by index_copy_, ``set_kv_write``), so the autotuned configs are the same
    in all: the tokens must be equal.
 4. ``--gemv-configs SCHEMES`` (with ``--model-tokens``): one process per scheme pins every GEMV
-   shape of the model to each config of ``gemv.GEMV_CONFIGS`` in turn (through the tuned-config
+   shape of the model to each config of ``gemv.GEMV_CONFIGS`` (or ``--gemv-candidates``) in turn (through the tuned-config
    table), between two runs with the autotuner's per-shape picks; INT8 tokens must be equal (the
    sums are exact), FP8's may differ (another summation order).
 
@@ -194,9 +194,10 @@ def toggle_child(scheme: str, new_tokens: int) -> dict:
                              for on, kernel, _, ms in runs]}
 
 
-def gemv_configs_child(scheme: str, new_tokens: int) -> dict:
-    """Stage 4: the model's decode with every GEMV shape pinned to one config of GEMV_CONFIGS in
-    turn, against the autotuner's per-shape picks (before and after), in one process."""
+def gemv_configs_child(scheme: str, new_tokens: int, names: str | None) -> dict:
+    """Stage 4: the model's decode with every GEMV shape pinned to one config of GEMV_CONFIGS (or
+    of ``names``, gemv.parse_config's form) in turn, against the autotuner's per-shape picks
+    (before and after), in one process."""
     import torch
 
     from quantkit.kernels import gemv, launch
@@ -204,17 +205,19 @@ def gemv_configs_child(scheme: str, new_tokens: int) -> dict:
     model, ids = _model_and_prompt(scheme, new_tokens)  # tunes every GEMV shape of the model
     tuned = dict(gemv._TUNED)
     runs, first = [], None
-    candidates = [None] + [launch.config_dict(c) for c in gemv.GEMV_CONFIGS] + [None]
+    pinned = ([gemv.parse_config(n) for n in names.split(",")] if names
+              else [launch.config_dict(c) for c in gemv.GEMV_CONFIGS])
+    candidates = [None] + pinned + [None]
     for config in candidates:
         for key in gemv._TUNED:
             gemv._TUNED[key] = tuned[key] if config is None else config
         _timed_generate(model, ids, new_tokens)  # compile outside the timing
         tokens, ms = _timed_generate(model, ids, new_tokens)
         first = tokens if first is None else first
-        runs.append({"config": "autotuned" if config is None else config, "ms_per_token": ms,
+        runs.append({"config": "autotuned" if config is None else gemv.config_name(config), "ms_per_token": ms,
                      "tokens_equal": bool(torch.equal(tokens, first))})
     gemv._TUNED.update(tuned)
-    return {"scheme": scheme, "tuned": {str(k[:3]): v for k, v in tuned.items()}, "runs": runs}
+    return {"scheme": scheme, "tuned": {str(k[:3]): gemv.config_name(v) for k, v in tuned.items()}, "runs": runs}
 
 
 def main() -> None:
@@ -228,6 +231,8 @@ def main() -> None:
     parser.add_argument("--schemes", default="fp8,int8")
     parser.add_argument("--toggle", default=None, help="schemes for stage 3 (same-process off/on/off)")
     parser.add_argument("--gemv-configs", default=None, help="schemes for stage 4 (GEMV configs pinned in turn)")
+    parser.add_argument("--gemv-candidates", default=None,
+                        help="stage 4's configs, BNxBKwW[sS],... (default: gemv.GEMV_CONFIGS)")
     parser.add_argument("--chain", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--model", action=argparse.BooleanOptionalAction, default=True,
                         help="stage 2 (with --model-tokens); --no-model runs only the toggle stage's model")
@@ -243,7 +248,7 @@ def main() -> None:
         if kind == "toggle":
             row = toggle_child(name, args.model_tokens)
         elif kind == "gemv_configs":
-            row = gemv_configs_child(name, args.model_tokens)
+            row = gemv_configs_child(name, args.model_tokens, args.gemv_candidates)
         elif kind == "model":
             row = model_child(name, args.model_tokens, args.out / f"{tag}.pt")
         else:
@@ -296,8 +301,9 @@ def main() -> None:
         for scheme in schemes.split(",") if schemes else ():
             # One process per scheme, in the process's default PDL setting.
             tag = f"{kind}_{scheme}"
+            extra = ["--gemv-candidates", args.gemv_candidates] if args.gemv_candidates else []
             subprocess.run([sys.executable, __file__, "--out", str(args.out), "--model-tokens",
-                            str(args.model_tokens), "--child", f"{kind}:{scheme}:{tag}"], check=True)
+                            str(args.model_tokens), "--child", f"{kind}:{scheme}:{tag}", *extra], check=True)
             row = json.loads((args.out / f"{tag}.json").read_text())
             row["tag"] = tag
             rows.append(row)

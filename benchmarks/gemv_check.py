@@ -42,27 +42,8 @@ DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 ROTATE_BYTES = 100 << 20  # 2 x the H100's 50 MB L2
 
 
-def config_name(cfg: dict) -> str:
-    """``BNxBK wW sS``, S the K loop's pipeline depth (the kernel's STAGES)."""
-    return f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']}s{cfg.get('STAGES', 1)}"
-
-
 # Configs outside GEMV_CONFIGS to check and time beside them (--extra-configs).
 EXTRA_CONFIGS: list[dict] = []
-
-
-def parse_config(text: str) -> dict:
-    """``BNxBKwW[sS]`` (e.g. ``4x1024w4s3``) -> a GEMV config dict (S: the K loop's STAGES, default 1)."""
-    try:
-        blocks, rest = text.split("w")
-        warps, stages = rest.split("s") if "s" in rest else (rest, "1")
-        block_n, block_k = (int(v) for v in blocks.split("x"))
-        cfg = {"BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": int(stages), "num_warps": int(warps),
-               "num_stages": 1}
-    except ValueError:
-        raise ValueError(f"--extra-configs entry {text!r} is not BNxBKwW[sS], e.g. 4x1024w4s3") from None
-    gemv.check_config(cfg)
-    return cfg
 
 
 def gemv_configs() -> list[dict]:
@@ -93,7 +74,7 @@ def check_point(M, N, K, dtype_name, device, configs) -> list[dict]:
     bound = 1.13 * (K * u * abs_term + 8 * u * (abs_term + bias.double().abs())) + 2**-8 * ref.abs() + 1e-30
     rows = []
     for cfg in [None] + configs:
-        name = "auto" if cfg is None else config_name(cfg)
+        name = "auto" if cfg is None else gemv.config_name(cfg)
         problems = []
         if dtype == torch.int8:
             acc = gemv.int8_gemv_accumulator(a, w, config=cfg)
@@ -150,7 +131,7 @@ def time_point(M, N, K, dtype_name, rounds, device, timers) -> list[dict]:
            # The read-only ceiling: the same weight bytes streamed in, one int32 per 16 KB out.
            "read ceiling": (lambda wq: (lambda: copy.device_read(wq, sums)), weights, N * K)}
     for cfg in gemv_configs():
-        ops[f"gemv {config_name(cfg)}"] = (gemv_op(cfg), weights, N * K)
+        ops[f"gemv {gemv.config_name(cfg)}"] = (gemv_op(cfg), weights, N * K)
     tuned_before = set(gemv._TUNED)
     for make, ws, _ in ops.values():  # autotune / compile, then a few warm calls
         for _ in range(3):
@@ -168,7 +149,7 @@ def time_point(M, N, K, dtype_name, rounds, device, timers) -> list[dict]:
     rows = []
     for op in names:
         row = {"M": M, "N": N, "K": K, "dtype": dtype_name, "op": op, "weight_bytes": ops[op][2],
-               "gemv_pick": config_name(pick) if pick and op == "gemv auto" else None}
+               "gemv_pick": gemv.config_name(pick) if pick and op == "gemv auto" else None}
         for t_name in timers:
             us = statistics.median(samples[(op, t_name)])
             row[f"us_{t_name}"] = us
@@ -212,7 +193,7 @@ def main() -> None:
     parser.add_argument("--extra-configs", default="", help="GEMV configs beside GEMV_CONFIGS: BNxBKwW[sS],... (4x1024w4s3)")
     parser.add_argument("--smoke", action="store_true", help="checks on tiny shapes only (CPU interpreter)")
     args = parser.parse_args()
-    EXTRA_CONFIGS.extend(parse_config(c) for c in args.extra_configs.split(",") if c)
+    EXTRA_CONFIGS.extend(gemv.parse_config(c) for c in args.extra_configs.split(",") if c)
     start = time.time()
 
     def deadline_left() -> float:
@@ -220,7 +201,7 @@ def main() -> None:
 
     device = "cpu" if INTERPRETED else "cuda"
     meta = environment_metadata()
-    meta.update(configs=[config_name(c) for c in gemv_configs()], rounds=args.rounds, skipped_for_deadline=[])
+    meta.update(configs=[gemv.config_name(c) for c in gemv_configs()], rounds=args.rounds, skipped_for_deadline=[])
     print(json.dumps({k: v for k, v in meta.items() if not isinstance(v, list)}), flush=True)
     checks = [] if args.skip_checks else run_checks(device, args.smoke, deadline_left)
     print(f"checks passed ({len(checks)}) in {time.time() - start:.0f}s", flush=True)

@@ -192,6 +192,25 @@ def check_config(config: dict) -> None:
         raise ValueError(f"config STAGES={stages!r} must be an int from 1 to 8 (the K loop's pipeline depth)")
 
 
+def config_name(cfg: dict) -> str:
+    """``BNxBK wW sS`` (S: the K loop's STAGES) for tables and logs."""
+    return f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']}s{cfg.get('STAGES', 1)}"
+
+
+def parse_config(text: str) -> dict:
+    """``BNxBKwW[sS]`` (e.g. ``8x512w4s4``) -> a config dict for ``config=`` (S defaults to 1)."""
+    try:
+        blocks, rest = text.split("w")
+        warps, stages = rest.split("s") if "s" in rest else (rest, "1")
+        block_n, block_k = (int(v) for v in blocks.split("x"))
+        cfg = {"BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": int(stages), "num_warps": int(warps),
+               "num_stages": 1}
+    except ValueError:
+        raise ValueError(f"GEMV config {text!r} is not BNxBKwW[sS], e.g. 8x512w4s4") from None
+    check_config(cfg)
+    return cfg
+
+
 # ----------------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------------
