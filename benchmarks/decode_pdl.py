@@ -232,7 +232,7 @@ def main() -> None:
     parser.add_argument("--toggle", default=None, help="schemes for stage 3 (same-process off/on/off)")
     parser.add_argument("--gemv-configs", default=None, help="schemes for stage 4 (GEMV configs pinned in turn)")
     parser.add_argument("--gemv-candidates", default=None,
-                        help="stage 4's configs, BNxBKwW[sS],... (default: gemv.GEMV_CONFIGS)")
+                        help="stage 4's configs, BNxBKwW,... (default: gemv.GEMV_CONFIGS)")
     parser.add_argument("--chain", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--model", action=argparse.BooleanOptionalAction, default=True,
                         help="stage 2 (with --model-tokens); --no-model runs only the toggle stage's model")

@@ -190,7 +190,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timers", default="flush,rotate")
     parser.add_argument("--skip-checks", action="store_true")
-    parser.add_argument("--extra-configs", default="", help="GEMV configs beside GEMV_CONFIGS: BNxBKwW[sS],... (4x1024w4s3)")
+    parser.add_argument("--extra-configs", default="", help="GEMV configs beside GEMV_CONFIGS: BNxBKwW,... (4x4096w4)")
     parser.add_argument("--smoke", action="store_true", help="checks on tiny shapes only (CPU interpreter)")
     args = parser.parse_args()
     EXTRA_CONFIGS.extend(gemv.parse_config(c) for c in args.extra_configs.split(",") if c)

@@ -88,7 +88,6 @@ def _scaled_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -110,11 +109,7 @@ def _scaled_gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
     wait_for_the_kernel_before(PDL)
-    # STAGES > 1: triton pipelines the loop's loads as cp.async copies into a STAGES-deep shared
-    # memory ring, so STAGES - 1 steps are in flight while one is summed, without holding them in
-    # registers. (Only tl.range's own num_stages does this for loads that feed no tl.dot; the
-    # launch option num_stages leaves a plain loop as it is.)
-    for k_start in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    for k_start in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, eviction_policy="evict_last")
             w = tl.load(w_ptrs, eviction_policy="evict_first")
@@ -138,9 +133,8 @@ def _scaled_gemv_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _cfg(block_n: int, block_k: int, warps: int, stages: int = 1) -> triton.Config:
-    """``stages``: the K loop's pipeline depth (the kernel's STAGES; 1 = loads into registers)."""
-    return triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages}, num_warps=warps, num_stages=1)
+def _cfg(block_n: int, block_k: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps, num_stages=stages)
 
 
 # Little's law on an H100: ~3.35 TB/s x ~0.6-0.8 us loaded DRAM latency wants 2-2.7 MB of weight
@@ -165,7 +159,7 @@ GEMV_CONFIGS = [
 
 # Under the interpreter cost is per program: wide N blocks; a 256-wide K step so the test shapes
 # exercise several K steps and the masked K tail (K = 272, 1040) as well as a single short step.
-INTERPRETER_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "STAGES": 1, "num_warps": 4, "num_stages": 1}
+INTERPRETER_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}
 
 
 def _even_k(args):
@@ -187,26 +181,21 @@ def check_config(config: dict) -> None:
             raise ValueError(f"config {name}={value!r} must be a power of two")
     if config["BLOCK_K"] < 16:
         raise ValueError(f"config BLOCK_K={config['BLOCK_K']} must be >= 16 (one 128-bit load per thread and row)")
-    stages = config.get("STAGES", 1)
-    if not isinstance(stages, int) or not 1 <= stages <= 8:
-        raise ValueError(f"config STAGES={stages!r} must be an int from 1 to 8 (the K loop's pipeline depth)")
 
 
 def config_name(cfg: dict) -> str:
-    """``BNxBK wW sS`` (S: the K loop's STAGES) for tables and logs."""
-    return f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']}s{cfg.get('STAGES', 1)}"
+    """``BNxBK wW`` for tables and logs."""
+    return f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']}"
 
 
 def parse_config(text: str) -> dict:
-    """``BNxBKwW[sS]`` (e.g. ``8x512w4s4``) -> a config dict for ``config=`` (S defaults to 1)."""
+    """``BNxBKwW`` (e.g. ``4x2048w4``) -> a config dict for ``config=``."""
     try:
-        blocks, rest = text.split("w")
-        warps, stages = rest.split("s") if "s" in rest else (rest, "1")
+        blocks, warps = text.split("w")
         block_n, block_k = (int(v) for v in blocks.split("x"))
-        cfg = {"BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": int(stages), "num_warps": int(warps),
-               "num_stages": 1}
+        cfg = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": int(warps), "num_stages": 1}
     except ValueError:
-        raise ValueError(f"GEMV config {text!r} is not BNxBKwW[sS], e.g. 8x512w4s4") from None
+        raise ValueError(f"GEMV config {text!r} is not BNxBKwW, e.g. 4x2048w4") from None
     check_config(cfg)
     return cfg
 
@@ -248,12 +237,11 @@ def _launch(a, w, out, a_scale, w_scale, bias, activation: str, raw_acc: bool, c
     check_config(config)
     cfg = dict(config)
     num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 2)
-    stages = cfg.get("STAGES", 1)
     constexprs = dict(**flags, INTERPRETED=INTERPRETED, EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=block_m,
-                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], STAGES=stages, PDL=pdl)
+                      BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL=pdl)
     # What triton specializes: N and K (by value in tune_key), the row strides (by value here),
     # M == 1 (M is never a multiple of 16 here) and each pointer's 16-byte alignment.
-    key = (tune_key, cfg["BLOCK_N"], cfg["BLOCK_K"], stages, num_warps, num_stages, a.stride(0), w.stride(0), out.stride(0),
+    key = (tune_key, cfg["BLOCK_N"], cfg["BLOCK_K"], num_warps, num_stages, a.stride(0), w.stride(0), out.stride(0),
            M == 1, aligned(a, w, out, a_scale, w_scale, bias_arg))
     _GEMV((key, pdl), (cdiv(N, cfg["BLOCK_N"]),), args, constexprs, num_warps, num_stages,
           options=launch.pdl_options(pdl))
@@ -275,7 +263,7 @@ def scaled_gemv(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale
     Same arguments and result as ``gemm.scaled_mm`` (a (M, K) int8 / float8_e4m3fn, w (N, K) of
     the same dtype, float32 a_scale (M,) or 1 element and w_scale (N,) or 1 element, bias (N,)
     or None, an activation of ``reference.ACTIVATIONS``, a bf16 / fp16 / fp32 output).
-    ``config`` ({"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}, optional "STAGES") bypasses autotuning
+    ``config`` ({"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}) bypasses autotuning
     (benchmarks, tests).
     """
     M, N, K = _check_gemv_args(a, w, a_scale, w_scale, bias, activation, out_dtype)

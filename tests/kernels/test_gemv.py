@@ -65,7 +65,6 @@ def test_int8_accumulator_exact_at_saturation():
 @pytest.mark.parametrize("config", [
     pytest.param({"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1}, id="4x1024"),
     pytest.param({"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1}, id="16x64"),
-    pytest.param({"BLOCK_N": 8, "BLOCK_K": 256, "STAGES": 3, "num_warps": 4, "num_stages": 1}, id="8x256s3"),
 ])
 def test_int8_accumulator_exact_with_explicit_config(config):
     a, _, w, _, _ = _operands(4, 37, 1040, torch.int8, seed=3)
@@ -161,7 +160,6 @@ def _bad_calls():
         "out_dtype": ((a, w, a_scale, w_scale, bias), {"out_dtype": torch.int32}, "out_dtype"),
         "bias_shape": ((a, w, a_scale, w_scale, bias[:5]), {}, "bias"),
         "config": ((a, w, a_scale, w_scale, bias), {"config": {"BLOCK_N": 6, "BLOCK_K": 256}}, "BLOCK_N=6"),
-        "stages": ((a, w, a_scale, w_scale, bias), {"config": {"BLOCK_N": 8, "BLOCK_K": 64, "STAGES": 0}}, "STAGES=0"),
     }
 
 
