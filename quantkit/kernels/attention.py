@@ -42,7 +42,7 @@ from quantkit.kernels.attention_decode import (
     decode_split_plan,
 )
 from quantkit.kernels.call_cache import SignatureCache, contiguous_strides
-from quantkit.kernels.launch import CachedLaunch, aligned, cdiv, int_spec
+from quantkit.kernels.launch import CachedLaunch, aligned, cdiv, int_spec, on_its_gpu
 from quantkit.kernels.reference_attention import check_prefill_inputs
 
 # Decode names stay importable from here (callers and tests predate the split).
@@ -205,6 +205,7 @@ _FLASH_PREFILL = CachedLaunch(_flash_prefill_kernel)
 _CALLS = SignatureCache()
 
 
+@on_its_gpu
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,

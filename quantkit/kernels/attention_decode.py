@@ -60,7 +60,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from quantkit.kernels import launch
 from quantkit.kernels.dependent_launch import wait_for_the_kernel_before
-from quantkit.kernels.launch import num_sms
+from quantkit.kernels.launch import num_sms, on_its_gpu
 from quantkit.kernels.reference_attention import check_decode_inputs
 
 # bf16 arithmetic is wrong in Triton's CPU interpreter: upcast after loading when interpreted.
@@ -684,6 +684,7 @@ def _descriptors(config: DecodeConfig, k_cache: torch.Tensor, v_cache: torch.Ten
     return False, k_cache, v_cache, (0, 0), (0, 0)
 
 
+@on_its_gpu
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -73,7 +73,7 @@ from quantkit.kernels.gemm_configs import (  # noqa: F401 - the config sets are 
     split_k_programs)
 from quantkit.kernels.gemm_epilogue import grouped_tile, split_arrive, split_sum, store_tile, tile_mainloop
 from quantkit.kernels.launch import (INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, config_dict,
-                                    rotated_medians)
+                                    on_its_gpu, rotated_medians)
 
 # M is not specialized (divisibility by 16, == 1): rows are wrapped, not aligned, so it would only
 # multiply the compiled variants per batch size.
@@ -612,6 +612,7 @@ def _output(out, M, N, dtype, device):
     return out
 
 
+@on_its_gpu
 def scaled_mm(a, w, a_scale, w_scale, bias=None, activation="none", out_dtype=torch.bfloat16, config=None, out=None,
               fp8_fast_accum: bool = True, kernel: str = "auto"):
     """``act((a @ w.T) * a_scale[:, None] * w_scale[None, :] + bias)`` -> (M, N) out_dtype.
@@ -642,6 +643,7 @@ def scaled_mm(a, w, a_scale, w_scale, bias=None, activation="none", out_dtype=to
     return _launch_new(signature, a, w, a_scale, w_scale, bias, out, activation, False, config, fp8_fast_accum, kernel)
 
 
+@on_its_gpu
 def gated_scaled_mm(a, w_gate_up, a_scale, w_scale, activation="silu", out_dtype=torch.bfloat16, config=None,
                     out=None, fp8_fast_accum: bool = True, kernel: str = "auto"):
     """``act(gate) * up`` for a stacked (2N, K) [gate; up] weight -> (M, N), one GEMM, one write.

@@ -24,7 +24,7 @@ import triton.language as tl
 from quantkit.kernels import launch
 from quantkit.kernels.call_cache import SignatureCache
 from quantkit.kernels.dependent_launch import wait_for_the_kernel_before
-from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, int_spec, next_power_of_2
+from quantkit.kernels.launch import INTERPRETED, CachedLaunch, aligned, cdiv, int_spec, next_power_of_2, on_its_gpu
 from quantkit.kernels.reference_attention import check_kv_cache_write_inputs
 
 
@@ -68,6 +68,7 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
+@on_its_gpu
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    positions: torch.Tensor) -> None:
     """Write k and v into the caches at slots ``positions`` in one launch; see the module doc."""

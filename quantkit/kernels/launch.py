@@ -49,46 +49,58 @@ ENABLED = True
 # one (``dependent_launch``): every load and store stays ordered after the kernels before, as
 # without PDL, and what overlaps is the next kernel's launch with this one's work. Decode at batch
 # 1 on an H200: 1.08x per token (benchmarks/NOTES-gemm.md, session 45). QUANTKIT_PDL=0 turns it
-# off, =1 asks for it (an error before sm_90); unset, it is on where the GPU has it.
+# off, =1 asks for it (an error before sm_90); unset, it is on where the GPU has it. Each GPU of the
+# process is asked at its first launch (a host may mix generations: the wait does not compile
+# before sm_90).
 _PDL_VALUES = ("", "0", "1")
 _PDL_VALUE = os.environ.get("QUANTKIT_PDL", "")
-# Whether launches use PDL (a kernel's ``PDL`` constexpr); None until the first launch resolves
-# it (``pdl_enabled``). Always off under the interpreter.
+# True / False forces PDL on / off for every GPU of the process (benchmarks toggle it); None: per
+# GPU, from QUANTKIT_PDL and its compute capability (``pdl_enabled``). Always off under the
+# interpreter.
 PDL: bool | None = False if INTERPRETED else None
+# Resolved settings by CUDA device index.
+_PDL_BY_DEVICE: dict[int, bool] = {}
 
 
-def _resolve_pdl(value: str) -> bool:
+def _resolve_pdl(value: str, device: int | None) -> bool:
+    """PDL for CUDA device ``device`` (None: the process has no CUDA GPU)."""
     if value not in _PDL_VALUES:
         raise ValueError(f"QUANTKIT_PDL={value!r}: set it to 1 (programmatic dependent launch on), 0 (off), or "
                          f"leave it unset (on where the GPU has it, sm_90+)")
     if value == "0":
         return False
-    if not torch.cuda.is_available():
+    if device is None:
         if value == "1":
             raise ValueError("QUANTKIT_PDL=1 needs a CUDA GPU (sm_90 or newer) and none is available: unset "
                              "QUANTKIT_PDL")
         return False
-    major, minor = torch.cuda.get_device_capability()
+    major, minor = torch.cuda.get_device_capability(device)
     if major >= 9:
         return True
     if value == "1":
-        raise ValueError(f"QUANTKIT_PDL=1 needs an sm_90 or newer GPU (Hopper); this one is sm_{major}{minor}: "
+        raise ValueError(f"QUANTKIT_PDL=1 needs an sm_90 or newer GPU (Hopper); GPU {device} is sm_{major}{minor}: "
                          f"unset QUANTKIT_PDL")
     return False
 
 
 def pdl_enabled() -> bool:
-    """Whether this process's launches use PDL, resolved from QUANTKIT_PDL and the current GPU by
-    the first launch that asks (a bad value is a ValueError there)."""
-    global PDL
-    if PDL is None:
-        PDL = _resolve_pdl(_PDL_VALUE)
-    return PDL
+    """Whether launches on the current GPU use PDL: ``PDL`` where set, else resolved from
+    QUANTKIT_PDL and the GPU's compute capability by its first launch that asks (a bad value is a
+    ValueError there)."""
+    if PDL is not None:
+        return PDL
+    if not _PDL_BY_DEVICE and not torch.cuda.is_available():
+        return _resolve_pdl(_PDL_VALUE, None)
+    device = torch.cuda.current_device()
+    enabled = _PDL_BY_DEVICE.get(device)
+    if enabled is None:
+        enabled = _PDL_BY_DEVICE[device] = _resolve_pdl(_PDL_VALUE, device)
+    return enabled
 
 
 def pdl_name() -> str:
-    """"on" or "off", for result files (without CUDA, "off")."""
-    if PDL is None and not torch.cuda.is_available():
+    """"on" or "off" on the current GPU, for result files (without CUDA, "off")."""
+    if PDL is None and not _PDL_BY_DEVICE and not torch.cuda.is_available():
         return "off"
     return "on" if pdl_enabled() else "off"
 
@@ -195,6 +207,28 @@ class CachedLaunch:
                                      num_stages=num_stages, **(options or {}))
         if hasattr(compiled, "packed_metadata"):
             self.compiled[(device, key)] = (compiled, self._constexpr_tail(len(args), constexprs))
+
+
+def on_its_gpu(launcher):
+    """Decorator for the public launchers: run ``launcher`` with the GPU of its first argument (a
+    tensor) current.
+
+    triton launches on the current GPU and its current stream, and a model may sit on another GPU
+    than the current one (``quantkit.load(path, device="cuda:1")``, a model dispatched over two
+    GPUs): its kernels would run on the wrong GPU, on a stream not ordered after the one that wrote
+    their inputs. Where the tensor is on the current GPU (or the CPU, under the interpreter) this
+    costs one device-index comparison per call; anything but a tensor goes through untouched, for
+    the launcher's own check to refuse."""
+
+    @functools.wraps(launcher)
+    def run(x, *args, **kwargs):
+        index = x.get_device() if isinstance(x, torch.Tensor) else -1
+        if index < 0 or index == torch.cuda.current_device():
+            return launcher(x, *args, **kwargs)
+        with torch.cuda.device(index):
+            return launcher(x, *args, **kwargs)
+
+    return run
 
 
 def check_runnable(t: torch.Tensor, name: str) -> None:

@@ -34,7 +34,7 @@ from quantkit.kernels.call_cache import SignatureCache
 from quantkit.kernels.gemm_checks import ACTIVATION_CODES, check_combine_weights, check_grouped_args, tma_ready
 from quantkit.kernels.gemm_epilogue import apply_activation, dot_accumulate, tile_mainloop
 from quantkit.kernels.launch import (INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, int_spec,
-                                     next_power_of_2, num_sms)
+                                     next_power_of_2, num_sms, on_its_gpu)
 from quantkit.kernels.quant import cast_for_store
 
 
@@ -428,6 +428,7 @@ def fallback_config(config: dict) -> dict:
             "num_stages": 3}
 
 
+@on_its_gpu
 def plan_for(experts: torch.Tensor, num_experts: int, slot_order: bool = False) -> RoutePlan:
     """The routing plan the grouped GEMMs' default tiles use for ``experts``: an MoE layer makes it
     once and passes it to both of its GEMMs. ``slot_order``: the layer runs 128-row plans in slot
@@ -436,6 +437,7 @@ def plan_for(experts: torch.Tensor, num_experts: int, slot_order: bool = False) 
     return route_plan(experts, num_experts, block_m_for(experts.numel(), num_experts, slot_order))
 
 
+@on_its_gpu
 def grouped_scaled_mm(a, w, a_scale, w_scale, experts, row_div=1, activation="none", gated=False,
                       out_dtype=torch.bfloat16, row_scale=None, plan: RoutePlan | None = None,
                       config: dict | None = None):
@@ -522,6 +524,7 @@ def _gather_slots_kernel(a_ptr, a_scale_ptr, rows_ptr, block_expert_ptr, used_pt
         tl.store(out_ptr + slots.to(tl.int64)[:, None] * K + cols[None, :], row, mask=(cols < K)[None, :])
 
 
+@on_its_gpu
 def gather_slots(a, a_scale, plan: RoutePlan, row_div: int, num_experts: int):
     """(a_slots (C, K), scale_slots (C,) float32), C the plan's capacity: each routed pair's row of
     ``a`` (row ``pair // row_div``) and scale in its slot; zeros in padding slots, in those of the
@@ -587,6 +590,7 @@ def _combine_kernel(y_ptr, slots_ptr, weights_ptr, out_ptr, H, SLOTS: tl.constex
              mask=mask)
 
 
+@on_its_gpu
 def combine(y: torch.Tensor, slots: torch.Tensor, tokens: int, k: int, weights: torch.Tensor | None = None
             ) -> torch.Tensor:
     """(tokens, H): each token's k rows of the slot-ordered ``y`` (C, H) summed in float32 (its
@@ -625,6 +629,7 @@ def slot_order_takes(plan: RoutePlan, *weights: torch.Tensor) -> bool:
 _SLOT_CALLS = SignatureCache()
 
 
+@on_its_gpu
 def grouped_slot_mm(a, w, a_scale, w_scale, plan: RoutePlan, activation="none", gated=False,
                     out_dtype=torch.bfloat16) -> torch.Tensor:
     """(C, N) in slot order: row s below ``used`` is ``act(a[s] @ w[e].T * a_scale[s] * w_scale[e])``

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.launch import INTERPRETED as _INTERPRETED
-from quantkit.kernels.launch import CachedLaunch, aligned, cdiv, int_spec, next_power_of_2
+from quantkit.kernels.launch import CachedLaunch, aligned, cdiv, int_spec, next_power_of_2, on_its_gpu
 from quantkit.kernels.reference_attention import check_norm_inputs
 
 
@@ -79,6 +79,7 @@ def _launch_shape(x: torch.Tensor) -> tuple[int, int, int, int, int]:
     return n_rows, n_cols, block_m, block_n, num_warps
 
 
+@on_its_gpu
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, offset: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -100,6 +101,7 @@ def rms_norm(
     return y, res_out
 
 
+@on_its_gpu
 def layer_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

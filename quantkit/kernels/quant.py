@@ -31,7 +31,7 @@ from quantkit.kernels import launch
 from quantkit.kernels.call_cache import SignatureCache
 from quantkit.kernels.dependent_launch import wait_for_the_kernel_before
 from quantkit.kernels.launch import (INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, int_spec,
-                                     next_power_of_2)
+                                     next_power_of_2, on_its_gpu)
 from quantkit.kernels.quant_checks import (MAX_SINGLE_PASS_K,  # noqa: F401 (re-exported)
                                            check_activation_input, check_per_tensor_scale, check_quant_dtype,
                                            check_rms_norm_args)
@@ -645,6 +645,7 @@ def _per_token_plan(K: int, x_dtype: torch.dtype, dtype: torch.dtype, config: di
     return rows, constexprs, num_warps, options, plan_id
 
 
+@on_its_gpu
 def quantize_per_token(x: torch.Tensor, dtype: torch.dtype, out=None, out_scale=None,
                        config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) float -> (q (M, K) dtype, scale (M,) fp32). A row of K <= MAX_SINGLE_PASS_K is read
@@ -695,6 +696,7 @@ def quantize_per_token(x: torch.Tensor, dtype: torch.dtype, out=None, out_scale=
     return q, scale
 
 
+@on_its_gpu
 def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out=None) -> torch.Tensor:
     """(M, K) float -> (M, K) dtype with one static fp32 scale (1 element)."""
     check_activation_input(x)
@@ -717,6 +719,7 @@ def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return q
 
 
+@on_its_gpu
 def rms_norm_quant_per_token(
     x: torch.Tensor,
     weight: torch.Tensor,

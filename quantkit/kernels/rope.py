@@ -33,7 +33,7 @@ import triton.language as tl
 from quantkit.kernels import launch
 from quantkit.kernels.call_cache import SignatureCache, contiguous_strides
 from quantkit.kernels.dependent_launch import wait_for_the_kernel_before
-from quantkit.kernels.launch import CachedLaunch, aligned, cdiv, int_spec, next_power_of_2, num_sms
+from quantkit.kernels.launch import CachedLaunch, aligned, cdiv, int_spec, next_power_of_2, num_sms, on_its_gpu
 from quantkit.kernels.quant import round_half_even, round_to_bf16_grid
 from quantkit.kernels.reference_attention import check_rope_inputs
 
@@ -139,6 +139,7 @@ _OPTIONS = {"enable_fp_fusion": False}
 _CALLS = SignatureCache()
 
 
+@on_its_gpu
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                heads_per_program: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch RoPE on q and k; see ``reference_attention.apply_rope`` for the math.

@@ -412,3 +412,68 @@ def test_autotune_timer_uses_graph_replay_and_falls_back_to_do_bench(monkeypatch
     with pytest.raises(RuntimeError, match="warm-up call"):
         gemm_tma._autotune_bench(lambda: None, quantiles=(0.5, 0.2, 0.8))
     assert len(eager) == 1
+
+
+class _OnGpu1(torch.Tensor):
+    """A CPU tensor that reports GPU 1: what a model on cuda:1 hands a launcher."""
+
+    def get_device(self):
+        return 1
+
+
+def _devices_entered(monkeypatch, current: int) -> list:
+    entered = []
+
+    class _Device:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            entered.append(self.index)
+
+        def __exit__(self, *exc):
+            entered.append(-self.index)
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda, "device", _Device)
+    return entered
+
+
+def test_a_launcher_runs_with_its_tensors_gpu_current(monkeypatch):
+    entered = _devices_entered(monkeypatch, current=0)
+    seen = []
+
+    @launch.on_its_gpu
+    def launcher(x, y, scale=1.0):
+        """doc"""
+        seen.append((list(entered), y, scale))
+        return y * scale
+
+    x = torch.randn(3).as_subclass(_OnGpu1)
+    assert launcher(x, 2, scale=3.0) == 6.0
+    assert seen == [([1], 2, 3.0)] and entered == [1, -1]  # inside cuda:1's context, left after
+    assert launcher.__doc__ == "doc" and launcher.__name__ == "launcher"
+
+
+def test_a_launcher_on_the_current_gpu_or_the_cpu_enters_nothing(monkeypatch):
+    entered = _devices_entered(monkeypatch, current=1)
+
+    @launch.on_its_gpu
+    def launcher(x):
+        return "ran"
+
+    assert launcher(torch.randn(2).as_subclass(_OnGpu1)) == "ran" and entered == []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("a CPU tensor asks for no GPU"))
+    assert launcher(torch.randn(2)) == "ran" and entered == []
+    assert launcher("not a tensor") == "ran"  # left for the launcher's own check to refuse
+
+
+def test_every_public_launcher_runs_on_its_tensors_gpu():
+    from quantkit.kernels import attention, attention_decode, gemm, kv_cache, moe, norm, quant, rope
+
+    launchers = [gemm.scaled_mm, gemm.gated_scaled_mm, moe.plan_for, moe.grouped_scaled_mm, moe.gather_slots,
+                 moe.grouped_slot_mm, moe.combine, quant.quantize_per_token, quant.quantize_per_tensor,
+                 quant.rms_norm_quant_per_token, attention.flash_attention, attention.decode_attention,
+                 attention_decode.decode_attention, rope.apply_rope, kv_cache.write_kv_cache, norm.rms_norm,
+                 norm.layer_norm]
+    assert [f.__name__ for f in launchers if f.__code__ is not launch.on_its_gpu(lambda x: x).__code__] == []

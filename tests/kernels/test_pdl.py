@@ -35,7 +35,9 @@ def test_pdl_is_off_under_the_interpreter_and_then_leaves_options_alone():
 def _unresolved(monkeypatch, value: str, capability=(9, 0), cuda: bool = True) -> None:
     monkeypatch.setattr(launch, "_PDL_VALUE", value)
     monkeypatch.setattr(launch, "PDL", None)
+    monkeypatch.setattr(launch, "_PDL_BY_DEVICE", {})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: capability)
 
 
@@ -50,12 +52,42 @@ def test_a_quantkit_pdl_value_other_than_0_or_1_is_refused_on_first_use(monkeypa
     ("", (9, 0), True, True), ("", (10, 0), True, True), ("", (8, 9), True, False), ("", (9, 0), False, False),
     ("0", (9, 0), True, False), ("1", (9, 0), True, True),
 ])
-def test_the_first_launch_resolves_quantkit_pdl_once(monkeypatch, value, capability, cuda, enabled):
+def test_the_first_launch_resolves_quantkit_pdl_once_per_gpu(monkeypatch, value, capability, cuda, enabled):
     _unresolved(monkeypatch, value, capability, cuda)
     assert launch.pdl_enabled() is enabled
     assert launch.pdl_name() == ("on" if enabled else "off")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (8, 0))
     assert launch.pdl_enabled() is enabled  # resolved: not asked again
+
+
+def test_each_gpu_of_a_mixed_host_gets_its_own_setting(monkeypatch):
+    # An sm_90 GPU and an sm_80 one: the wait does not compile for sm_80, so PDL must stay off there
+    # even after the sm_90 GPU resolved it on.
+    _unresolved(monkeypatch, "")
+    capabilities = {0: (9, 0), 1: (8, 0)}
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capabilities[device])
+    assert launch.pdl_enabled() is True
+    current[0] = 1
+    assert launch.pdl_enabled() is False
+    assert launch.pdl_name() == "off"
+    current[0] = 0
+    assert launch.pdl_enabled() is True
+    assert launch._PDL_BY_DEVICE == {0: True, 1: False}
+    monkeypatch.setattr(launch, "PDL", False)  # a process-wide setting (benchmarks) wins on every GPU
+    assert launch.pdl_enabled() is False
+
+
+def test_quantkit_pdl_1_is_refused_on_the_gpu_that_lacks_it(monkeypatch):
+    _unresolved(monkeypatch, "1")
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: [(9, 0), (8, 9)][device])
+    assert launch.pdl_enabled() is True
+    current[0] = 1
+    with pytest.raises(ValueError, match="needs an sm_90 or newer GPU .*GPU 1 is sm_89: unset QUANTKIT_PDL"):
+        launch.pdl_enabled()
 
 
 def test_asking_for_pdl_without_a_gpu_is_refused_in_one_line(monkeypatch):
