@@ -25,6 +25,8 @@ Temperature, top-k and top-p filter the logits as transformers' warpers of the s
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import numbers
 import operator
@@ -353,8 +355,11 @@ def generate(
             # Every step's uniform number up front: the captured step then holds no RNG state.
             uniforms = torch.rand((max_new_tokens, batch), generator=generator, dtype=torch.float64,
                                   device=generator.device if generator is not None else device).to(device)
-        return _generate(model, ids.to(device), max_new_tokens, eos, pad_token_id, capacity, use_graph, stats,
-                         sampling, uniforms, penalty, rules)
+        # The model's GPU current throughout: torch.cuda.graph captures on, and a graph replays on,
+        # the current GPU's streams, and the kernels launch there.
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            return _generate(model, ids.to(device), max_new_tokens, eos, pad_token_id, capacity, use_graph, stats,
+                             sampling, uniforms, penalty, rules)
     finally:
         model.set_attn_implementation(previous_attention)
 

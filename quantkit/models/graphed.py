@@ -186,10 +186,12 @@ class _CudaGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
 
     def capture(self, forward, pool):
+        # The model's GPU current: torch.cuda.graph captures on a stream of the current GPU (the
+        # model may be on another one).
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.current_stream(self.device)
         try:
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=pool):
                 output = forward()
         except RuntimeError:
             # A capture that fails inside the forward can leave the capture's side stream current
@@ -200,7 +202,8 @@ class _CudaGraphs:
         return graph, output
 
     def replay(self, graph) -> None:
-        graph.replay()
+        with torch.cuda.device(self.device):  # on the current stream of the graph's GPU
+            graph.replay()
 
 
 def _model_device(model: nn.Module) -> torch.device:
