@@ -518,7 +518,9 @@ def _generate(model, ids, max_new_tokens, eos, pad_token_id, capacity, use_graph
         for buffer, value in zip(state, saved):
             buffer.copy_(value)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # On a stream of the model's GPU: torch.cuda.graph's default capture stream is one stream
+        # for the whole process, made on whichever GPU was current at its first capture.
+        with torch.cuda.graph(graph, stream=side):
             step()
         _sync(device)
         capture_s = time.perf_counter() - start

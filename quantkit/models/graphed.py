@@ -186,12 +186,13 @@ class _CudaGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
 
     def capture(self, forward, pool):
-        # The model's GPU current: torch.cuda.graph captures on a stream of the current GPU (the
-        # model may be on another one).
+        # On a stream of the model's GPU (torch.cuda.graph's default capture stream is one stream
+        # for the whole process, made on whichever GPU was current at its first capture), with
+        # that GPU current.
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.current_stream(self.device)
         try:
-            with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=pool, stream=side_stream(self.device)):
                 output = forward()
         except RuntimeError:
             # A capture that fails inside the forward can leave the capture's side stream current
