@@ -26,7 +26,6 @@ Temperature, top-k and top-p filter the logits as transformers' warpers of the s
 from __future__ import annotations
 
 import contextlib
-
 import math
 import numbers
 import operator
