@@ -346,8 +346,8 @@ def generate(
         raise ValueError(f"cuda_graph=True needs a model on CUDA (it is on {device})")
 
     previous_attention = model.config._attn_implementation
-    model.set_attn_implementation(register_static_cache_attention(_attention_backend(model, device), device,
-                                                                  model=model))
+    backend = _attention_backend(model, device)
+    model.set_attn_implementation(register_static_cache_attention(backend, device, model=model))
     try:
         uniforms = None
         if sampling is not None:
@@ -358,7 +358,7 @@ def generate(
         # the current GPU's streams, and the kernels launch there.
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             return _generate(model, ids.to(device), max_new_tokens, eos, pad_token_id, capacity, use_graph, stats,
-                             sampling, uniforms, penalty, rules)
+                             sampling, uniforms, backend, penalty, rules)
     finally:
         model.set_attn_implementation(previous_attention)
 
@@ -434,10 +434,10 @@ def _sync(device: torch.device) -> None:
 
 
 def _generate(model, ids, max_new_tokens, eos, pad_token_id, capacity, use_graph, stats, sampling, uniforms,
-              penalty=None, rules: logits_rules.LogitsRules | None = None):
+              backend: str, penalty=None, rules: logits_rules.LogitsRules | None = None):
     device = ids.device
     batch, prompt_len = ids.shape
-    cache = StaticKVCache(capacity, backend=_attention_backend(model, device))
+    cache = StaticKVCache(capacity, backend=backend)
     eos_tensor = torch.tensor(eos, dtype=torch.long, device=device)
     history = None  # (B, S + n): the prompt and the generated tokens, for rules that match patterns
     if rules is not None and rules.needs_history:
