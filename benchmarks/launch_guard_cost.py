@@ -3,13 +3,10 @@
     PYTHONPATH=. python benchmarks/launch_guard_cost.py --out DIR [--rounds 7] [--calls 2000]
 
 Every public launcher runs under ``on_its_gpu``: one ``Tensor.get_device()`` and one
-current-device query (``launch.current_gpu``) per call, before the launcher's own
-``pdl_enabled()`` asks the current device again. Measured here in rotating rounds, in three forms:
-``guarded`` (the code as it is), ``guarded, torch.cuda.current_device`` (``launch.current_gpu``
-replaced by ``torch.cuda.current_device``, the query of session 46's code, commit a0736da), and
-``unguarded`` (every launcher's ``__wrapped__`` set on its module, as the code was before the
-guard):
-- the queries alone, per call;
+``torch.cuda.current_device()`` per call, before the launcher's own ``pdl_enabled()`` asks the
+current device again. Measured here, each with the guard and without it (the launcher's
+``__wrapped__`` set on its module, as the code was before), in alternating rounds:
+- the two queries alone, per call;
 - host time per call of three launchers on tiny tensors (the GPU work stays well below the host
   time, so the loop measures the host): FP8 ``scaled_mm`` at M = 1 (the GEMV), per-token
   quantization, RMSNorm;
@@ -46,12 +43,9 @@ def launcher_sets() -> tuple[list, list]:
     return guarded, unguarded
 
 
-def install(functions, current_gpu) -> None:
-    from quantkit.kernels import launch
-
+def install(functions) -> None:
     for module, name, function in functions:
         setattr(module, name, function)
-    launch.current_gpu = current_gpu
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -91,7 +85,6 @@ def main() -> None:
     norm_w = torch.randn(1024, device=device, dtype=torch.bfloat16, generator=gen)
     ops = {
         "torch.cuda.current_device": lambda: torch.cuda.current_device(),
-        "torch.accelerator.current_device_index": lambda: torch.accelerator.current_device_index(),
         "launch.pdl_enabled": launch.pdl_enabled,
         "gemm.scaled_mm fp8 1x1024x1024": lambda: gemm.scaled_mm(a, w, a_scale, w_scale),
         "quant.quantize_per_token fp8 1x1024": lambda: quant.quantize_per_token(x, torch.float8_e4m3fn),
@@ -113,34 +106,32 @@ def main() -> None:
         return (time.perf_counter() - start) / args.new_tokens * 1e3
 
     guarded, unguarded = launcher_sets()
-    query = launch.current_gpu
-    forms = {"guarded": (guarded, query), "guarded, torch.cuda.current_device": (guarded, torch.cuda.current_device),
-             "unguarded": (unguarded, query)}
+    forms = {"guarded": guarded, "unguarded": unguarded}
     times = {form: {name: [] for name in [*ops, "generate eager ms/token"]} for form in forms}
     tokens = {}
-    for form, setting in forms.items():  # warm-up: compile, tune, first calls
-        install(*setting)
+    for form, functions in forms.items():  # warm-up: compile, tune, first calls
+        install(functions)
         for fn in ops.values():
             per_call_us(fn, 50)
         decode_ms()
         tokens[form] = generate(model, prompt, 16, eos_token_id=None, cuda_graph=False)
     for round_index in range(args.rounds):
-        order = list(forms)[round_index % len(forms):] + list(forms)[:round_index % len(forms)]
+        order = list(forms) if round_index % 2 == 0 else list(forms)[::-1]
         for form in order:
-            install(*forms[form])
+            install(forms[form])
             for name, fn in ops.items():
                 times[form][name].append(per_call_us(fn, args.calls))
             times[form]["generate eager ms/token"].append(decode_ms())
-    install(*forms["guarded"])
+    install(guarded)
     rows = []
-    print(f"{'':42s} " + "  ".join(f"{form[:22]:>22s}" for form in forms), flush=True)
     for name in times["guarded"]:
-        medians = {form: statistics.median(times[form][name]) for form in forms}
-        rows.append({"op": name, "unit": "ms" if name.startswith("generate") else "us", "median": medians,
-                     "all": {form: times[form][name] for form in forms}})
-        print(f"{name:42s} " + "  ".join(f"{value:22.3f}" for value in medians.values()), flush=True)
+        g, u = (statistics.median(times[form][name]) for form in forms)
+        rows.append({"op": name, "guarded": g, "unguarded": u, "difference": g - u,
+                     "unit": "ms" if name.startswith("generate") else "us",
+                     "guarded_all": times["guarded"][name], "unguarded_all": times["unguarded"][name]})
+        print(f"{name:42s} guarded {g:9.3f}  unguarded {u:9.3f}  diff {g - u:+8.3f}", flush=True)
     result = {"meta": environment_metadata(), "rounds": args.rounds, "calls": args.calls,
-              "new_tokens": args.new_tokens, "tokens_equal": all(torch.equal(t, tokens["guarded"]) for t in tokens.values()),
+              "new_tokens": args.new_tokens, "tokens_equal": bool(torch.equal(tokens["guarded"], tokens["unguarded"])),
               "rows": rows}
     (args.out / "launch_guard_cost.json").write_text(json.dumps(result, indent=1))
 

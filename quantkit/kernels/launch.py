@@ -83,13 +83,6 @@ def _resolve_pdl(value: str, device: int | None) -> bool:
     return False
 
 
-def current_gpu() -> int:
-    """The current CUDA device's index, for the per-launch paths (call only where CUDA is available):
-    one C call, where ``torch.cuda.current_device()`` first runs Python's lazy-init check (0.7 µs
-    a call on the H200 host, ``benchmarks/launch_guard_cost.py``)."""
-    return torch.accelerator.current_device_index()
-
-
 def pdl_enabled() -> bool:
     """Whether launches on the current GPU use PDL: ``PDL`` where set, else resolved from
     QUANTKIT_PDL and the GPU's compute capability by its first launch that asks (a bad value is a
@@ -98,7 +91,7 @@ def pdl_enabled() -> bool:
         return PDL
     if not _PDL_BY_DEVICE and not torch.cuda.is_available():
         return _resolve_pdl(_PDL_VALUE, None)
-    device = current_gpu()
+    device = torch.cuda.current_device()
     enabled = _PDL_BY_DEVICE.get(device)
     if enabled is None:
         enabled = _PDL_BY_DEVICE[device] = _resolve_pdl(_PDL_VALUE, device)
@@ -230,7 +223,7 @@ def on_its_gpu(launcher):
     @functools.wraps(launcher)
     def run(x, *args, **kwargs):
         index = x.get_device() if isinstance(x, torch.Tensor) else -1
-        if index < 0 or index == current_gpu():
+        if index < 0 or index == torch.cuda.current_device():
             return launcher(x, *args, **kwargs)
         with torch.cuda.device(index):
             return launcher(x, *args, **kwargs)

@@ -434,7 +434,7 @@ def _devices_entered(monkeypatch, current: int) -> list:
         def __exit__(self, *exc):
             entered.append(-self.index)
 
-    monkeypatch.setattr(launch, "current_gpu", lambda: current)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
     monkeypatch.setattr(torch.cuda, "device", _Device)
     return entered
 
@@ -463,7 +463,7 @@ def test_a_launcher_on_the_current_gpu_or_the_cpu_enters_nothing(monkeypatch):
         return "ran"
 
     assert launcher(torch.randn(2).as_subclass(_OnGpu1)) == "ran" and entered == []
-    monkeypatch.setattr(launch, "current_gpu", lambda: pytest.fail("a CPU tensor asks for no GPU"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("a CPU tensor asks for no GPU"))
     assert launcher(torch.randn(2)) == "ran" and entered == []
     assert launcher("not a tensor") == "ran"  # left for the launcher's own check to refuse
 
