@@ -3,10 +3,12 @@
     PYTHONPATH=. python benchmarks/launch_guard_cost.py --out DIR [--rounds 7] [--calls 2000]
 
 Every public launcher runs under ``on_its_gpu``: one ``Tensor.get_device()`` and one
-``torch.cuda.current_device()`` per call, before the launcher's own ``pdl_enabled()`` asks the
-current device again. Measured here, each with the guard and without it (the launcher's
-``__wrapped__`` set on its module, as the code was before), in alternating rounds:
-- the two queries alone, per call;
+current-device query (``launch.current_gpu``) per call, before the launcher's own
+``pdl_enabled()`` asks the current device again. Measured here in rotating rounds, in three forms:
+``guarded`` (the code as it is), ``guarded, torch.cuda.current_device`` (``launch.current_gpu``
+replaced by ``torch.cuda.current_device``: the code of commit a0736da, which asked on every call),
+and ``unguarded`` (every launcher's ``__wrapped__`` set on its module, ``current_gpu`` as it is):
+- the queries alone, per call;
 - host time per call of three launchers on tiny tensors (the GPU work stays well below the host
   time, so the loop measures the host): FP8 ``scaled_mm`` at M = 1 (the GEMV), per-token
   quantization, RMSNorm;
@@ -43,9 +45,12 @@ def launcher_sets() -> tuple[list, list]:
     return guarded, unguarded
 
 
-def install(functions) -> None:
+def install(functions, current_gpu) -> None:
+    from quantkit.kernels import launch
+
     for module, name, function in functions:
         setattr(module, name, function)
+    launch.current_gpu = current_gpu
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -85,6 +90,7 @@ def main() -> None:
     norm_w = torch.randn(1024, device=device, dtype=torch.bfloat16, generator=gen)
     ops = {
         "torch.cuda.current_device": lambda: torch.cuda.current_device(),
+        "launch.current_gpu": lambda: launch.current_gpu(),
         "launch.pdl_enabled": launch.pdl_enabled,
         "gemm.scaled_mm fp8 1x1024x1024": lambda: gemm.scaled_mm(a, w, a_scale, w_scale),
         "quant.quantize_per_token fp8 1x1024": lambda: quant.quantize_per_token(x, torch.float8_e4m3fn),
@@ -106,32 +112,34 @@ def main() -> None:
         return (time.perf_counter() - start) / args.new_tokens * 1e3
 
     guarded, unguarded = launcher_sets()
-    forms = {"guarded": guarded, "unguarded": unguarded}
+    query = launch.current_gpu
+    forms = {"guarded": (guarded, query), "guarded, torch.cuda.current_device": (guarded, torch.cuda.current_device),
+             "unguarded": (unguarded, query)}
     times = {form: {name: [] for name in [*ops, "generate eager ms/token"]} for form in forms}
     tokens = {}
-    for form, functions in forms.items():  # warm-up: compile, tune, first calls
-        install(functions)
+    for form, setting in forms.items():  # warm-up: compile, tune, first calls
+        install(*setting)
         for fn in ops.values():
             per_call_us(fn, 50)
         decode_ms()
         tokens[form] = generate(model, prompt, 16, eos_token_id=None, cuda_graph=False)
     for round_index in range(args.rounds):
-        order = list(forms) if round_index % 2 == 0 else list(forms)[::-1]
+        order = list(forms)[round_index % len(forms):] + list(forms)[:round_index % len(forms)]
         for form in order:
-            install(forms[form])
+            install(*forms[form])
             for name, fn in ops.items():
                 times[form][name].append(per_call_us(fn, args.calls))
             times[form]["generate eager ms/token"].append(decode_ms())
-    install(guarded)
+    install(*forms["guarded"])
     rows = []
+    print(f"{'':42s} " + "  ".join(f"{form[:22]:>22s}" for form in forms), flush=True)
     for name in times["guarded"]:
-        g, u = (statistics.median(times[form][name]) for form in forms)
-        rows.append({"op": name, "guarded": g, "unguarded": u, "difference": g - u,
-                     "unit": "ms" if name.startswith("generate") else "us",
-                     "guarded_all": times["guarded"][name], "unguarded_all": times["unguarded"][name]})
-        print(f"{name:42s} guarded {g:9.3f}  unguarded {u:9.3f}  diff {g - u:+8.3f}", flush=True)
+        medians = {form: statistics.median(times[form][name]) for form in forms}
+        rows.append({"op": name, "unit": "ms" if name.startswith("generate") else "us", "median": medians,
+                     "all": {form: times[form][name] for form in forms}})
+        print(f"{name:42s} " + "  ".join(f"{value:22.3f}" for value in medians.values()), flush=True)
     result = {"meta": environment_metadata(), "rounds": args.rounds, "calls": args.calls,
-              "new_tokens": args.new_tokens, "tokens_equal": bool(torch.equal(tokens["guarded"], tokens["unguarded"])),
+              "new_tokens": args.new_tokens, "tokens_equal": all(torch.equal(t, tokens["guarded"]) for t in tokens.values()),
               "rows": rows}
     (args.out / "launch_guard_cost.json").write_text(json.dumps(result, indent=1))
 

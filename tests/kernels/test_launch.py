@@ -434,7 +434,7 @@ def _devices_entered(monkeypatch, current: int) -> list:
         def __exit__(self, *exc):
             entered.append(-self.index)
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(launch, "current_gpu", lambda: current)
     monkeypatch.setattr(torch.cuda, "device", _Device)
     return entered
 
@@ -463,9 +463,19 @@ def test_a_launcher_on_the_current_gpu_or_the_cpu_enters_nothing(monkeypatch):
         return "ran"
 
     assert launcher(torch.randn(2).as_subclass(_OnGpu1)) == "ran" and entered == []
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("a CPU tensor asks for no GPU"))
+    monkeypatch.setattr(launch, "current_gpu", lambda: pytest.fail("a CPU tensor asks for no GPU"))
     assert launcher(torch.randn(2)) == "ran" and entered == []
     assert launcher("not a tensor") == "ran"  # left for the launcher's own check to refuse
+
+
+@pytest.mark.parametrize("count,current,expected", [(1, None, 0), (2, 1, 1), (4, 0, 0)])
+def test_the_current_gpu_is_asked_only_where_the_process_sees_more_than_one(monkeypatch, count, current, expected):
+    monkeypatch.setattr(launch, "_ONE_GPU", None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: asked.append(current) or current)
+    assert [launch.current_gpu(), launch.current_gpu()] == [expected, expected]
+    assert asked == ([] if count == 1 else [current, current])  # settled once, asked on every call
 
 
 def test_every_public_launcher_runs_on_its_tensors_gpu():

@@ -37,7 +37,7 @@ def _unresolved(monkeypatch, value: str, capability=(9, 0), cuda: bool = True) -
     monkeypatch.setattr(launch, "PDL", None)
     monkeypatch.setattr(launch, "_PDL_BY_DEVICE", {})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "current_gpu", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: capability)
 
 
@@ -66,7 +66,7 @@ def test_each_gpu_of_a_mixed_host_gets_its_own_setting(monkeypatch):
     _unresolved(monkeypatch, "")
     capabilities = {0: (9, 0), 1: (8, 0)}
     current = [0]
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(launch, "current_gpu", lambda: current[0])
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capabilities[device])
     assert launch.pdl_enabled() is True
     current[0] = 1
@@ -82,7 +82,7 @@ def test_each_gpu_of_a_mixed_host_gets_its_own_setting(monkeypatch):
 def test_quantkit_pdl_1_is_refused_on_the_gpu_that_lacks_it(monkeypatch):
     _unresolved(monkeypatch, "1")
     current = [0]
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(launch, "current_gpu", lambda: current[0])
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: [(9, 0), (8, 9)][device])
     assert launch.pdl_enabled() is True
     current[0] = 1
