@@ -4,7 +4,7 @@
         [--variants hf-bf16,fp8-fast,...] [--deadline S] [--same-process] [--compare-norm-quant]
 
 Same code as ``quantkit bench model``: ``quantkit.bench.e2e.run_e2e_benchmark``. Writes
-e2e.json (rows, targets, checks, environment), e2e.csv and e2e.png under --out.
+e2e.json (meta, rows, targets, checks), e2e.csv and e2e.png under --out.
 """
 
 import argparse

@@ -25,7 +25,6 @@ attention.png plots TFLOP/s (prefill) and GB/s (decode).
 
 from __future__ import annotations
 
-import csv
 import functools
 import json
 import os
@@ -39,7 +38,7 @@ from quantkit.kernels import norm as norm_kernels
 from quantkit.kernels import reference_attention
 from quantkit.kernels import rope as rope_kernels
 from quantkit.bench.common import (CheckFailed, bench_ms, environment_metadata, rel_err, require_matplotlib,
-                                   require_within)
+                                   require_within, write_rows)
 from quantkit.bench.gemm import bench_graph_ms
 
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -233,14 +232,7 @@ def run_attention_checks() -> list[dict]:
 
 
 def _write(rows: list[dict], out_dir: Path, meta: dict, plot: bool) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rows = [{**row, **meta} for row in rows]
-    (out_dir / "attention.json").write_text(json.dumps(rows, indent=1, default=str))
-    fields = sorted({key for row in rows for key in row})
-    with open(out_dir / "attention.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(out_dir, "attention", rows, meta, lead=("kind", "batch", "seq"))
     if not plot:
         return
     import matplotlib

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import datetime
 import hashlib
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -86,6 +88,26 @@ def environment_metadata() -> dict:
         # Programmatic dependent launch (QUANTKIT_PDL), which changes the decode times.
         "pdl": launch.pdl_name(),
     }
+
+
+def write_rows(out_dir, name: str, rows: list[dict], meta: dict, extra: dict | None = None,
+               lead: tuple = ()) -> tuple[Path, Path]:
+    """Every benchmark's result files: ``name.json`` holds ``{"meta": meta, "rows": rows, **extra}``
+    (``extra``: e.g. targets and checks) and ``name.csv`` one line per row, the scalar ``meta``
+    entries first on every line (nested ones, e.g. the autotuner's picks, stay in the JSON), then
+    the rows' fields: ``lead`` in its order, the rest sorted."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, csv_path = out_dir / f"{name}.json", out_dir / f"{name}.csv"
+    json_path.write_text(json.dumps({"meta": meta, "rows": rows, **(extra or {})}, indent=1, default=str))
+    flat_meta = {key: value for key, value in meta.items() if not isinstance(value, (dict, list))}
+    fields = {key for row in rows for key in row}
+    columns = [key for key in lead if key in fields] + sorted(fields - set(lead))
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(flat_meta) + [key for key in columns if key not in flat_meta])
+        writer.writeheader()
+        writer.writerows({**flat_meta, **row} for row in rows)
+    return json_path, csv_path
 
 
 def bench_ms(fn) -> float:

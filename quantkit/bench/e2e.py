@@ -51,7 +51,6 @@ timing (CheckFailed; the check rows go to ``{prefix}_checks_failed.json``).
 from __future__ import annotations
 
 import copy
-import csv
 import gc
 import importlib.util
 import json
@@ -67,7 +66,7 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from quantkit.api import quantize
-from quantkit.bench.common import CheckFailed, rel_err, require_matplotlib
+from quantkit.bench.common import CheckFailed, rel_err, require_matplotlib, write_rows
 from quantkit.config import QuantConfig
 from quantkit.generate import generate
 from quantkit.models.fast_attention import register_quantkit_attention
@@ -601,7 +600,7 @@ def run_e2e_benchmark(
 ) -> list[dict]:
     """Run the end-to-end benchmark (and, with ``checks``, the fast-path correctness checks first).
 
-    Writes ``{prefix}.json`` (rows + targets + checks + environment), ``{prefix}.csv`` and
+    Writes ``{prefix}.json`` (meta + rows + targets + checks), ``{prefix}.csv`` and
     ``{prefix}.png`` under ``out_dir``; returns the rows. ``config``/``device`` override the
     Llama-3-8B shape and the GPU (small configs on CPU exercise the code path in tests).
     ``isolate``: each variant in its own process (memory numbers are then the variant's own).
@@ -674,14 +673,7 @@ def run_e2e_benchmark(
 
 
 def _write(rows, targets, check_rows, meta, out_dir: Path, prefix: str, plot: bool) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{prefix}.json").write_text(json.dumps(
-        {"environment": meta, "rows": rows, "targets": targets, "checks": check_rows}, indent=1, default=str))
-    fields = sorted({key for row in rows for key in row} | set(meta))
-    with open(out_dir / f"{prefix}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows({**row, **meta} for row in rows)
+    write_rows(out_dir, prefix, rows, meta, extra={"targets": targets, "checks": check_rows}, lead=("variant", "workload"))
     if not plot:
         return
     import matplotlib

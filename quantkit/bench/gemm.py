@@ -15,7 +15,6 @@ JSON with the GPU name, torch/triton versions, commit and date, plus a PNG of TF
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import time
@@ -25,7 +24,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from quantkit.bench.common import CheckFailed, bench_ms, environment_metadata, require_matplotlib, require_within
+from quantkit.bench.common import (CheckFailed, bench_ms, environment_metadata, require_matplotlib, require_within,
+                                   write_rows)
 from quantkit.bench.common import rel_err as _rel_err  # the name this module's users import
 from quantkit.kernels import gemm, gemm_gluon, gemm_tma, reference, triton_ops
 from quantkit.kernels.launch import median_replay_ms, rotated_medians
@@ -255,20 +255,7 @@ def autotune_choices() -> dict:
 
 
 def write_results(rows: list[dict], out_dir, name: str, meta: dict) -> tuple[Path, Path]:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / f"{name}.json"
-    csv_path = out_dir / f"{name}.csv"
-    json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
-    fields = sorted({k for r in rows for k in r}, key=lambda k: (k not in ("op", "M", "N", "K", "epilogue"), k))
-    # Scalar metadata repeats on every CSV row; the autotuner's picks live in the JSON only.
-    flat_meta = {k: v for k, v in meta.items() if not isinstance(v, (dict, list))}
-    with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(flat_meta) + fields)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({**flat_meta, **r})
-    return json_path, csv_path
+    return write_rows(out_dir, name, rows, meta, lead=("op", "M", "N", "K", "epilogue"))
 
 
 def plot_tflops(rows: list[dict], path, title: str) -> None:

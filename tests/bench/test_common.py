@@ -46,3 +46,20 @@ def test_git_commit_marks_a_tree_that_differs_from_head(tmp_path, monkeypatch):
     assert clean and not clean.endswith("+modified")
     (package / "a.py").write_text("x = 2\n")  # a newer tree under the old .git
     assert common.git_commit() == clean + "+modified"
+
+
+def test_result_files_hold_meta_rows_and_extras_and_a_csv_line_per_row(tmp_path):
+    import csv
+    import json
+
+    meta = {"gpu": "H200", "commit": "abc1234", "autotune": {"picks": [1, 2]}}
+    rows = [{"op": "fp8", "M": 13, "ms": 0.25, "note": "a,b"}, {"op": "int8", "M": 257, "speedup": 1.5}]
+    json_path, csv_path = common.write_rows(tmp_path / "new", "bench", rows, meta,
+                                            extra={"targets": [{"met": True}]}, lead=("op", "M"))
+    assert json.loads(json_path.read_text()) == {"meta": meta, "rows": rows, "targets": [{"met": True}]}
+    with csv_path.open(newline="") as f:
+        lines = list(csv.reader(f))
+    # scalar meta first (the nested tuner record only in the JSON), then the lead fields, then the rest sorted
+    assert lines[0] == ["gpu", "commit", "op", "M", "ms", "note", "speedup"]
+    assert lines[1:] == [["H200", "abc1234", "fp8", "13", "0.25", "a,b", ""],
+                         ["H200", "abc1234", "int8", "257", "", "", "1.5"]]
