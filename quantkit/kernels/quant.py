@@ -126,9 +126,17 @@ def cast_for_store(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def int8_clamp(scaled):
+    """An fp32 quotient saturated to the reference's [INT8_MIN, INT8_MAX], NaN to 0: int8 has no
+    NaN, and 0 is the code the dynamic kernels' bitcast rounding gives a NaN quotient (its pattern's
+    low byte). Without the select the GPU's max.f32 would drop the NaN and give -128."""
+    return tl.where(scaled == scaled, tl.minimum(tl.maximum(scaled, -128.0), 127.0), 0.0)
+
+
+@triton.jit
 def quantize_with_scale(x, scale, IS_FP8: tl.constexpr, INTERPRETED: tl.constexpr):
     """fp32 x / scale -> saturated, rounded int8 or float8_e4m3fn: an activation, so INT8 saturates to
-    [-128, 127] (the reference's ``cast_to_quantized(..., activation=True)``). FP8 on the GPU: the
+    [-128, 127] and a NaN quotient is code 0 (the reference's ``cast_to_quantized(..., activation=True)``). FP8 on the GPU: the
     fp32 -> e4m3 conversion saturates to +-448 and keeps NaN, as torch's clamp and cast do (a
     tl.minimum / tl.maximum clamp would turn NaN into -448); the interpreter's cast truncates (and
     makes NaN a finite code), so there the value is clamped and put on the e4m3 grid first."""
@@ -136,8 +144,7 @@ def quantize_with_scale(x, scale, IS_FP8: tl.constexpr, INTERPRETED: tl.constexp
     if IS_FP8:
         return fp8_code(scaled, INTERPRETED)
     else:
-        scaled = tl.minimum(tl.maximum(scaled, -128.0), 127.0)  # the reference's INT8_MIN, INT8_MAX
-        return round_half_even(scaled).to(tl.int8)
+        return round_half_even(int8_clamp(scaled)).to(tl.int8)
 
 
 @triton.jit
@@ -311,8 +318,7 @@ def quantize_with_static_scale(x, scale, inv_scale, IS_FP8: tl.constexpr, INTERP
     if IS_FP8:
         return fp8_code(scaled, INTERPRETED)
     else:
-        scaled = tl.minimum(tl.maximum(scaled, -128.0), 127.0)  # the reference's INT8_MIN, INT8_MAX
-        return (scaled + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+        return (int8_clamp(scaled) + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
 
 
 @triton.jit

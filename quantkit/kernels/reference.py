@@ -56,11 +56,12 @@ def _qmax_tensor(dtype: torch.dtype, device) -> torch.Tensor:
 
 def cast_to_quantized(x_scaled: torch.Tensor, dtype: torch.dtype, activation: bool = False) -> torch.Tensor:
     """Round an already-scaled float tensor onto the quantized grid, saturating to [-qmax, qmax]
-    (weights) or, with ``activation``, to [activation_qmin, qmax]."""
+    (weights) or, with ``activation``, to [activation_qmin, qmax]. int8 has no NaN: a NaN is code 0
+    (torch's own cast of NaN to int8 is the platform's); float8_e4m3fn keeps it."""
     qmax = qmax_of(dtype)
     x_scaled = x_scaled.float().clamp(activation_qmin(dtype) if activation else -qmax, qmax)
     if dtype == torch.int8:
-        return torch.round(x_scaled).to(torch.int8)
+        return torch.round(x_scaled).nan_to_num(nan=0.0).to(torch.int8)
     return x_scaled.to(torch.float8_e4m3fn)
 
 

@@ -363,9 +363,9 @@ def test_quantize_per_tensor_bit_exact(qdtype, xdtype):
 def test_quantize_per_tensor_bit_exact_at_the_edges(qdtype, scale):
     """The static scale's reciprocal path (STATIC_SCALE_MIN..MAX) and IEEE division outside it,
     against the twin bit for bit: quotients on and next to every rounding boundary, signed zeros,
-    values that saturate, overflow the quotient or underflow it, infinities. (NaN inputs: the
-    interpreter's fp8 cast makes NaN a finite code, so the GPU check covers them,
-    benchmarks/gpu_checks_s42.py.)"""
+    values that saturate, overflow the quotient or underflow it, infinities. INT8 gives a NaN
+    quotient code 0, every one compared. (FP8 NaN: the interpreter's fp8 cast makes NaN a finite
+    code, so the GPU check covers them, benchmarks/gpu_checks_s42.py.)"""
     x = static_quant_edge_inputs(scale, qdtype)
     K = x.shape[1]
     s = torch.tensor([scale], dtype=torch.float32)
@@ -373,8 +373,8 @@ def test_quantize_per_tensor_bit_exact_at_the_edges(qdtype, scale):
     for inputs in (x, torch.cat([x, x], dim=1)[:, :K]):  # packed (the flat launch), then row stride 2K
         got = quant.quantize_per_tensor(inputs, s, qdtype, out=_poisoned_q(*inputs.shape, qdtype))
         quotient_nan = torch.isnan(inputs.float() / s)  # 0 / 0 or inf / inf
-        if qdtype == torch.int8:  # NaN has no int8 code (torch's is the platform's)
-            assert torch.equal(got[~quotient_nan], want[~quotient_nan])
+        if qdtype == torch.int8:  # a NaN quotient is code 0 in both
+            assert torch.equal(got, want) and not got[quotient_nan].any()
         else:  # (see above: compared on the GPU)
             assert torch.equal(got.view(torch.int8)[~quotient_nan], want.view(torch.int8)[~quotient_nan])
 
@@ -466,8 +466,12 @@ def test_nan_and_inf_rows_keep_their_nan_and_inf_scales(qdtype, variant):
     ref_q, ref_scale = reference.quantize_per_token(x, qdtype)
     _nan_equal(scale, ref_scale)
     assert scale[1].isnan() and scale[4].isinf() and scale[5].isinf()
-    finite = [0, 2, 3, 6]  # the codes of non-finite rows are unspecified
-    assert torch.equal(q[finite].view(torch.int8), ref_q[finite].view(torch.int8))
+    # INT8: every code defined (a NaN quotient is 0, so the NaN row and the inf rows' inf entries
+    # are 0); FP8 codes of non-finite rows are left to the GPU check (the interpreter's fp8 cast).
+    rows = list(range(M)) if qdtype == torch.int8 else [0, 2, 3, 6]
+    assert torch.equal(q[rows].view(torch.int8), ref_q[rows].view(torch.int8))
+    if qdtype == torch.int8:
+        assert not q[1].any()
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
@@ -481,9 +485,11 @@ def test_rms_norm_quant_nan_and_inf_rows_get_nan_scales(qdtype, config):
     x[1, 3] = float("nan")
     x[3, 100] = float("inf")
     weight = torch.randn(K)
-    _, scale, _ = quant.rms_norm_quant_per_token(x, weight, 1e-6, qdtype, None, 0.0, config=config)
-    _, ref_scale, _ = reference.rms_norm_quant_per_token(x, weight, 1e-6, qdtype)
+    q, scale, _ = quant.rms_norm_quant_per_token(x, weight, 1e-6, qdtype, None, 0.0, config=config)
+    ref_q, ref_scale, _ = reference.rms_norm_quant_per_token(x, weight, 1e-6, qdtype)
     assert ref_scale[[1, 3]].isnan().all() and scale[[1, 3]].isnan().all()
+    if qdtype == torch.int8:  # a NaN scale makes every quotient NaN: code 0, as in the twin
+        assert not q[[1, 3]].any() and not ref_q[[1, 3]].any()
     torch.testing.assert_close(scale[[0, 2, 4]], ref_scale[[0, 2, 4]], rtol=1e-6, atol=0)
 
 
