@@ -127,9 +127,11 @@ def cast_for_store(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def int8_clamp(scaled):
-    """An fp32 quotient saturated to the reference's [INT8_MIN, INT8_MAX], NaN to 0: int8 has no
-    NaN, and 0 is the code the dynamic kernels' bitcast rounding gives a NaN quotient (its pattern's
-    low byte). Without the select the GPU's max.f32 would drop the NaN and give -128."""
+    """An fp32 quotient saturated to the reference's [INT8_MIN, INT8_MAX], NaN to 0 as in the twin:
+    int8 has no NaN, and the GPU's max.f32 alone drops it (-128). Under a static scale the code is
+    all that is left of the NaN. (A dynamic row holding a NaN gets a NaN scale, so its output is NaN
+    whatever its codes; quantize_with_row_scale leaves them unspecified: its bitcast rounding of the
+    GPU's canonical NaN, 0x7fffffff, gives -1.)"""
     return tl.where(scaled == scaled, tl.minimum(tl.maximum(scaled, -128.0), 127.0), 0.0)
 
 

@@ -466,12 +466,8 @@ def test_nan_and_inf_rows_keep_their_nan_and_inf_scales(qdtype, variant):
     ref_q, ref_scale = reference.quantize_per_token(x, qdtype)
     _nan_equal(scale, ref_scale)
     assert scale[1].isnan() and scale[4].isinf() and scale[5].isinf()
-    # INT8: every code defined (a NaN quotient is 0, so the NaN row and the inf rows' inf entries
-    # are 0); FP8 codes of non-finite rows are left to the GPU check (the interpreter's fp8 cast).
-    rows = list(range(M)) if qdtype == torch.int8 else [0, 2, 3, 6]
-    assert torch.equal(q[rows].view(torch.int8), ref_q[rows].view(torch.int8))
-    if qdtype == torch.int8:
-        assert not q[1].any()
+    finite = [0, 2, 3, 6]  # a row with a NaN or inf scale has unspecified codes (its output is NaN)
+    assert torch.equal(q[finite].view(torch.int8), ref_q[finite].view(torch.int8))
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
@@ -485,11 +481,9 @@ def test_rms_norm_quant_nan_and_inf_rows_get_nan_scales(qdtype, config):
     x[1, 3] = float("nan")
     x[3, 100] = float("inf")
     weight = torch.randn(K)
-    q, scale, _ = quant.rms_norm_quant_per_token(x, weight, 1e-6, qdtype, None, 0.0, config=config)
-    ref_q, ref_scale, _ = reference.rms_norm_quant_per_token(x, weight, 1e-6, qdtype)
+    _, scale, _ = quant.rms_norm_quant_per_token(x, weight, 1e-6, qdtype, None, 0.0, config=config)
+    _, ref_scale, _ = reference.rms_norm_quant_per_token(x, weight, 1e-6, qdtype)
     assert ref_scale[[1, 3]].isnan().all() and scale[[1, 3]].isnan().all()
-    if qdtype == torch.int8:  # a NaN scale makes every quotient NaN: code 0, as in the twin
-        assert not q[[1, 3]].any() and not ref_q[[1, 3]].any()
     torch.testing.assert_close(scale[[0, 2, 4]], ref_scale[[0, 2, 4]], rtol=1e-6, atol=0)
 
 
