@@ -138,10 +138,11 @@ def int8_clamp(scaled):
 @triton.jit
 def quantize_with_scale(x, scale, IS_FP8: tl.constexpr, INTERPRETED: tl.constexpr):
     """fp32 x / scale -> saturated, rounded int8 or float8_e4m3fn: an activation, so INT8 saturates to
-    [-128, 127] and a NaN quotient is code 0 (the reference's ``cast_to_quantized(..., activation=True)``). FP8 on the GPU: the
-    fp32 -> e4m3 conversion saturates to +-448 and keeps NaN, as torch's clamp and cast do (a
-    tl.minimum / tl.maximum clamp would turn NaN into -448); the interpreter's cast truncates (and
-    makes NaN a finite code), so there the value is clamped and put on the e4m3 grid first."""
+    [-128, 127] and a NaN quotient is code 0 (the reference's ``cast_to_quantized(..., activation=True)``).
+    FP8 on the GPU: the fp32 -> e4m3 conversion saturates to +-448 and keeps NaN, as torch's clamp and
+    cast do (a tl.minimum / tl.maximum clamp would turn NaN into -448); the interpreter's cast
+    truncates (and makes NaN a finite code), so there the value is clamped and put on the e4m3 grid
+    first."""
     scaled = tl.math.div_rn(x, scale)
     if IS_FP8:
         return fp8_code(scaled, INTERPRETED)
