@@ -175,12 +175,6 @@ class GluonConfig:
     # one warpgroup's MMAs on half a tile instead of a whole tile's (3072 tiles on 132 SMs: 23
     # rounds, then 72 half tiles instead of 36 whole ones).
     tail_halves: bool = False
-    # The tile's row scales (a_scale, two or four registers per consumer thread) loaded when its
-    # mainloop starts, not under its last MMA. After an L2 flush they come from HBM, about as long
-    # as the first data takes, and the last MMA of a single-tile program (consumer 1's, alone on the
-    # tensor cores under tail_order) is shorter than that: its epilogue waited on them. (The column
-    # scales, 64 registers, stay under the last MMA; consumer 0 of the same tile has loaded them.)
-    early_rows: bool = False
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
@@ -223,7 +217,7 @@ class GluonConfig:
                 + ("_sw" if self.store_warp else "") + ("t" if self.staging_turns else "")
                 + ("_lean" if self.lean_start else "") + (f"_t{self.tail_order}" if self.tail_order else "")
                 + (f"_pl{self.prologue_loads}" if self.prologue_loads else "") + ("_bal" if self.balanced_grid else "")
-                + ("_th" if self.tail_halves else "") + ("_r" if self.early_rows else ""))
+                + ("_th" if self.tail_halves else ""))
 
     @property
     def store_mode(self) -> int:
@@ -766,8 +760,7 @@ if _GLUON_ERROR is None:
                             STAGES: gl.constexpr, EPILOGUE_SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                             ACTIVATION: gl.constexpr, GATED: gl.constexpr, EARLY_SCALES: gl.constexpr,
                             SPLIT_M: gl.constexpr, STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr,
-                            TAIL_ORDER: gl.constexpr, TAIL_HALVES: gl.constexpr, GROUPED: gl.constexpr,
-                            EARLY_ROWS: gl.constexpr):
+                            TAIL_ORDER: gl.constexpr, TAIL_HALVES: gl.constexpr, GROUPED: gl.constexpr):
         # SPLIT_M: every consumer takes every tile, rows [ROW0, ROW0 + TILE_M) of it; otherwise
         # (ping-pong) consumer c takes this program's tiles c, c + 2, ... whole. TAIL_HALVES (split_m):
         # on a half tile's unit the other consumer keeps the barriers' counts without MMAs or stores.
@@ -819,9 +812,6 @@ if _GLUON_ERROR is None:
                 acc = gl.zeros((TILE_M, BLOCK_N), acc_dtype, layout=mma_layout)
                 if GATED:
                     acc_up = gl.zeros((TILE_M, BLOCK_N), acc_dtype, layout=mma_layout)
-            if EARLY_ROWS:
-                rows = off_m + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout))
-                a_scale = gl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
             if TURNS == 2:
                 # Our turn: the other consumer has issued all of the previous tile's ring waits
                 # and MMAs, so the ring positions below are at most one lap ahead of the loader.
@@ -869,9 +859,8 @@ if _GLUON_ERROR is None:
             # The epilogue's scale loads go out while the last MMA is still running, so their
             # latency hides under it (EARLY_SCALES: the column scales too, for the whole tile, not
             # one round trip per output chunk).
-            if not EARLY_ROWS:
-                rows = off_m + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout))
-                a_scale = gl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
+            rows = off_m + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout))
+            a_scale = gl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)
             if EARLY_SCALES:
                 cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
                 w_scale = gl.load(tile_w_scale_ptr + cols, mask=cols < N, other=0.0)
@@ -939,7 +928,7 @@ if _GLUON_ERROR is None:
                           GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, SPLIT_M: gl.constexpr,
                           STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr, TAIL_ORDER: gl.constexpr,
                           PROLOGUE_LOADS: gl.constexpr, TAIL_HALVES: gl.constexpr, GROUPED: gl.constexpr,
-                          EARLY_ROWS: gl.constexpr, num_warps: gl.constexpr):
+                          num_warps: gl.constexpr):
         # GATED: out (M, N) = act(gate) * up over the stacked (2N, K) weight of w_desc; N counts outputs.
         # GROUPED: a mixture of experts' GEMM in slot order (moe.grouped_slot_mm): a (M, K) the
         # routed rows, each block of BLOCK_M rows one expert's (block_expert_ptr), only the first
@@ -1015,8 +1004,7 @@ if _GLUON_ERROR is None:
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
                                        block_expert_ptr, used_ptr, stride_se, num_experts, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED,
-                                       EARLY_ROWS)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    block_expert_ptr, used_ptr, rows_per_expert, num_experts,
                                    GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES, GROUPED)),
@@ -1029,8 +1017,7 @@ if _GLUON_ERROR is None:
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
                                        block_expert_ptr, used_ptr, stride_se, num_experts, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED,
-                                       EARLY_ROWS)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    block_expert_ptr, used_ptr, rows_per_expert, num_experts,
                                    GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES, GROUPED)),
@@ -1041,14 +1028,12 @@ if _GLUON_ERROR is None:
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
                                        block_expert_ptr, used_ptr, stride_se, num_experts, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED,
-                                       EARLY_ROWS)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
                                        block_expert_ptr, used_ptr, stride_se, num_experts, 1, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED,
-                                       EARLY_ROWS)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    block_expert_ptr, used_ptr, rows_per_expert, num_experts,
                                    GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES, GROUPED)),
@@ -1061,14 +1046,12 @@ if _GLUON_ERROR is None:
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
                                        block_expert_ptr, used_ptr, stride_se, num_experts, 0, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED,
-                                       EARLY_ROWS)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_consumer_partition, (a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, order_bars, stage_bars, c_bufs,
                                        out_desc, a_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
                                        block_expert_ptr, used_ptr, stride_se, num_experts, 1, CONSUMERS, num_warps,
                                        GROUP_M, STAGES, EPILOGUE_SPLIT, HAS_BIAS, ACTIVATION, GATED, EARLY_SCALES,
-                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED,
-                                       EARLY_ROWS)),
+                                       SPLIT_M, PLAIN_STORE_WARP, PLAIN_LEAN, TAIL_ORDER, PLAIN_HALVES, GROUPED)),
                 (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, empty_bars, M, N, K,
                                    block_expert_ptr, used_ptr, rows_per_expert, num_experts,
                                    GROUP_M, STAGES, GATED, PROLOGUE_LOADS, PLAIN_HALVES, GROUPED)),
@@ -1175,7 +1158,7 @@ class GluonCall:
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
             SPLIT_M=config.split_m, STORE_WARP=config.store_mode, LEAN_START=config.lean_start,
             TAIL_ORDER=config.tail_order, PROLOGUE_LOADS=config.prologue_loads, TAIL_HALVES=config.tail_halves,
-            GROUPED=grouped, EARLY_ROWS=config.early_rows, num_warps=config.consumer_warps)
+            GROUPED=grouped, num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the
         # constexprs in signature order (after the 14 runtime arguments) for the cached launcher.
         self.key = (config, tuple(self.constexprs.items()))
