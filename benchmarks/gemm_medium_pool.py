@@ -35,10 +35,21 @@ from quantkit.kernels.launch import config_dict, rotated_medians
 FP8 = torch.float8_e4m3fn
 TOLERANCE = {FP8: 5e-3, torch.int8: 2.5e-3}
 PREFIX = "cfg "  # explicit tiled configs: PREFIX + gemm_splitk.config_name (s40 result files: cfg_64x64x256_w4_s4)
+# --split: split-K tiles for 64 < M <= 256 (session 48), none of them in the pools there. At M = 128
+# the pools' tiles leave narrow outputs on a few dozen programs (4096 columns: 32 of 128x128, or
+# 64x64 ones that read the activations 64 times over), where a 128-row tile split over K reads the
+# weight once on about 128 programs.
+SPLIT_CANDIDATES = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=s, num_warps=w, num_stages=st)
+                    for bm, bn, bk, w, st, s in [(128, 128, 128, 8, 4, 2), (128, 128, 128, 8, 4, 4),
+                                                 (128, 128, 128, 4, 4, 4), (128, 64, 128, 4, 4, 2),
+                                                 (128, 64, 128, 4, 4, 4), (128, 256, 128, 8, 3, 4),
+                                                 (128, 256, 128, 8, 3, 8), (64, 128, 128, 4, 4, 2),
+                                                 (64, 128, 256, 4, 3, 2), (64, 64, 256, 4, 4, 2),
+                                                 (128, 128, 256, 8, 3, 4)]]
 
 
 def point_ops(M: int, N: int, K: int, dtype: torch.dtype, explicit_configs: bool = True,
-              gated: bool = False) -> tuple[dict, dict, dict | None]:
+              gated: bool = False, split: bool = False) -> tuple[dict, dict, dict | None]:
     """(name -> callable, name -> error message, the contest ``auto`` ran or None) for one point and
     dtype, outputs checked."""
     x, w_bf16, _, a, a_scale, w, w_scale = _make_operands(M, 2 * N if gated else N, K, dtype, "cuda")
@@ -63,6 +74,8 @@ def point_ops(M: int, N: int, K: int, dtype: torch.dtype, explicit_configs: bool
     configs = {}
     for cfg in (gemm_configs.MEDIUM_M_CONFIGS + gemm_configs.LARGE_M_CONFIGS) if explicit_configs and not gated else []:
         explicit = config_dict(cfg)
+        configs.setdefault(PREFIX + config_name(explicit), explicit)
+    for explicit in SPLIT_CANDIDATES if split and not gated else []:
         configs.setdefault(PREFIX + config_name(explicit), explicit)
     for name, explicit in configs.items():
         mine[name] = lambda c=explicit: call(config=c, kernel="tiled")
@@ -90,6 +103,7 @@ def main() -> None:
     parser.add_argument("--points", default="192:4096:4096,192:6144:4096,192:640:2048")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--picks-only", action="store_true", help="no explicit tiled configs (the picks alone)")
+    parser.add_argument("--split", action="store_true", help="also the split-K candidates (SPLIT_CANDIDATES)")
     parser.add_argument("--deadline", type=float, default=400.0, help="no new point past this many seconds")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -103,7 +117,7 @@ def main() -> None:
             if time.time() - began > args.deadline:
                 skipped.append([M, N, K, gated, str(dtype)])
                 continue
-            ops, errors, contest = point_ops(M, N, K, dtype, not args.picks_only, gated)
+            ops, errors, contest = point_ops(M, N, K, dtype, not args.picks_only, gated, args.split)
             us, samples = rotated_medians(ops, lambda fn: adaptive_graph_ms(fn) * 1e3, args.rounds)
             rows.append({"M": M, "N": N, "K": K, "gated": gated, "dtype": str(dtype).removeprefix("torch."),
                          "us": us, "rounds_us": samples, "errors": errors, "contest": contest})
