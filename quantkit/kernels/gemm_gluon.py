@@ -175,10 +175,6 @@ class GluonConfig:
     # one warpgroup's MMAs on half a tile instead of a whole tile's (3072 tiles on 132 SMs: 23
     # rounds, then 72 half tiles instead of 36 whole ones).
     tail_halves: bool = False
-    # Every program prefetches its three TMA descriptors (prefetch.param.tensormap) at its first
-    # instruction, so that the prologue's first copy finds its descriptor fetched (or on its way)
-    # instead of fetching it then (after an L2 flush, from memory).
-    prefetch_descriptors: bool = False
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
@@ -221,7 +217,7 @@ class GluonConfig:
                 + ("_sw" if self.store_warp else "") + ("t" if self.staging_turns else "")
                 + ("_lean" if self.lean_start else "") + (f"_t{self.tail_order}" if self.tail_order else "")
                 + (f"_pl{self.prologue_loads}" if self.prologue_loads else "") + ("_bal" if self.balanced_grid else "")
-                + ("_th" if self.tail_halves else "") + ("_pf" if self.prefetch_descriptors else ""))
+                + ("_th" if self.tail_halves else ""))
 
     @property
     def store_mode(self) -> int:
@@ -594,17 +590,6 @@ if _GLUON_ERROR is None:
             x = x / (1.0 + gl.exp(-2.0 * inner))
         return x
 
-    # The kernel's descriptors are its parameters 0, 5 and 10 in the PTX: each descriptor argument
-    # lowers to five (the 128-byte map, two shape and two stride words), in argument order
-    # (test_gemm_gluon reads the PTX's parameter list). Gluon has no prefetch op: inline PTX names them.
-
-    @gluon.jit
-    def _prefetch_descriptors():
-        gl.inline_asm_elementwise("prefetch.param.tensormap [_scaled_mm_kernel_param_0];\n\t"
-                                  "prefetch.param.tensormap [_scaled_mm_kernel_param_5];\n\t"
-                                  "prefetch.param.tensormap [_scaled_mm_kernel_param_10];\n\tmov.u32 $0, 0;",
-                                  "=r,r", [gl.program_id(0)], dtype=gl.int32, is_pure=False, pack=1)
-
     @gluon.jit
     def _load_step(a_desc, w_desc, a_bufs, w_bufs, u_bufs, ready_bars, slot, off_m, off_n, ki, N,
                    GATED: gl.constexpr):
@@ -943,7 +928,7 @@ if _GLUON_ERROR is None:
                           GATED: gl.constexpr, EARLY_SCALES: gl.constexpr, SPLIT_M: gl.constexpr,
                           STORE_WARP: gl.constexpr, LEAN_START: gl.constexpr, TAIL_ORDER: gl.constexpr,
                           PROLOGUE_LOADS: gl.constexpr, TAIL_HALVES: gl.constexpr, GROUPED: gl.constexpr,
-                          PREFETCH: gl.constexpr, num_warps: gl.constexpr):
+                          num_warps: gl.constexpr):
         # GATED: out (M, N) = act(gate) * up over the stacked (2N, K) weight of w_desc; N counts outputs.
         # GROUPED: a mixture of experts' GEMM in slot order (moe.grouped_slot_mm): a (M, K) the
         # routed rows, each block of BLOCK_M rows one expert's (block_expert_ptr), only the first
@@ -951,8 +936,6 @@ if _GLUON_ERROR is None:
         # w_scale_ptr their scales, stride_se apart. Else those five arguments are unused.
         # tail_halves with the plain epilogue only (with a bias and an activation it spilled 40 bytes).
         PLAIN_HALVES: gl.constexpr = _plain_only(TAIL_HALVES, HAS_BIAS, ACTIVATION, GATED)
-        if PREFETCH:
-            _prefetch_descriptors()
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
         if GATED:
@@ -1175,7 +1158,7 @@ class GluonCall:
             CONSUMER_REGS=config.consumer_regs, GATED=config.gated, EARLY_SCALES=config.early_scales,
             SPLIT_M=config.split_m, STORE_WARP=config.store_mode, LEAN_START=config.lean_start,
             TAIL_ORDER=config.tail_order, PROLOGUE_LOADS=config.prologue_loads, TAIL_HALVES=config.tail_halves,
-            GROUPED=grouped, PREFETCH=config.prefetch_descriptors, num_warps=config.consumer_warps)
+            GROUPED=grouped, num_warps=config.consumer_warps)
         # Per-call work kept off the hot path: the config's part of the compile key, and the
         # constexprs in signature order (after the 14 runtime arguments) for the cached launcher.
         self.key = (config, tuple(self.constexprs.items()))

@@ -134,7 +134,7 @@ def _compile(config, dtype: str, activation: int = 2, plain: bool = False, group
                      GATED=config.gated, EARLY_SCALES=config.early_scales, SPLIT_M=config.split_m,
                      STORE_WARP=config.store_mode, LEAN_START=config.lean_start, TAIL_ORDER=config.tail_order,
                      PROLOGUE_LOADS=config.prologue_loads, TAIL_HALVES=config.tail_halves, GROUPED=grouped,
-                     PREFETCH=config.prefetch_descriptors, num_warps=config.consumer_warps)
+                     num_warps=config.consumer_warps)
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(gemm_gluon._scaled_mm_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.consumer_warps))
