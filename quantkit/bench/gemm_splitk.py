@@ -57,7 +57,8 @@ def pool_split_configs() -> list[dict]:
 
 def split_candidates(M: int, gated: bool = False) -> list[dict]:
     """The split configs the autotuner's pool admits at ``M`` while SMALL_M_SPLIT_K is on (the
-    decode set at M <= 16, the medium swapped and 64-row ones up to SPLIT_K_MAX_M, none above)."""
+    decode set at M <= 16, the medium swapped and 64-row ones up to SPLIT_K_MAX_M, the 128-row ones
+    above that up to MEDIUM_LARGE_MAX_M when not gated, none above)."""
     return [config_dict(c) for c in gemm_configs.pool_configs(M, gated, split_k=True) if c.kwargs.get("SPLIT_K", 1) > 1]
 
 
@@ -76,33 +77,35 @@ def arrivals_zero() -> bool:
 # ---------------------------------------------------------------------------------------------- checks
 
 
-def run_split_k_checks(record, device="cuda", small=False, share=(0, 1)) -> None:
-    """Every split config of the pools, INT8 and FP8, plain and gated, on a shape with a masked K
-    tail and an N tail: INT8 accumulator exact at M = 1, 13, 16, 29, 61 (one binary: M is not
-    specialized; 29 and 61 are several row tiles of the smaller tiles), outputs at M = 1, 13, 29, 61
-    within tolerance of the reference, a second launch bit-equal to the first, counters at zero.
+def run_split_k_checks(record, device="cuda", small=False, share=(0, 1), configs=None) -> None:
+    """Every split config of the pools (or ``configs``), INT8 and FP8, plain and gated, on a shape
+    with a masked K tail and an N tail: INT8 accumulator exact at M = 1, 13, 16, 29, 61 (one binary:
+    M is not specialized; 29 and 61 are several row tiles of the smaller tiles; 128-row tiles also
+    at 129 and 250, two row tiles), outputs at M = 1, 13, 29, 61 (and 129, 250) within tolerance of
+    the reference, a second launch bit-equal to the first, counters at zero.
     ``record(name, ok, **info)`` raises on a failure (bench.gemm.run_gpu_checks's). ``share`` (i, n):
     only configs[i::n] (and the CUDA-graph check in share 0), so n processes split the compiles."""
     # K = 4160: 17 steps of 256 / 9 of 512 with a 64-wide masked tail, so 8 slices get 2-3 / 1-2
     # steps each; N = 200: a partial last N tile for BLOCK_N 32, 64 and 128.
     N, K = (40, 1040) if small else (200, 4160)
     gen = torch.Generator(device=device).manual_seed(6)
-    for cfg in (split_configs(2) if small else pool_split_configs())[share[0]::share[1]]:
+    for cfg in (configs or (split_configs(2) if small else pool_split_configs()))[share[0]::share[1]]:
+        tall = (129, 250) if cfg["BLOCK_M"] >= 128 else ()
         for dtype_name, dtype in DTYPES.items():
-            a, sa = reference.quantize_per_token(torch.randn(64, K, device=device, generator=gen), dtype)
+            a, sa = reference.quantize_per_token(torch.randn(256, K, device=device, generator=gen), dtype)
             w, sw = reference.quantize_per_channel(torch.randn(2 * N, K, device=device, generator=gen), dtype)
             bias = torch.randn(N, device=device, generator=gen).to(torch.bfloat16)
             info = {"config": config_name(cfg), "N": N, "K": K,
                     "splits": gemm_configs.split_k_plan(K, cfg["BLOCK_K"], cfg["SPLIT_K"])}
             if dtype == torch.int8:
-                for M in (1, 13, 16, 29, 61):
+                for M in (1, 13, 16, 29, 61) + tall:
                     out = torch.full((M, N), -7, dtype=torch.int32, device=device)
                     acc = gemm.int8_matmul_accumulator(a[:M], w[:N], config=cfg, out=out)
                     record("split_k_int8_acc_exact", torch.equal(acc, reference.int8_matmul_exact(a[:M], w[:N]))
                            and arrivals_zero(), M=M, **info)
             bound = 1e-5 if dtype == torch.int8 else fp8_fast_accum_tolerance(K)
             for gated in (False, True):
-                for M in (1, 13, 29, 61):
+                for M in (1, 13, 29, 61) + tall:
                     if gated:
                         def run():
                             return gemm.gated_scaled_mm(a[:M], w, sa[:M], sw, "silu", torch.float32, config=cfg,
@@ -131,9 +134,9 @@ PROMOTED_FP32_BOUND = 3e-4
 
 def promoted_configs() -> list[dict]:
     """The configs the promoted checks cover: the decode pool (split and swapped ones included) and
-    the medium swapped and split ones."""
+    the medium swapped and split ones, the 128-row split ones included."""
     pools = (gemm.SMALL_M_CONFIGS + gemm.SMALL_M_SPLIT_K_CONFIGS + gemm.MEDIUM_M_SWAP_CONFIGS
-             + gemm.MEDIUM_M_SPLIT_K_CONFIGS)
+             + gemm.MEDIUM_M_SPLIT_K_CONFIGS + gemm.WIDE_M_SPLIT_K_CONFIGS)
     return [config_dict(c) for c in pools]
 
 

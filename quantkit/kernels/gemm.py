@@ -22,8 +22,8 @@ epilogue and resets its tile's counter (``gemm_epilogue.split_arrive`` / ``split
 with the persistent kernel's split tail). SPLIT_K = 1 compiles to the unsplit kernel. The autotuner
 considers the split configs for M <= ``gemm_configs.SPLIT_K_MAX_M`` (64: measured, M = 1 gains on an
 H100; on an H200 FP8 at M = 16 with a long K, swapped split tiles at 17 <= M <= 32 and a 2-way split
-of 64-row tiles at M = 64, both with a long K or N = 4096; ``gemm_configs.SMALL_M_SPLIT_K`` switches
-them off).
+of 64-row tiles at M = 64, both with a long K or N = 4096) and 128-row split tiles up to M = 256
+(not gated; a long K at M = 96-192); ``gemm_configs.SMALL_M_SPLIT_K`` switches them all off.
 
 Four kernels behind ``kernel="auto"`` (``_pick_kernel``), each with the same semantics and epilogue:
 - M <= GEMV_MAX_M (1): the tensor-core-free GEMV of ``gemv.py`` (a weight stream; gated too);
@@ -69,8 +69,8 @@ from quantkit.kernels.gemm_checks import (  # noqa: F401 - re-exported: gemm's A
     ACTIVATION_CODES, K_ALIGNMENT, MAX_INT8_K, OUT_DTYPES, check_scaled_mm_args)
 from quantkit.kernels.gemm_configs import (  # noqa: F401 - the config sets are part of gemm's API
     ALL_CONFIGS, HEURISTICS, INTERPRETER_CONFIG, LARGE_M_CONFIGS, MEDIUM_M_CONFIGS, MEDIUM_M_SPLIT_K_CONFIGS,
-    MEDIUM_M_SWAP_CONFIGS, SMALL_M_CONFIGS, SMALL_M_SPLIT_K_CONFIGS, _prune_configs, m_bucket, split_k_plan,
-    split_k_programs)
+    MEDIUM_M_SWAP_CONFIGS, SMALL_M_CONFIGS, SMALL_M_SPLIT_K_CONFIGS, WIDE_M_SPLIT_K_CONFIGS, _prune_configs, m_bucket,
+    split_k_plan, split_k_programs)
 from quantkit.kernels.gemm_epilogue import grouped_tile, split_arrive, split_sum, store_tile, tile_mainloop
 from quantkit.kernels.launch import (INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, config_dict,
                                     on_its_gpu, rotated_medians)
@@ -177,7 +177,7 @@ def _scaled_mm_kernel(
 
 # Configs are timed by gemm_tma's autotune timer (CUDA-graph replay, L2 flushed per call), as
 # the persistent kernel's are. The split-K configs are always among the autotuner's configs;
-# _prune_configs admits them for M <= gemm_configs.SPLIT_K_MAX_M while gemm_configs.SMALL_M_SPLIT_K is on.
+# _prune_configs admits them by M (gemm_configs.pool_configs) while gemm_configs.SMALL_M_SPLIT_K is on.
 _scaled_mm_autotuned = triton.autotune(
     configs=ALL_CONFIGS,
     key=["N", "K", "M_BUCKET", "IS_INT8", "FP8_FAST_ACCUM", "GATED", "HAS_BIAS", "ACTIVATION"],

@@ -1,6 +1,6 @@
 """Launch configs of the tiled GEMM kernel (``gemm._scaled_mm_kernel``): the autotune sets per M
-family, the split-K sets (the decode one, and the medium ones of M <= 64, in the pools while
-SMALL_M_SPLIT_K is on), the swapped-operand sets, the split plan and the autotuner's pruning and
+family, the split-K sets (the decode one, the medium ones of M <= 64 and the 128-row one of
+64 < M <= 256, in the pools while SMALL_M_SPLIT_K is on), the swapped-operand sets, the split plan and the autotuner's pruning and
 heuristics.
 
 A config is a ``triton.Config`` of BLOCK_M / BLOCK_N / BLOCK_K / GROUP_M (+ SPLIT_K for the split
@@ -137,6 +137,19 @@ SWAP_AB_MAX_M = 32
 MEDIUM_M_SPLIT_K_CONFIGS = [
     _cfg(64, 64, 256, 4, 4, split_k=2),
 ]
+# 64 < M <= 256, not gated (session 48): a 128-row tile covers M = 65-128 in one row tile, so the
+# weight is read once, and split over K it puts 4096 columns on 128-256 programs. Measured on an
+# H200 (benchmarks/gemm_medium_pool.py --split, results/gemm_medium_pool_s48_split_h200.*; eleven
+# 64- and 128-row split candidates beside the picks, L2 flushed), against the pick of the pools
+# as they were (FP8 / INT8): 4096x14336 at M = 96 1.07 / 1.11x (28.6 against 30.7 us, S = 4), M = 128
+# 1.02 / 1.06x (S = 4), M = 192 1.10 / 1.05x (36.5 against 40.0, S = 2; there the Gluon kernel's
+# pick took 40.4 / 40.2). At K = 4096 (4096, 6144 and 28672 columns; M = 128, 192, 256) every split
+# candidate lost to the pick (0.75-0.97x), the larger tiles by more: the slice that arrives last
+# reads every slice's partial tile alone, S x 32-128 KB on one SM. The tuner keeps the faster.
+WIDE_M_SPLIT_K_CONFIGS = [
+    _cfg(128, 64, 128, 4, 4, split_k=2),
+    _cfg(128, 64, 128, 4, 4, split_k=4),
+]
 
 # 17 <= M <= 128: still mostly weight-bound; tiles that cover M in one or two row-tiles.
 MEDIUM_M_CONFIGS = [
@@ -165,7 +178,7 @@ LARGE_M_CONFIGS = [
 MEDIUM_LARGE_MAX_M = 256
 # Every config the autotuner knows; _prune_configs picks each call's family.
 ALL_CONFIGS = (SMALL_M_CONFIGS + SMALL_M_SPLIT_K_CONFIGS + MEDIUM_M_CONFIGS + LARGE_M_CONFIGS
-               + MEDIUM_M_SWAP_CONFIGS + MEDIUM_M_SPLIT_K_CONFIGS)
+               + MEDIUM_M_SWAP_CONFIGS + MEDIUM_M_SPLIT_K_CONFIGS + WIDE_M_SPLIT_K_CONFIGS)
 
 # One config under the interpreter: big tiles (cost is per program), K tile 64 so test shapes
 # exercise both the multi-step K loop and the masked K tail.
@@ -200,18 +213,22 @@ def _signature(config) -> tuple:
 
 def pool_configs(M: int, gated: bool = False, split_k: bool | None = None) -> list:
     """The configs the autotuner times at ``M`` (a family of ALL_CONFIGS, in its order): the
-    decode, medium or large set, the split configs while ``split_k`` (default: SMALL_M_SPLIT_K)
-    is on and M <= SPLIT_K_MAX_M, the swapped ones while SMALL_M_SWAP_AB is on."""
+    decode, medium or large set, the split configs of M's range (the decode ones, the medium ones
+    up to SPLIT_K_MAX_M, the 128-row ones above it up to MEDIUM_LARGE_MAX_M when not gated) while
+    ``split_k`` (default: SMALL_M_SPLIT_K) is on, the swapped ones while SMALL_M_SWAP_AB is on."""
+    wide_split = [] if gated else WIDE_M_SPLIT_K_CONFIGS
     if M <= 16:
         family = SMALL_M_CONFIGS + SMALL_M_SPLIT_K_CONFIGS
-    elif M <= 128:
+    elif M <= SPLIT_K_MAX_M:
         family = MEDIUM_M_CONFIGS + (MEDIUM_M_SWAP_CONFIGS if M <= SWAP_AB_MAX_M else []) + MEDIUM_M_SPLIT_K_CONFIGS
+    elif M <= 128:
+        family = MEDIUM_M_CONFIGS + wide_split
     elif M <= MEDIUM_LARGE_MAX_M:
         medium = {_signature(c) for c in MEDIUM_M_CONFIGS}
-        family = MEDIUM_M_CONFIGS + [c for c in LARGE_M_CONFIGS if _signature(c) not in medium]
+        family = MEDIUM_M_CONFIGS + [c for c in LARGE_M_CONFIGS if _signature(c) not in medium] + wide_split
     else:
         family = LARGE_M_CONFIGS
-    if not ((SMALL_M_SPLIT_K if split_k is None else split_k) and M <= SPLIT_K_MAX_M):
+    if not (SMALL_M_SPLIT_K if split_k is None else split_k):
         family = [c for c in family if c.kwargs.get("SPLIT_K", 1) == 1]
     if not SMALL_M_SWAP_AB:
         family = [c for c in family if not c.kwargs.get("SWAP_AB")]

@@ -94,7 +94,9 @@ def test_every_slice_gets_at_least_one_k_step_and_all_steps_are_covered():
             assert [k for b, e in bounds for k in range(b, e)] == list(range(k_tiles))
 
 
-def test_split_configs_join_the_pool_only_up_to_m_64(monkeypatch):
+def test_split_configs_join_the_pool_by_m(monkeypatch):
+    """The decode split set up to M = 16, the medium ones (swapped to 32, 64-row to 64), the
+    128-row ones above that up to 256 and not gated; none with the switch off."""
     configs = gemm._scaled_mm_autotuned.configs
     split = gemm_configs.SMALL_M_SPLIT_K_CONFIGS
     assert all(c in configs for c in split) and all(c.kwargs["SPLIT_K"] > 1 for c in split)
@@ -112,12 +114,20 @@ def test_split_configs_join_the_pool_only_up_to_m_64(monkeypatch):
         assert gemm_configs._prune_configs(configs, {"M": M}) == medium + swapped + medium_split
     for M in (33, limit):
         assert gemm_configs._prune_configs(configs, {"M": M}) == medium + medium_split
-    assert not any("SPLIT_K" in c.kwargs for c in gemm_configs._prune_configs(configs, {"M": limit + 1}))
+    wide = gemm_configs.WIDE_M_SPLIT_K_CONFIGS
+    assert wide and all(c in configs and c.kwargs["BLOCK_M"] == 128 and c.kwargs["SPLIT_K"] > 1 for c in wide)
+    for M in (limit + 1, 128, 129, gemm_configs.MEDIUM_LARGE_MAX_M):
+        pool = gemm_configs._prune_configs(configs, {"M": M})
+        assert [c for c in pool if "SPLIT_K" in c.kwargs] == wide
+        assert not any("SPLIT_K" in c.kwargs for c in gemm_configs._prune_configs(configs, {"M": M, "GATED": True}))
+    assert not any("SPLIT_K" in c.kwargs
+                   for c in gemm_configs._prune_configs(configs, {"M": gemm_configs.MEDIUM_LARGE_MAX_M + 1}))
     monkeypatch.setattr(gemm_configs, "SMALL_M_SPLIT_K", False)
     assert gemm_configs._prune_configs(configs, {"M": 1}) == gemm_configs.SMALL_M_CONFIGS
     unsplit = [c for c in medium + swapped if "SPLIT_K" not in c.kwargs]
     assert gemm_configs._prune_configs(configs, {"M": 24}) == unsplit
     assert gemm_configs._prune_configs(configs, {"M": 64}) == medium
+    assert gemm_configs._prune_configs(configs, {"M": 128}) == medium
 
 
 def test_pool_families_follow_the_tuning_buckets():
@@ -127,13 +137,17 @@ def test_pool_families_follow_the_tuning_buckets():
     medium, large = gemm_configs.MEDIUM_M_CONFIGS, gemm_configs.LARGE_M_CONFIGS
     limit = gemm_configs.MEDIUM_LARGE_MAX_M
     assert gemm_configs.m_bucket(limit) == limit and gemm_configs.m_bucket(129) == limit
+    wide = gemm_configs.WIDE_M_SPLIT_K_CONFIGS
     for M in (65, 100, 128):
-        assert gemm_configs._prune_configs(configs, {"M": M}) == medium
+        assert gemm_configs._prune_configs(configs, {"M": M}) == medium + wide
+        assert gemm_configs._prune_configs(configs, {"M": M, "GATED": True}) == [
+            c for c in medium if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128
+            and gemm_configs.pipeline_shared_memory(c, True) <= gemm_configs.SHARED_MEMORY_LIMIT]
     signature = gemm_configs._signature
     both = medium + [c for c in large if signature(c) not in {signature(m) for m in medium}]
     assert len(both) == len({signature(c) for c in both}) > len(medium)  # each config timed once
     for M in (129, 192, 255, limit):
-        assert gemm_configs._prune_configs(configs, {"M": M}) == both
+        assert gemm_configs._prune_configs(configs, {"M": M}) == both + wide
         gated = gemm_configs._prune_configs(configs, {"M": M, "GATED": True})
         assert gated == [c for c in both if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128
                          and gemm_configs.pipeline_shared_memory(c, True) <= gemm_configs.SHARED_MEMORY_LIMIT]
@@ -179,7 +193,11 @@ def test_split_round_times_what_the_pool_admits_at_each_m(monkeypatch):
         assert gemm_splitk.split_candidates(16, gated=True) == dicts(gemm_configs.SMALL_M_SPLIT_K_CONFIGS)
         assert gemm_splitk.split_candidates(32) == dicts(swapped_split + medium_split)
         assert gemm_splitk.split_candidates(64) == dicts(medium_split)
-        assert gemm_splitk.split_candidates(gemm_configs.SPLIT_K_MAX_M + 1) == []
+        wide = dicts(gemm_configs.WIDE_M_SPLIT_K_CONFIGS)
+        assert gemm_splitk.split_candidates(gemm_configs.SPLIT_K_MAX_M + 1) == wide
+        assert gemm_splitk.split_candidates(gemm_configs.MEDIUM_LARGE_MAX_M) == wide
+        assert gemm_splitk.split_candidates(128, gated=True) == []
+        assert gemm_splitk.split_candidates(gemm_configs.MEDIUM_LARGE_MAX_M + 1) == []
         assert gemm_configs.SMALL_M_SPLIT_K is switch  # restored
     assert len(swapped_split) == 2 and len(medium_split) == 1
     tops = {16, gemm_configs.SWAP_AB_MAX_M, gemm_configs.SPLIT_K_MAX_M}
@@ -215,8 +233,8 @@ def test_gpu_check_lists_cover_the_pools():
     def names(configs):
         return [gemm_splitk.config_name(c) for c in configs]
 
-    # The split checks cover every family's split configs: 16-, 32- and 64-row tiles.
-    assert {c["BLOCK_M"] for c in gemm_splitk.pool_split_configs()} == {16, 32, 64}
+    # The split checks cover every family's split configs: 16-, 32-, 64- and 128-row tiles.
+    assert {c["BLOCK_M"] for c in gemm_splitk.pool_split_configs()} == {16, 32, 64, 128}
     special = [config_dict(c) for c in gemm.ALL_CONFIGS if c.kwargs.get("SPLIT_K", 1) > 1 or c.kwargs.get("SWAP_AB")]
     promoted = names(gemm_splitk.promoted_configs())
     assert set(names(special)) <= set(promoted) and len(set(promoted)) == len(promoted)
@@ -285,6 +303,26 @@ def test_split_k_int8_matches_the_unsplit_kernel_bit_for_bit(M):
                            out=_poisoned(M, N, torch.bfloat16)) for s in (1, 3) for swap in (False, True)]
     assert all(torch.equal(outs[0], out) for out in outs[1:])
     assert torch.equal(outs[0], reference.scaled_mm(a, w, a_scale, w_scale, bias, "none", torch.bfloat16))
+
+
+@pytest.mark.parametrize("split_k", [2, 4])
+@pytest.mark.parametrize("M", [100, 150])
+def test_split_k_128_row_tiles(M, split_k):
+    """The 128-row split tiles of 64 < M <= 256 (gemm_configs.WIDE_M_SPLIT_K_CONFIGS' shape, smaller
+    K steps): one partial row tile at M = 100, two at 150 (the second 22 rows of 128), K = 208 in
+    four steps with a masked tail. INT8 exact, FP8 within tolerance and the same bits twice."""
+    config = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_K": split_k, "num_warps": 4,
+              "num_stages": 2}
+    K = 208
+    a, a_scale, w, w_scale, bias = _operands(M, K, torch.int8, seed=M + split_k)
+    acc = gemm.int8_matmul_accumulator(a, w, config=config, out=_poisoned(M, N, torch.int32))
+    assert torch.equal(acc, reference.int8_matmul_exact(a, w))
+    assert _counters_zero()
+    a, a_scale, w, w_scale, bias = _operands(M, K, torch.float8_e4m3fn, seed=M + split_k)
+    outs = [gemm.scaled_mm(a, w, a_scale, w_scale, bias, "silu", torch.float32, config=config,
+                           out=_poisoned(M, N, torch.float32)) for _ in range(2)]
+    _assert_close(outs[0], reference.scaled_mm(a, w, a_scale, w_scale, bias, "silu", torch.float32), torch.float32)
+    assert torch.equal(outs[0], outs[1]) and _counters_zero()
 
 
 @pytest.mark.parametrize("swap", SWAPS)
