@@ -211,8 +211,13 @@ PERSISTENT_MIN_M = 1024
 # kernel at M = 1024 / 4096 / 16384 (session 8); FP8 1.004-1.082x the Triton FP8 kernel there
 # (session 10); at M = 256 and 512 the fastest candidate beat the tiled Triton kernel at all 8
 # points, FP8 1.05-1.29x and INT8 1.04-1.48x (session 10, results/gemm_gluon_s10_m256_512_h100.*).
-# Promoted FP8 stays on Triton (the Gluon kernel accumulates in the fast mode only).
-GLUON_MIN_M = 256
+# Promoted FP8 stays on Triton (the Gluon kernel accumulates in the fast mode only). From session 48
+# M = 256 itself is contested (below): it is the top of the tiled kernel's tuning bucket of
+# 129-256, whose pool gained 128-row split tiles, and at M = 256 they took 37.4 / 38.7 us against
+# the Gluon kernel's 40.4 / 40.1 at 4096x14336 FP8 / INT8 (results/gemm_wide_split_s48_h200.*), the
+# tiled pick 14.4 against 15.5 at 4096x4096 FP8 (gemm_medium_pool_s48_split_h200.*; INT8 15.9
+# against 15.3: there the contest keeps the Gluon kernel).
+GLUON_MIN_M = 257
 # The gated GEMM (gated_scaled_mm) takes the Gluon kernel's gated mode for INT8 from this M:
 # gate_up 2 x 14336 x 4096 on an H100, tuned gated Gluon vs the Triton gated kernel "auto" used
 # otherwise: 1.13x / 1.36x at M = 256 / 512 (tiled; session 10,
@@ -246,7 +251,7 @@ GLUON_WIDE_N = 8192
 # 6144x4096 FP8 1.07x / INT8 1.12x, gated 2 x 4096 x 4096 1.12x / 1.24x); the tiled kernel kept the
 # Gemma-3-270M sizes, where the Gluon kernel took 1.12-1.58x as long. At M = 128 the Gluon kernel
 # lost at every narrow output measured (session 38: 0.73-0.99x), hence 129: the contest covers the
-# tiled kernel's M bucket of 256 only.
+# tiled kernel's M bucket of 256 only (129-256, M = 256 included since session 48).
 CONTEST_MIN_M = 129
 CONTEST_ROUNDS = 3
 # Per tuning key, the contest's winner ("tiled" or "gluon") and its times (ms) per kernel.

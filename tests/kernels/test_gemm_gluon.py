@@ -669,13 +669,13 @@ def test_gluon_takes_gated_calls_with_per_row_scales(gluon_capable):
     (torch.float8_e4m3fn, 255, True, "tiled"),
     (torch.int8, 1024, False, "gluon"),
     (torch.float8_e4m3fn, 4096, False, "gluon"),      # plain FP8 (fast accumulation) from GLUON_MIN_M
-    (torch.float8_e4m3fn, 256, False, "gluon"),
-    (torch.int8, 256, False, "gluon"),
-    (torch.float8_e4m3fn, 255, False, "tiled"),
-    (torch.int8, 255, False, "tiled"),
+    (torch.float8_e4m3fn, 257, False, "gluon"),
+    (torch.int8, 257, False, "gluon"),
+    (torch.float8_e4m3fn, 256, False, "tiled"),       # narrow outputs up to 256 rows: a contest (tiled route)
+    (torch.int8, 256, False, "tiled"),
 ], ids=["int8-gated-1024", "int8-gated-4096", "int8-gated-256", "int8-gated-255", "fp8-gated", "fp8-gated-255",
         "int8-plain",
-        "fp8-plain", "fp8-plain-256", "int8-plain-256", "fp8-plain-255", "int8-plain-255"])
+        "fp8-plain", "fp8-plain-257", "int8-plain-257", "fp8-plain-256", "int8-plain-256"])
 def test_auto_pick_routes_to_gluon(gluon_capable, monkeypatch, dtype, M, gated, expected):
     from quantkit.kernels import gemm
 
@@ -724,11 +724,13 @@ def test_auto_pick_takes_gluon_early_for_wide_outputs(gluon_capable, monkeypatch
     (192, 8191, False, True),
     (128, 4096, False, False),    # M = 128: tiled (the Gluon kernel lost at every narrow output)
     (192, 8192, False, False),    # wide outputs: Gluon without a contest
-    (256, 4096, False, False),    # GLUON_MIN_M: Gluon without a contest
+    (256, 4096, False, True),     # the bucket's top (session 48)
+    (257, 4096, False, False),    # GLUON_MIN_M: Gluon without a contest
+    (256, 2048, True, False),     # gated: Gluon from GLUON_GATED_MIN_M = 256
     (200, 2048, True, True),      # gated: N outputs
     (200, 14336, True, False),
-], ids=["plain-129", "plain-255", "plain-narrow", "plain-128", "plain-wide", "plain-256", "gated-narrow",
-        "gated-wide"])
+], ids=["plain-129", "plain-255", "plain-narrow", "plain-128", "plain-wide", "plain-256", "plain-257", "gated-256",
+        "gated-narrow", "gated-wide"])
 def test_contest_covers_the_narrow_outputs_of_the_256_row_bucket(M, N, gated, expected):
     from quantkit.kernels import gemm
 
@@ -769,7 +771,7 @@ def test_gated_scaled_mm_launches_the_gluon_gated_call_and_caches_it(gluon_capab
     assert len(launches) == 2 and all(call[1] is w and call[4] is w_scale for call in launches)
 
 
-@pytest.mark.parametrize("M", [256, 1024, 4096])
+@pytest.mark.parametrize("M", [257, 1024, 4096])
 def test_auto_pick_keeps_promoted_fp8_on_triton(gluon_capable, monkeypatch, M):
     """The Gluon kernel accumulates FP8 in the fast mode only: fp8_fast_accum=False stays on the
     Triton kernels (which promote every 128 products), also past GLUON_MIN_M, plain and gated."""
@@ -874,7 +876,7 @@ def recorded_kernels(monkeypatch):
     return picked
 
 
-@pytest.mark.parametrize("M", [256, 512, 1024])
+@pytest.mark.parametrize("M", [257, 512, 1024])
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
 def test_tiled_pick_forced_by_unaligned_pointers_is_not_cached(recorded_kernels, M, dtype):
     """A call whose first use of a signature has a misaligned base pointer runs tiled (TMA needs
