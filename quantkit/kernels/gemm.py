@@ -216,7 +216,10 @@ PERSISTENT_MIN_M = 1024
 # 129-256, whose pool gained 128-row split tiles, and at M = 256 they took 37.4 / 38.7 us against
 # the Gluon kernel's 40.4 / 40.1 at 4096x14336 FP8 / INT8 (results/gemm_wide_split_s48_h200.*), the
 # tiled pick 14.4 against 15.5 at 4096x4096 FP8 (gemm_medium_pool_s48_split_h200.*; INT8 15.9
-# against 15.3: there the contest keeps the Gluon kernel).
+# against 15.3: there the contest keeps the Gluon kernel). With the contest at M = 256
+# (results/gemm_medium_pool_s48_m256_h200.*): tiled kept at 4096x14336 (37.7 / 38.8 us, the Gluon
+# pick 40.6 / 40.4), 4096x4096 FP8 (14.6 against 15.4) and Gemma-3-270M's 640x2048 (5.9 / 6.3 us
+# against 9.2 / 9.3, where bf16 takes 6.6), Gluon kept at 6144x4096 and 4096x4096 INT8.
 GLUON_MIN_M = 257
 # The gated GEMM (gated_scaled_mm) takes the Gluon kernel's gated mode for INT8 from this M:
 # gate_up 2 x 14336 x 4096 on an H100, tuned gated Gluon vs the Triton gated kernel "auto" used
