@@ -49,7 +49,8 @@ def point_ops(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[dict, dict, d
     x, w_bf16, _, a, a_scale, w, w_scale = _make_operands(M, N, K, dtype, "cuda")
     expected = reference.scaled_mm(a, w, a_scale, w_scale).float()
     call = lambda **kw: gemm.scaled_mm(a, w, a_scale, w_scale, **kw)  # noqa: E731
-    picks = {name: tuned_pick(lambda: call(kernel="tiled"), on) for name, on in (("pick_on", True), ("pick_off", False))}
+    picks = {name: tuned_pick(lambda: call(kernel="tiled"), on)
+             for name, on in (("pick_on", True), ("pick_off", False))}
     mine = {"auto": lambda: call(kernel="auto")}
     mine.update({name: (lambda c=cfg: call(config=c, kernel="tiled")) for name, cfg in picks.items()})
     ops = {"bf16": lambda: F.linear(x, w_bf16)}
@@ -106,7 +107,8 @@ def main() -> None:
     for row in rows:
         us, picks = row["us"], row["picks"]
         cell = (lambda n: f"{us[n]:.1f}" if n in us else "-")
-        lines.append(f"| {row['M']} | {row['N']}x{row['K']} | {row['dtype']} | {cell('pick_on')} ({picks['pick_on']}) | "
+        lines.append(f"| {row['M']} | {row['N']}x{row['K']} | {row['dtype']} | "
+                     f"{cell('pick_on')} ({picks['pick_on']}) | "
                      f"{cell('pick_off')} ({picks['pick_off']}) | {row.get('on_vs_off', float('nan')):.3f} | "
                      f"{cell('auto')} | {cell('bf16')} |")
     (args.out / "gemm_wide_split.txt").write_text("\n".join(lines) + "\n")

@@ -69,8 +69,8 @@ from quantkit.kernels.gemm_checks import (  # noqa: F401 - re-exported: gemm's A
     ACTIVATION_CODES, K_ALIGNMENT, MAX_INT8_K, OUT_DTYPES, check_scaled_mm_args)
 from quantkit.kernels.gemm_configs import (  # noqa: F401 - the config sets are part of gemm's API
     ALL_CONFIGS, HEURISTICS, INTERPRETER_CONFIG, LARGE_M_CONFIGS, MEDIUM_M_CONFIGS, MEDIUM_M_SPLIT_K_CONFIGS,
-    MEDIUM_M_SWAP_CONFIGS, SMALL_M_CONFIGS, SMALL_M_SPLIT_K_CONFIGS, WIDE_M_SPLIT_K_CONFIGS, _prune_configs, m_bucket,
-    split_k_plan, split_k_programs)
+    MEDIUM_M_SWAP_CONFIGS, SMALL_M_CONFIGS, SMALL_M_SPLIT_K_CONFIGS, WIDE_M_SPLIT_K_CONFIGS, _prune_configs,
+    m_bucket, split_k_plan, split_k_programs)
 from quantkit.kernels.gemm_epilogue import grouped_tile, split_arrive, split_sum, store_tile, tile_mainloop
 from quantkit.kernels.launch import (INTERPRETED, CachedLaunch, aligned, cdiv, check_runnable, config_dict,
                                     on_its_gpu, rotated_medians)
@@ -365,7 +365,7 @@ def _autotune_tiled(a, w, out, a_scale, w_scale, bias_arg, flags, gated, fp8_fas
         return (split_k_programs(M, N, K, meta)[1],)
 
     # A workspace for the largest split config of the pool (none: the no-split stand-in).
-    pool = [c.all_kwargs() for c in _prune_configs(_scaled_mm_autotuned.configs, {"M": M, "GATED": gated})]
+    pool = [c.all_kwargs() for c in _prune_configs(_scaled_mm_autotuned.configs, {"M": M, "N": N, "GATED": gated})]
     needs = [(split_k_programs(M, N, K, c)[1], tile_copies * c["BLOCK_M"] * c["BLOCK_N"])
              for c in pool if split_k_programs(M, N, K, c)[0] > 1]
     if needs:

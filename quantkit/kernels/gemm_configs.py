@@ -1,7 +1,7 @@
 """Launch configs of the tiled GEMM kernel (``gemm._scaled_mm_kernel``): the autotune sets per M
 family, the split-K sets (the decode one, the medium ones of M <= 64 and the 128-row one of
-64 < M <= 256, in the pools while SMALL_M_SPLIT_K is on), the swapped-operand sets, the split plan and the autotuner's pruning and
-heuristics.
+64 < M <= 256, in the pools while SMALL_M_SPLIT_K is on), the swapped-operand sets, the split plan
+and the autotuner's pruning and heuristics.
 
 A config is a ``triton.Config`` of BLOCK_M / BLOCK_N / BLOCK_K / GROUP_M (+ SPLIT_K for the split
 set, + SWAP_AB for the swapped-operand decode configs) with num_warps / num_stages;
@@ -146,10 +146,14 @@ MEDIUM_M_SPLIT_K_CONFIGS = [
 # pick took 40.4 / 40.2). At K = 4096 (4096, 6144 and 28672 columns; M = 128, 192, 256) every split
 # candidate lost to the pick (0.75-0.97x), the larger tiles by more: the slice that arrives last
 # reads every slice's partial tile alone, S x 32-128 KB on one SM. The tuner keeps the faster.
+# The pool holds them for outputs narrower than WIDE_SPLIT_MAX_N (wider ones take the Gluon kernel
+# from M = 96 on Hopper), the 4-way one up to M = 128 (where it won; the 2-way one won above): the
+# split workspace, S x 128-row tiles x N x 4 bytes, stays under 17 MB.
 WIDE_M_SPLIT_K_CONFIGS = [
     _cfg(128, 64, 128, 4, 4, split_k=2),
     _cfg(128, 64, 128, 4, 4, split_k=4),
 ]
+WIDE_SPLIT_MAX_N = 8192
 
 # 17 <= M <= 128: still mostly weight-bound; tiles that cover M in one or two row-tiles.
 MEDIUM_M_CONFIGS = [
@@ -211,12 +215,14 @@ def _signature(config) -> tuple:
     return tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages
 
 
-def pool_configs(M: int, gated: bool = False, split_k: bool | None = None) -> list:
+def pool_configs(M: int, gated: bool = False, split_k: bool | None = None, N: int | None = None) -> list:
     """The configs the autotuner times at ``M`` (a family of ALL_CONFIGS, in its order): the
     decode, medium or large set, the split configs of M's range (the decode ones, the medium ones
-    up to SPLIT_K_MAX_M, the 128-row ones above it up to MEDIUM_LARGE_MAX_M when not gated) while
-    ``split_k`` (default: SMALL_M_SPLIT_K) is on, the swapped ones while SMALL_M_SWAP_AB is on."""
-    wide_split = [] if gated else WIDE_M_SPLIT_K_CONFIGS
+    up to SPLIT_K_MAX_M, the 128-row ones above it up to MEDIUM_LARGE_MAX_M, not gated and for
+    ``N`` < WIDE_SPLIT_MAX_N output columns when N is given) while ``split_k`` (default:
+    SMALL_M_SPLIT_K) is on, the swapped ones while SMALL_M_SWAP_AB is on."""
+    wide_split = [] if gated or (N is not None and N >= WIDE_SPLIT_MAX_N) else [
+        c for c in WIDE_M_SPLIT_K_CONFIGS if c.kwargs["SPLIT_K"] <= (4 if M <= 128 else 2)]
     if M <= 16:
         family = SMALL_M_CONFIGS + SMALL_M_SPLIT_K_CONFIGS
     elif M <= SPLIT_K_MAX_M:
@@ -255,7 +261,7 @@ def pipeline_shared_memory(config, gated: bool = False) -> int:
 def _prune_configs(configs, named_args, **kwargs):
     """The autotuner's early prune: ``configs`` narrowed to ``pool_configs`` of the call's M."""
     gated = named_args.get("GATED", kwargs.get("GATED", False))
-    wanted = {id(c) for c in pool_configs(named_args["M"], gated)}
+    wanted = {id(c) for c in pool_configs(named_args["M"], gated, N=named_args.get("N"))}
     return [c for c in configs if id(c) in wanted]
 
 

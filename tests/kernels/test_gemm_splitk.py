@@ -96,7 +96,8 @@ def test_every_slice_gets_at_least_one_k_step_and_all_steps_are_covered():
 
 def test_split_configs_join_the_pool_by_m(monkeypatch):
     """The decode split set up to M = 16, the medium ones (swapped to 32, 64-row to 64), the
-    128-row ones above that up to 256 and not gated; none with the switch off."""
+    128-row ones above that up to 256 (the 4-way one to 128), not gated and for outputs narrower
+    than WIDE_SPLIT_MAX_N; none with the switch off."""
     configs = gemm._scaled_mm_autotuned.configs
     split = gemm_configs.SMALL_M_SPLIT_K_CONFIGS
     assert all(c in configs for c in split) and all(c.kwargs["SPLIT_K"] > 1 for c in split)
@@ -116,10 +117,14 @@ def test_split_configs_join_the_pool_by_m(monkeypatch):
         assert gemm_configs._prune_configs(configs, {"M": M}) == medium + medium_split
     wide = gemm_configs.WIDE_M_SPLIT_K_CONFIGS
     assert wide and all(c in configs and c.kwargs["BLOCK_M"] == 128 and c.kwargs["SPLIT_K"] > 1 for c in wide)
-    for M in (limit + 1, 128, 129, gemm_configs.MEDIUM_LARGE_MAX_M):
-        pool = gemm_configs._prune_configs(configs, {"M": M})
-        assert [c for c in pool if "SPLIT_K" in c.kwargs] == wide
-        assert not any("SPLIT_K" in c.kwargs for c in gemm_configs._prune_configs(configs, {"M": M, "GATED": True}))
+    two_way = [c for c in wide if c.kwargs["SPLIT_K"] == 2]
+    narrow, too_wide = gemm_configs.WIDE_SPLIT_MAX_N - 1, gemm_configs.WIDE_SPLIT_MAX_N
+    for M, expected in ((limit + 1, wide), (128, wide), (129, two_way), (gemm_configs.MEDIUM_LARGE_MAX_M, two_way)):
+        for args in ({"M": M}, {"M": M, "N": narrow}):
+            pool = gemm_configs._prune_configs(configs, args)
+            assert [c for c in pool if "SPLIT_K" in c.kwargs] == expected
+        for args in ({"M": M, "GATED": True}, {"M": M, "N": too_wide}):
+            assert not any("SPLIT_K" in c.kwargs for c in gemm_configs._prune_configs(configs, args))
     assert not any("SPLIT_K" in c.kwargs
                    for c in gemm_configs._prune_configs(configs, {"M": gemm_configs.MEDIUM_LARGE_MAX_M + 1}))
     monkeypatch.setattr(gemm_configs, "SMALL_M_SPLIT_K", False)
@@ -138,6 +143,7 @@ def test_pool_families_follow_the_tuning_buckets():
     limit = gemm_configs.MEDIUM_LARGE_MAX_M
     assert gemm_configs.m_bucket(limit) == limit and gemm_configs.m_bucket(129) == limit
     wide = gemm_configs.WIDE_M_SPLIT_K_CONFIGS
+    two_way = [c for c in wide if c.kwargs["SPLIT_K"] == 2]
     for M in (65, 100, 128):
         assert gemm_configs._prune_configs(configs, {"M": M}) == medium + wide
         assert gemm_configs._prune_configs(configs, {"M": M, "GATED": True}) == [
@@ -147,7 +153,7 @@ def test_pool_families_follow_the_tuning_buckets():
     both = medium + [c for c in large if signature(c) not in {signature(m) for m in medium}]
     assert len(both) == len({signature(c) for c in both}) > len(medium)  # each config timed once
     for M in (129, 192, 255, limit):
-        assert gemm_configs._prune_configs(configs, {"M": M}) == both + wide
+        assert gemm_configs._prune_configs(configs, {"M": M}) == both + two_way
         gated = gemm_configs._prune_configs(configs, {"M": M, "GATED": True})
         assert gated == [c for c in both if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128
                          and gemm_configs.pipeline_shared_memory(c, True) <= gemm_configs.SHARED_MEMORY_LIMIT]
@@ -193,9 +199,10 @@ def test_split_round_times_what_the_pool_admits_at_each_m(monkeypatch):
         assert gemm_splitk.split_candidates(16, gated=True) == dicts(gemm_configs.SMALL_M_SPLIT_K_CONFIGS)
         assert gemm_splitk.split_candidates(32) == dicts(swapped_split + medium_split)
         assert gemm_splitk.split_candidates(64) == dicts(medium_split)
-        wide = dicts(gemm_configs.WIDE_M_SPLIT_K_CONFIGS)
-        assert gemm_splitk.split_candidates(gemm_configs.SPLIT_K_MAX_M + 1) == wide
-        assert gemm_splitk.split_candidates(gemm_configs.MEDIUM_LARGE_MAX_M) == wide
+        wide = gemm_configs.WIDE_M_SPLIT_K_CONFIGS
+        assert gemm_splitk.split_candidates(gemm_configs.SPLIT_K_MAX_M + 1) == dicts(wide)
+        assert gemm_splitk.split_candidates(gemm_configs.MEDIUM_LARGE_MAX_M) == dicts(
+            [c for c in wide if c.kwargs["SPLIT_K"] == 2])
         assert gemm_splitk.split_candidates(128, gated=True) == []
         assert gemm_splitk.split_candidates(gemm_configs.MEDIUM_LARGE_MAX_M + 1) == []
         assert gemm_configs.SMALL_M_SPLIT_K is switch  # restored
