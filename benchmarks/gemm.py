@@ -89,9 +89,9 @@ def _family(M, dtype_name, gated):
     return "persistent" if gemm.persistent_sized(M, dtype_name == "int8", gated) else "tiled"
 
 
-def _configs(family, M, dtype_name, gated):
+def _configs(family, M, dtype_name, gated, N=None):
     if family == "tiled":
-        return gemm._prune_configs(gemm.ALL_CONFIGS, {"M": M, "GATED": gated})
+        return gemm._prune_configs(gemm.ALL_CONFIGS, {"M": M, "N": N, "GATED": gated})
     if gated:
         return list(gemm_tma.GATED_CONFIGS)
     return gemm_tma._prune_by_dtype(gemm_tma.PERSISTENT_CONFIGS, {}, IS_INT8=dtype_name == "int8")
@@ -107,7 +107,7 @@ def compile_jobs(calls, sms, extra_tiled=None):
         family = _family(M, dtype_name, gated)
         keys.add((family, N, K, gemm.m_bucket(M), dtype_name, has_bias, activation, gated))
         extra = extra_tiled(M, gated) if extra_tiled is not None and family == "tiled" else []
-        for cfg in [config_dict(c) for c in _configs(family, M, dtype_name, gated)] + extra:
+        for cfg in [config_dict(c) for c in _configs(family, M, dtype_name, gated, N)] + extra:
             if family == "tiled":
                 spec = ("even_k", K % cfg["BLOCK_K"] == 0, "split", gemm.split_k_plan(K, cfg["BLOCK_K"],
                                                                                       cfg.get("SPLIT_K", 1)))
@@ -212,7 +212,7 @@ def estimate(shapes, ms, epilogues, gated, workers, sms=132, checks=True):
     compile_s = sum(COMPILE_S[j["family"]] for j in jobs)
     trials = {}
     for family, N, K, bucket, dtype_name, has_bias, activation, gated_key in keys:
-        n = len(_configs(family, bucket, dtype_name, gated_key))
+        n = len(_configs(family, bucket, dtype_name, gated_key, N))
         trials[family] = trials.get(family, 0) + n
     tune_s = sum(TRIAL_S[f] * n for f, n in trials.items())
     timing_s = sum(point_seconds(M, N, K, timed_ops(epilogues)) for N, K in shapes for M in ms)
