@@ -259,7 +259,7 @@ def pipeline_shared_memory(config, gated: bool = False) -> int:
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """The autotuner's early prune: ``configs`` narrowed to ``pool_configs`` of the call's M."""
+    """The autotuner's early prune: ``configs`` narrowed to ``pool_configs`` of the call's M (and N)."""
     gated = named_args.get("GATED", kwargs.get("GATED", False))
     wanted = {id(c) for c in pool_configs(named_args["M"], gated, N=named_args.get("N"))}
     return [c for c in configs if id(c) in wanted]
