@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
 
 from quantkit.api import quantize
 from quantkit.bench.common import CheckFailed, rel_err, require_matplotlib, write_rows
@@ -95,16 +95,13 @@ def llama3_8b_config(**overrides) -> LlamaConfig:
 
 
 def build_model(config, device: str, dtype=torch.bfloat16) -> torch.nn.Module:
-    """The model built directly on ``device`` in ``dtype`` (no float32 copy, no host round trip);
-    a config other than Llama's or Gemma-3's (e.g. a Qwen3-MoE) through ``AutoModelForCausalLM``."""
+    """The model of any causal-LM config (Llama, Gemma-3, a Qwen3-MoE, ...), built directly on
+    ``device`` in ``dtype`` (no float32 copy, no host round trip)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            if isinstance(config, (LlamaConfig, Gemma3TextConfig)):
-                model = (LlamaForCausalLM if isinstance(config, LlamaConfig) else Gemma3ForCausalLM)(config)
-            else:
-                model = AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(previous)
     model.config._attn_implementation = "sdpa"
