@@ -49,9 +49,10 @@ SPLIT_CANDIDATES = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=
 
 
 def point_ops(M: int, N: int, K: int, dtype: torch.dtype, explicit_configs: bool = True,
-              gated: bool = False, split: bool = False) -> tuple[dict, dict, dict | None]:
+              gated: bool = False, split: bool = False, named: dict | None = None) -> tuple[dict, dict, dict | None]:
     """(name -> callable, name -> error message, the contest ``auto`` ran or None) for one point and
-    dtype, outputs checked."""
+    dtype, outputs checked. ``named``: more tiled configs, each timed under its given name (the
+    explicit sets under PREFIX + their config's name, once each)."""
     x, w_bf16, _, a, a_scale, w, w_scale = _make_operands(M, 2 * N if gated else N, K, dtype, "cuda")
     if gated:
         expected = reference.gated_scaled_mm(a, w, a_scale, w_scale, "silu").float()
@@ -77,7 +78,7 @@ def point_ops(M: int, N: int, K: int, dtype: torch.dtype, explicit_configs: bool
         configs.setdefault(PREFIX + config_name(explicit), explicit)
     for explicit in SPLIT_CANDIDATES if split and not gated else []:
         configs.setdefault(PREFIX + config_name(explicit), explicit)
-    for name, explicit in configs.items():
+    for name, explicit in {**configs, **(named or {})}.items():
         mine[name] = lambda c=explicit: call(config=c, kernel="tiled")
     errors, contests_before = {}, dict(gemm.CONTEST_TIMES)
     for name, fn in mine.items():  # "auto" first: a contest runs in its first call

@@ -8,10 +8,12 @@ M = 1 ... 250, FP8 and INT8 outputs within tolerance, plain and gated, a second 
 the arrival counters back at zero). Then per point (M:N:K, plain epilogue, bf16 out) and dtype:
 ``pick_on`` the tiled kernel's autotuned pick from the pool as it is, ``pick_off`` its pick with
 the split configs out of the pool (``SMALL_M_SPLIT_K`` off: at these M that removes only these
-two), each launched as an explicit config; what ``kernel="auto"`` runs (a contest at 129-255 rows,
-``gemm._contest``); bf16 ``F.linear``; ``torch._scaled_mm`` rowwise (FP8). Every output is checked
-against the reference first. Timer: the standard benchmark's (CUDA graph of an L2 flush + the
-call, minus the flushes), rounds in rotated order, medians. Results: gemm_wide_split.json / .txt.
+two), each launched as an explicit config; beside them ``gemm_medium_pool.point_ops``'s ops: what
+``kernel="auto"`` runs (a contest at 129-256 rows, ``gemm._contest``), the tiled and the Gluon
+kernel's picks, bf16 ``F.linear``, ``torch._scaled_mm`` rowwise (FP8), every output checked against
+the reference first (session 48's run, at c488ef1, had its own copy of those ops without the tiled
+and Gluon ones). Timer: the standard benchmark's (CUDA graph of an L2 flush + the call, minus the
+flushes), rounds in rotated order, medians. Results: gemm_wide_split.json / .txt.
 """
 
 import argparse
@@ -21,16 +23,14 @@ from pathlib import Path
 
 import kernels_only  # noqa: F401  (quantkit without its __init__)
 import torch
-import torch.nn.functional as F
+from gemm_medium_pool import FP8, point_ops
 
-from quantkit.bench.common import environment_metadata, rel_err
+from quantkit.bench.common import environment_metadata
 from quantkit.bench.gemm import _make_operands, adaptive_graph_ms
 from quantkit.bench.gemm_splitk import config_name, run_split_k_checks, tuned_pick
-from quantkit.kernels import gemm, gemm_configs, reference
+from quantkit.kernels import gemm, gemm_configs
 from quantkit.kernels.launch import config_dict, rotated_medians
 
-FP8 = torch.float8_e4m3fn
-TOLERANCE = {FP8: 5e-3, torch.int8: 2.5e-3}
 POINTS = "96:4096:14336,128:4096:14336,192:4096:14336,256:4096:14336,128:4096:4096,192:4096:4096,128:6144:4096"
 
 
@@ -44,28 +44,12 @@ def run_checks() -> list[dict]:
     return results
 
 
-def point_ops(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[dict, dict, dict]:
-    """(name -> callable, the two picks by name, name -> error) for one point and dtype."""
-    x, w_bf16, _, a, a_scale, w, w_scale = _make_operands(M, N, K, dtype, "cuda")
-    expected = reference.scaled_mm(a, w, a_scale, w_scale).float()
-    call = lambda **kw: gemm.scaled_mm(a, w, a_scale, w_scale, **kw)  # noqa: E731
-    picks = {name: tuned_pick(lambda: call(kernel="tiled"), on)
-             for name, on in (("pick_on", True), ("pick_off", False))}
-    mine = {"auto": lambda: call(kernel="auto")}
-    mine.update({name: (lambda c=cfg: call(config=c, kernel="tiled")) for name, cfg in picks.items()})
-    ops = {"bf16": lambda: F.linear(x, w_bf16)}
-    if dtype == FP8:
-        w_t, sa, sw = w.t(), a_scale[:, None].contiguous(), w_scale[None, :].contiguous()
-        ops["scaled_mm"] = lambda: torch._scaled_mm(a, w_t, scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16,
-                                                    use_fast_accum=True)
-    errors = {}
-    for name, fn in mine.items():
-        rel = rel_err(fn().float(), expected)
-        if rel <= TOLERANCE[dtype]:
-            ops[name] = fn
-        else:
-            errors[name] = f"relative error {rel:.3g} > {TOLERANCE[dtype]}"
-    return ops, {name: config_name(cfg) for name, cfg in picks.items()}, errors
+def tiled_picks(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
+    """The tiled autotuner's pick at the point with the split configs in its pool ("pick_on") and
+    without them ("pick_off"); the caches are as before afterwards."""
+    _, _, _, a, a_scale, w, w_scale = _make_operands(M, N, K, dtype, "cuda")
+    call = lambda: gemm.scaled_mm(a, w, a_scale, w_scale, kernel="tiled")  # noqa: E731
+    return {name: tuned_pick(call, on) for name, on in (("pick_on", True), ("pick_off", False))}
 
 
 def main() -> None:
@@ -87,7 +71,9 @@ def main() -> None:
             if time.time() - began > args.deadline:
                 skipped.append([M, N, K, str(dtype)])
                 continue
-            ops, picks, errors = point_ops(M, N, K, dtype)
+            picks = tiled_picks(M, N, K, dtype)
+            ops, errors, _ = point_ops(M, N, K, dtype, explicit_configs=False, named=picks)
+            picks = {name: config_name(cfg) for name, cfg in picks.items()}
             us, samples = rotated_medians(ops, lambda fn: adaptive_graph_ms(fn) * 1e3, args.rounds)
             row = {"M": M, "N": N, "K": K, "dtype": str(dtype).removeprefix("torch."), "us": us, "rounds_us": samples,
                    "picks": picks, "errors": errors}
