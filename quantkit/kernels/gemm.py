@@ -230,8 +230,12 @@ GLUON_MIN_M = 257
 # 1.06x / 1.15x at M = 256 / 512 (session 10) and 1.14x / 1.14x / 1.05x at M = 1024 / 4096 / 16384
 # (results/gemm_gluon_gated_s11_h100.*), both with the Triton kernel tuned by eager do_bench; against
 # it tuned by the graph timer 1.05x / 1.13x / 1.18x at M = 256 / 1024 / 4096 (session 13,
-# results/gemm_gluon_gated_s13_fp8_pinned_h100.*).
-GLUON_GATED_MIN_M = 256
+# results/gemm_gluon_gated_s13_fp8_pinned_h100.*). From session 49 M = 256 itself is contested for
+# outputs narrower than GLUON_WIDE_N, as the plain GEMM's: on an H200 at M = 256 the tiled gated
+# kernel's pick took 7.0 / 7.3 us against the Gluon pick's 8.1 / 8.1 at Gemma-3-270M's 2 x 2048 x 640
+# (FP8 / INT8), while the Gluon pick won at 2 x 4864 x 896, 2 x 6912 x 1152, 2 x 4096 x 4096 and
+# 2 x 6144 x 4096 (1.07-1.28x; results/gemm_medium_pool_s49_gated256_h200.*).
+GLUON_GATED_MIN_M = 257
 # Below those, from GLUON_WIDE_MIN_M rows on, kernel="auto" takes the Gluon kernel for an output of
 # at least GLUON_WIDE_N columns (gated: N, the outputs), plain and gated: enough 128-column tiles
 # to spread over the SMs at these few rows. Measured on an H200 (session 40, benchmarks/gemm_gluon.py,

@@ -663,17 +663,17 @@ def test_gluon_takes_gated_calls_with_per_row_scales(gluon_capable):
 @pytest.mark.parametrize("dtype, M, gated, expected", [
     (torch.int8, 1024, True, "gluon"),        # gated INT8 from GLUON_GATED_MIN_M: the Gluon gated mode
     (torch.int8, 4096, True, "gluon"),
-    (torch.int8, 256, True, "gluon"),
-    (torch.int8, 255, True, "tiled"),         # below it (and below PERSISTENT_MIN_M)
+    (torch.int8, 257, True, "gluon"),
+    (torch.int8, 256, True, "tiled"),         # narrow outputs up to 256 rows: a contest (tiled route)
     (torch.float8_e4m3fn, 4096, True, "gluon"),  # gated FP8 (fast accumulation) from GLUON_GATED_MIN_M
-    (torch.float8_e4m3fn, 255, True, "tiled"),
+    (torch.float8_e4m3fn, 256, True, "tiled"),
     (torch.int8, 1024, False, "gluon"),
     (torch.float8_e4m3fn, 4096, False, "gluon"),      # plain FP8 (fast accumulation) from GLUON_MIN_M
     (torch.float8_e4m3fn, 257, False, "gluon"),
     (torch.int8, 257, False, "gluon"),
     (torch.float8_e4m3fn, 256, False, "tiled"),       # narrow outputs up to 256 rows: a contest (tiled route)
     (torch.int8, 256, False, "tiled"),
-], ids=["int8-gated-1024", "int8-gated-4096", "int8-gated-256", "int8-gated-255", "fp8-gated", "fp8-gated-255",
+], ids=["int8-gated-1024", "int8-gated-4096", "int8-gated-257", "int8-gated-256", "fp8-gated", "fp8-gated-256",
         "int8-plain",
         "fp8-plain", "fp8-plain-257", "int8-plain-257", "fp8-plain-256", "int8-plain-256"])
 def test_auto_pick_routes_to_gluon(gluon_capable, monkeypatch, dtype, M, gated, expected):
@@ -726,11 +726,12 @@ def test_auto_pick_takes_gluon_early_for_wide_outputs(gluon_capable, monkeypatch
     (192, 8192, False, False),    # wide outputs: Gluon without a contest
     (256, 4096, False, True),     # the bucket's top (session 48)
     (257, 4096, False, False),    # GLUON_MIN_M: Gluon without a contest
-    (256, 2048, True, False),     # gated: Gluon from GLUON_GATED_MIN_M = 256
+    (256, 2048, True, True),      # gated too (session 49)
+    (257, 2048, True, False),     # gated: Gluon from GLUON_GATED_MIN_M = 257
     (200, 2048, True, True),      # gated: N outputs
     (200, 14336, True, False),
 ], ids=["plain-129", "plain-255", "plain-narrow", "plain-128", "plain-wide", "plain-256", "plain-257", "gated-256",
-        "gated-narrow", "gated-wide"])
+        "gated-257", "gated-narrow", "gated-wide"])
 def test_contest_covers_the_narrow_outputs_of_the_256_row_bucket(M, N, gated, expected):
     from quantkit.kernels import gemm
 
