@@ -19,6 +19,7 @@ Results: gemm_medium_pool.json / .txt under --out.
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
@@ -46,6 +47,21 @@ SPLIT_CANDIDATES = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=
                                                  (128, 256, 128, 8, 3, 8), (64, 128, 128, 4, 4, 2),
                                                  (64, 128, 256, 4, 3, 2), (64, 64, 256, 4, 4, 2),
                                                  (128, 128, 256, 8, 3, 4)]]
+
+
+def parse_configs(text: str) -> dict:
+    """``--configs``: comma-separated tiled configs as BMxBNxBK wW sS [SK] (e.g. "128x256x128w8s3S2"),
+    each named by ``config_name``."""
+    named = {}
+    for spec in filter(None, text.split(",")):
+        match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:S(\d+))?", spec.strip())
+        if match is None:
+            raise SystemExit(f"--configs: {spec!r} is not BMxBNxBKwWsS[SK], e.g. 128x256x128w8s3S2")
+        bm, bn, bk, warps, stages, split = (int(v) if v else 1 for v in match.groups())
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split, num_warps=warps,
+                   num_stages=stages)
+        named[PREFIX + config_name(cfg)] = cfg
+    return named
 
 
 def point_ops(M: int, N: int, K: int, dtype: torch.dtype, explicit_configs: bool = True,
@@ -106,6 +122,7 @@ def main() -> None:
     parser.add_argument("--picks-only", action="store_true", help="no explicit tiled configs (the picks alone)")
     parser.add_argument("--split", action="store_true", help="also the split-K candidates (SPLIT_CANDIDATES)")
     parser.add_argument("--deadline", type=float, default=400.0, help="no new point past this many seconds")
+    parser.add_argument("--configs", default="", help="more tiled configs, e.g. 128x256x128w8s3S2,256x128x128w8s3")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     began = time.time()
@@ -118,7 +135,8 @@ def main() -> None:
             if time.time() - began > args.deadline:
                 skipped.append([M, N, K, gated, str(dtype)])
                 continue
-            ops, errors, contest = point_ops(M, N, K, dtype, not args.picks_only, gated, args.split)
+            ops, errors, contest = point_ops(M, N, K, dtype, not args.picks_only, gated, args.split,
+                                             parse_configs(args.configs))
             us, samples = rotated_medians(ops, lambda fn: adaptive_graph_ms(fn) * 1e3, args.rounds)
             rows.append({"M": M, "N": N, "K": K, "gated": gated, "dtype": str(dtype).removeprefix("torch."),
                          "us": us, "rounds_us": samples, "errors": errors, "contest": contest})

@@ -340,6 +340,20 @@ CONFIGS = {
                                                     epilogue_split=4, split_m=True, group_m=16, lean_start=True,
                                                     loader_regs=24, consumer_regs=240, tail_order=3, prologue_loads=1,
                                                     tail_halves=True),
+    # Session 49, tiles for about one round of 128x128 tiles (M = 257-512 at N = 4096, and
+    # 1024x6144): H200, 9 rounds, L2 flushed, plain, against the tuned pick of the candidates before
+    # (results/gemm_gluon_s49_*_h200.*). The cooperative split on a 128x128 tile (each warpgroup's
+    # m64n128 MMAs on 64 of its rows) with six stages and three first K steps copied from the
+    # prologue: FP8 / INT8 15.0 / 14.7 us against 16.1 / 16.0 at 512x4096x4096 (`_scaled_mm` 15.2),
+    # 14.5 / 14.6 against 15.8 / 15.7 at 320x4096x4096 (15.0), 41.9 / 40.0 against 42.8 / 41.3 at
+    # 512x4096x14336 (41.8). pp_128x128_s6 with the same three prologue copies: 36.9 against 37.8 us
+    # FP8 at 1024x6144x4096 (38.7). Of prologue_loads 1, 2, 3, 4 and 6, 3 was the fastest or within
+    # 0.2 us of it at every point for both.
+    "coop2_128x128_lean_t3_pl3": GluonConfig(128, 128, 128, stages=6, consumers=2, consumer_warps=4,
+                                             epilogue_split=4, split_m=True, group_m=16, lean_start=True,
+                                             loader_regs=24, consumer_regs=240, tail_order=3, prologue_loads=3),
+    "pp_128x128_s6_pl3": GluonConfig(128, 128, 128, stages=6, consumers=2, consumer_warps=4, epilogue_split=2,
+                                     epilogue_buffers=1, prologue_loads=3),
 }
 
 # The gated form (``gated=True``): per K step the ring slot holds the A tile, the gate W tile (rows
@@ -1207,8 +1221,10 @@ class GluonCall:
 # Session 20 put session 19's forms of the last two in their place (H200, INT8, plain, 7 rounds, 12
 # points with M >= 1024, against the faster of coop2_128x256_g16_lean / _swt at each point:
 # coop2_128x256_g16_lean_t3_pl1 1.002-1.055x, coop2_128x256_g16_swt_t3_pl1 1.009-1.078x).
+# Session 49 added the two 128x128 forms with three prologue copies to both lists (see CONFIGS).
 TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop_128x256_k64", "coop2_128x256",
-                   "coop2_128x256_g16_lean_t3_pl1", "coop2_128x256_g16_swt_t3_pl1")
+                   "coop2_128x256_g16_lean_t3_pl1", "coop2_128x256_g16_swt_t3_pl1", "coop2_128x128_lean_t3_pl3",
+                   "pp_128x128_s6_pl3")
 # FP8's (fast accumulation; plain, not gated): measured on an H100 in session 10 at the same 12
 # points, each of these four was the fastest FP8 config at one point or more (pp_128x128 at
 # 6144x4096, M = 1024; coop2_128x256_g16 at 9), and the fastest of them beat the Triton FP8 kernel
@@ -1220,7 +1236,7 @@ TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop_128x256_
 FP8_TUNE_CANDIDATES = ("pp_128x128", "pp_128x128_s6", "coop_128x256", "coop2_128x256", "coop2_128x256_g16",
                        "coop2_128x256_g16_sw", "coop2_128x256_g16_swt_t3_pl1", "coop2_128x256_g16_lean_t3_pl1",
                        "coop2_128x256_g16_lean_t3_pl1_bal", "coop2_128x256_g16_swt_t3_pl1_bal",
-                       "coop2_128x256_g16_lean_t3_pl1_th")
+                       "coop2_128x256_g16_lean_t3_pl1_th", "coop2_128x128_lean_t3_pl3", "pp_128x128_s6_pl3")
 # The gated GEMM's candidates, INT8 and FP8 (all of GATED_CONFIGS): at gate_up 2 x 14336 x 4096
 # on an H100 each was the fastest gated config of a dtype at one M or more of 256 ... 16384
 # (sessions 10 and 11; gated_coop2_128x128 for FP8 and INT8 at M = 4096).
