@@ -348,7 +348,7 @@ CONFIGS = {
     # 14.5 / 14.6 against 15.8 / 15.7 at 320x4096x4096 (15.0), 41.9 / 40.0 against 42.8 / 41.3 at
     # 512x4096x14336 (41.8). pp_128x128_s6 with the same three prologue copies: 36.9 against 37.8 us
     # FP8 at 1024x6144x4096 (38.7). Of prologue_loads 1 (ping-pong: 0), 2, 3, 4 and 6, 3 was the
-    # fastest or within 0.3 us of it at every point, for both configs and both dtypes (six points).
+    # fastest or within 0.4 us of it at every point, for both configs and both dtypes (six points).
     "coop2_128x128_lean_t3_pl3": GluonConfig(128, 128, 128, stages=6, consumers=2, consumer_warps=4,
                                              epilogue_split=4, split_m=True, group_m=16, lean_start=True,
                                              loader_regs=24, consumer_regs=240, tail_order=3, prologue_loads=3),
