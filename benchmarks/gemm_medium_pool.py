@@ -40,7 +40,7 @@ PREFIX = "cfg "  # explicit tiled configs: PREFIX + gemm_splitk.config_name (s40
 # the pools' tiles leave narrow outputs on a few dozen programs (4096 columns: 32 of 128x128, or
 # 64x64 ones that read the activations 64 times over), where a 128-row tile split over K reads the
 # weight once on about 128 programs.
-SPLIT_CANDIDATES = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=s, num_warps=w, num_stages=st)
+SPLIT_CANDIDATES = [config_dict(gemm_configs._cfg(bm, bn, bk, w, st, split_k=s))
                     for bm, bn, bk, w, st, s in [(128, 128, 128, 8, 4, 2), (128, 128, 128, 8, 4, 4),
                                                  (128, 128, 128, 4, 4, 4), (128, 64, 128, 4, 4, 2),
                                                  (128, 64, 128, 4, 4, 4), (128, 256, 128, 8, 3, 4),
@@ -58,8 +58,7 @@ def parse_configs(text: str) -> dict:
         if match is None:
             raise SystemExit(f"--configs: {spec!r} is not BMxBNxBKwWsS[SK], e.g. 128x256x128w8s3S2")
         bm, bn, bk, warps, stages, split = (int(v) if v else 1 for v in match.groups())
-        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split, num_warps=warps,
-                   num_stages=stages)
+        cfg = config_dict(gemm_configs._cfg(bm, bn, bk, warps, stages, split_k=split))
         named[PREFIX + config_name(cfg)] = cfg
     return named
 
@@ -124,6 +123,7 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=400.0, help="no new point past this many seconds")
     parser.add_argument("--configs", default="", help="more tiled configs, e.g. 128x256x128w8s3S2,256x128x128w8s3")
     args = parser.parse_args()
+    named = parse_configs(args.configs)
     args.out.mkdir(parents=True, exist_ok=True)
     began = time.time()
     rows, skipped = [], []
@@ -135,8 +135,7 @@ def main() -> None:
             if time.time() - began > args.deadline:
                 skipped.append([M, N, K, gated, str(dtype)])
                 continue
-            ops, errors, contest = point_ops(M, N, K, dtype, not args.picks_only, gated, args.split,
-                                             parse_configs(args.configs))
+            ops, errors, contest = point_ops(M, N, K, dtype, not args.picks_only, gated, args.split, named)
             us, samples = rotated_medians(ops, lambda fn: adaptive_graph_ms(fn) * 1e3, args.rounds)
             rows.append({"M": M, "N": N, "K": K, "gated": gated, "dtype": str(dtype).removeprefix("torch."),
                          "us": us, "rounds_us": samples, "errors": errors, "contest": contest})
